@@ -1,0 +1,1 @@
+"""statebridge: move Mamba-family recurrent state between prefill and decode TP groups."""
