@@ -1,0 +1,99 @@
+"""Which global channels (or heads) a TP rank holds: all state shard math lives here.
+
+For a state tensor whose channel axis is ``[seg_0 | seg_1 | ...]`` (see
+:mod:`statebridge.state.spec`), rank ``r`` of ``t`` holds, per segment::
+
+    split       global [r*n/t, (r+1)*n/t)       local size n/t
+    replicated  global [0, n)                   local size n
+    grouped     split by groups if groups % t == 0; replicated if groups == 1
+
+and its local channel axis is the concatenation of those pieces in segment order
+(e.g. Mamba2 at t=2: ``[x_r | B_r | C_r]``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from statebridge.errors import ConfigError
+from statebridge.state.spec import Segment, Sharding, StateSpec, StateTensorSpec
+
+__all__ = ["SegmentShard", "segment_is_replicated", "shard_segments", "local_channels",
+           "check_tp"]
+
+
+@dataclass(frozen=True, slots=True)
+class SegmentShard:
+    """The piece of one segment a rank holds.
+
+    ``global_start`` is relative to the segment; ``local_start`` is the offset of the piece on the
+    rank's local channel axis; ``seg_offset`` is the segment's offset on the global channel axis.
+    """
+
+    segment: Segment
+    index: int
+    seg_offset: int
+    global_start: int
+    size: int
+    local_start: int
+    replicated: bool
+
+    @property
+    def global_stop(self) -> int:
+        return self.global_start + self.size
+
+
+def _check_tp_size(tp_size: int) -> None:
+    if isinstance(tp_size, bool) or not isinstance(tp_size, int) or tp_size < 1:
+        raise ConfigError(f"TP size must be a positive integer, got {tp_size!r}")
+
+
+def segment_is_replicated(segment: Segment, tp_size: int, *, tensor: str = "?") -> bool:
+    """Whether ``segment`` is replicated at ``tp_size``; a ConfigError if it cannot be sharded."""
+    _check_tp_size(tp_size)
+    if segment.sharding is Sharding.REPLICATED:
+        return True
+    if segment.sharding is Sharding.SPLIT:
+        if segment.size % tp_size:
+            raise ConfigError(f"{tensor} segment {segment.name!r}: size {segment.size} is not "
+                              f"divisible by TP size {tp_size}")
+        return False
+    # GROUPED
+    if segment.groups == 1:
+        return tp_size > 1
+    if segment.groups % tp_size:
+        raise ConfigError(f"{tensor} segment {segment.name!r}: n_groups {segment.groups} is "
+                          f"neither divisible by TP size {tp_size} nor 1")
+    return False
+
+
+def shard_segments(tensor: StateTensorSpec, tp_size: int, tp_rank: int) -> tuple[SegmentShard, ...]:
+    """The pieces of every segment of ``tensor`` that rank ``tp_rank`` of ``tp_size`` holds."""
+    _check_tp_size(tp_size)
+    if isinstance(tp_rank, bool) or not isinstance(tp_rank, int) or not 0 <= tp_rank < tp_size:
+        raise ConfigError(f"TP rank must be in [0, {tp_size}), got {tp_rank!r}")
+    shards = []
+    seg_offset = 0
+    local = 0
+    for i, seg in enumerate(tensor.segments):
+        if segment_is_replicated(seg, tp_size, tensor=tensor.name):
+            start, size, repl = 0, seg.size, True
+        else:
+            size = seg.size // tp_size
+            start, repl = tp_rank * size, False
+        shards.append(SegmentShard(seg, i, seg_offset, start, size, local, repl))
+        seg_offset += seg.size
+        local += size
+    return tuple(shards)
+
+
+def local_channels(tensor: StateTensorSpec, tp_size: int) -> int:
+    """Size of the local channel axis of ``tensor`` on any rank of ``tp_size``."""
+    return sum(s.size for s in shard_segments(tensor, tp_size, 0))
+
+
+def check_tp(spec: StateSpec, tp_size: int) -> None:
+    """Raise ConfigError if any tensor of ``spec`` cannot be sharded over ``tp_size`` ranks."""
+    for group in spec.groups:
+        for tensor in group.tensors:
+            shard_segments(tensor, tp_size, 0)

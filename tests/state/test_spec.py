@@ -1,0 +1,116 @@
+"""State specs from Hugging Face configs."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from statebridge.errors import ConfigError, UnsupportedModelError
+from statebridge.state.sharding import local_channels
+from statebridge.state.spec import Sharding, StateSpec
+
+CONFIGS = Path(__file__).resolve().parents[2] / "examples" / "configs"
+
+# Published shapes, written out here by hand (see ../shared/reference/vllm-mamba-state.md).
+LFM2_1_2B = {
+    "model_type": "lfm2", "hidden_size": 2048, "num_hidden_layers": 16, "conv_L_cache": 3,
+    "torch_dtype": "bfloat16",
+    "layer_types": ["full_attention" if i in (2, 5, 8, 10, 12, 14) else "conv" for i in range(16)],
+}
+MAMBA2_2_7B = {
+    "model_type": "mamba2", "hidden_size": 2560, "expand": 2, "head_dim": 64, "state_size": 128,
+    "n_groups": 1, "num_hidden_layers": 64, "conv_kernel": 4, "torch_dtype": "bfloat16",
+}
+
+
+def test_lfm2_1_2b_has_ten_conv_layers_of_2048_by_2():
+    spec = StateSpec.from_config(LFM2_1_2B)
+    assert spec.num_state_layers == 10
+    assert len(spec.groups) == 1
+    group = spec.groups[0]
+    assert group.layer_ids == (0, 1, 3, 4, 6, 7, 9, 11, 13, 15)
+    (conv,) = group.tensors
+    assert (conv.channels, conv.inner_shape) == (2048, (2,))
+    assert conv.torch_dtype == torch.bfloat16
+    assert [(s.name, s.size, s.sharding) for s in conv.segments] == [("Bx", 2048, Sharding.SPLIT)]
+    assert spec.bytes_per_request() == 10 * 2048 * 2 * 2  # 81,920 B, as vLLM's worked example
+
+
+def test_lfm2_legacy_full_attn_idxs():
+    config = {k: v for k, v in LFM2_1_2B.items() if k != "layer_types"}
+    config["full_attn_idxs"] = [2, 5, 8, 10, 12, 14]
+    assert StateSpec.from_config(config).groups == StateSpec.from_config(LFM2_1_2B).groups
+
+
+def test_mamba2_2_7b_conv_5376_and_ssm_80_64_128():
+    spec = StateSpec.from_config(MAMBA2_2_7B)
+    assert spec.num_state_layers == 64 and len(spec.groups) == 1
+    conv, ssm = spec.groups[0].tensors
+    assert conv.channels == 5376
+    assert [(s.name, s.size) for s in conv.segments] == [("x", 5120), ("B", 128), ("C", 128)]
+    assert conv.inner_shape == (3,)
+    assert (ssm.channels, *ssm.inner_shape) == (80, 64, 128)
+    # n_groups = 1: B and C are replicated on every rank, x is split.
+    assert local_channels(conv, 4) == 5120 // 4 + 2 * 128
+    assert local_channels(ssm, 4) == 20
+
+
+def test_shipped_example_configs_match_the_published_shapes():
+    assert StateSpec.from_pretrained(CONFIGS / "lfm2-1.2b.json").to_dict() == \
+        StateSpec.from_config(LFM2_1_2B).to_dict()
+    assert StateSpec.from_pretrained(CONFIGS / "mamba2-2.7b.json").to_dict() == \
+        StateSpec.from_config(MAMBA2_2_7B).to_dict()
+
+
+def test_original_mamba_key_names():
+    config = {"model_type": "mamba2", "d_model": 2560, "n_layer": 64, "d_state": 128,
+              "headdim": 64, "ngroups": 1, "d_conv": 4, "expand": 2}
+    assert StateSpec.from_config(config, dtype="bfloat16").to_dict() == \
+        StateSpec.from_config(MAMBA2_2_7B).to_dict()
+
+
+def test_dtypes_per_tensor():
+    spec = StateSpec.from_config(MAMBA2_2_7B, ssm_dtype="float32")
+    conv, ssm = spec.groups[0].tensors
+    assert (conv.dtype, ssm.dtype) == ("bfloat16", "float32")
+    assert spec.fingerprint() != StateSpec.from_config(MAMBA2_2_7B).fingerprint()
+    spec16 = StateSpec.from_config(MAMBA2_2_7B, dtype=torch.float16)
+    assert {t.dtype for t in spec16.groups[0].tensors} == {"float16"}
+    assert StateSpec.from_config({**MAMBA2_2_7B, "torch_dtype": None}).groups[0].tensors[0].dtype \
+        == "float32"
+
+
+def test_from_pretrained_reads_a_directory(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps(LFM2_1_2B))
+    assert StateSpec.from_pretrained(tmp_path).num_state_layers == 10
+
+
+@pytest.mark.parametrize("config,kwargs,error,value", [
+    ({"model_type": "llama"}, {}, UnsupportedModelError, "'llama'"),
+    ({"hidden_size": 8}, {}, UnsupportedModelError, "None"),
+    ({**LFM2_1_2B, "layer_types": ["conv", "sliding_attention"]}, {}, UnsupportedModelError,
+     "sliding_attention"),
+    ({**LFM2_1_2B, "layer_types": ["full_attention"]}, {}, UnsupportedModelError, "no conv"),
+    ({**LFM2_1_2B, "conv_L_cache": 1}, {}, ConfigError, "1"),
+    ({**LFM2_1_2B, "hidden_size": "big"}, {}, ConfigError, "'big'"),
+    ({**MAMBA2_2_7B, "num_heads": 81}, {}, ConfigError, "81"),
+    ({**MAMBA2_2_7B, "head_dim": 48}, {}, ConfigError, "48"),
+    ({**MAMBA2_2_7B, "n_groups": 3}, {}, ConfigError, "n_groups 3"),
+    (MAMBA2_2_7B, {"ssm_dtype": "int8"}, ConfigError, "'int8'"),
+], ids=["unknown-model-type", "no-model-type", "unknown-layer", "no-conv-layer", "L_cache-1",
+        "non-int", "num-heads", "head-dim", "groups-vs-heads", "dtype"])
+def test_bad_configs_raise_typed_errors_naming_the_value(config, kwargs, error, value):
+    with pytest.raises(error) as info:
+        StateSpec.from_config(config, **kwargs)
+    assert value in str(info.value)
+
+
+def test_missing_and_malformed_config_files(tmp_path):
+    with pytest.raises(ConfigError, match="not found"):
+        StateSpec.from_pretrained(tmp_path / "nope")
+    (tmp_path / "config.json").write_text("{not json")
+    with pytest.raises(ConfigError, match="not valid JSON"):
+        StateSpec.from_pretrained(tmp_path)

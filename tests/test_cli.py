@@ -1,0 +1,63 @@
+"""The installed `statebridge` console script."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from statebridge.state.plan import TransferPlan
+from statebridge.state.spec import StateSpec
+
+CONFIGS = Path(__file__).resolve().parents[1] / "examples" / "configs"
+
+
+def run(*args: str) -> subprocess.CompletedProcess:
+    exe = shutil.which("statebridge")
+    cmd = [exe] if exe else [sys.executable, "-m", "statebridge.cli"]
+    return subprocess.run(cmd + list(args), capture_output=True, text=True, timeout=120)
+
+
+@pytest.mark.parametrize("model,p,d,layout", [("mamba2-2.7b.json", 2, 4, "DLS"),
+                                              ("lfm2-1.2b.json", 1, 4, "LSD"),
+                                              ("mamba2-2.7b.json", 4, 2, "LDS")])
+def test_plan_json(model, p, d, layout):
+    out = run("plan", "--model", str(CONFIGS / model), "--prefill-tp", str(p),
+              "--decode-tp", str(d), "--layout", layout, "--json")
+    assert out.returncode == 0, out.stderr
+    summary = json.loads(out.stdout)
+    plan = TransferPlan.build(StateSpec.from_pretrained(CONFIGS / model), p, layout, d)
+    assert summary["messages_per_request"] == sum(len(x.runs) for x in plan)
+    assert summary["messages_per_request"] == sum(pair["runs"] for pair in summary["pairs"])
+    assert summary["bytes_per_request"] == sum(pair["bytes"] for pair in summary["pairs"])
+    assert summary["bytes_per_request"] == d * plan.dst.data_bytes
+    assert {(x["src_rank"], x["dst_rank"]) for x in summary["pairs"]} == set(plan.pairs)
+
+
+def test_plan_table_and_directory_model(tmp_path):
+    (tmp_path / "config.json").write_text((CONFIGS / "lfm2-1.2b.json").read_text())
+    out = run("plan", "--model", str(tmp_path), "--prefill-tp", "2", "--decode-tp", "1")
+    assert out.returncode == 0, out.stderr
+    assert "10 state layers" in out.stdout
+    assert "total per request: 2 messages, 81,920 bytes" in out.stdout
+
+
+@pytest.mark.parametrize("args,needle", [
+    (["--prefill-tp", "3", "--decode-tp", "1"], "not divisible by TP size 3"),
+    (["--prefill-tp", "1", "--decode-tp", "2", "--layout", "XYZ"], "unknown layout 'XYZ'"),
+    (["--prefill-tp", "0", "--decode-tp", "2"], "'0'"),
+])
+def test_plan_errors_exit_nonzero_with_the_value(args, needle):
+    out = run("plan", "--model", str(CONFIGS / "lfm2-1.2b.json"), *args)
+    assert out.returncode == 2
+    assert needle in out.stderr and "Traceback" not in out.stderr
+
+
+def test_plan_unknown_model_type(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    out = run("plan", "--model", str(tmp_path), "--prefill-tp", "1", "--decode-tp", "1")
+    assert out.returncode == 2 and "'llama'" in out.stderr
