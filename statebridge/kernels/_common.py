@@ -1,0 +1,101 @@
+"""Checks shared by the kernel wrappers: shapes, dtypes, devices, and where Triton may run.
+
+Letter table used in every docstring of this package (the same as ``state/layout.py``):
+B requests (or state slots), T tokens, L layers, D channels, K conv width, S state length
+(``K - 1``), H heads, P head dim, N d_state, G groups, R byte runs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Literal
+
+import torch
+
+from statebridge.errors import ConfigError, ShapeError
+
+Provider = Literal["auto", "ref", "triton"]
+PROVIDERS: tuple[str, ...] = ("auto", "ref", "triton")
+FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+ACTIVATIONS = (None, "silu", "swish")
+
+
+def check_provider(provider: str) -> str:
+    """Return ``provider`` if it names a kernel provider, else raise :class:`ConfigError`."""
+    if provider not in PROVIDERS:
+        raise ConfigError(f"unknown kernel provider {provider!r}; expected one of {PROVIDERS}")
+    return provider
+
+
+def use_triton(provider: str, device: torch.device) -> bool:
+    """Whether ``provider`` resolves to the Triton kernels for tensors on ``device``.
+
+    ``auto`` picks Triton on CUDA and the torch references elsewhere.
+    """
+    check_provider(provider)
+    if provider == "auto":
+        return device.type == "cuda"
+    return provider == "triton"
+
+
+def check_activation(activation: str | None) -> bool:
+    """Return whether ``activation`` asks for SiLU; raise :class:`ConfigError` if unknown."""
+    if activation not in ACTIVATIONS:
+        raise ConfigError(f"unknown activation {activation!r}; expected one of {ACTIVATIONS}")
+    return activation is not None
+
+
+def check_triton_runnable(kernel: object, *tensors: torch.Tensor | None) -> None:
+    """Raise :class:`ConfigError` when ``kernel`` cannot run on the tensors' device.
+
+    Compiled Triton kernels need CUDA tensors; on CPU they run only under ``TRITON_INTERPRET=1``,
+    which Triton reads when the kernel is *decorated*, i.e. when this package is imported.
+    """
+    from triton.runtime.interpreter import InterpretedFunction
+
+    device = next(t.device for t in tensors if t is not None)
+    if device.type != "cuda" and not isinstance(kernel, InterpretedFunction):
+        raise ConfigError(
+            f"the Triton kernels need CUDA tensors, got tensors on {device}; use provider='ref' "
+            "or set TRITON_INTERPRET=1 before statebridge.kernels is imported"
+        )
+
+
+def check_dims(name: str, t: torch.Tensor, dims: int | Sequence[int]) -> None:
+    """Raise :class:`ShapeError` unless ``t.dim()`` is one of ``dims``."""
+    allowed = (dims,) if isinstance(dims, int) else tuple(dims)
+    if t.dim() not in allowed:
+        raise ShapeError(f"{name} must have {' or '.join(map(str, allowed))} dims, got shape {tuple(t.shape)}")
+
+
+def check_shape(name: str, t: torch.Tensor, shape: Sequence[int | None]) -> None:
+    """Raise :class:`ShapeError` unless ``t`` has ``shape`` (``None`` matches any size)."""
+    ok = t.dim() == len(shape) and all(s is None or s == n for s, n in zip(shape, t.shape))
+    if not ok:
+        want = "[" + ", ".join("*" if s is None else str(s) for s in shape) + "]"
+        raise ShapeError(f"{name} must have shape {want}, got {list(t.shape)}")
+
+
+def check_float(name: str, t: torch.Tensor) -> None:
+    """Raise :class:`ShapeError` unless ``t`` has a floating dtype the kernels support."""
+    if t.dtype not in FLOAT_DTYPES:
+        raise ShapeError(f"{name} must be one of {FLOAT_DTYPES}, got {t.dtype}")
+
+
+def check_int(name: str, t: torch.Tensor) -> None:
+    """Raise :class:`ShapeError` unless ``t`` has an int32 or int64 dtype."""
+    if t.dtype not in (torch.int32, torch.int64):
+        raise ShapeError(f"{name} must be int32 or int64, got {t.dtype}")
+
+
+def check_same_device(**tensors: torch.Tensor | None) -> torch.device:
+    """Return the one device of the given tensors; raise :class:`ShapeError` if they differ."""
+    devices = {name: t.device for name, t in tensors.items() if t is not None}
+    if len(set(devices.values())) > 1:
+        raise ShapeError(f"tensors must be on one device, got {devices}")
+    return next(iter(devices.values()))
+
+
+def next_power_of_2(n: int) -> int:
+    """Smallest power of two ``>= max(n, 1)``."""
+    return 1 << max(int(n) - 1, 0).bit_length()

@@ -1,0 +1,450 @@
+"""Mixers that run on ONE tensor-parallel rank's shard and on its strided state views.
+
+Both mixers are column-parallel on the way in and row-parallel on the way out: ``prefill`` and
+``decode`` return this rank's *partial* output, before the all-reduce over the TP group (the
+out_proj bias, if any, is carried by rank 0 only, so the partials sum to the full output).
+
+Prefill is varlen: ``hidden [T, hidden]`` packs B sequences, ``query_start_loc [B + 1]`` marks
+them, ``slots [B]`` names each one's state slot and ``has_initial_state [B]`` says whether the
+slot already holds a state to continue from. The final states are written into the slots in
+place. Decode takes one new token per request, ``hidden [B, hidden]``.
+
+Kernels: ``provider="auto"`` uses the Triton kernels for CUDA tensors and the torch references
+elsewhere; ``"ref"`` / ``"triton"`` force one (Triton on CPU needs ``TRITON_INTERPRET=1``). The
+Mamba2 prefill scan always uses :func:`mamba_chunk_scan_ref`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from statebridge.errors import ConfigError, ShapeError
+from statebridge.kernels._common import check_provider, use_triton
+from statebridge.kernels.causal_conv1d import (
+    causal_conv1d_fn,
+    causal_conv1d_fn_ref,
+    causal_conv1d_update,
+    causal_conv1d_update_ref,
+)
+from statebridge.kernels.ssm import mamba_chunk_scan_ref, selective_state_update, selective_state_update_ref
+from statebridge.kernels.tp_shard import mamba2_bc_replicated, shard_segments
+
+__all__ = ["ShortConvMixer", "Mamba2Mixer", "AllReduce"]
+
+AllReduce = Callable[[torch.Tensor], torch.Tensor]
+"""Returns the elementwise sum of its argument over the TP group (e.g. wraps dist.all_reduce)."""
+
+
+def _cfg(config: Any, name: str, default: Any = ...) -> Any:
+    """Read ``name`` from an HF config object or a ``config.json`` mapping."""
+    if isinstance(config, Mapping):
+        if name in config:
+            return config[name]
+    elif hasattr(config, name):
+        return getattr(config, name)
+    if default is ...:
+        raise ConfigError(f"model config has no {name!r}")
+    return default
+
+
+def _weight(
+    state_dict: Mapping[str, torch.Tensor], prefix: str, name: str, required: bool = True
+) -> torch.Tensor | None:
+    key = prefix + name
+    if key in state_dict:
+        return state_dict[key].detach()
+    if required:
+        raise ConfigError(f"state dict has no {key!r} (keys: {sorted(state_dict)[:8]}...)")
+    return None
+
+
+def _conv_ops(provider: str, device: torch.device) -> tuple[Callable[..., torch.Tensor], Callable[..., torch.Tensor]]:
+    if use_triton(provider, device):
+        return causal_conv1d_fn, causal_conv1d_update
+    return causal_conv1d_fn_ref, causal_conv1d_update_ref
+
+
+def _check_prefill_args(hidden: torch.Tensor, hidden_size: int, slots: torch.Tensor) -> None:
+    if hidden.dim() != 2 or hidden.shape[1] != hidden_size:
+        raise ShapeError(f"prefill hidden must be [T, hidden={hidden_size}], got {list(hidden.shape)}")
+    if slots.dim() != 1:
+        raise ShapeError(f"slots must be [B], got {list(slots.shape)}")
+
+
+def _check_decode_args(hidden: torch.Tensor, hidden_size: int, slots: torch.Tensor) -> None:
+    if hidden.dim() != 2 or hidden.shape[1] != hidden_size or slots.shape != (hidden.shape[0],):
+        raise ShapeError(
+            f"decode hidden must be [B, hidden={hidden_size}] with slots [B], got {list(hidden.shape)} "
+            f"and slots {list(slots.shape)}"
+        )
+
+
+class ShortConvMixer(torch.nn.Module):
+    """LFM2 ShortConv on one TP rank: ``in_proj -> B, C, x -> conv(B*x) -> C * . -> out_proj``.
+
+    Local weights (``D_l = D / t``): in_proj ``[3*D_l, hidden]`` (rows B_r, C_r, x_r), conv
+    ``[D_l, K]``, out_proj ``[hidden, D_l]``; optional biases ``[3*D_l]``, ``[D_l]``,
+    ``[hidden]`` (out_proj bias on rank 0 only). The conv state view is ``[num_slots, D_l, S]``.
+    """
+
+    def __init__(
+        self,
+        *,
+        in_proj_weight: torch.Tensor,
+        conv_weight: torch.Tensor,
+        out_proj_weight: torch.Tensor,
+        in_proj_bias: torch.Tensor | None = None,
+        conv_bias: torch.Tensor | None = None,
+        out_proj_bias: torch.Tensor | None = None,
+        provider: str = "auto",
+    ) -> None:
+        super().__init__()
+        self.provider = check_provider(provider)
+        dim_local, width = conv_weight.shape
+        hidden = in_proj_weight.shape[1]
+        if in_proj_weight.shape != (3 * dim_local, hidden) or out_proj_weight.shape != (hidden, dim_local):
+            raise ShapeError(
+                f"ShortConv weights disagree: in_proj {list(in_proj_weight.shape)}, conv {list(conv_weight.shape)}, "
+                f"out_proj {list(out_proj_weight.shape)}"
+            )
+        self.hidden_size = hidden
+        self.dim_local = dim_local
+        self.width = width
+        self.register_buffer("in_proj_weight", in_proj_weight)
+        self.register_buffer("in_proj_bias", in_proj_bias)
+        self.register_buffer("conv_weight", conv_weight)
+        self.register_buffer("conv_bias", conv_bias)
+        self.register_buffer("out_proj_weight", out_proj_weight)
+        self.register_buffer("out_proj_bias", out_proj_bias)
+
+    @property
+    def state_len(self) -> int:
+        """S = K - 1 columns of conv state per channel."""
+        return self.width - 1
+
+    @classmethod
+    def from_hf_state_dict(
+        cls,
+        config: Any,
+        state_dict: Mapping[str, torch.Tensor],
+        tp_size: int = 1,
+        tp_rank: int = 0,
+        *,
+        prefix: str = "",
+        provider: str = "auto",
+    ) -> ShortConvMixer:
+        """Shard the HF ``Lfm2ShortConv`` weights (``in_proj``, ``conv``, ``out_proj``) for one rank.
+
+        ``config`` is an ``Lfm2Config`` or its ``config.json`` dict (``hidden_size``,
+        ``conv_L_cache``, ``conv_bias``); ``prefix`` is prepended to the weight names.
+        """
+        dim = int(_cfg(config, "hidden_size"))
+        width = int(_cfg(config, "conv_L_cache"))
+        conv_dim = int(_cfg(config, "conv_dim", dim))  # in some config.json files; HF convs over hidden_size
+        if conv_dim != dim:
+            raise ConfigError(f"LFM2 conv_dim={conv_dim} differs from hidden_size={dim}; ShortConv needs them equal")
+        in_w = _weight(state_dict, prefix, "in_proj.weight")
+        conv_w = _weight(state_dict, prefix, "conv.weight")
+        if conv_w.shape != (dim, 1, width):
+            raise ShapeError(f"conv.weight must be [{dim}, 1, {width}], got {list(conv_w.shape)}")
+        split3 = [(dim, False)] * 3
+        in_b = _weight(state_dict, prefix, "in_proj.bias", required=False)
+        conv_b = _weight(state_dict, prefix, "conv.bias", required=False)
+        out_b = _weight(state_dict, prefix, "out_proj.bias", required=False)
+        return cls(
+            in_proj_weight=shard_segments(in_w, split3, tp_size, tp_rank),
+            in_proj_bias=None if in_b is None else shard_segments(in_b, split3, tp_size, tp_rank),
+            conv_weight=shard_segments(conv_w[:, 0, :], [(dim, False)], tp_size, tp_rank),
+            conv_bias=None if conv_b is None else shard_segments(conv_b, [(dim, False)], tp_size, tp_rank),
+            out_proj_weight=shard_segments(
+                _weight(state_dict, prefix, "out_proj.weight"), [(dim, False)], tp_size, tp_rank, dim=1
+            ),
+            out_proj_bias=None if out_b is None or tp_rank != 0 else out_b.clone(),
+            provider=provider,
+        )
+
+    def prefill(
+        self,
+        hidden: torch.Tensor,
+        conv_state: torch.Tensor,
+        query_start_loc: torch.Tensor,
+        slots: torch.Tensor,
+        has_initial_state: torch.Tensor,
+    ) -> torch.Tensor:
+        """Varlen prefill. hidden ``[T, hidden]``, conv_state ``[num_slots, D_l, S]`` (written in
+        place), query_start_loc ``[B + 1]``, slots ``[B]``, has_initial_state ``[B]`` bool.
+        Returns the partial output ``[T, hidden]``."""
+        _check_prefill_args(hidden, self.hidden_size, slots)
+        conv_fn, _ = _conv_ops(self.provider, hidden.device)
+        B, C, x = F.linear(hidden, self.in_proj_weight, self.in_proj_bias).chunk(3, dim=-1)
+        conv_out = conv_fn(
+            (B * x).t(), self.conv_weight, self.conv_bias, conv_state, query_start_loc, slots, has_initial_state, None
+        )  # [D_l, T]
+        return F.linear(C * conv_out.t(), self.out_proj_weight, self.out_proj_bias)
+
+    def decode(self, hidden: torch.Tensor, conv_state: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+        """One token per request. hidden ``[B, hidden]``, conv_state ``[num_slots, D_l, S]``
+        (updated in place), slots ``[B]``. Returns the partial output ``[B, hidden]``."""
+        _check_decode_args(hidden, self.hidden_size, slots)
+        _, conv_update = _conv_ops(self.provider, hidden.device)
+        B, C, x = F.linear(hidden, self.in_proj_weight, self.in_proj_bias).chunk(3, dim=-1)
+        conv_out = conv_update(B * x, conv_state, self.conv_weight, self.conv_bias, None, slots)  # [B, D_l]
+        return F.linear(C * conv_out, self.out_proj_weight, self.out_proj_bias)
+
+
+class Mamba2Mixer(torch.nn.Module):
+    """Mamba2 mixer on one TP rank.
+
+    ``in_proj -> [z | xBC | dt] -> silu(conv(xBC)) -> [x | B | C] -> SSM -> RMSNorm(y * silu(z))
+    -> out_proj``. Local sizes (``I_l = I/t``, ``H_l = H/t``, ``G_l = G/t``, or ``G_l = 1`` with B
+    and C replicated when ``G == 1 < t``): in_proj ``[I_l + conv_dim_l + H_l, hidden]`` with
+    ``conv_dim_l = I_l + 2*G_l*N``; conv ``[conv_dim_l, K]`` over local channels
+    ``[x_r | B_r | C_r]``; ``A_log``, ``D``, ``dt_bias`` ``[H_l]``; norm ``[I_l]``; out_proj
+    ``[hidden, I_l]``. State views: conv ``[num_slots, conv_dim_l, S]``, SSM
+    ``[num_slots, H_l, P, N]``.
+
+    The gated RMSNorm has groups of ``I/G`` channels. When ``G == 1 < t`` a group spans every
+    rank, so the sum of squares goes through ``all_reduce`` (required then).
+    """
+
+    def __init__(
+        self,
+        *,
+        in_proj_weight: torch.Tensor,
+        conv_weight: torch.Tensor,
+        dt_bias: torch.Tensor,
+        A_log: torch.Tensor,
+        D: torch.Tensor,
+        norm_weight: torch.Tensor,
+        out_proj_weight: torch.Tensor,
+        head_dim: int,
+        d_state: int,
+        n_groups_local: int,
+        norm_group_size: int,
+        chunk_size: int,
+        norm_eps: float = 1e-6,
+        in_proj_bias: torch.Tensor | None = None,
+        conv_bias: torch.Tensor | None = None,
+        out_proj_bias: torch.Tensor | None = None,
+        all_reduce: AllReduce | None = None,
+        provider: str = "auto",
+    ) -> None:
+        super().__init__()
+        self.provider = check_provider(provider)
+        heads_local = A_log.shape[0]
+        inner_local = heads_local * head_dim
+        conv_dim_local = inner_local + 2 * n_groups_local * d_state
+        hidden = in_proj_weight.shape[1]
+        expected = {
+            "in_proj_weight": (in_proj_weight, (inner_local + conv_dim_local + heads_local, hidden)),
+            "conv_weight": (conv_weight, (conv_dim_local, conv_weight.shape[-1])),
+            "dt_bias": (dt_bias, (heads_local,)),
+            "D": (D, (heads_local,)),
+            "norm_weight": (norm_weight, (inner_local,)),
+            "out_proj_weight": (out_proj_weight, (hidden, inner_local)),
+        }
+        for name, (t, shape) in expected.items():
+            if tuple(t.shape) != shape:
+                raise ShapeError(f"Mamba2 {name} must be {list(shape)}, got {list(t.shape)}")
+        if heads_local % n_groups_local:
+            raise ShapeError(f"local heads {heads_local} must be a multiple of local groups {n_groups_local}")
+        self.spans_ranks = norm_group_size > inner_local
+        if self.spans_ranks and all_reduce is None:
+            raise ConfigError(
+                f"the gated norm group ({norm_group_size} channels) spans ranks holding {inner_local} each: "
+                "pass all_reduce"
+            )
+        if not self.spans_ranks and inner_local % norm_group_size:
+            raise ConfigError(f"norm group size {norm_group_size} does not divide local channels {inner_local}")
+        self.hidden_size = hidden
+        self.heads_local = heads_local
+        self.head_dim = head_dim
+        self.d_state = d_state
+        self.n_groups_local = n_groups_local
+        self.inner_local = inner_local
+        self.conv_dim_local = conv_dim_local
+        self.width = conv_weight.shape[-1]
+        self.norm_group_size = norm_group_size
+        self.norm_eps = norm_eps
+        self.chunk_size = chunk_size
+        self.all_reduce = all_reduce
+        self.register_buffer("in_proj_weight", in_proj_weight)
+        self.register_buffer("in_proj_bias", in_proj_bias)
+        self.register_buffer("conv_weight", conv_weight)
+        self.register_buffer("conv_bias", conv_bias)
+        self.register_buffer("dt_bias", dt_bias)
+        self.register_buffer("A", -torch.exp(A_log.float()))
+        self.register_buffer("D", D)
+        self.register_buffer("norm_weight", norm_weight)
+        self.register_buffer("out_proj_weight", out_proj_weight)
+        self.register_buffer("out_proj_bias", out_proj_bias)
+
+    @property
+    def state_len(self) -> int:
+        """S = K - 1 columns of conv state per channel."""
+        return self.width - 1
+
+    @classmethod
+    def from_hf_state_dict(
+        cls,
+        config: Any,
+        state_dict: Mapping[str, torch.Tensor],
+        tp_size: int = 1,
+        tp_rank: int = 0,
+        *,
+        all_reduce: AllReduce | None = None,
+        prefix: str = "",
+        provider: str = "auto",
+    ) -> Mamba2Mixer:
+        """Shard the HF ``Mamba2Mixer`` weights for one rank.
+
+        ``config`` is a ``Mamba2Config`` or its ``config.json`` dict. ``all_reduce`` sums over the
+        TP group; it is required when ``n_groups == 1 < tp_size``.
+        """
+        hidden = int(_cfg(config, "hidden_size"))
+        inner = int(_cfg(config, "expand") * hidden)
+        heads = int(_cfg(config, "num_heads"))
+        head_dim = int(_cfg(config, "head_dim"))
+        d_state = int(_cfg(config, "state_size"))
+        groups = int(_cfg(config, "n_groups"))
+        if heads * head_dim != inner:
+            raise ConfigError(f"Mamba2 num_heads*head_dim = {heads}*{head_dim} must equal intermediate size {inner}")
+        if heads % tp_size:
+            raise ConfigError(f"Mamba2 num_heads={heads} cannot be split over tp_size={tp_size}")
+        if _cfg(config, "hidden_act", "silu") not in ("silu", "swish"):
+            raise ConfigError(f"Mamba2 hidden_act must be silu, got {_cfg(config, 'hidden_act')!r}")
+        limit = tuple(float(v) for v in _cfg(config, "time_step_limit", (0.0, float("inf"))))
+        if limit[0] > 0.0 or limit[1] != float("inf"):
+            raise ConfigError(f"Mamba2 time_step_limit={limit} is not supported (only (0, inf))")
+        replicated = mamba2_bc_replicated(groups, tp_size)
+        bc = (groups * d_state, replicated)
+        in_segments = [(inner, False), (inner, False), bc, bc, (heads, False)]
+        conv_segments = [(inner, False), bc, bc]
+        head_split = [(heads, False)]
+
+        def shard(name: str, segments: list[tuple[int, bool]], required: bool = True, dim: int = 0):
+            t = _weight(state_dict, prefix, name, required)
+            return None if t is None else shard_segments(t, segments, tp_size, tp_rank, dim)
+
+        conv_w = _weight(state_dict, prefix, "conv1d.weight")
+        out_b = _weight(state_dict, prefix, "out_proj.bias", required=False)
+        return cls(
+            in_proj_weight=shard("in_proj.weight", in_segments),
+            in_proj_bias=shard("in_proj.bias", in_segments, required=False),
+            conv_weight=shard_segments(conv_w[:, 0, :], conv_segments, tp_size, tp_rank),
+            conv_bias=shard("conv1d.bias", conv_segments, required=False),
+            dt_bias=shard("dt_bias", head_split),
+            A_log=shard("A_log", head_split),
+            D=shard("D", head_split),
+            norm_weight=shard("norm.weight", [(inner, False)]),
+            out_proj_weight=shard("out_proj.weight", [(inner, False)], dim=1),
+            out_proj_bias=None if out_b is None or tp_rank != 0 else out_b.clone(),
+            head_dim=head_dim,
+            d_state=d_state,
+            n_groups_local=groups if replicated else groups // tp_size,
+            norm_group_size=inner // groups,
+            chunk_size=int(_cfg(config, "chunk_size")),
+            norm_eps=float(_cfg(config, "layer_norm_epsilon", 1e-6)),
+            all_reduce=all_reduce,
+            provider=provider,
+        )
+
+    def _split_proj(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        proj = F.linear(hidden, self.in_proj_weight, self.in_proj_bias)
+        return proj.split([self.inner_local, self.conv_dim_local, self.heads_local], dim=-1)
+
+    def _split_xbc(self, xbc: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        gn = self.n_groups_local * self.d_state
+        x, B, C = xbc.split([self.inner_local, gn, gn], dim=-1)
+        lead = xbc.shape[:-1]
+        return (
+            x.reshape(*lead, self.heads_local, self.head_dim),
+            B.reshape(*lead, self.n_groups_local, self.d_state),
+            C.reshape(*lead, self.n_groups_local, self.d_state),
+        )
+
+    def _gated_norm(self, y: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+        """RMSNorm(y * silu(z)) over groups of ``norm_group_size`` channels; y, z ``[T, I_l]``."""
+        h = y.float() * F.silu(z.float())
+        if self.spans_ranks:
+            sum_sq = self.all_reduce(h.pow(2).sum(-1, keepdim=True))
+            h = h * torch.rsqrt(sum_sq / self.norm_group_size + self.norm_eps)
+        else:
+            g = h.view(*h.shape[:-1], -1, self.norm_group_size)
+            g = g * torch.rsqrt(g.pow(2).mean(-1, keepdim=True) + self.norm_eps)
+            h = g.view(h.shape)
+        return self.norm_weight * h.to(y.dtype)
+
+    def _out(self, y: torch.Tensor, z: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        y = self._gated_norm(y.reshape(z.shape), z)
+        return F.linear(y.to(dtype), self.out_proj_weight, self.out_proj_bias)
+
+    def prefill(
+        self,
+        hidden: torch.Tensor,
+        conv_state: torch.Tensor,
+        ssm_state: torch.Tensor,
+        query_start_loc: torch.Tensor,
+        slots: torch.Tensor,
+        has_initial_state: torch.Tensor,
+    ) -> torch.Tensor:
+        """Varlen prefill. hidden ``[T, hidden]``; conv_state ``[num_slots, conv_dim_l, S]`` and
+        ssm_state ``[num_slots, H_l, P, N]`` written in place; query_start_loc ``[B + 1]``;
+        slots ``[B]``; has_initial_state ``[B]`` bool. Returns the partial output ``[T, hidden]``."""
+        _check_prefill_args(hidden, self.hidden_size, slots)
+        conv_fn, _ = _conv_ops(self.provider, hidden.device)
+        z, xbc, dt = self._split_proj(hidden)
+        xbc = conv_fn(
+            xbc.t(), self.conv_weight, self.conv_bias, conv_state, query_start_loc, slots, has_initial_state, "silu"
+        ).t()  # [T, conv_dim_l]
+        x, B, C = self._split_xbc(xbc)
+        idx = slots.long()
+        init = torch.where(has_initial_state[:, None, None, None], ssm_state.index_select(0, idx).float(), 0.0)
+        y, final = mamba_chunk_scan_ref(
+            x,
+            dt,
+            self.A,
+            B,
+            C,
+            self.chunk_size,
+            D=self.D,
+            dt_bias=self.dt_bias,
+            dt_softplus=True,
+            initial_states=init,
+            cu_seqlens=query_start_loc,
+        )
+        ssm_state.index_copy_(0, idx, final.to(ssm_state.dtype))
+        return self._out(y, z, hidden.dtype)
+
+    def decode(
+        self, hidden: torch.Tensor, conv_state: torch.Tensor, ssm_state: torch.Tensor, slots: torch.Tensor
+    ) -> torch.Tensor:
+        """One token per request. hidden ``[B, hidden]``; conv_state ``[num_slots, conv_dim_l, S]``
+        and ssm_state ``[num_slots, H_l, P, N]`` updated in place; slots ``[B]``.
+        Returns the partial output ``[B, hidden]``."""
+        _check_decode_args(hidden, self.hidden_size, slots)
+        tri = use_triton(self.provider, hidden.device)
+        conv_update = causal_conv1d_update if tri else causal_conv1d_update_ref
+        ssu = selective_state_update if tri else selective_state_update_ref
+        z, xbc, dt = self._split_proj(hidden)
+        xbc = conv_update(xbc, conv_state, self.conv_weight, self.conv_bias, "silu", slots)  # [B, conv_dim_l]
+        x, B, C = self._split_xbc(xbc)
+        heads, head_dim, d_state = self.heads_local, self.head_dim, self.d_state
+        y = ssu(
+            ssm_state,
+            x,
+            dt[:, :, None].expand(-1, heads, head_dim),
+            self.A[:, None, None].expand(heads, head_dim, d_state),
+            B,
+            C,
+            D=self.D[:, None].expand(heads, head_dim),
+            z=None,
+            dt_bias=self.dt_bias[:, None].expand(heads, head_dim),
+            dt_softplus=True,
+            state_batch_indices=slots,
+        )  # [B, H_l, P]
+        return self._out(y, z, hidden.dtype)

@@ -1,0 +1,487 @@
+"""Mamba2 SSM: the decode step on a strided state, and a chunked-scan (SSD) prefill reference.
+
+The recurrence, per head h, head-dim row p and state column n, for one token with input x,
+step dt (after ``dt_bias`` and softplus), group vectors B and C::
+
+    state[h, p, n] = exp(dt[h, p] * A[h, p, n]) * state[h, p, n] + dt[h, p] * x[h, p] * B[g(h), n]
+    out[h, p]      = sum_n state[h, p, n] * C[g(h), n] + D[h, p] * x[h, p]     (* silu(z[h, p]))
+
+with ``g(h) = h // (H / G)``. The state is a strided view ``[num_slots, H, P, N]`` of a page
+region, so both SSM layouts run the same kernel::
+
+    LHPN  buf [pages, L, H, P, N] -> buf[:, l]        (contiguous per page)
+    HLPN  buf [pages, H, L, P, N] -> buf[:, :, l]     (stride of H is L*P*N)
+
+:func:`selective_state_update` is the Triton kernel with :func:`selective_state_update_ref`
+beside it. :func:`mamba_chunk_scan_ref` is the prefill reference (no Triton kernel yet): it
+returns the outputs and the final state, so a prefill worker can hand the state over.
+
+The in-place kernel is not autotuned: autotuning runs it several times on the same arguments
+and every extra run would advance the SSM state by another token.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+from statebridge.errors import ShapeError
+from statebridge.kernels._common import (
+    check_dims,
+    check_float,
+    check_int,
+    check_same_device,
+    check_shape,
+    check_triton_runnable,
+    next_power_of_2,
+)
+
+__all__ = ["selective_state_update", "selective_state_update_ref", "mamba_chunk_scan_ref"]
+
+
+@triton.jit
+def _softplus(b_x):
+    # softplus(x) = log1p(exp(x)), linear above 20 like torch; log1p via Goldberg's trick,
+    # log(w) * u / (w - 1) with w = 1 + u, exact where a plain log(1 + u) loses all digits.
+    b_u = tl.exp(tl.minimum(b_x, 20.0))
+    b_w = 1.0 + b_u
+    b_log1p = tl.where(b_w == 1.0, b_u, tl.log(b_w) * b_u / (b_w - 1.0))
+    return tl.where(b_x <= 20.0, b_log1p, b_x)
+
+
+# Not autotuned: every run advances the SSM state in place, so autotuning's trial runs corrupt it.
+@triton.jit
+def _selective_state_update_kernel(
+    p_state,
+    p_x,
+    p_dt,
+    p_A,
+    p_B,
+    p_C,
+    p_D,
+    p_z,
+    p_dt_bias,
+    p_slots,
+    p_out,
+    head_dim,
+    d_state,
+    heads_per_group,
+    stride_st_b,
+    stride_st_h,
+    stride_st_p,
+    stride_st_n,
+    stride_x_b,
+    stride_x_h,
+    stride_x_p,
+    stride_dt_b,
+    stride_dt_h,
+    stride_dt_p,
+    stride_A_h,
+    stride_A_p,
+    stride_A_n,
+    stride_B_b,
+    stride_B_g,
+    stride_B_n,
+    stride_C_b,
+    stride_C_g,
+    stride_C_n,
+    stride_D_h,
+    stride_D_p,
+    stride_z_b,
+    stride_z_h,
+    stride_z_p,
+    stride_dtb_h,
+    stride_dtb_p,
+    stride_o_b,
+    stride_o_h,
+    stride_o_p,
+    HAS_D: tl.constexpr,
+    HAS_Z: tl.constexpr,
+    HAS_DT_BIAS: tl.constexpr,
+    DT_SOFTPLUS: tl.constexpr,
+    HAS_SLOTS: tl.constexpr,
+    BLOCK_P: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    # One program: one request x one head x a block of BLOCK_P head-dim rows, all d_state columns.
+    i_b = tl.program_id(0).to(tl.int64)
+    i_h = tl.program_id(1).to(tl.int64)
+    i_p = tl.program_id(2)
+    i_g = i_h // heads_per_group
+    if HAS_SLOTS:
+        slot = tl.load(p_slots + i_b).to(tl.int64)
+    else:
+        slot = i_b
+    o_p = i_p * BLOCK_P + tl.arange(0, BLOCK_P)
+    o_n = tl.arange(0, BLOCK_N)
+    m_p = o_p < head_dim
+    m_n = o_n < d_state
+    m_pn = m_p[:, None] & m_n[None, :]
+
+    p_st = p_state + slot * stride_st_b + i_h * stride_st_h + o_p[:, None] * stride_st_p + o_n[None, :] * stride_st_n
+    b_state = tl.load(p_st, mask=m_pn, other=0.0).to(tl.float32)
+    b_x = tl.load(p_x + i_b * stride_x_b + i_h * stride_x_h + o_p * stride_x_p, mask=m_p, other=0.0).to(tl.float32)
+    b_dt = tl.load(p_dt + i_b * stride_dt_b + i_h * stride_dt_h + o_p * stride_dt_p, mask=m_p, other=0.0).to(
+        tl.float32
+    )
+    if HAS_DT_BIAS:
+        b_dt += tl.load(p_dt_bias + i_h * stride_dtb_h + o_p * stride_dtb_p, mask=m_p, other=0.0).to(tl.float32)
+    if DT_SOFTPLUS:
+        b_dt = _softplus(b_dt)
+    p_a = p_A + i_h * stride_A_h + o_p[:, None] * stride_A_p + o_n[None, :] * stride_A_n
+    b_A = tl.load(p_a, mask=m_pn, other=0.0).to(tl.float32)
+    b_B = tl.load(p_B + i_b * stride_B_b + i_g * stride_B_g + o_n * stride_B_n, mask=m_n, other=0.0).to(tl.float32)
+    b_C = tl.load(p_C + i_b * stride_C_b + i_g * stride_C_g + o_n * stride_C_n, mask=m_n, other=0.0).to(tl.float32)
+
+    b_state = b_state * tl.exp(b_A * b_dt[:, None]) + (b_dt * b_x)[:, None] * b_B[None, :]
+    tl.store(p_st, b_state.to(p_state.dtype.element_ty), mask=m_pn)
+
+    b_out = tl.sum(b_state * b_C[None, :], axis=1)
+    if HAS_D:
+        b_out += b_x * tl.load(p_D + i_h * stride_D_h + o_p * stride_D_p, mask=m_p, other=0.0).to(tl.float32)
+    if HAS_Z:
+        b_z = tl.load(p_z + i_b * stride_z_b + i_h * stride_z_h + o_p * stride_z_p, mask=m_p, other=0.0).to(tl.float32)
+        b_out = b_out * (b_z * tl.sigmoid(b_z))
+    tl.store(p_out + i_b * stride_o_b + i_h * stride_o_h + o_p * stride_o_p, b_out.to(p_out.dtype.element_ty), mask=m_p)
+
+
+def _check_ssu_args(
+    state: torch.Tensor,
+    x: torch.Tensor,
+    dt: torch.Tensor,
+    A: torch.Tensor,
+    B: torch.Tensor,
+    C: torch.Tensor,
+    D: torch.Tensor | None,
+    z: torch.Tensor | None,
+    dt_bias: torch.Tensor | None,
+    state_batch_indices: torch.Tensor | None,
+) -> tuple[int, int, int, int, int]:
+    """Validate; return ``(B, H, P, N, G)``."""
+    check_dims("state", state, 4)
+    check_dims("x", x, 3)
+    batch, heads, head_dim = x.shape
+    n_state = state.shape[3]
+    check_shape("state", state, (None, heads, head_dim, n_state))
+    check_dims("B", B, 3)
+    groups = B.shape[1]
+    if groups == 0 or heads % groups != 0:
+        raise ShapeError(f"heads H={heads} must be a multiple of groups G={groups} (B is {list(B.shape)})")
+    for name, t, shape in (
+        ("dt", dt, (batch, heads, head_dim)),
+        ("A", A, (heads, head_dim, n_state)),
+        ("B", B, (batch, groups, n_state)),
+        ("C", C, (batch, groups, n_state)),
+        ("D", D, (heads, head_dim)),
+        ("z", z, (batch, heads, head_dim)),
+        ("dt_bias", dt_bias, (heads, head_dim)),
+    ):
+        if t is not None:
+            check_float(name, t)
+            check_shape(name, t, shape)
+    check_float("state", state)
+    check_float("x", x)
+    if state_batch_indices is None:
+        if state.shape[0] < batch:
+            raise ShapeError(
+                f"without state_batch_indices request b uses slot b, so state needs >= {batch} slots, "
+                f"got {list(state.shape)}"
+            )
+    else:
+        check_int("state_batch_indices", state_batch_indices)
+        check_shape("state_batch_indices", state_batch_indices, (batch,))
+    check_same_device(
+        state=state, x=x, dt=dt, A=A, B=B, C=C, D=D, z=z, dt_bias=dt_bias, state_batch_indices=state_batch_indices
+    )
+    return batch, heads, head_dim, n_state, groups
+
+
+def selective_state_update(
+    state: torch.Tensor,
+    x: torch.Tensor,
+    dt: torch.Tensor,
+    A: torch.Tensor,
+    B: torch.Tensor,
+    C: torch.Tensor,
+    D: torch.Tensor | None = None,
+    z: torch.Tensor | None = None,
+    dt_bias: torch.Tensor | None = None,
+    dt_softplus: bool = False,
+    state_batch_indices: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """One Mamba2 decode step: advances each request's SSM state in place and returns its output.
+
+    Args:
+        state: ``[num_slots, H, P, N]`` strided view; updated in place (arithmetic in fp32).
+        x: ``[B, H, P]`` SSM input (the conv output's x part).
+        dt: ``[B, H, P]`` raw time step (Mamba2 passes ``[B, H]`` expanded over P).
+        A: ``[H, P, N]`` (Mamba2 passes ``-exp(A_log)`` of ``[H]`` expanded, zero strides).
+        B: ``[B, G, N]`` with ``H % G == 0``; head h uses group ``h // (H / G)``.
+        C: ``[B, G, N]``.
+        D: ``[H, P]`` skip weight, or None.
+        z: ``[B, H, P]`` gate (output times ``silu(z)``), or None.
+        dt_bias: ``[H, P]`` added to dt before the softplus, or None.
+        dt_softplus: apply softplus to ``dt (+ dt_bias)``.
+        state_batch_indices: ``[B]`` int32/int64 distinct slots, or None for slot b = request b.
+
+    Returns:
+        ``[B, H, P]`` output in ``x.dtype``.
+    """
+    batch, heads, head_dim, n_state, groups = _check_ssu_args(
+        state, x, dt, A, B, C, D, z, dt_bias, state_batch_indices
+    )
+    check_triton_runnable(_selective_state_update_kernel, x)
+    out = torch.empty((batch, heads, head_dim), dtype=x.dtype, device=x.device)
+    if batch == 0:
+        return out
+    block_n = next_power_of_2(n_state)
+    block_p = min(next_power_of_2(head_dim), max(1, 4096 // block_n), 64)
+    grid = (batch, heads, triton.cdiv(head_dim, block_p))
+
+    def strides(t: torch.Tensor | None, n: int) -> tuple[int, ...]:
+        return tuple(t.stride()) if t is not None else (0,) * n
+
+    _selective_state_update_kernel[grid](
+        state,
+        x,
+        dt,
+        A,
+        B,
+        C,
+        D if D is not None else x,
+        z if z is not None else x,
+        dt_bias if dt_bias is not None else x,
+        state_batch_indices if state_batch_indices is not None else x,
+        out,
+        head_dim,
+        n_state,
+        heads // groups,
+        *state.stride(),
+        *x.stride(),
+        *dt.stride(),
+        *A.stride(),
+        *B.stride(),
+        *C.stride(),
+        *strides(D, 2),
+        *strides(z, 3),
+        *strides(dt_bias, 2),
+        *out.stride(),
+        HAS_D=D is not None,
+        HAS_Z=z is not None,
+        HAS_DT_BIAS=dt_bias is not None,
+        DT_SOFTPLUS=bool(dt_softplus),
+        HAS_SLOTS=state_batch_indices is not None,
+        BLOCK_P=block_p,
+        BLOCK_N=block_n,
+    )
+    return out
+
+
+def selective_state_update_ref(
+    state: torch.Tensor,
+    x: torch.Tensor,
+    dt: torch.Tensor,
+    A: torch.Tensor,
+    B: torch.Tensor,
+    C: torch.Tensor,
+    D: torch.Tensor | None = None,
+    z: torch.Tensor | None = None,
+    dt_bias: torch.Tensor | None = None,
+    dt_softplus: bool = False,
+    state_batch_indices: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """One Mamba2 decode step: advances each request's SSM state in place and returns its output.
+
+    Args:
+        state: ``[num_slots, H, P, N]`` strided view; updated in place (arithmetic in fp32).
+        x: ``[B, H, P]`` SSM input (the conv output's x part).
+        dt: ``[B, H, P]`` raw time step (Mamba2 passes ``[B, H]`` expanded over P).
+        A: ``[H, P, N]`` (Mamba2 passes ``-exp(A_log)`` of ``[H]`` expanded, zero strides).
+        B: ``[B, G, N]`` with ``H % G == 0``; head h uses group ``h // (H / G)``.
+        C: ``[B, G, N]``.
+        D: ``[H, P]`` skip weight, or None.
+        z: ``[B, H, P]`` gate (output times ``silu(z)``), or None.
+        dt_bias: ``[H, P]`` added to dt before the softplus, or None.
+        dt_softplus: apply softplus to ``dt (+ dt_bias)``.
+        state_batch_indices: ``[B]`` int32/int64 distinct slots, or None for slot b = request b.
+
+    Returns:
+        ``[B, H, P]`` output in ``x.dtype``.
+    """
+    batch, heads, _, _, groups = _check_ssu_args(state, x, dt, A, B, C, D, z, dt_bias, state_batch_indices)
+    if state_batch_indices is None:
+        slots = torch.arange(batch, device=x.device)
+    else:
+        slots = state_batch_indices.long()
+    xf = x.float()
+    dtf = dt.float()
+    if dt_bias is not None:
+        dtf = dtf + dt_bias.float()
+    if dt_softplus:
+        dtf = F.softplus(dtf)
+    per_group = heads // groups
+    Bh = B.float().repeat_interleave(per_group, dim=1)  # [B, H, N]
+    Ch = C.float().repeat_interleave(per_group, dim=1)
+    # index_select / index_copy_: advanced indexing is very slow on CPU for strided (HLPN) views
+    old = state.index_select(0, slots).float()
+    new = old * torch.exp(A.float() * dtf[..., None]) + (dtf * xf)[..., None] * Bh[:, :, None, :]
+    state.index_copy_(0, slots, new.to(state.dtype))
+    out = (new * Ch[:, :, None, :]).sum(-1)
+    if D is not None:
+        out = out + xf * D.float()
+    if z is not None:
+        out = out * F.silu(z.float())
+    return out.to(x.dtype)
+
+
+# --------------------------------------------------------------------------------------------
+# Chunked scan (prefill reference)
+# --------------------------------------------------------------------------------------------
+
+
+def _chunk_scan_fp32(
+    x: torch.Tensor,
+    dt: torch.Tensor,
+    A: torch.Tensor,
+    B: torch.Tensor,
+    C: torch.Tensor,
+    state: torch.Tensor,
+    chunk_size: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """SSD over chunks. x ``[b, T, H, P]``, dt ``[b, T, H]`` (final step sizes), A ``[H]``,
+    B/C ``[b, T, H, N]`` (already per head), state ``[b, H, P, N]``; all fp32.
+    Returns y ``[b, T, H, P]`` (without the D skip) and the final state ``[b, H, P, N]``."""
+    num_tokens = x.shape[1]
+    ys = []
+    for c0 in range(0, num_tokens, chunk_size):
+        xc = x[:, c0 : c0 + chunk_size]
+        dtc = dt[:, c0 : c0 + chunk_size]
+        Bc = B[:, c0 : c0 + chunk_size]
+        Cc = C[:, c0 : c0 + chunk_size]
+        length = xc.shape[1]
+        a_cum = torch.cumsum(dtc * A, dim=1)  # [b, l, H] log-decay from chunk start to t
+        # decay from s to t (s <= t): exp(a_cum[t] - a_cum[s]); masked before exp.
+        seg = a_cum[:, :, None, :] - a_cum[:, None, :, :]  # [b, t, s, H]
+        causal = torch.ones(length, length, dtype=torch.bool, device=x.device).tril()
+        decay = torch.exp(seg.masked_fill(~causal[None, :, :, None], float("-inf")))
+        xdt = xc * dtc[..., None]  # [b, l, H, P]
+        scores = torch.einsum("bthn,bshn->btsh", Cc, Bc) * decay
+        y = torch.einsum("btsh,bshp->bthp", scores, xdt)
+        y = y + torch.einsum("bthn,bhpn->bthp", Cc, state) * torch.exp(a_cum)[..., None]
+        to_end = torch.exp(a_cum[:, -1:, :] - a_cum)  # [b, l, H] decay from s to chunk end
+        state = state * torch.exp(a_cum[:, -1])[:, :, None, None] + torch.einsum(
+            "blhn,blhp->bhpn", Bc * to_end[..., None], xdt
+        )
+        ys.append(y)
+    if not ys:
+        return torch.zeros_like(x), state
+    return torch.cat(ys, dim=1), state
+
+
+def mamba_chunk_scan_ref(
+    x: torch.Tensor,
+    dt: torch.Tensor,
+    A: torch.Tensor,
+    B: torch.Tensor,
+    C: torch.Tensor,
+    chunk_size: int,
+    D: torch.Tensor | None = None,
+    z: torch.Tensor | None = None,
+    dt_bias: torch.Tensor | None = None,
+    dt_softplus: bool = False,
+    initial_states: torch.Tensor | None = None,
+    cu_seqlens: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Mamba2 chunked scan (SSD) over whole prompts, vectorised per chunk; fp32 arithmetic.
+
+    Batched (``cu_seqlens is None``):
+        x ``[B, T, H, P]``, dt ``[B, T, H]``, B/C ``[B, T, G, N]``, z ``[B, T, H, P]``.
+    Varlen (``cu_seqlens`` ``[B + 1]``, sequence b is tokens ``cu[b]:cu[b+1]``):
+        x ``[T, H, P]``, dt ``[T, H]``, B/C ``[T, G, N]``, z ``[T, H, P]``.
+
+    Args:
+        A: ``[H]`` (negative; the decay per unit step is ``exp(dt * A)``).
+        chunk_size: tokens per chunk (positive).
+        D: ``[H]`` or ``[H, P]`` skip weight, or None.
+        z: gate with x's shape (output times ``silu(z)``), or None.
+        dt_bias: ``[H]`` added to dt before the softplus, or None.
+        dt_softplus: apply softplus to ``dt (+ dt_bias)``.
+        initial_states: ``[B, H, P, N]`` state before each sequence, or None for zeros.
+
+    Returns:
+        ``(out, final_states)``: out with x's shape in ``x.dtype``; final states
+        ``[B, H, P, N]`` in float32 (the caller casts into its cache).
+    """
+    varlen = cu_seqlens is not None
+    check_dims("x", x, 3 if varlen else 4)
+    check_float("x", x)
+    if chunk_size <= 0:
+        raise ShapeError(f"chunk_size must be positive, got {chunk_size}")
+    lead = x.shape[:-2]  # (T,) or (B, T)
+    heads, head_dim = x.shape[-2:]
+    check_shape("dt", dt, (*lead, heads))
+    check_shape("A", A, (heads,))
+    check_dims("B", B, x.dim())
+    groups, n_state = B.shape[-2:]
+    if groups == 0 or heads % groups != 0:
+        raise ShapeError(f"heads H={heads} must be a multiple of groups G={groups} (B is {list(B.shape)})")
+    check_shape("B", B, (*lead, groups, n_state))
+    check_shape("C", C, (*lead, groups, n_state))
+    if z is not None:
+        check_shape("z", z, tuple(x.shape))
+    if dt_bias is not None:
+        check_shape("dt_bias", dt_bias, (heads,))
+    if D is not None and tuple(D.shape) not in ((heads,), (heads, head_dim)):
+        raise ShapeError(f"D must be [H={heads}] or [H, P={head_dim}], got {list(D.shape)}")
+    if varlen:
+        check_int("cu_seqlens", cu_seqlens)
+        check_dims("cu_seqlens", cu_seqlens, 1)
+        batch = cu_seqlens.shape[0] - 1
+    else:
+        batch = x.shape[0]
+    if initial_states is not None:
+        check_shape("initial_states", initial_states, (batch, heads, head_dim, n_state))
+    check_same_device(x=x, dt=dt, A=A, B=B, C=C, D=D, z=z, dt_bias=dt_bias, initial_states=initial_states)
+
+    dtf = dt.float()
+    if dt_bias is not None:
+        dtf = dtf + dt_bias.float()
+    if dt_softplus:
+        dtf = F.softplus(dtf)
+    per_group = heads // groups
+    Bh = B.float().repeat_interleave(per_group, dim=-2)
+    Ch = C.float().repeat_interleave(per_group, dim=-2)
+    xf = x.float()
+    Af = A.float()
+    if initial_states is None:
+        init = torch.zeros((batch, heads, head_dim, n_state), dtype=torch.float32, device=x.device)
+    else:
+        init = initial_states.float()
+
+    if varlen:
+        y = torch.zeros_like(xf)
+        finals = []
+        bounds = cu_seqlens.tolist()
+        for b in range(batch):
+            bos, eos = bounds[b], bounds[b + 1]
+            if eos <= bos:
+                finals.append(init[b])
+                continue
+            seq = slice(bos, eos)
+            yb, fb = _chunk_scan_fp32(
+                xf[None, seq], dtf[None, seq], Af, Bh[None, seq], Ch[None, seq], init[b : b + 1], chunk_size
+            )
+            y[bos:eos] = yb[0]
+            finals.append(fb[0])
+        final = torch.stack(finals) if finals else init
+    else:
+        y, final = _chunk_scan_fp32(xf, dtf, Af, Bh, Ch, init, chunk_size)
+
+    if D is not None:
+        Df = D.float() if D.dim() == 2 else D.float()[:, None]
+        y = y + xf * Df
+    if z is not None:
+        y = y * F.silu(z.float())
+    return y.to(x.dtype), final

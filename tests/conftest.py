@@ -1,0 +1,79 @@
+"""Test-wide setup and the shared helpers of the statebridge test suite.
+
+1. Triton interpreter. Triton reads ``TRITON_INTERPRET`` when a kernel is *decorated* with
+   ``@triton.jit`` (``triton.runtime.jit.jit`` checks ``knobs.runtime.interpret``), i.e. when
+   ``statebridge.kernels`` is imported, not when the kernel runs. So it is set here, before any
+   test module is imported, whenever there is no CUDA device; importing torch does not import
+   triton. ``tests/kernels/test_conftest_helpers.py`` checks that the kernels really are
+   interpreted on CPU.
+2. ``nan_empty``: ``torch.empty``/``torch.empty_like`` return NaN-filled float tensors, so an
+   output element a kernel forgets to write fails the comparison instead of passing by luck.
+3. ``assert_close``: the ONE comparison helper, with tolerances paired with dtypes. It raises
+   (never warns) when any element is outside tolerance or not finite.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+
+# (atol, rtol) per dtype of the compared computation. Integers and bytes compare exactly.
+TOLERANCES: dict[torch.dtype, tuple[float, float]] = {
+    torch.float32: (2e-5, 2e-5),
+    torch.float16: (2e-3, 2e-3),
+    torch.bfloat16: (1.6e-2, 1.6e-2),
+}
+
+
+def _assert_close(actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype) -> None:
+    """Raise AssertionError unless ``actual`` matches ``expected`` within ``dtype``'s tolerance.
+
+    Shapes must be equal; any NaN or inf in either tensor fails (an unwritten NaN-filled output
+    never passes). Float comparisons are ``|a - e| <= atol + rtol * |e|`` in float64; integer
+    and bool dtypes must match exactly.
+    """
+    if not isinstance(actual, torch.Tensor) or not isinstance(expected, torch.Tensor):
+        raise AssertionError(f"expected two tensors, got {type(actual).__name__} and {type(expected).__name__}")
+    if actual.shape != expected.shape:
+        raise AssertionError(f"shape mismatch: actual {list(actual.shape)} vs expected {list(expected.shape)}")
+    if dtype.is_floating_point:
+        if dtype not in TOLERANCES:
+            raise AssertionError(f"no tolerance for dtype {dtype}")
+        atol, rtol = TOLERANCES[dtype]
+        a = actual.detach().to("cpu", torch.float64)
+        e = expected.detach().to("cpu", torch.float64)
+        for name, t in (("actual", a), ("expected", e)):
+            bad = (~torch.isfinite(t)).nonzero()
+            if bad.numel():
+                raise AssertionError(f"{name} has {bad.shape[0]} non-finite elements, first at {bad[0].tolist()}")
+        torch.testing.assert_close(a, e, atol=atol, rtol=rtol, equal_nan=False, check_dtype=False)
+    else:
+        if not torch.equal(actual.detach().cpu(), expected.detach().cpu()):
+            diff = (actual.detach().cpu() != expected.detach().cpu()).nonzero()
+            raise AssertionError(f"{diff.shape[0]} elements differ exactly, first at {diff[0].tolist()}")
+
+
+@pytest.fixture(scope="session")
+def assert_close():
+    """The one comparison helper: ``assert_close(actual, expected, dtype)``."""
+    return _assert_close
+
+
+@pytest.fixture
+def nan_empty(monkeypatch):
+    """Make ``torch.empty``/``torch.empty_like`` fill floating tensors with NaN for one test."""
+    real_empty, real_empty_like = torch.empty, torch.empty_like
+
+    def poison(t: torch.Tensor) -> torch.Tensor:
+        if t.is_floating_point():
+            t.fill_(float("nan"))
+        return t
+
+    monkeypatch.setattr(torch, "empty", lambda *a, **k: poison(real_empty(*a, **k)))
+    monkeypatch.setattr(torch, "empty_like", lambda *a, **k: poison(real_empty_like(*a, **k)))
