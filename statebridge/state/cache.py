@@ -20,7 +20,74 @@ import torch
 from statebridge.errors import CacheFullError, ConfigError, DoubleFreeError, UnknownPageError
 from statebridge.state.layout import PageGeometry
 
-__all__ = ["StateCache"]
+__all__ = ["PagePool", "StateCache"]
+
+
+class PagePool:
+    """Allocator of page ids ``0..num_pages-1`` (FIFO reuse), thread-safe.
+
+    A TP group's coordinator uses one pool for the whole group: page ``p`` is page ``p`` on every
+    rank's :class:`StateCache`.
+    """
+
+    def __init__(self, num_pages: int) -> None:
+        if isinstance(num_pages, bool) or not isinstance(num_pages, int) or num_pages < 1:
+            raise ConfigError(f"num_pages must be a positive integer, got {num_pages!r}")
+        self.num_pages = num_pages
+        self._lock = threading.Lock()
+        self._free: collections.deque[int] = collections.deque(range(num_pages))
+        self._used: set[int] = set()
+
+    def allocate(self) -> int:
+        """A free page id; :class:`CacheFullError` when none is left."""
+        with self._lock:
+            if not self._free:
+                raise CacheFullError(f"all {self.num_pages} pages are in use")
+            page = self._free.popleft()
+            self._used.add(page)
+            return page
+
+    def allocate_many(self, count: int) -> list[int]:
+        """``count`` pages at once, or none (CacheFullError) -- never a partial allocation."""
+        with self._lock:
+            if count < 0 or count > len(self._free):
+                raise CacheFullError(f"asked for {count} pages, {len(self._free)} of "
+                                     f"{self.num_pages} free")
+            pages = [self._free.popleft() for _ in range(count)]
+            self._used.update(pages)
+            return pages
+
+    def free(self, page: int) -> None:
+        """Return ``page`` to the pool; errors on an unknown or already free page."""
+        self.check(page)
+        with self._lock:
+            if page not in self._used:
+                raise DoubleFreeError(f"page {page} is not allocated (double free?)")
+            self._used.remove(page)
+            self._free.append(page)
+
+    def is_allocated(self, page: int) -> bool:
+        self.check(page)
+        with self._lock:
+            return page in self._used
+
+    @property
+    def num_free(self) -> int:
+        with self._lock:
+            return len(self._free)
+
+    @property
+    def num_used(self) -> int:
+        with self._lock:
+            return len(self._used)
+
+    def used_pages(self) -> list[int]:
+        with self._lock:
+            return sorted(self._used)
+
+    def check(self, page: int) -> None:
+        if isinstance(page, bool) or not isinstance(page, int) or not 0 <= page < self.num_pages:
+            raise UnknownPageError(f"page {page!r} is not in [0, {self.num_pages})")
 
 
 class StateCache:
@@ -43,58 +110,36 @@ class StateCache:
             raise ConfigError(f"buffer must be 1-D uint8 of {nbytes} bytes, got "
                               f"{tuple(buffer.shape)} {buffer.dtype}")
         self.buffer = buffer
-        self._lock = threading.Lock()
-        self._free: collections.deque[int] = collections.deque(range(num_pages))
-        self._used: set[int] = set()
+        self.pool = PagePool(num_pages)
 
-    # -- allocator ---------------------------------------------------------------------------
+    # -- allocator (see PagePool) ------------------------------------------------------------
     def allocate(self) -> int:
         """A free page id; :class:`CacheFullError` when none is left."""
-        with self._lock:
-            if not self._free:
-                raise CacheFullError(f"all {self.num_pages} pages of {self.page_size} bytes are "
-                                     f"in use")
-            page = self._free.popleft()
-            self._used.add(page)
-            return page
+        try:
+            return self.pool.allocate()
+        except CacheFullError:
+            raise CacheFullError(f"all {self.num_pages} pages of {self.page_size} bytes are in "
+                                 f"use") from None
 
     def allocate_many(self, count: int) -> list[int]:
-        """``count`` pages at once, or none (CacheFullError) -- never a partial allocation."""
-        with self._lock:
-            if count < 0 or count > len(self._free):
-                raise CacheFullError(f"asked for {count} pages, {len(self._free)} of "
-                                     f"{self.num_pages} free")
-            pages = [self._free.popleft() for _ in range(count)]
-            self._used.update(pages)
-            return pages
+        return self.pool.allocate_many(count)
 
     def free(self, page: int) -> None:
-        """Return ``page`` to the pool; errors on an unknown or already free page."""
-        self._check(page)
-        with self._lock:
-            if page not in self._used:
-                raise DoubleFreeError(f"page {page} is not allocated (double free?)")
-            self._used.remove(page)
-            self._free.append(page)
+        self.pool.free(page)
 
     def is_allocated(self, page: int) -> bool:
-        self._check(page)
-        with self._lock:
-            return page in self._used
+        return self.pool.is_allocated(page)
 
     @property
     def num_free(self) -> int:
-        with self._lock:
-            return len(self._free)
+        return self.pool.num_free
 
     @property
     def num_used(self) -> int:
-        with self._lock:
-            return len(self._used)
+        return self.pool.num_used
 
     def used_pages(self) -> list[int]:
-        with self._lock:
-            return sorted(self._used)
+        return self.pool.used_pages()
 
     # -- addressing ----------------------------------------------------------------------------
     def page_offset(self, page: int) -> int:
@@ -117,8 +162,7 @@ class StateCache:
         return self.buffer.numel()
 
     def _check(self, page: int) -> None:
-        if isinstance(page, bool) or not isinstance(page, int) or not 0 <= page < self.num_pages:
-            raise UnknownPageError(f"page {page!r} is not in [0, {self.num_pages})")
+        self.pool.check(page)
 
     def __repr__(self) -> str:
         return (f"StateCache(pages={self.num_pages}, page_size={self.page_size}, "

@@ -342,16 +342,19 @@ def _pair_plan(src: PageGeometry, dst: PageGeometry, s: int, d: int, boxes: tupl
     nbytes = int(units[:, 2].sum())
     by_dst = units[np.argsort(units[:, 1], kind="stable")]
     runs = _coalesce(by_dst, src_pad, dst_pad)
-    # Natural pieces of each side: the moved bytes as maximal intervals of that side alone.
+    # Natural pieces of each side: the moved bytes as maximal intervals of that side alone
+    # (without bridging padding: that is an optimisation of paired runs only, so it must not
+    # make a side look less fragmented than the pairing).
     by_src = units[np.argsort(units[:, 0], kind="stable")]
-    src_pieces = _coalesce(by_src, src_pad, None, src_only=True)
-    dst_pieces = _coalesce(by_dst[:, [1, 0, 2]], dst_pad, None, src_only=True)
-    staged = len(runs) > max(len(src_pieces), len(dst_pieces))
+    src_pieces = _coalesce(by_src, None, None, src_only=True)
+    dst_pieces = _coalesce(by_dst[:, [1, 0, 2]], None, None, src_only=True)
+    paired = _coalesce(by_dst, None, None)
+    staged = len(paired) > max(len(src_pieces), len(dst_pieces))
     # Staging buffer: the source pieces back to back, in source order.
     stage_start = np.concatenate([[0], np.cumsum(src_pieces[:, 2])[:-1]]).astype(np.int64)
     pack = np.stack([src_pieces[:, 0], stage_start, src_pieces[:, 2]], axis=1)
-    k = np.searchsorted(src_pieces[:, 0], runs[:, 0], side="right") - 1
-    unpack = np.stack([stage_start[k] + runs[:, 0] - src_pieces[k, 0], runs[:, 1], runs[:, 2]],
-                      axis=1)
+    k = np.searchsorted(src_pieces[:, 0], paired[:, 0], side="right") - 1
+    unpack = np.stack([stage_start[k] + paired[:, 0] - src_pieces[k, 0], paired[:, 1],
+                       paired[:, 2]], axis=1)
     unpack = _coalesce(unpack, None, None)
     return PairPlan(s, d, boxes, runs, pack, unpack, nbytes, staged, len(dst_pieces))

@@ -240,10 +240,44 @@ class StateSpec:
             ],
         }
 
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> "StateSpec":
+        """Inverse of :meth:`to_dict` (a peer's spec from the handshake)."""
+        try:
+            groups = tuple(
+                LayerGroup(
+                    tuple(int(i) for i in g["layer_ids"]),
+                    tuple(
+                        StateTensorSpec(
+                            name=t["name"], channel_axis=t["channel_axis"],
+                            segments=tuple(Segment(n, int(size), Sharding(sh), int(groups))
+                                           for n, size, sh, groups in t["segments"]),
+                            inner_axes=tuple(t["inner_axes"]),
+                            inner_shape=tuple(int(x) for x in t["inner_shape"]),
+                            dtype=t["dtype"])
+                        for t in g["tensors"]))
+                for g in data["groups"])
+            return cls(data["model_type"], groups, tuple(data["layer_types"]),
+                       int(data["conv_kernel"]))
+        except (KeyError, TypeError, ValueError) as e:
+            raise ConfigError(f"malformed state spec description: {type(e).__name__}: {e}") from None
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), sort_keys=True, separators=(",", ":"))
+
+    @classmethod
+    def from_json(cls, text: str) -> "StateSpec":
+        try:
+            data = json.loads(text)
+        except (json.JSONDecodeError, TypeError) as e:
+            raise ConfigError(f"malformed state spec JSON: {e}") from None
+        if not isinstance(data, dict):
+            raise ConfigError(f"malformed state spec JSON: not an object: {text[:64]!r}")
+        return cls.from_dict(data)
+
     def fingerprint(self) -> str:
         """A short stable hash of :meth:`to_dict` (peers compare it in the handshake)."""
-        blob = json.dumps(self.to_dict(), sort_keys=True, separators=(",", ":")).encode()
-        return hashlib.sha256(blob).hexdigest()[:16]
+        return hashlib.sha256(self.to_json().encode()).hexdigest()[:16]
 
 
 # -- config readers ---------------------------------------------------------------------------

@@ -200,18 +200,20 @@ def test_runs_at_adds_only_page_bases():
 
 
 @pytest.mark.parametrize("spec_name", ["mamba2-g8", "mamba2-bf16conv-fp32ssm"])
-@pytest.mark.parametrize("src_tp,dst_tp", [(2, 2), (2, 4), (8, 2), (1, 1)])
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("src_tp,dst_tp", [(2, 2), (2, 4), (8, 2), (1, 1), (2, 8)])
 @pytest.mark.parametrize("src_align,dst_align,dst_page", [(16, 256, None), (128, 32, None),
                                                           (64, 64, 1 << 16)])
-def test_peers_with_other_alignment_and_padded_pages(spec_name, src_tp, dst_tp, src_align,
-                                                     dst_align, dst_page):
+def test_peers_with_other_alignment_and_padded_pages(spec_name, layout, src_tp, dst_tp,
+                                                     src_align, dst_align, dst_page):
     """A peer may align regions or pad pages differently (vLLM unifies page sizes); runs may
     bridge padding only where both sides' gaps are padding of the same length."""
     spec = make_spec(spec_name)
-    src = PageGeometry(spec, src_tp, "DLS", region_align=src_align)
-    dst = PageGeometry(spec, dst_tp, "DLS", region_align=dst_align, page_size=dst_page)
+    src = PageGeometry(spec, src_tp, layout, region_align=src_align)
+    dst = PageGeometry(spec, dst_tp, layout, region_align=dst_align, page_size=dst_page)
     assert src.padding_intervals() or dst.padding_intervals()
     plan = TransferPlan(src, dst)
+    assert not any(p.staged for p in plan), "padding must not make a same-layout pair stage"
     state = global_state(spec)
     dst_pages, writes = execute(plan, state)
     for d in range(dst_tp):

@@ -1,0 +1,316 @@
+"""What the prefill server and the decode coordinator share: their TP group of rank processes.
+
+A coordinator binds one ROUTER socket; its rank processes connect to it, announce themselves
+(``RankHello``) and heartbeat. The coordinator broadcasts commands to all ranks, collects one
+``RankDone`` per rank per request, and declares a rank lost when it goes silent for
+``peer_timeout`` seconds or its process exits -- whichever comes first.
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing
+import threading
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Callable, Sequence
+
+import zmq
+
+from statebridge.config import ConnectorConfig
+from statebridge.connector import control as c
+from statebridge.connector import messages as m
+from statebridge.connector._rank import RankSetup, rank_main
+from statebridge.errors import ClosedError, ConfigError, ProtocolError, TransferTimeoutError
+from statebridge.state.cache import PagePool
+from statebridge.state.layout import Layout, PageGeometry
+from statebridge.state.spec import StateSpec
+
+log = logging.getLogger(__name__)
+
+__all__ = ["RankGroup", "Launcher", "spawn_launcher", "RankHandle"]
+
+
+class RankHandle:
+    """What a launcher returns per rank: something that can tell if the rank is alive."""
+
+    def is_alive(self) -> bool:  # pragma: no cover - interface
+        raise NotImplementedError
+
+    def stop(self, timeout: float) -> None:  # pragma: no cover - interface
+        raise NotImplementedError
+
+
+class _ProcessHandle(RankHandle):
+    def __init__(self, proc: multiprocessing.Process) -> None:
+        self.proc = proc
+
+    @property
+    def pid(self) -> int | None:
+        return self.proc.pid
+
+    def is_alive(self) -> bool:
+        return self.proc.is_alive()
+
+    def stop(self, timeout: float) -> None:
+        self.proc.join(timeout)
+        if self.proc.is_alive():
+            self.proc.terminate()
+            self.proc.join(2.0)
+        if self.proc.is_alive():
+            self.proc.kill()
+            self.proc.join(2.0)
+
+
+Launcher = Callable[[Sequence[RankSetup]], list[RankHandle]]
+
+
+def spawn_launcher(setups: Sequence[RankSetup]) -> list[RankHandle]:
+    """One spawned process per rank (fork is unsafe with zmq/UCX threads)."""
+    ctx = multiprocessing.get_context("spawn")
+    handles = []
+    for setup in setups:
+        proc = ctx.Process(target=rank_main, args=(setup,), daemon=True,
+                           name=f"statebridge-{setup.role}-rank{setup.tp_rank}")
+        proc.start()
+        handles.append(_ProcessHandle(proc))
+    return handles
+
+
+@dataclass
+class _RankState:
+    identity: bytes | None = None
+    address: bytes = b""
+    pid: int = 0
+    lost: bool = False
+
+
+class RankGroup:
+    """A coordinator's view of its TP group: the rank processes, their sockets and liveness.
+
+    Subclasses get :meth:`_on_rank_done`, :meth:`_on_rank_lost` and :meth:`_on_peer_message`.
+    """
+
+    role = "?"
+
+    def __init__(self, spec: StateSpec, tp_size: int, layout: "Layout | str", num_pages: int, *,
+                 config: ConnectorConfig | None = None, node_id: str | None = None,
+                 port: int = 0, launcher: Launcher | None = spawn_launcher,
+                 region_align: int = 16, state_fn: str | None = None,
+                 checksums: bool = False) -> None:
+        self.config = config or ConnectorConfig()
+        self.spec = spec
+        self.tp_size = tp_size
+        self.layout = Layout.parse(layout)
+        self.geometry = PageGeometry(spec, tp_size, self.layout, region_align=region_align)
+        self.region_align = region_align
+        self.num_pages = num_pages
+        self.pool = PagePool(num_pages)
+        self.node_id = node_id or f"{self.role}-{uuid.uuid4().hex[:8]}"
+        self.counters = c.Counters()
+        self.loop = c.EventLoop(self.node_id)
+        self.router, self.port = c.bind_router(self.loop.context, self.config.bind_host, port)
+        self.loop.add_reader(self.router, self._on_router)
+        self.ranks = [_RankState() for _ in range(tp_size)]
+        self._by_identity: dict[bytes, int] = {}
+        self.rank_watch = c.PeerWatch(self.config.peer_timeout)
+        self._ready = threading.Event()
+        self.healthy = True
+        self._closed = False
+        self._init_state()
+        self.loop.call_every(self.config.heartbeat_interval, self._tick)
+        self.loop.start()
+        self.handles: list[RankHandle] = []
+        if launcher is not None:
+            setups = [RankSetup(role=self.role, coordinator=f"{self.config.bind_host}:{self.port}",
+                                tp_rank=r, tp_size=tp_size, spec_json=spec.to_json(),
+                                layout=self.layout.name, num_pages=num_pages,
+                                node_id=self.node_id, config=self.config,
+                                region_align=region_align, checksums=checksums,
+                                **({"state_fn": state_fn} if state_fn else {}))
+                      for r in range(tp_size)]
+            self.handles = launcher(setups)
+
+    def _init_state(self) -> None:
+        """Subclass state, set up before the loop thread starts."""
+
+    @property
+    def address(self) -> str:
+        return f"{self.config.bind_host}:{self.port}"
+
+    # -- readiness ---------------------------------------------------------------------------
+    def wait_ready(self, timeout: float = 120.0) -> None:
+        """Block until every rank has announced itself."""
+        if not self._ready.wait(timeout):
+            missing = [r for r, s in enumerate(self.ranks) if s.identity is None]
+            raise TransferTimeoutError(f"{self.node_id}: ranks {missing} did not start within "
+                                       f"{timeout} s")
+        if not self.healthy:
+            raise ClosedError(f"{self.node_id}: a rank was lost during start-up")
+
+    @property
+    def rank_addresses(self) -> tuple[bytes, ...]:
+        return tuple(s.address for s in self.ranks)
+
+    def group_info(self) -> m.GroupInfo:
+        return m.GroupInfo(node_id=self.node_id, role=self.role, tp_size=self.tp_size,
+                           layout=self.layout.name, page_size=self.geometry.page_size,
+                           region_align=self.region_align, num_pages=self.num_pages,
+                           spec_json=self.spec.to_json(), rank_addresses=self.rank_addresses)
+
+    def check_peer_info(self, info: m.GroupInfo) -> PageGeometry:
+        """The peer's page geometry, or IncompatiblePeerError/ConfigError naming the value."""
+        from statebridge.errors import IncompatiblePeerError
+
+        expected_role = "decode" if self.role == "prefill" else "prefill"
+        if info.role != expected_role:
+            raise IncompatiblePeerError(f"peer {info.node_id!r} has role {info.role!r}, "
+                                        f"expected {expected_role!r}")
+        try:
+            spec = StateSpec.from_json(info.spec_json)
+        except ConfigError as e:
+            raise IncompatiblePeerError(f"peer {info.node_id!r}: {e}") from None
+        if spec.to_dict() != self.spec.to_dict():
+            raise IncompatiblePeerError(f"peer {info.node_id!r} serves spec {spec.fingerprint()}, "
+                                        f"we serve {self.spec.fingerprint()}")
+        if len(info.rank_addresses) != info.tp_size:
+            raise IncompatiblePeerError(f"peer {info.node_id!r}: {len(info.rank_addresses)} "
+                                        f"addresses for TP size {info.tp_size}")
+        try:
+            return PageGeometry(spec, info.tp_size, info.layout, region_align=info.region_align,
+                                page_size=info.page_size)
+        except ConfigError as e:
+            raise IncompatiblePeerError(f"peer {info.node_id!r}: {e}") from None
+
+    # -- messages --------------------------------------------------------------------------
+    def _on_router(self) -> None:
+        while True:
+            got = c.recv_router(self.router, self.config.max_message_bytes)
+            if got is None:
+                return
+            identity, msg = got
+            if isinstance(msg, ProtocolError):
+                self.counters.add("protocol_errors")
+                log.warning("%s: bad message from %r: %s", self.node_id, identity, msg)
+                c.send_router(self.router, identity,
+                              m.Error(kind=type(msg).__name__, message=str(msg)))
+                continue
+            rank = self._by_identity.get(identity)
+            if isinstance(msg, m.RankHello):
+                self._on_rank_hello(identity, msg)
+            elif rank is not None:
+                self.rank_watch.heard(rank)
+                if isinstance(msg, m.RankDone):
+                    self._on_rank_done(rank, msg)
+            else:
+                self._on_peer_message(identity, msg)
+
+    def _on_rank_hello(self, identity: bytes, msg: m.RankHello) -> None:
+        r = msg.tp_rank
+        if not 0 <= r < self.tp_size or self.ranks[r].identity not in (None, identity):
+            self.counters.add("protocol_errors")
+            c.send_router(self.router, identity, m.Error(
+                kind="ProtocolError", message=f"rank {r} is not a free rank of TP {self.tp_size}"))
+            return
+        self.ranks[r] = _RankState(identity, msg.address, msg.pid)
+        self._by_identity[identity] = r
+        self.rank_watch.heard(r)
+        if all(s.identity is not None for s in self.ranks):
+            log.info("%s: all %d ranks up", self.node_id, self.tp_size)
+            self._ready.set()
+            self._on_group_ready()
+
+    def _on_group_ready(self) -> None:
+        pass
+
+    def to_rank(self, rank: int, msg: m.Message) -> None:
+        state = self.ranks[rank]
+        if state.identity is not None and not state.lost:
+            c.send_router(self.router, state.identity, msg)
+
+    def to_ranks(self, msg: m.Message) -> None:
+        for r in range(self.tp_size):
+            self.to_rank(r, msg)
+
+    def _tick(self) -> None:
+        hb = m.Heartbeat(node_id=self.node_id, seq=0)
+        self.to_ranks(hb)
+        if self._closed:
+            return
+        lost = set(self.rank_watch.expired())
+        for r, handle in enumerate(self.handles):
+            if not self.ranks[r].lost and not handle.is_alive():
+                lost.add(r)
+        for r in sorted(lost):
+            if not self.ranks[r].lost:
+                self.ranks[r].lost = True
+                self.healthy = False
+                self.counters.add("ranks_lost")
+                log.error("%s: rank %d lost", self.node_id, r)
+                self._on_rank_lost(r)
+        self._on_tick()
+
+    def _on_tick(self) -> None:
+        pass
+
+    def _on_rank_done(self, rank: int, msg: m.RankDone) -> None:
+        raise NotImplementedError
+
+    def _on_rank_lost(self, rank: int) -> None:
+        raise NotImplementedError
+
+    def _on_peer_message(self, identity: bytes, msg: m.Message) -> None:
+        self.counters.add("unexpected_messages")
+
+    # -- shutdown ----------------------------------------------------------------------------
+    def close(self, timeout: float = 10.0) -> None:
+        """Stop the ranks and the loop (idempotent); never leaves orphan processes."""
+        if self._closed:
+            return
+        self._closed = True
+        told = False
+        if self.loop.running:
+            try:
+                self.loop.call(self._shutdown_ranks, timeout=timeout)
+                told = True
+            except (ClosedError, TimeoutError):
+                pass
+        if not told:
+            timeout = 0.5      # nobody told the ranks to stop: do not wait for them politely
+        deadline = time.monotonic() + timeout
+        for h in self.handles:
+            h.stop(max(0.1, deadline - time.monotonic()))
+        self.loop.stop()
+        self.router.close(0)
+
+    def _shutdown_ranks(self) -> None:
+        self.to_ranks(m.RankShutdown(reason="coordinator closing"))
+        self._on_close()
+
+    def _on_close(self) -> None:
+        pass
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+@dataclass
+class RequestState:
+    """A request as a coordinator tracks it, until its page is freed."""
+
+    request_id: str
+    generation: int
+    page: int
+    peer: object
+    started: float = field(default_factory=time.perf_counter)
+    done: dict[int, m.RankDone] = field(default_factory=dict)
+    failure: tuple[str, str] | None = None
+    complete: bool = False
+    deadline: float = 0.0
+
+    def ranks_pending(self, group: RankGroup) -> list[int]:
+        return [r for r in range(group.tp_size) if r not in self.done and not group.ranks[r].lost]

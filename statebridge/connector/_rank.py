@@ -1,0 +1,359 @@
+"""The part of the connector that lives in each TP rank process (both sides).
+
+A rank owns its :class:`~statebridge.state.cache.StateCache` (page memory) and its
+:class:`~statebridge.connector.transport.Transport` (UCX worker). It talks only to its group's
+coordinator over one DEALER socket: it announces itself (``RankHello`` with its UCX address),
+heartbeats, and executes ``RankConnect`` / ``RankPrefill`` / ``RankRecv`` / ``RankCancel``,
+answering each request with exactly one ``RankDone`` -- sent only once nothing of the request
+can still touch the page (transfers complete or cancelled).
+
+A rank that stops hearing its coordinator for ``peer_timeout`` seconds shuts itself down, so a
+killed node leaves no orphans.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import logging
+import os
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+import numpy as np
+
+from statebridge.config import ConnectorConfig
+from statebridge.connector import control as c
+from statebridge.connector import messages as m
+from statebridge.errors import ProtocolError, StatebridgeError, TransferError
+from statebridge.state.cache import StateCache
+from statebridge.state.layout import PageGeometry
+from statebridge.state.plan import PairPlan, TransferPlan
+from statebridge.state.spec import StateSpec
+from statebridge.state.synthetic import fill_page, global_state, page_checksum, request_seed
+
+log = logging.getLogger(__name__)
+
+__all__ = ["RankSetup", "RankWorker", "rank_main", "synthetic_prefill", "load_callable"]
+
+StateFn = Callable[[StateCache, int, m.RankPrefill, int], None]
+
+
+@dataclass(frozen=True)
+class RankSetup:
+    """Everything a rank process needs to start (picklable: it crosses a process spawn)."""
+
+    role: str                      # "prefill" | "decode"
+    coordinator: str               # host:port of the group coordinator's ROUTER
+    tp_rank: int
+    tp_size: int
+    spec_json: str
+    layout: str
+    num_pages: int
+    node_id: str
+    config: ConnectorConfig = field(default_factory=ConnectorConfig)
+    region_align: int = 16
+    state_fn: str = "statebridge.connector._rank:synthetic_prefill"
+    checksums: bool = False
+
+
+def synthetic_prefill(cache: StateCache, page: int, request: m.RankPrefill, tp_rank: int) -> None:
+    """The default "model": the request's deterministic synthetic state (tests, benchmarks)."""
+    fill_page(cache, page, global_state(cache.geometry.spec, request_seed(request.request_id)),
+              tp_rank)
+
+
+def load_callable(name: str) -> Callable:
+    module, _, attr = name.partition(":")
+    try:
+        return getattr(importlib.import_module(module), attr)
+    except (ImportError, AttributeError) as e:
+        raise StatebridgeError(f"cannot load {name!r}: {e}") from None
+
+
+@dataclass
+class _Pending:
+    request_id: str
+    generation: int
+    page: int
+    handles: list
+    started: float
+    nbytes: int = 0
+    messages: int = 0
+    failure: tuple[str, str] | None = None
+
+
+class RankWorker:
+    """One rank's connector: cache + transport + a loop serving its coordinator."""
+
+    def __init__(self, setup: RankSetup, *, state_fn: StateFn | None = None) -> None:
+        from statebridge.connector.transport import Transport  # only module importing ucxx
+
+        self.setup = setup
+        self.config = setup.config
+        self.spec = StateSpec.from_json(setup.spec_json)
+        self.geometry = PageGeometry(self.spec, setup.tp_size, setup.layout,
+                                     region_align=setup.region_align)
+        self.cache = StateCache(self.geometry, setup.num_pages)
+        self.transport = Transport(self.cache.buffer,
+                                   error_handling=self.config.ucx_error_handling)
+        self.state_fn = state_fn or load_callable(setup.state_fn)
+        self.loop = c.EventLoop(f"{setup.role}-rank{setup.tp_rank}")
+        self.sock = c.connect_dealer(self.loop.context, setup.coordinator)
+        self.loop.add_reader(self.sock, self._on_message)
+        self.plans: dict[str, TransferPlan] = {}         # peer node -> plan
+        self.computing: dict[tuple[str, int], tuple[str, str] | None] = {}
+        self._compute_q: queue.Queue = queue.Queue()
+        self._compute = threading.Thread(target=self._compute_main, daemon=True,
+                                         name=f"{setup.role}-rank{setup.tp_rank}-compute")
+        self._compute.start()
+        self.pending: dict[tuple[str, int], _Pending] = {}
+        self.coordinator_watch = c.PeerWatch(self.config.peer_timeout)
+        self.coordinator_watch.heard("coordinator")
+        self.counters = c.Counters()
+        # UCX progress is driven by this loop: it sleeps in poll() on the zmq socket AND the
+        # UCX worker's epoll fd, after arming the worker (blocking progress mode).
+        self.loop.add_fd(self.transport.fileno(), self._poll_transfers)
+        self.loop.before_sleep = self.transport.arm
+        self.loop.on_idle = self._poll_transfers
+        self.loop.call_every(self.config.heartbeat_interval, self._heartbeat)
+        self._send(m.RankHello(tp_rank=setup.tp_rank, address=self.transport.address,
+                               pid=os.getpid()))
+
+    # -- lifecycle --------------------------------------------------------------------------
+    def run(self) -> None:
+        """Serve until told to shut down or the coordinator goes silent."""
+        try:
+            self.loop.run()
+        finally:
+            self.close()
+
+    def close(self) -> None:
+        self._compute_q.put(None)
+        for p in list(self.pending.values()):
+            for h in p.handles:
+                h.cancel()
+        self.pending.clear()
+        self.transport.close()
+        self.loop.stop()
+        self.sock.close(0)
+
+    def _send(self, message: m.Message) -> None:
+        c.send_dealer(self.sock, message)
+
+    def _heartbeat(self) -> None:
+        self._send(m.Heartbeat(node_id=f"{self.setup.node_id}/{self.setup.tp_rank}", seq=0))
+        if self.coordinator_watch.expired():
+            log.error("%s rank %d: coordinator silent for %.1f s, shutting down",
+                      self.setup.role, self.setup.tp_rank, self.config.peer_timeout)
+            self.loop.request_stop()
+
+    # -- messages from the coordinator -------------------------------------------------------
+    def _on_message(self) -> None:
+        while True:
+            msg = c.recv_dealer(self.sock, self.config.max_message_bytes)
+            if msg is None:
+                return
+            self.coordinator_watch.heard("coordinator")
+            if isinstance(msg, ProtocolError):
+                self.counters.add("protocol_errors")
+                log.warning("rank %d: bad message from coordinator: %s", self.setup.tp_rank, msg)
+                continue
+            handler = self._handlers().get(type(msg))
+            if handler is None:
+                self.counters.add("unexpected_messages")
+                continue
+            handler(msg)
+
+    def _handlers(self) -> dict:
+        return {
+            m.Heartbeat: lambda msg: None,
+            m.RankConnect: self._on_connect,
+            m.RankPrefill: self._on_prefill,
+            m.RankRecv: self._on_recv,
+            m.RankCancel: self._on_cancel,
+            m.RankShutdown: lambda msg: self.loop.request_stop(),
+        }
+
+    def _on_connect(self, msg: m.RankConnect) -> None:
+        peer_geo = PageGeometry(self.spec, msg.peer_tp_size, msg.peer_layout,
+                                region_align=msg.peer_region_align, page_size=msg.peer_page_size)
+        if self.setup.role == "prefill":
+            plan = TransferPlan(self.geometry, peer_geo)
+            ranks = [p.dst_rank for p in plan.for_source(self.setup.tp_rank)]
+        else:
+            plan = TransferPlan(peer_geo, self.geometry)
+            ranks = [p.src_rank for p in plan.for_destination(self.setup.tp_rank)]
+        self.plans[msg.peer_node] = plan
+        for r in ranks:
+            self.transport.connect(f"{msg.peer_node}/{r}", msg.peer_addresses[r])
+        log.info("%s rank %d: connected to %s (%d ranks, %s)", self.setup.role,
+                 self.setup.tp_rank, msg.peer_node, msg.peer_tp_size, msg.peer_layout)
+
+    def _on_prefill(self, msg: m.RankPrefill) -> None:
+        if msg.peer_node not in self.plans:
+            self._done(msg.request_id, msg.generation, "transfer_error",
+                       f"no connection to {msg.peer_node!r}")
+            return
+        # The model runs on the compute thread, in arrival order (every rank of the group sees
+        # the same order, which collective ops across ranks need); this loop keeps serving
+        # heartbeats and other transfers meanwhile.
+        self.computing[(msg.request_id, msg.generation)] = None
+        self._compute_q.put(msg)
+
+    def _compute_main(self) -> None:
+        while True:
+            msg = self._compute_q.get()
+            if msg is None:
+                return
+            key = (msg.request_id, msg.generation)
+            error = None
+            if self.computing.get(key) is None:          # not cancelled while queued
+                started = time.perf_counter()
+                try:
+                    self.state_fn(self.cache, msg.src_page, msg, self.setup.tp_rank)
+                except Exception as e:  # the model failed: the request fails, the rank serves on
+                    log.exception("rank %d: computing %s failed", self.setup.tp_rank,
+                                  msg.request_id)
+                    error = f"prefill failed: {type(e).__name__}: {e}"
+                self.counters.add("compute_seconds", time.perf_counter() - started)
+            try:
+                self.loop.call_soon(self._after_compute, msg, error)
+            except StatebridgeError:                      # loop closed
+                return
+
+    def _after_compute(self, msg: m.RankPrefill, error: str | None) -> None:
+        key = (msg.request_id, msg.generation)
+        cancelled = self.computing.pop(key, None)
+        if cancelled is not None:
+            self._done(msg.request_id, msg.generation, *cancelled)
+            return
+        if error is not None:
+            self._done(msg.request_id, msg.generation, "transfer_error", error)
+            return
+        plan = self.plans[msg.peer_node]
+        key = (msg.request_id, msg.generation)
+        started = time.perf_counter()
+        src_base = self.cache.page_offset(msg.src_page)
+        dst_base = msg.dst_page * plan.dst.page_size
+        pending = _Pending(msg.request_id, msg.generation, msg.src_page, [], started)
+        for pair in plan.for_source(self.setup.tp_rank):
+            peer = f"{msg.peer_node}/{pair.dst_rank}"
+            if pair.staged:
+                pack = pair.pack + np.array([src_base, 0, 0], dtype=np.int64)
+                h = self.transport.post_send_staged(peer, msg.generation, pair.src_rank, pack)
+            else:
+                h = self.transport.post_send(peer, msg.generation, pair.src_rank,
+                                             pair.runs_at(src_base, dst_base))
+            pending.handles.append(h)
+            pending.nbytes += pair.nbytes
+            pending.messages += pair.messages
+        self.pending[key] = pending
+
+    def _on_recv(self, msg: m.RankRecv) -> None:
+        plan = self.plans.get(msg.peer_node)
+        if plan is None:
+            self._done(msg.request_id, msg.generation, "transfer_error",
+                       f"no connection to {msg.peer_node!r}")
+            return
+        dst_base = self.cache.page_offset(msg.dst_page)
+        pending = _Pending(msg.request_id, msg.generation, msg.dst_page, [], time.perf_counter())
+        for pair in plan.for_destination(self.setup.tp_rank):
+            peer = f"{msg.peer_node}/{pair.src_rank}"
+            if pair.staged:
+                unpack = pair.unpack + np.array([0, dst_base, 0], dtype=np.int64)
+                h = self.transport.post_recv_staged(peer, msg.generation, pair.src_rank,
+                                                    int(pair.pack[:, 2].sum()), unpack)
+            else:
+                h = self.transport.post_recv(peer, msg.generation, pair.src_rank,
+                                             pair.runs_at(0, dst_base))
+            pending.handles.append(h)
+            pending.nbytes += pair.nbytes
+            pending.messages += pair.messages
+        self.pending[(msg.request_id, msg.generation)] = pending
+
+    def _on_cancel(self, msg: m.RankCancel) -> None:
+        if msg.lost_node:
+            for peer in self._peers_of(msg.lost_node):
+                self.transport.fail_peer(peer, f"peer node {msg.lost_node} lost")
+        key = (msg.request_id, msg.generation)
+        if key in self.computing:
+            # Still queued or computing: answered when the compute thread hands it back.
+            self.computing[key] = (msg.kind or "aborted", msg.reason)
+            return
+        pending = self.pending.get(key)
+        if pending is None:
+            # Nothing in flight here (never started or already done): confirm at once.
+            self._done(msg.request_id, msg.generation, msg.kind or "aborted", msg.reason)
+            return
+        pending.failure = (msg.kind or "aborted", msg.reason)
+        for h in pending.handles:
+            if not h.done():
+                h.cancel()
+
+    def _peers_of(self, node: str) -> list[str]:
+        plan = self.plans.get(node)
+        if plan is None:
+            return []
+        if self.setup.role == "prefill":
+            return [f"{node}/{p.dst_rank}" for p in plan.for_source(self.setup.tp_rank)]
+        return [f"{node}/{p.src_rank}" for p in plan.for_destination(self.setup.tp_rank)]
+
+    # -- transfers ------------------------------------------------------------------------------
+    def _poll_transfers(self) -> None:
+        if not self.pending:
+            return
+        now = time.perf_counter()
+        for key, p in list(self.pending.items()):
+            if not all(h.done() for h in p.handles):
+                if p.failure is None and now - p.started > self.config.transfer_timeout:
+                    p.failure = ("timeout", f"transfer not done after "
+                                            f"{self.config.transfer_timeout} s")
+                    for h in p.handles:
+                        if not h.done():
+                            h.cancel()
+                continue
+            kind, message = p.failure or ("", "")
+            if not kind:
+                for h in p.handles:
+                    try:
+                        h.wait(0)
+                    except TransferError as e:
+                        kind, message = e.kind, str(e)
+                        break
+                    except StatebridgeError as e:
+                        kind, message = "transfer_error", str(e)
+                        break
+            del self.pending[key]
+            checksum = ""
+            if not kind and self.setup.checksums and self.setup.role == "decode":
+                checksum = page_checksum(self.geometry, self.cache.page_bytes(p.page))
+            self.counters.add("transfers_ok" if not kind else f"failed_{kind}")
+            self.counters.add("bytes", p.nbytes)
+            self._done(p.request_id, p.generation, kind, message, checksum,
+                       seconds=time.perf_counter() - p.started, nbytes=p.nbytes,
+                       messages=p.messages)
+
+    def _done(self, request_id: str, generation: int, kind: str, message: str,
+              checksum: str = "", *, seconds: float = 0.0, nbytes: int = 0,
+              messages: int = 0) -> None:
+        self._send(m.RankDone(tp_rank=self.setup.tp_rank, request_id=request_id,
+                              generation=generation, kind=kind, message=message,
+                              checksum=checksum, seconds=seconds, nbytes=nbytes,
+                              messages=messages, staging_bytes=int(
+                                  self.transport.stats().get("staging_bytes", 0))))
+
+
+def rank_main(setup: RankSetup) -> None:
+    """Entry point of a rank process."""
+    logging.basicConfig(level=os.environ.get("STATEBRIDGE_LOG_LEVEL", "WARNING"),
+                        format=f"%(asctime)s {setup.role}-rank{setup.tp_rank} %(levelname)s "
+                               f"%(name)s: %(message)s")
+    RankWorker(setup).run()
+
+
+def with_config(setup: RankSetup, **changes) -> RankSetup:
+    return dataclasses.replace(setup, **changes)

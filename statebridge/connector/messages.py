@@ -1,0 +1,305 @@
+"""Control-plane messages: frozen typed dataclasses and the ONE msgpack codec.
+
+Every message on the wire is an envelope ``{"v": PROTOCOL_VERSION, "t": type name, "b": body}``
+packed with msgpack (never pickle). :func:`decode` checks, in order: size, msgpack, envelope keys,
+version, type, then every body field's presence and type -- each failure is a
+:class:`~statebridge.errors.ProtocolError` naming the offending value, so a receiving loop can
+count it and keep serving.
+
+Handshake (decode group connects to a prefill group)::
+
+    decode coordinator                           prefill server
+      Hello(version, compat hash)  ------------>   checks version + compat_hash
+                                   <------------   Hello | Reject
+      GroupInfo(addresses, geometry) ---------->
+                                   <------------   GroupInfo(addresses, geometry)
+
+The compatibility hash (:func:`compat_hash`) covers the protocol version and the state spec
+(model dims, segments, state_len, dtypes). Page layouts are NOT in it on purpose: the two sides
+may use different layouts (the transfer plan stages those); they travel in ``GroupInfo``.
+
+Per request (N-1 protocol, see DESIGN.md): ``TransferRequest`` decode -> prefill,
+``TransferComplete`` / ``TransferFailed`` / ``Abort`` either way; ``Heartbeat`` both ways.
+Inside a group, the coordinator and its rank processes use the ``Rank*`` messages.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import typing
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import msgpack
+
+from statebridge.errors import IncompatiblePeerError, ProtocolError
+
+__all__ = [
+    "PROTOCOL_VERSION", "MAX_MESSAGE_BYTES", "Message", "encode", "decode", "compat_hash",
+    "MESSAGE_TYPES",
+    "Hello", "Reject", "GroupInfo", "TransferRequest", "TransferComplete", "TransferFailed",
+    "Abort", "Heartbeat", "Error", "Goodbye",
+    "RankHello", "RankConnect", "RankPrefill", "RankRecv", "RankDone", "RankCancel",
+    "RankShutdown",
+]
+
+PROTOCOL_VERSION = 1
+#: Default largest message accepted by :func:`decode` (a prompt of 1M tokens fits).
+MAX_MESSAGE_BYTES = 16 * 1024 * 1024
+
+_FROZEN = dict(frozen=True, slots=True, kw_only=True)
+
+
+class Message:
+    """Base of every wire message; subclasses are registered by their class name."""
+
+    TYPE: ClassVar[str]
+
+
+MESSAGE_TYPES: dict[str, type] = {}
+_FIELDS: dict[type, dict[str, Any]] = {}
+
+
+def _message(cls):
+    cls = dataclass(**_FROZEN)(cls)
+    cls.TYPE = cls.__name__
+    hints = typing.get_type_hints(cls)
+    _FIELDS[cls] = {f.name: hints[f.name] for f in dataclasses.fields(cls)}
+    MESSAGE_TYPES[cls.TYPE] = cls
+    return cls
+
+
+# -- between groups ----------------------------------------------------------------------------
+
+@_message
+class Hello(Message):
+    """Phase 1 of the handshake, both directions."""
+    compat_hash: str
+    node_id: str
+    role: str                      # "prefill" | "decode"
+
+
+@_message
+class Reject(Message):
+    """The handshake was refused (incompatible peer, bad message, limits)."""
+    code: str
+    reason: str
+
+
+@_message
+class GroupInfo(Message):
+    """Phase 2: everything a peer needs to plan and connect (one entry per TP rank)."""
+    node_id: str
+    role: str
+    tp_size: int
+    layout: str
+    page_size: int
+    region_align: int
+    num_pages: int
+    spec_json: str
+    rank_addresses: tuple[bytes, ...]
+
+
+@_message
+class TransferRequest(Message):
+    """Decode -> prefill: compute ``prompt`` and send the state into ``dst_page``."""
+    request_id: str
+    generation: int
+    prompt: tuple[int, ...]
+    dst_page: int
+
+
+@_message
+class TransferComplete(Message):
+    """Decode -> prefill: every decode rank holds the state; the lease can end."""
+    request_id: str
+    generation: int
+
+
+@_message
+class TransferFailed(Message):
+    """Either way: the request's transfer failed; ``kind`` is a TransferError kind."""
+    request_id: str
+    generation: int
+    kind: str
+    message: str
+
+
+@_message
+class Abort(Message):
+    """Either way: stop working on the request and release what it holds."""
+    request_id: str
+    generation: int
+    reason: str
+
+
+@_message
+class Heartbeat(Message):
+    node_id: str
+    seq: int
+
+
+@_message
+class Error(Message):
+    """Reply to a message that could not be accepted (the sender keeps its connection)."""
+    kind: str
+    message: str
+
+
+@_message
+class Goodbye(Message):
+    """Clean shutdown of a node: its peers fail what is in flight without waiting."""
+    node_id: str
+
+
+# -- inside a group (coordinator <-> rank processes) -------------------------------------------
+
+@_message
+class RankHello(Message):
+    """Rank -> its coordinator at start: who it is and its UCX worker address."""
+    tp_rank: int
+    address: bytes
+    pid: int
+
+
+@_message
+class RankConnect(Message):
+    """Coordinator -> rank: open UCX endpoints to a peer group and plan transfers with it."""
+    peer_node: str
+    peer_role: str
+    peer_tp_size: int
+    peer_layout: str
+    peer_page_size: int
+    peer_region_align: int
+    peer_addresses: tuple[bytes, ...]
+
+
+@_message
+class RankPrefill(Message):
+    """Prefill coordinator -> rank: compute the state of ``prompt`` into ``src_page`` and send
+    it to ``dst_page`` of ``peer_node``."""
+    request_id: str
+    generation: int
+    prompt: tuple[int, ...]
+    src_page: int
+    dst_page: int
+    peer_node: str
+
+
+@_message
+class RankRecv(Message):
+    """Decode coordinator -> rank: post the receives of a request into ``dst_page``."""
+    request_id: str
+    generation: int
+    dst_page: int
+    peer_node: str
+
+
+@_message
+class RankDone(Message):
+    """Rank -> coordinator: this rank finished its part (``kind`` empty) or failed it."""
+    tp_rank: int
+    request_id: str
+    generation: int
+    kind: str
+    message: str
+    checksum: str
+    seconds: float
+    nbytes: int
+    messages: int
+    staging_bytes: int
+
+
+@_message
+class RankCancel(Message):
+    """Coordinator -> rank: cancel the request's transfers; reply RankDone once nothing of it
+    can still touch the page. ``lost_node`` (may be empty) names a dead peer node whose
+    endpoints the rank must fail."""
+    request_id: str
+    generation: int
+    kind: str
+    reason: str
+    lost_node: str
+
+
+@_message
+class RankShutdown(Message):
+    reason: str
+
+
+# -- codec -------------------------------------------------------------------------------------
+
+def encode(message: Message) -> bytes:
+    """Envelope + msgpack of a registered message."""
+    cls = type(message)
+    if cls not in _FIELDS:
+        raise ProtocolError(f"not a registered message type: {cls.__name__}")
+    body = {name: getattr(message, name) for name in _FIELDS[cls]}
+    return msgpack.packb({"v": PROTOCOL_VERSION, "t": cls.TYPE, "b": body}, use_bin_type=True)
+
+
+def decode(data: bytes, *, max_bytes: int = MAX_MESSAGE_BYTES) -> Message:
+    """The message in ``data``; :class:`ProtocolError` for anything else."""
+    if not isinstance(data, (bytes, bytearray, memoryview)):
+        raise ProtocolError(f"message must be bytes, got {type(data).__name__}")
+    if len(data) > max_bytes:
+        raise ProtocolError(f"message of {len(data)} bytes exceeds the limit of {max_bytes}")
+    try:
+        envelope = msgpack.unpackb(bytes(data), raw=False, strict_map_key=True)
+    except Exception as e:  # msgpack raises many types (ExtraData, ValueError, TypeError, ...)
+        raise ProtocolError(f"undecodable message ({type(e).__name__}: {e}): "
+                            f"{bytes(data[:32])!r}") from None
+    if not isinstance(envelope, dict) or set(envelope) != {"v", "t", "b"}:
+        shown = sorted(envelope) if isinstance(envelope, dict) else type(envelope).__name__
+        raise ProtocolError(f"envelope must be a map with keys v, t, b; got {shown!r}")
+    version, type_name, body = envelope["v"], envelope["t"], envelope["b"]
+    if version != PROTOCOL_VERSION:
+        raise IncompatiblePeerError(f"protocol version {version!r} is not ours "
+                                    f"({PROTOCOL_VERSION})")
+    cls = MESSAGE_TYPES.get(type_name) if isinstance(type_name, str) else None
+    if cls is None:
+        raise ProtocolError(f"unknown message type {type_name!r}")
+    if not isinstance(body, dict):
+        raise ProtocolError(f"{type_name}: body must be a map, got {type(body).__name__}")
+    fields = _FIELDS[cls]
+    missing = sorted(set(fields) - set(body))
+    unknown = sorted(map(repr, set(body) - set(fields)))
+    if missing or unknown:
+        raise ProtocolError(f"{type_name}: missing fields {missing}, unknown fields "
+                            f"[{', '.join(unknown)}]")
+    values = {name: _check(type_name, name, fields[name], body[name]) for name in fields}
+    return cls(**values)
+
+
+_SCALARS = {int: int, str: str, bytes: bytes, bool: bool, float: float}
+
+
+def _check(type_name: str, field: str, annotation: Any, value: Any) -> Any:
+    """``value`` converted to ``annotation`` (lists -> tuples), or ProtocolError."""
+    origin = typing.get_origin(annotation)
+    if origin is tuple:
+        (item, _) = typing.get_args(annotation)
+        if not isinstance(value, (list, tuple)):
+            raise ProtocolError(f"{type_name}.{field} must be a list, got {_short(value)}")
+        return tuple(_check(type_name, field, item, v) for v in value)
+    if annotation is int and isinstance(value, bool) or not isinstance(value, annotation) or (
+            annotation is float and isinstance(value, bool)):
+        if annotation is float and isinstance(value, int) and not isinstance(value, bool):
+            return float(value)
+        raise ProtocolError(f"{type_name}.{field} must be {annotation.__name__}, got "
+                            f"{_short(value)}")
+    if annotation is int and not -(1 << 63) <= value < (1 << 64):
+        raise ProtocolError(f"{type_name}.{field} out of range: {value}")
+    return value
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return f"{type(value).__name__} {text[:64]}{'...' if len(text) > 64 else ''}"
+
+
+def compat_hash(spec_json: str) -> str:
+    """Hash peers compare before anything else: protocol version + state spec."""
+    return hashlib.sha256(f"statebridge/{PROTOCOL_VERSION}/{spec_json}".encode()).hexdigest()[:32]
+

@@ -1,0 +1,295 @@
+"""The prefill side: a server that decode groups connect to, and its TP rank processes.
+
+Runs in the prefill node's main process (:class:`PrefillServer`) and in each prefill rank
+process (:class:`~statebridge.connector._rank.RankWorker` with role ``"prefill"``).
+
+Per request (N-1 protocol)::
+
+    decode --TransferRequest--> server: allocate one page id (same on every rank)
+                                server --RankPrefill--> every rank: compute state, send runs
+                                every rank --RankDone--> server (sends complete or failed)
+    decode --TransferComplete--> server: lease ends, page freed
+
+The page is held under a lease of ``lease_timeout`` seconds: if the decode side neither
+confirms nor aborts in time (it vanished), the ranks cancel their sends and the page is freed
+once every rank confirmed the cancel. A decode peer that goes silent for ``peer_timeout``
+seconds (or says Goodbye) has all its requests cancelled; a prefill rank that dies fails every
+request in flight with ``peer_lost`` and the server refuses new requests (the group is broken;
+start a fresh one).
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import time
+
+from statebridge.connector import control as c
+from statebridge.connector import messages as m
+from statebridge.connector._group import RankGroup, RequestState
+from statebridge.errors import CacheFullError, IncompatiblePeerError
+
+log = logging.getLogger(__name__)
+
+__all__ = ["PrefillServer"]
+
+
+class _Peer:
+    def __init__(self, identity: bytes, node_id: str) -> None:
+        self.identity = identity
+        self.node_id = node_id
+        self.hello = False
+        self.connected = False
+        self.inflight = 0
+
+
+class PrefillServer(RankGroup):
+    """The prefill group's coordinator: handshake, requests, leases, liveness."""
+
+    role = "prefill"
+
+    def _init_state(self) -> None:
+        self.peers: dict[bytes, _Peer] = {}
+        self.requests: dict[tuple[bytes, str, int], RequestState] = {}
+        self.waiting: collections.deque[tuple[bytes, m.TransferRequest]] = collections.deque()
+        self._pending_info: list[tuple[bytes, m.GroupInfo]] = []
+        self.peer_watch = c.PeerWatch(self.config.peer_timeout)
+        self.rank_staging_bytes = [0] * self.tp_size
+
+    # -- decode peers ----------------------------------------------------------------------------
+    def _on_peer_message(self, identity: bytes, msg: m.Message) -> None:
+        peer = self.peers.get(identity)
+        if isinstance(msg, m.Hello):
+            self._on_hello(identity, msg)
+            return
+        if peer is None or not peer.hello:
+            self.counters.add("protocol_errors")
+            c.send_router(self.router, identity, m.Error(
+                kind="ProtocolError", message=f"{type(msg).__name__} before Hello"))
+            return
+        self.peer_watch.heard(identity)
+        if isinstance(msg, m.GroupInfo):
+            self._on_group_info(identity, msg)
+        elif isinstance(msg, m.TransferRequest):
+            self._on_transfer_request(peer, msg)
+        elif isinstance(msg, m.TransferComplete):
+            self._on_complete(identity, msg)
+        elif isinstance(msg, m.Abort):
+            req = self.requests.get((identity, msg.request_id, msg.generation))
+            if req is not None:
+                self.counters.add("aborted_by_peer")
+                self._fail(req, "aborted", f"aborted by decode: {msg.reason}", notify=False)
+            else:
+                self._drop_waiting(identity, msg.request_id, msg.generation)
+        elif isinstance(msg, m.Goodbye):
+            self._peer_lost(identity, "said goodbye")
+        elif isinstance(msg, m.Heartbeat):
+            pass
+        else:
+            self.counters.add("unexpected_messages")
+
+    def _on_hello(self, identity: bytes, msg: m.Hello) -> None:
+        expected = m.compat_hash(self.spec.to_json())
+        if msg.compat_hash != expected or msg.role != "decode":
+            self.counters.add("incompatible_peers")
+            reason = (f"compat hash {msg.compat_hash!r} != {expected!r}"
+                      if msg.compat_hash != expected else f"role {msg.role!r} is not 'decode'")
+            log.warning("%s: rejected %s: %s", self.node_id, msg.node_id, reason)
+            c.send_router(self.router, identity, m.Reject(code="incompatible", reason=reason))
+            return
+        peer = self.peers.get(identity) or _Peer(identity, msg.node_id)
+        peer.hello = True
+        self.peers[identity] = peer
+        self.peer_watch.heard(identity)
+        c.send_router(self.router, identity, m.Hello(compat_hash=expected, node_id=self.node_id,
+                                                     role=self.role))
+
+    def _on_group_info(self, identity: bytes, info: m.GroupInfo) -> None:
+        try:
+            self.check_peer_info(info)
+        except IncompatiblePeerError as e:
+            self.counters.add("incompatible_peers")
+            c.send_router(self.router, identity, m.Reject(code="incompatible", reason=str(e)))
+            return
+        if not self._ready.is_set():
+            self._pending_info.append((identity, info))   # answered when all ranks are up
+            return
+        self._connect_peer(identity, info)
+
+    def _on_group_ready(self) -> None:
+        pending, self._pending_info = self._pending_info, []
+        for identity, info in pending:
+            self._connect_peer(identity, info)
+
+    def _connect_peer(self, identity: bytes, info: m.GroupInfo) -> None:
+        peer = self.peers[identity]
+        peer.node_id = info.node_id
+        self.to_ranks(m.RankConnect(peer_node=info.node_id, peer_role=info.role,
+                                    peer_tp_size=info.tp_size, peer_layout=info.layout,
+                                    peer_page_size=info.page_size,
+                                    peer_region_align=info.region_align,
+                                    peer_addresses=info.rank_addresses))
+        peer.connected = True
+        log.info("%s: decode group %s connected (TP %d, %s)", self.node_id, info.node_id,
+                 info.tp_size, info.layout)
+        c.send_router(self.router, identity, self.group_info())
+
+    # -- requests ----------------------------------------------------------------------------------
+    def _on_transfer_request(self, peer: _Peer, msg: m.TransferRequest) -> None:
+        key = (peer.identity, msg.request_id, msg.generation)
+        if not peer.connected:
+            self._reject(peer, msg, "transfer_error", "TransferRequest before GroupInfo")
+            return
+        if not self.healthy:
+            self._reject(peer, msg, "peer_lost", f"prefill group {self.node_id} lost a rank")
+            return
+        if key in self.requests:
+            self.counters.add("duplicate_requests")
+            return
+        if peer.inflight >= self.config.max_inflight_per_peer:
+            self._reject(peer, msg, "busy", f"{peer.inflight} requests in flight from "
+                                            f"{peer.node_id} (limit "
+                                            f"{self.config.max_inflight_per_peer})")
+            return
+        try:
+            page = self.pool.allocate()
+        except CacheFullError:
+            self.counters.add("waiting_for_pages")
+            self.waiting.append((peer.identity, msg))        # back-pressure, not a failure
+            return
+        self._start(peer, msg, page)
+
+    def _start(self, peer: _Peer, msg: m.TransferRequest, page: int) -> None:
+        req = RequestState(msg.request_id, msg.generation, page, peer.identity,
+                           deadline=time.monotonic() + self.config.lease_timeout)
+        self.requests[(peer.identity, msg.request_id, msg.generation)] = req
+        peer.inflight += 1
+        self.counters.add("requests")
+        self.to_ranks(m.RankPrefill(request_id=msg.request_id, generation=msg.generation,
+                                    prompt=msg.prompt, src_page=page, dst_page=msg.dst_page,
+                                    peer_node=peer.node_id))
+
+    def _reject(self, peer: _Peer, msg: m.TransferRequest, kind: str, reason: str) -> None:
+        self.counters.add(f"rejected_{kind}")
+        c.send_router(self.router, peer.identity, m.TransferFailed(
+            request_id=msg.request_id, generation=msg.generation, kind=kind, message=reason))
+
+    def _drop_waiting(self, identity: bytes, request_id: str, generation: int) -> None:
+        self.waiting = collections.deque(
+            (i, w) for i, w in self.waiting
+            if not (i == identity and w.request_id == request_id and w.generation == generation))
+
+    def _on_rank_done(self, rank: int, msg: m.RankDone) -> None:
+        req = next((r for (i, rid, gen), r in self.requests.items()
+                    if rid == msg.request_id and gen == msg.generation), None)
+        if req is None:
+            self.counters.add("stale_rank_done")
+            return
+        req.done[rank] = msg
+        self.rank_staging_bytes[rank] = msg.staging_bytes
+        if msg.kind and req.failure is None:
+            self._fail(req, msg.kind, f"prefill rank {rank}: {msg.message}", notify=True)
+        self._maybe_free(req)
+
+    def _on_complete(self, identity: bytes, msg: m.TransferComplete) -> None:
+        req = self.requests.get((identity, msg.request_id, msg.generation))
+        if req is None:
+            self.counters.add("stale_completions")
+            return
+        req.complete = True
+        self._maybe_free(req)
+
+    def _fail(self, req: RequestState, kind: str, message: str, *, notify: bool,
+              lost_node: str = "") -> None:
+        """Cancel ``req`` on every rank still working on it; tell the decode peer."""
+        if req.failure is not None:
+            return
+        req.failure = (kind, message)
+        self.counters.add(f"failed_{kind}")
+        cancel = m.RankCancel(request_id=req.request_id, generation=req.generation, kind=kind,
+                              reason=message, lost_node=lost_node)
+        for r in req.ranks_pending(self):
+            self.to_rank(r, cancel)
+        if notify and req.peer in self.peers:
+            c.send_router(self.router, req.peer, m.TransferFailed(
+                request_id=req.request_id, generation=req.generation, kind=kind,
+                message=message))
+        self._maybe_free(req)
+
+    def _maybe_free(self, req: RequestState) -> None:
+        """Free the page once no rank can still send from it and the lease is over."""
+        if req.ranks_pending(self):
+            return
+        if req.failure is None and not req.complete:
+            return
+        self.requests.pop((req.peer, req.request_id, req.generation), None)
+        self.pool.free(req.page)
+        peer = self.peers.get(req.peer)
+        if peer is not None:
+            peer.inflight -= 1
+        self._start_waiting()
+
+    def _start_waiting(self) -> None:
+        while self.waiting and self.pool.num_free:
+            identity, msg = self.waiting.popleft()
+            peer = self.peers.get(identity)
+            if peer is None:
+                continue
+            self._start(peer, msg, self.pool.allocate())
+
+    # -- liveness ----------------------------------------------------------------------------------
+    def _on_tick(self) -> None:
+        hb = m.Heartbeat(node_id=self.node_id, seq=0)
+        for identity, peer in list(self.peers.items()):
+            if peer.hello:
+                c.send_router(self.router, identity, hb)
+        for identity in self.peer_watch.expired():
+            self._peer_lost(identity, f"silent for {self.config.peer_timeout} s")
+        now = time.monotonic()
+        for req in list(self.requests.values()):
+            if req.failure is None and not req.complete and now > req.deadline:
+                self.counters.add("leases_expired")
+                self._fail(req, "timeout", f"lease of {self.config.lease_timeout} s expired "
+                                           f"without confirmation", notify=True)
+
+    def _peer_lost(self, identity: bytes, why: str) -> None:
+        peer = self.peers.pop(identity, None)
+        self.peer_watch.forget(identity)
+        if peer is None:
+            return
+        self.counters.add("peers_lost")
+        log.warning("%s: decode peer %s lost (%s)", self.node_id, peer.node_id, why)
+        self._drop_waiting_all(identity)
+        for req in [r for r in self.requests.values() if r.peer == identity]:
+            self._fail(req, "peer_lost", f"decode peer {peer.node_id} lost ({why})",
+                       notify=False, lost_node=peer.node_id)
+            if req.failure is not None:
+                # The peer cannot complete it any more; free once the ranks confirmed.
+                self._maybe_free(req)
+
+    def _drop_waiting_all(self, identity: bytes) -> None:
+        self.waiting = collections.deque((i, w) for i, w in self.waiting if i != identity)
+
+    def _on_rank_lost(self, rank: int) -> None:
+        for req in list(self.requests.values()):
+            self._fail(req, "peer_lost", f"prefill rank {rank} of {self.node_id} died",
+                       notify=True)
+            self._maybe_free(req)
+        for identity, msg in list(self.waiting):
+            peer = self.peers.get(identity)
+            if peer is not None:
+                self._reject(peer, msg, "peer_lost", f"prefill group {self.node_id} lost a rank")
+        self.waiting.clear()
+
+    def _on_close(self) -> None:
+        for identity in list(self.peers):
+            c.send_router(self.router, identity, m.Goodbye(node_id=self.node_id))
+
+    # -- introspection (thread-safe) -----------------------------------------------------------
+    def stats(self) -> dict:
+        def collect():
+            return {"pages_used": self.pool.num_used, "requests_in_flight": len(self.requests),
+                    "waiting": len(self.waiting), "peers": len(self.peers),
+                    "healthy": self.healthy, "rank_staging_bytes": list(self.rank_staging_bytes),
+                    **self.counters.snapshot()}
+        return self.loop.call(collect)

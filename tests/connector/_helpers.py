@@ -1,0 +1,66 @@
+"""Shared pieces of the multi-process connector tests (imported by rank processes too)."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import time
+
+import numpy as np
+
+from statebridge.config import ConnectorConfig
+from statebridge.state.layout import PageGeometry
+from statebridge.state.spec import StateSpec
+from statebridge.state.synthetic import global_state, request_seed
+
+from tests.state._oracle import page_of_rank
+
+# Fast liveness for tests: a dead peer is noticed within ~1 s.
+FAST = ConnectorConfig(heartbeat_interval=0.1, peer_timeout=1.0, lease_timeout=30.0,
+                       transfer_timeout=30.0, handshake_timeout=30.0)
+
+SPECS = {
+    "shortconv": StateSpec.from_config(
+        {"model_type": "lfm2", "hidden_size": 40, "conv_L_cache": 3, "torch_dtype": "bfloat16",
+         "layer_types": ["conv", "full_attention", "conv", "conv"]}),
+    "mamba2-g1": StateSpec.from_config(
+        {"model_type": "mamba2", "hidden_size": 16, "expand": 2, "head_dim": 4, "state_size": 6,
+         "n_groups": 1, "conv_kernel": 4, "num_hidden_layers": 3, "torch_dtype": "bfloat16"},
+        ssm_dtype="float32"),
+    "mamba2-g8": StateSpec.from_config(
+        {"model_type": "mamba2", "hidden_size": 16, "expand": 2, "head_dim": 4, "state_size": 5,
+         "n_groups": 8, "conv_kernel": 3, "num_hidden_layers": 2, "torch_dtype": "float16"}),
+}
+
+
+def expected_checksum(geometry: PageGeometry, request_id: str, tp_rank: int) -> str:
+    """What decode rank ``tp_rank`` must hold for ``request_id``, from the test oracle."""
+    state = {k: v.view({1: __import__("torch").uint8, 2: __import__("torch").int16,
+                        4: __import__("torch").int32}[v.element_size()]).numpy()
+             for k, v in global_state(geometry.spec, request_seed(request_id)).items()}
+    page, data = page_of_rank(geometry, state, tp_rank)
+    h = hashlib.blake2b(digest_size=16)
+    h.update(page[data].tobytes())
+    return h.hexdigest()
+
+
+def slow_prefill(cache, page, request, tp_rank) -> None:
+    """A "model" that takes STATEBRIDGE_TEST_PREFILL_DELAY seconds (default 0.5)."""
+    from statebridge.connector._rank import synthetic_prefill
+
+    time.sleep(float(os.environ.get("STATEBRIDGE_TEST_PREFILL_DELAY", "0.5")))
+    synthetic_prefill(cache, page, request, tp_rank)
+
+
+def wait_until(predicate, timeout: float, what: str) -> float:
+    """Poll ``predicate`` until true; returns the seconds it took, fails after ``timeout``."""
+    start = time.monotonic()
+    while time.monotonic() - start < timeout:
+        if predicate():
+            return time.monotonic() - start
+        time.sleep(0.02)
+    raise AssertionError(f"{what}: not true after {timeout} s")
+
+
+def random_prompt(rng: np.random.Generator) -> tuple[int, ...]:
+    return tuple(int(x) for x in rng.integers(0, 1000, size=int(rng.integers(1, 9))))

@@ -1,0 +1,254 @@
+"""Broken on purpose: dead ranks, vanished peers, aborts, bad messages, stale completions."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+import uuid
+
+import msgpack
+import pytest
+import zmq
+
+from statebridge.connector import control as c
+from statebridge.connector import messages as m
+from statebridge.connector.decode import DecodeCoordinator
+from statebridge.connector.hosts import RankHostPool
+from statebridge.connector.prefill import PrefillServer
+from statebridge.errors import AbortedError, IncompatiblePeerError, PeerLostError
+from statebridge.state.spec import StateSpec
+
+from ._helpers import FAST, SPECS, expected_checksum, wait_until
+
+pytestmark = [pytest.mark.ucx, pytest.mark.multiprocess]
+
+SPEC = SPECS["mamba2-g1"]
+SLOW = "tests.connector._helpers:slow_prefill"
+
+
+@pytest.fixture(scope="module")
+def decode_hosts():
+    with RankHostPool(2) as pool:
+        yield pool
+
+
+@pytest.fixture(scope="module")
+def prefill_hosts():
+    with RankHostPool(2) as pool:
+        yield pool
+
+
+def ids(n):
+    tag = uuid.uuid4().hex[:6]
+    return [f"r{i}-{tag}" for i in range(n)]
+
+
+def check_ok(decode, future, rid, timeout=30):
+    result = future.result(timeout=timeout)
+    assert result.checksums == tuple(expected_checksum(decode.geometry, rid, r)
+                                     for r in range(decode.tp_size))
+    decode.release(result)
+
+
+@pytest.mark.timeout(120)
+def test_sigkill_prefill_rank_fails_its_requests_then_fresh_group_serves(decode_hosts,
+                                                                         monkeypatch):
+    monkeypatch.setenv("STATEBRIDGE_TEST_PREFILL_DELAY", "0.3")
+    decode = DecodeCoordinator(SPEC, 2, "DLS", num_pages=16, config=FAST,
+                               launcher=decode_hosts.launcher(), checksums=True)
+    server = PrefillServer(SPEC, 2, "DLS", num_pages=16, config=FAST, state_fn=SLOW)  # spawned
+    try:
+        server.wait_ready()
+        decode.connect(server.address)
+        first = ids(1)[0]
+        check_ok(decode, decode.submit(first, [1, 2, 3]), first)
+        rids = ids(6)
+        futures = [decode.submit(rid, [4, 5]) for rid in rids]
+        time.sleep(0.1)
+        killed_at = time.monotonic()
+        os.kill(server.handles[1].pid, signal.SIGKILL)
+        failed = 0
+        for f in futures:
+            try:
+                f.result(timeout=FAST.peer_timeout + 5)
+            except PeerLostError as e:
+                failed += 1
+                assert e.request_id in rids
+        elapsed = time.monotonic() - killed_at
+        assert failed >= 1
+        assert elapsed < FAST.peer_timeout + 3, f"failures took {elapsed:.1f} s"
+        wait_until(lambda: decode.stats()["pages_used"] == 0, 10, "decode pages reclaimed")
+        wait_until(lambda: server.stats()["pages_used"] == 0, 10, "prefill pages reclaimed")
+        assert not server.stats()["healthy"]
+        with pytest.raises(PeerLostError):                  # broken group refuses new work
+            decode.submit(ids(1)[0], [1]).result(timeout=10)
+    finally:
+        server.close()
+    # A fresh prefill group serves the same decode group.
+    fresh = PrefillServer(SPEC, 2, "DLS", num_pages=16, config=FAST)
+    try:
+        fresh.wait_ready()
+        node = decode.connect(fresh.address)
+        rid = ids(1)[0]
+        check_ok(decode, decode.submit(rid, [7, 8], prefill=node), rid)
+    finally:
+        fresh.close()
+        decode.close()
+    for h in server.handles + fresh.handles:
+        assert not h.is_alive()
+
+
+@pytest.mark.timeout(120)
+def test_sigkill_decode_rank_fails_its_requests_and_frees_prefill_pages(prefill_hosts,
+                                                                        monkeypatch):
+    monkeypatch.setenv("STATEBRIDGE_TEST_PREFILL_DELAY", "0.3")
+    server = PrefillServer(SPEC, 2, "LDS", num_pages=16, config=FAST, state_fn=SLOW,
+                           launcher=prefill_hosts.launcher())
+    decode = DecodeCoordinator(SPEC, 2, "LDS", num_pages=16, config=FAST, checksums=True)
+    try:
+        server.wait_ready()
+        decode.connect(server.address)
+        first = ids(1)[0]
+        check_ok(decode, decode.submit(first, [1, 2]), first)
+        futures = [decode.submit(rid, [3]) for rid in ids(4)]
+        killed_at = time.monotonic()
+        os.kill(decode.handles[0].pid, signal.SIGKILL)
+        for f in futures:
+            with pytest.raises(PeerLostError, match="decode rank 0"):
+                f.result(timeout=FAST.peer_timeout + 5)
+        assert time.monotonic() - killed_at < FAST.peer_timeout + 3
+        wait_until(lambda: server.stats()["pages_used"] == 0, 15, "prefill pages reclaimed")
+        wait_until(lambda: decode.stats()["pages_used"] == 0, 10, "decode pages reclaimed")
+        assert server.stats()["healthy"]                   # the prefill group serves on
+    finally:
+        decode.close()
+        server.close()
+
+
+@pytest.mark.timeout(120)
+def test_lease_expiry_frees_prefill_pages_when_decode_vanishes(prefill_hosts, monkeypatch):
+    monkeypatch.setenv("STATEBRIDGE_TEST_PREFILL_DELAY", "0.5")
+    config = FAST.replace(lease_timeout=2.0, peer_timeout=60.0)
+    server = PrefillServer(SPEC, 2, "LDS", num_pages=8, config=config, state_fn=SLOW,
+                           launcher=prefill_hosts.launcher())
+    decode = DecodeCoordinator(SPEC, 2, "LDS", num_pages=8, config=config)   # spawned ranks
+    try:
+        server.wait_ready()
+        decode.connect(server.address)
+        for rid in ids(3):
+            decode.submit(rid, [1, 2])
+        # The decode coordinator vanishes without a word before confirming anything (its ranks
+        # still receive, so the prefill sends complete and only the lease can end the hold).
+        decode.loop.request_stop()
+        wait_until(lambda: server.stats()["pages_used"] == 3, 5, "prefill pages held")
+        took = wait_until(lambda: server.stats()["pages_used"] == 0, 15, "lease expiry")
+        stats = server.stats()
+        assert stats["leases_expired"] == 3
+        assert took < config.lease_timeout + 5
+    finally:
+        server.close()
+        decode.close()
+
+
+@pytest.mark.timeout(120)
+def test_abort_mid_transfer(prefill_hosts, decode_hosts, monkeypatch):
+    monkeypatch.setenv("STATEBRIDGE_TEST_PREFILL_DELAY", "0.5")
+    with PrefillServer(SPEC, 2, "DLS", num_pages=8, config=FAST, state_fn=SLOW,
+                       launcher=prefill_hosts.launcher()) as server, \
+            DecodeCoordinator(SPEC, 2, "DLS", num_pages=8, config=FAST, checksums=True,
+                              launcher=decode_hosts.launcher()) as decode:
+        server.wait_ready()
+        decode.connect(server.address)
+        keep, drop = ids(2)
+        f_keep = decode.submit(keep, [1, 2, 3])
+        f_drop = decode.submit(drop, [4, 5, 6])
+        decode.abort(drop, "client went away")
+        with pytest.raises(AbortedError, match="client went away") as info:
+            f_drop.result(timeout=10)
+        assert info.value.request_id == drop
+        check_ok(decode, f_keep, keep)
+        wait_until(lambda: decode.stats()["pages_used"] == 0, 10, "decode pages freed")
+        wait_until(lambda: server.stats()["pages_used"] == 0, 10, "prefill pages freed")
+        # The id can be reused with a new generation after the abort.
+        check_ok(decode, decode.submit(drop, [4, 5, 6]), drop)
+
+
+def raw_peer(address: str) -> zmq.Socket:
+    sock = c.connect_dealer(zmq.Context.instance(), address)
+    sock.setsockopt(zmq.RCVTIMEO, 5000)
+    return sock
+
+
+@pytest.mark.timeout(120)
+def test_bad_messages_get_typed_errors_and_the_server_keeps_serving(prefill_hosts,
+                                                                    decode_hosts):
+    with PrefillServer(SPEC, 2, "DLS", num_pages=8, config=FAST,
+                       launcher=prefill_hosts.launcher()) as server, \
+            DecodeCoordinator(SPEC, 2, "LDS", num_pages=8, config=FAST, checksums=True,
+                              launcher=decode_hosts.launcher()) as decode:
+        server.wait_ready()
+        decode.connect(server.address)
+        sock = raw_peer(server.address)
+        bad = [
+            (b"\xc1garbage", "ProtocolError", "undecodable"),
+            (m.encode(m.Heartbeat(node_id="x", seq=1))[:-2], "ProtocolError", "undecodable"),
+            (msgpack.packb({"v": 99, "t": "Hello", "b": {}}), "IncompatiblePeerError",
+             "version 99"),
+            (b"\x00" * (FAST.max_message_bytes + 1), "ProtocolError", "exceeds the limit"),
+            (m.encode(m.TransferRequest(request_id="x", generation=1, prompt=(1,), dst_page=0)),
+             "ProtocolError", "before Hello"),
+        ]
+        for data, kind, needle in bad:
+            sock.send(data)
+            reply = m.decode(sock.recv())
+            assert isinstance(reply, m.Error) and reply.kind == kind and needle in reply.message
+        sock.send(m.encode(m.Hello(compat_hash="deadbeef", node_id="evil", role="decode")))
+        reply = m.decode(sock.recv())
+        assert isinstance(reply, m.Reject) and "deadbeef" in reply.reason
+        sock.close(0)
+        stats = server.stats()
+        assert stats["protocol_errors"] == 5 and stats["incompatible_peers"] == 1
+        rid = ids(1)[0]
+        check_ok(decode, decode.submit(rid, [1, 2]), rid)
+
+
+@pytest.mark.timeout(120)
+def test_incompatible_peer_is_refused(prefill_hosts):
+    other = StateSpec.from_config({"model_type": "lfm2", "hidden_size": 8, "conv_L_cache": 3,
+                                   "layer_types": ["conv"]})
+    with PrefillServer(SPEC, 1, "DLS", num_pages=4, config=FAST,
+                       launcher=prefill_hosts.launcher()) as server, \
+            DecodeCoordinator(other, 1, "DLS", num_pages=4, config=FAST,
+                              launcher=prefill_hosts.launcher()) as decode:
+        server.wait_ready()
+        with pytest.raises(IncompatiblePeerError, match="compat hash"):
+            decode.connect(server.address)
+
+
+@pytest.mark.timeout(120)
+def test_stale_generation_messages_are_ignored(prefill_hosts, decode_hosts, monkeypatch):
+    monkeypatch.setenv("STATEBRIDGE_TEST_PREFILL_DELAY", "0.3")
+    with PrefillServer(SPEC, 2, "DLS", num_pages=8, config=FAST, state_fn=SLOW,
+                       launcher=prefill_hosts.launcher()) as server, \
+            DecodeCoordinator(SPEC, 2, "DLS", num_pages=8, config=FAST, checksums=True,
+                              launcher=decode_hosts.launcher()) as decode:
+        server.wait_ready()
+        node = decode.connect(server.address)
+        rid = ids(1)[0]
+        first = decode.submit(rid, [1])
+        check_ok(decode, first, rid)
+        future = decode.submit(rid, [2])                      # same id, new generation
+        generation = decode.loop.call(lambda: decode.current[rid])
+        peer = decode.loop.call(lambda: decode.prefills[node])
+        # A completion and a failure for the OLD generation arrive while the new one runs.
+        decode.loop.call(lambda: c.send_dealer(peer.sock, m.TransferComplete(
+            request_id=rid, generation=generation - 1)))
+        identity = server.loop.call(lambda: next(iter(server.peers)))
+        server.loop.call(lambda: c.send_router(server.router, identity, m.TransferFailed(
+            request_id=rid, generation=generation - 1, kind="peer_lost", message="stale")))
+        check_ok(decode, future, rid)
+        wait_until(lambda: server.stats().get("stale_completions", 0) == 1, 5,
+                   "stale completion counted")
+        assert decode.stats().get("stale_messages", 0) == 1
+        wait_until(lambda: server.stats()["pages_used"] == 0, 10, "prefill pages freed")

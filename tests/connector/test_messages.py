@@ -1,0 +1,125 @@
+"""The control-plane codec: round trips, and every bad input is a typed error."""
+
+from __future__ import annotations
+
+import dataclasses
+import typing
+
+import msgpack
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from statebridge.connector import messages as m
+from statebridge.errors import IncompatiblePeerError, ProtocolError
+
+
+def _value(annotation):
+    if typing.get_origin(annotation) is tuple:
+        item = typing.get_args(annotation)[0]
+        return (_value(item), _value(item))
+    return {int: 7, str: "req-1", bytes: b"\x00\xffaddr", bool: True, float: 0.25}[annotation]
+
+
+def example(cls) -> m.Message:
+    hints = typing.get_type_hints(cls)
+    return cls(**{f.name: _value(hints[f.name]) for f in dataclasses.fields(cls)})
+
+
+ALL_TYPES = sorted(m.MESSAGE_TYPES.values(), key=lambda c: c.__name__)
+
+
+@pytest.mark.parametrize("cls", ALL_TYPES, ids=lambda c: c.__name__)
+def test_round_trip_every_message_type(cls):
+    msg = example(cls)
+    data = m.encode(msg)
+    assert m.decode(data) == msg
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        setattr(msg, dataclasses.fields(cls)[0].name, None)
+
+
+def test_envelope_is_versioned_and_typed():
+    data = msgpack.unpackb(m.encode(example(m.Heartbeat)))
+    assert data == {"v": m.PROTOCOL_VERSION, "t": "Heartbeat", "b": {"node_id": "req-1", "seq": 7}}
+
+
+def envelope(v=m.PROTOCOL_VERSION, t="Heartbeat", b=None, **extra):
+    body = {"node_id": "n", "seq": 1} if b is None else b
+    return msgpack.packb({"v": v, "t": t, "b": body, **extra})
+
+
+@pytest.mark.parametrize("data,error,needle", [
+    (b"", ProtocolError, "undecodable"),
+    (b"\xc1", ProtocolError, "undecodable"),
+    (m.encode(example(m.TransferRequest))[:-3], ProtocolError, "undecodable"),
+    (msgpack.packb([1, 2, 3]), ProtocolError, "list"),
+    (envelope(extra=1), ProtocolError, "'extra'"),
+    (envelope(v=2), IncompatiblePeerError, "version 2"),
+    (envelope(v="1"), IncompatiblePeerError, "'1'"),
+    (envelope(t="Launch"), ProtocolError, "'Launch'"),
+    (envelope(t=5), ProtocolError, "5"),
+    (envelope(b=[1]), ProtocolError, "body must be a map"),
+    (envelope(b={"node_id": "n"}), ProtocolError, "missing fields ['seq']"),
+    (envelope(b={"node_id": "n", "seq": 1, "x": 2}), ProtocolError, "'x'"),
+    (envelope(b={"node_id": 3, "seq": 1}), ProtocolError, "Heartbeat.node_id must be str"),
+    (envelope(b={"node_id": "n", "seq": True}), ProtocolError, "Heartbeat.seq must be int"),
+    (envelope(b={"node_id": "n", "seq": "1"}), ProtocolError, "got str '1'"),
+    (envelope(t="TransferRequest", b={"request_id": "r", "generation": 1, "prompt": [1, "x"],
+                                      "dst_page": 0}), ProtocolError, "prompt must be int"),
+    (envelope(t="TransferRequest", b={"request_id": "r", "generation": 1, "prompt": 5,
+                                      "dst_page": 0}), ProtocolError, "prompt must be a list"),
+    (msgpack.packb({1: 2}), ProtocolError, "undecodable"),
+], ids=["empty", "reserved-byte", "truncated", "not-a-map", "extra-key", "version",
+        "version-type", "unknown-type", "type-not-str", "body-list", "missing", "unknown-field",
+        "wrong-type", "bool-as-int", "str-as-int", "list-item", "not-list", "int-keys"])
+def test_bad_bytes_raise_typed_errors_with_the_value(data, error, needle):
+    with pytest.raises(error) as info:
+        m.decode(data)
+    assert needle in str(info.value)
+
+
+def test_oversized_message_is_refused_before_decoding():
+    msg = m.TransferRequest(request_id="r", generation=1, prompt=tuple(range(5000)), dst_page=0)
+    data = m.encode(msg)
+    with pytest.raises(ProtocolError, match=f"{len(data)} bytes exceeds the limit of 1000"):
+        m.decode(data, max_bytes=1000)
+    assert m.decode(data) == msg
+
+
+def test_encode_refuses_unregistered_objects():
+    @dataclasses.dataclass(frozen=True)
+    class Fake:
+        x: int = 1
+    with pytest.raises(ProtocolError, match="Fake"):
+        m.encode(Fake())
+
+
+def test_compat_hash_depends_on_spec():
+    assert m.compat_hash("{a}") != m.compat_hash("{b}")
+    assert m.compat_hash("{a}") == m.compat_hash("{a}")
+
+
+@settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.binary(max_size=512))
+def test_random_bytes_only_ever_raise_protocol_error(data):
+    try:
+        msg = m.decode(data)
+    except ProtocolError:
+        return
+    assert isinstance(msg, m.Message)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.sampled_from(ALL_TYPES), st.data())
+def test_mutated_messages_only_ever_raise_protocol_error(cls, data):
+    raw = bytearray(m.encode(example(cls)))
+    for _ in range(data.draw(st.integers(1, 4))):
+        i = data.draw(st.integers(0, len(raw) - 1))
+        raw[i] = data.draw(st.integers(0, 255))
+    if data.draw(st.booleans()):
+        raw = raw[:data.draw(st.integers(0, len(raw)))]
+    try:
+        msg = m.decode(bytes(raw))
+    except ProtocolError:
+        return
+    assert type(msg) in m.MESSAGE_TYPES.values()
