@@ -97,8 +97,8 @@ class RankGroup:
     def __init__(self, spec: StateSpec, tp_size: int, layout: "Layout | str", num_pages: int, *,
                  config: ConnectorConfig | None = None, node_id: str | None = None,
                  port: int = 0, launcher: Launcher | None = spawn_launcher,
-                 region_align: int = 16, state_fn: str | None = None,
-                 checksums: bool = False) -> None:
+                 region_align: int = 16, model: str | None = None, model_dir: str = "",
+                 dist_init: str = "", checksums: bool = False) -> None:
         self.config = config or ConnectorConfig()
         self.spec = spec
         self.tp_size = tp_size
@@ -128,7 +128,8 @@ class RankGroup:
                                 layout=self.layout.name, num_pages=num_pages,
                                 node_id=self.node_id, config=self.config,
                                 region_align=region_align, checksums=checksums,
-                                **({"state_fn": state_fn} if state_fn else {}))
+                                model_dir=model_dir, dist_init=dist_init,
+                                **({"model": model} if model else {}))
                       for r in range(tp_size)]
             self.handles = launcher(setups)
 

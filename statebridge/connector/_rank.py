@@ -37,9 +37,40 @@ from statebridge.state.synthetic import fill_page, global_state, page_checksum, 
 
 log = logging.getLogger(__name__)
 
-__all__ = ["RankSetup", "RankWorker", "rank_main", "synthetic_prefill", "load_callable"]
+__all__ = ["RankSetup", "RankWorker", "RankModel", "SyntheticModel", "rank_main",
+           "load_callable"]
 
-StateFn = Callable[[StateCache, int, m.RankPrefill, int], None]
+
+class RankModel:
+    """What runs on a rank's compute thread: the model (or a stand-in).
+
+    ``prefill`` writes the state of ``prompt`` into ``page`` of the rank's cache; ``step`` runs
+    one decode step of a batch and returns the sampled tokens (on the rank that samples) or
+    None. Both run in arrival order on every rank of the group, so collective ops across ranks
+    line up.
+    """
+
+    def __init__(self, setup: "RankSetup", cache: StateCache) -> None:
+        self.setup = setup
+        self.cache = cache
+
+    def prefill(self, page: int, prompt: tuple[int, ...], request_id: str) -> None:
+        raise NotImplementedError
+
+    def step(self, msg: m.RankStep) -> tuple[int, ...] | None:
+        raise StatebridgeError(f"{type(self).__name__} cannot decode")
+
+    def close(self) -> None:
+        pass
+
+
+class SyntheticModel(RankModel):
+    """The default "model": the request's deterministic synthetic state (tests, benchmarks)."""
+
+    def prefill(self, page: int, prompt: tuple[int, ...], request_id: str) -> None:
+        fill_page(self.cache, page,
+                  global_state(self.cache.geometry.spec, request_seed(request_id)),
+                  self.setup.tp_rank)
 
 
 @dataclass(frozen=True)
@@ -56,14 +87,10 @@ class RankSetup:
     node_id: str
     config: ConnectorConfig = field(default_factory=ConnectorConfig)
     region_align: int = 16
-    state_fn: str = "statebridge.connector._rank:synthetic_prefill"
+    model: str = "statebridge.connector._rank:SyntheticModel"   # RankModel factory
+    model_dir: str = ""                                         # checkpoint, for real models
+    dist_init: str = ""                                         # torch.distributed rendezvous
     checksums: bool = False
-
-
-def synthetic_prefill(cache: StateCache, page: int, request: m.RankPrefill, tp_rank: int) -> None:
-    """The default "model": the request's deterministic synthetic state (tests, benchmarks)."""
-    fill_page(cache, page, global_state(cache.geometry.spec, request_seed(request.request_id)),
-              tp_rank)
 
 
 def load_callable(name: str) -> Callable:
@@ -89,7 +116,7 @@ class _Pending:
 class RankWorker:
     """One rank's connector: cache + transport + a loop serving its coordinator."""
 
-    def __init__(self, setup: RankSetup, *, state_fn: StateFn | None = None) -> None:
+    def __init__(self, setup: RankSetup) -> None:
         from statebridge.connector.transport import Transport  # only module importing ucxx
 
         self.setup = setup
@@ -100,7 +127,7 @@ class RankWorker:
         self.cache = StateCache(self.geometry, setup.num_pages)
         self.transport = Transport(self.cache.buffer,
                                    error_handling=self.config.ucx_error_handling)
-        self.state_fn = state_fn or load_callable(setup.state_fn)
+        self.model: RankModel = load_callable(setup.model)(setup, self.cache)
         self.loop = c.EventLoop(f"{setup.role}-rank{setup.tp_rank}")
         self.sock = c.connect_dealer(self.loop.context, setup.coordinator)
         self.loop.add_reader(self.sock, self._on_message)
@@ -175,6 +202,8 @@ class RankWorker:
             m.RankPrefill: self._on_prefill,
             m.RankRecv: self._on_recv,
             m.RankCancel: self._on_cancel,
+            m.RankLocalPrefill: self._on_local_prefill,
+            m.RankStep: self._on_step,
             m.RankShutdown: lambda msg: self.loop.request_stop(),
         }
 
@@ -204,28 +233,57 @@ class RankWorker:
         self.computing[(msg.request_id, msg.generation)] = None
         self._compute_q.put(msg)
 
+    def _on_local_prefill(self, msg: m.RankLocalPrefill) -> None:
+        self.computing[(msg.request_id, msg.generation)] = None
+        self._compute_q.put(msg)
+
+    def _on_step(self, msg: m.RankStep) -> None:
+        self._compute_q.put(msg)
+
     def _compute_main(self) -> None:
+        """The compute thread: model work in arrival order; results go back to the loop."""
         while True:
             msg = self._compute_q.get()
             if msg is None:
+                self.model.close()
                 return
-            key = (msg.request_id, msg.generation)
-            error = None
-            if self.computing.get(key) is None:          # not cancelled while queued
-                started = time.perf_counter()
+            started = time.perf_counter()
+            if isinstance(msg, m.RankStep):
+                tokens, error = None, ""
                 try:
-                    self.state_fn(self.cache, msg.src_page, msg, self.setup.tp_rank)
-                except Exception as e:  # the model failed: the request fails, the rank serves on
-                    log.exception("rank %d: computing %s failed", self.setup.tp_rank,
-                                  msg.request_id)
-                    error = f"prefill failed: {type(e).__name__}: {e}"
-                self.counters.add("compute_seconds", time.perf_counter() - started)
+                    tokens = self.model.step(msg)
+                except Exception as e:
+                    log.exception("rank %d: decode step %d failed", self.setup.tp_rank, msg.step)
+                    error = f"{type(e).__name__}: {e}"
+                result = None
+                if error or tokens is not None:
+                    result = m.RankStepResult(step=msg.step, tp_rank=self.setup.tp_rank,
+                                              tokens=tuple(tokens or ()),
+                                              kind="transfer_error" if error else "",
+                                              message=error)
+                callback, args = (self._send, (result,)) if result else (None, ())
+            else:
+                key = (msg.request_id, msg.generation)
+                error = None
+                if self.computing.get(key) is None:       # not cancelled while queued
+                    page = msg.src_page if isinstance(msg, m.RankPrefill) else msg.page
+                    try:
+                        self.model.prefill(page, msg.prompt, msg.request_id)
+                    except Exception as e:  # the model failed: the request fails, rank serves on
+                        log.exception("rank %d: computing %s failed", self.setup.tp_rank,
+                                      msg.request_id)
+                        error = f"prefill failed: {type(e).__name__}: {e}"
+                callback, args = self._after_compute, (msg, error)
+            self.counters.add("compute_seconds", time.perf_counter() - started)
+            if callback is None:
+                continue
             try:
-                self.loop.call_soon(self._after_compute, msg, error)
+                self.loop.call_soon(callback, *args)
             except StatebridgeError:                      # loop closed
                 return
 
-    def _after_compute(self, msg: m.RankPrefill, error: str | None) -> None:
+    def _after_compute(self, msg: "m.RankPrefill | m.RankLocalPrefill",
+                       error: str | None) -> None:
         key = (msg.request_id, msg.generation)
         cancelled = self.computing.pop(key, None)
         if cancelled is not None:
@@ -233,6 +291,9 @@ class RankWorker:
             return
         if error is not None:
             self._done(msg.request_id, msg.generation, "transfer_error", error)
+            return
+        if isinstance(msg, m.RankLocalPrefill):
+            self._done(msg.request_id, msg.generation, "", "")
             return
         plan = self.plans[msg.peer_node]
         key = (msg.request_id, msg.generation)

@@ -41,7 +41,8 @@ __all__ = [
     "Hello", "Reject", "GroupInfo", "TransferRequest", "TransferComplete", "TransferFailed",
     "Abort", "Heartbeat", "Error", "Goodbye",
     "RankHello", "RankConnect", "RankPrefill", "RankRecv", "RankDone", "RankCancel",
-    "RankShutdown",
+    "RankShutdown", "RankLocalPrefill", "RankStep", "RankStepResult",
+    "GenerateRequest", "GenerateTokens",
 ]
 
 PROTOCOL_VERSION = 1
@@ -226,6 +227,67 @@ class RankCancel(Message):
 @_message
 class RankShutdown(Message):
     reason: str
+
+
+@_message
+class RankLocalPrefill(Message):
+    """Decode coordinator -> rank: compute the state of ``prompt`` into ``page`` locally (the
+    ``recompute`` failure policy); answered with RankDone."""
+    request_id: str
+    generation: int
+    prompt: tuple[int, ...]
+    page: int
+
+
+@_message
+class RankStep(Message):
+    """Decode node -> every decode rank: one decode step of a batch (one token per request,
+    each against its page's state). Rank 0 samples and answers with RankStepResult."""
+    step: int
+    request_ids: tuple[str, ...]
+    pages: tuple[int, ...]
+    tokens: tuple[int, ...]
+    positions: tuple[int, ...]
+    temperatures: tuple[float, ...]
+    top_ps: tuple[float, ...]
+    seeds: tuple[int, ...]
+
+
+@_message
+class RankStepResult(Message):
+    step: int
+    tp_rank: int
+    tokens: tuple[int, ...]
+    kind: str
+    message: str
+
+
+# -- client <-> decode node (the front door) ----------------------------------------------------
+
+@_message
+class GenerateRequest(Message):
+    """Client -> decode node. ``temperature`` 0 means greedy."""
+    request_id: str
+    prompt: tuple[int, ...]
+    max_new_tokens: int
+    temperature: float
+    top_p: float
+    seed: int
+
+
+@_message
+class GenerateTokens(Message):
+    """Decode node -> client: newly generated tokens; the last one has ``done`` set. ``kind``
+    is empty on success, else a TransferError kind and ``message`` says why."""
+    request_id: str
+    tokens: tuple[int, ...]
+    done: bool
+    kind: str
+    message: str
+    ttft: float
+    transfer_seconds: float
+    transfer_bytes: int
+    recomputed: bool
 
 
 # -- codec -------------------------------------------------------------------------------------

@@ -205,6 +205,9 @@ def alloc_buffer(nbytes: int, *, huge_pages: bool = True) -> torch.Tensor:
 
 def _as_runs(runs: object, what: str) -> np.ndarray:
     """``runs`` as a C-contiguous int64 ``[R, 3]`` array; :class:`ConfigError` otherwise."""
+    if type(runs) is np.ndarray and runs.dtype == np.int64 and runs.ndim == 2 \
+            and runs.shape[1] == 3 and runs.flags.c_contiguous:
+        return runs                          # what PairPlan.runs_at() returns
     if isinstance(runs, torch.Tensor):
         runs = runs.detach().cpu().numpy()
     if not isinstance(runs, np.ndarray) or runs.ndim != 2 or runs.shape[1] != 3 \
@@ -228,6 +231,26 @@ def _check_span(runs: np.ndarray, col: int, size: int, what: str, side: str) -> 
         i = int(bad[0])
         raise ConfigError(f"{what} run {i} {runs[i].tolist()} lies outside the {side} "
                           f"({size} bytes)")
+
+
+_FEW_RUNS = 32
+
+
+def _spans(runs: np.ndarray, col: int, size: int, what: str,
+           side: str) -> tuple[list[int], list[int], int]:
+    """Checked ``(offsets, lengths, total bytes)`` of ``runs[:, col]`` as Python ints (the
+    posting loop needs them); plain Python for a few runs, numpy for many."""
+    if len(runs) > _FEW_RUNS:
+        _check_span(runs, col, size, what, side)
+        lengths = runs[:, 2]
+        return runs[:, col].tolist(), lengths.tolist(), int(lengths.sum())
+    rows = runs.tolist()
+    offsets = [r[col] for r in rows]
+    lengths = [r[2] for r in rows]
+    for i, (off, n) in enumerate(zip(offsets, lengths)):
+        if off < 0 or n < 0 or off + n > size:
+            raise ConfigError(f"{what} run {i} {rows[i]} lies outside the {side} ({size} bytes)")
+    return offsets, lengths, sum(lengths)
 
 
 _DIRECT_COPY_BYTES = 64 * 1024
@@ -789,16 +812,15 @@ class Transport:
         ``i`` travels with tag ``make_tag(generation, src_rank, i)``.
         """
         runs = _as_runs(runs, "runs")
-        _check_span(runs, 0, self._size, "send", "page buffer")
+        offsets, lengths, nbytes = _spans(runs, 0, self._size, "send", "page buffer")
         tags = self._tags(generation, src_rank, len(runs))
         with self._lock:
             endpoint = self._endpoint(peer_id)
-            requests = self._post_runs(endpoint.tag_send, runs[:, 0], runs[:, 2], tags,
-                                       peer_id)
+            requests = self._post_runs(endpoint.tag_send, offsets, lengths, tags, peer_id)
             handle = TransferHandle(self, direction="send", kind="zero_copy", peer_id=peer_id,
-                                    generation=generation, src_rank=src_rank,
-                                    nbytes=int(runs[:, 2].sum()), messages=len(runs),
-                                    request_id=request_id, requests=requests)
+                                    generation=generation, src_rank=src_rank, nbytes=nbytes,
+                                    messages=len(runs), request_id=request_id,
+                                    requests=requests)
             self._register(handle)
         return handle
 
@@ -808,18 +830,17 @@ class Transport:
         offsets). With ``peer_id`` the receives belong to that peer (:meth:`fail_peer` and UCX
         errors fail them); with None they match the tags from any peer."""
         runs = _as_runs(runs, "runs")
-        _check_span(runs, 1, self._size, "receive", "page buffer")
+        offsets, lengths, nbytes = _spans(runs, 1, self._size, "receive", "page buffer")
         tags = self._tags(generation, src_rank, len(runs))
         with self._lock:
-            target = self._worker if peer_id is None else self._endpoint(peer_id)
             if peer_id is None:
                 self._check_open()
-            requests = self._post_runs(target.tag_recv, runs[:, 1], runs[:, 2], tags,
-                                       peer_id)
+            target = self._worker if peer_id is None else self._endpoint(peer_id)
+            requests = self._post_runs(target.tag_recv, offsets, lengths, tags, peer_id)
             handle = TransferHandle(self, direction="recv", kind="zero_copy", peer_id=peer_id,
-                                    generation=generation, src_rank=src_rank,
-                                    nbytes=int(runs[:, 2].sum()), messages=len(runs),
-                                    request_id=request_id, requests=requests)
+                                    generation=generation, src_rank=src_rank, nbytes=nbytes,
+                                    messages=len(runs), request_id=request_id,
+                                    requests=requests)
             self._register(handle)
         return handle
 
@@ -867,9 +888,9 @@ class Transport:
         staging = self._pool.acquire(nbytes)
         try:
             with self._lock:
-                target = self._worker if peer_id is None else self._endpoint(peer_id)
                 if peer_id is None:
                     self._check_open()
+                target = self._worker if peer_id is None else self._endpoint(peer_id)
                 requests = self._post_one(target.tag_recv, staging.numpy()[:nbytes], tag,
                                           peer_id)
                 page = self._np
@@ -1134,13 +1155,13 @@ class Transport:
             raise ConfigError(f"{count} runs exceed the {_MAX_RUNS} a tag index can number")
         return range(base, base + count)
 
-    def _post_runs(self, op, offsets: np.ndarray, lengths: np.ndarray, tags: range,
+    def _post_runs(self, op, offsets: list[int], lengths: list[int], tags: range,
                    peer_id: str | None) -> list:
         """One UCX request per run of the page buffer, straight from/into its memory."""
         Array, Tag, mv = self._Array, self._Tag, self._mv
         requests: list = []
         try:
-            for off, n, tag in zip(offsets.tolist(), lengths.tolist(), tags):
+            for off, n, tag in zip(offsets, lengths, tags):
                 requests.append(op(Array(mv[off:off + n]), Tag(tag)))
         except Exception as e:  # noqa: BLE001 -- ucxx raises its own exception types
             requests.clear()      # dropping ucxx's requests cancels what was posted

@@ -9,6 +9,7 @@ import time
 import numpy as np
 
 from statebridge.config import ConnectorConfig
+from statebridge.connector._rank import SyntheticModel
 from statebridge.state.layout import PageGeometry
 from statebridge.state.spec import StateSpec
 from statebridge.state.synthetic import global_state, request_seed
@@ -44,12 +45,12 @@ def expected_checksum(geometry: PageGeometry, request_id: str, tp_rank: int) -> 
     return h.hexdigest()
 
 
-def slow_prefill(cache, page, request, tp_rank) -> None:
-    """A "model" that takes STATEBRIDGE_TEST_PREFILL_DELAY seconds (default 0.5)."""
-    from statebridge.connector._rank import synthetic_prefill
+class SlowModel(SyntheticModel):
+    """A "model" whose prefill takes STATEBRIDGE_TEST_PREFILL_DELAY seconds (default 0.5)."""
 
-    time.sleep(float(os.environ.get("STATEBRIDGE_TEST_PREFILL_DELAY", "0.5")))
-    synthetic_prefill(cache, page, request, tp_rank)
+    def prefill(self, page, prompt, request_id) -> None:
+        time.sleep(float(os.environ.get("STATEBRIDGE_TEST_PREFILL_DELAY", "0.5")))
+        super().prefill(page, prompt, request_id)
 
 
 def wait_until(predicate, timeout: float, what: str) -> float:

@@ -24,7 +24,7 @@ from ._helpers import FAST, SPECS, expected_checksum, wait_until
 pytestmark = [pytest.mark.ucx, pytest.mark.multiprocess]
 
 SPEC = SPECS["mamba2-g1"]
-SLOW = "tests.connector._helpers:slow_prefill"
+SLOW = "tests.connector._helpers:SlowModel"
 
 
 @pytest.fixture(scope="module")
@@ -57,7 +57,7 @@ def test_sigkill_prefill_rank_fails_its_requests_then_fresh_group_serves(decode_
     monkeypatch.setenv("STATEBRIDGE_TEST_PREFILL_DELAY", "0.3")
     decode = DecodeCoordinator(SPEC, 2, "DLS", num_pages=16, config=FAST,
                                launcher=decode_hosts.launcher(), checksums=True)
-    server = PrefillServer(SPEC, 2, "DLS", num_pages=16, config=FAST, state_fn=SLOW)  # spawned
+    server = PrefillServer(SPEC, 2, "DLS", num_pages=16, config=FAST, model=SLOW)  # spawned
     try:
         server.wait_ready()
         decode.connect(server.address)
@@ -103,7 +103,7 @@ def test_sigkill_prefill_rank_fails_its_requests_then_fresh_group_serves(decode_
 def test_sigkill_decode_rank_fails_its_requests_and_frees_prefill_pages(prefill_hosts,
                                                                         monkeypatch):
     monkeypatch.setenv("STATEBRIDGE_TEST_PREFILL_DELAY", "0.3")
-    server = PrefillServer(SPEC, 2, "LDS", num_pages=16, config=FAST, state_fn=SLOW,
+    server = PrefillServer(SPEC, 2, "LDS", num_pages=16, config=FAST, model=SLOW,
                            launcher=prefill_hosts.launcher())
     decode = DecodeCoordinator(SPEC, 2, "LDS", num_pages=16, config=FAST, checksums=True)
     try:
@@ -130,7 +130,7 @@ def test_sigkill_decode_rank_fails_its_requests_and_frees_prefill_pages(prefill_
 def test_lease_expiry_frees_prefill_pages_when_decode_vanishes(prefill_hosts, monkeypatch):
     monkeypatch.setenv("STATEBRIDGE_TEST_PREFILL_DELAY", "0.5")
     config = FAST.replace(lease_timeout=2.0, peer_timeout=60.0)
-    server = PrefillServer(SPEC, 2, "LDS", num_pages=8, config=config, state_fn=SLOW,
+    server = PrefillServer(SPEC, 2, "LDS", num_pages=8, config=config, model=SLOW,
                            launcher=prefill_hosts.launcher())
     decode = DecodeCoordinator(SPEC, 2, "LDS", num_pages=8, config=config)   # spawned ranks
     try:
@@ -154,7 +154,7 @@ def test_lease_expiry_frees_prefill_pages_when_decode_vanishes(prefill_hosts, mo
 @pytest.mark.timeout(120)
 def test_abort_mid_transfer(prefill_hosts, decode_hosts, monkeypatch):
     monkeypatch.setenv("STATEBRIDGE_TEST_PREFILL_DELAY", "0.5")
-    with PrefillServer(SPEC, 2, "DLS", num_pages=8, config=FAST, state_fn=SLOW,
+    with PrefillServer(SPEC, 2, "DLS", num_pages=8, config=FAST, model=SLOW,
                        launcher=prefill_hosts.launcher()) as server, \
             DecodeCoordinator(SPEC, 2, "DLS", num_pages=8, config=FAST, checksums=True,
                               launcher=decode_hosts.launcher()) as decode:
@@ -229,7 +229,7 @@ def test_incompatible_peer_is_refused(prefill_hosts):
 @pytest.mark.timeout(120)
 def test_stale_generation_messages_are_ignored(prefill_hosts, decode_hosts, monkeypatch):
     monkeypatch.setenv("STATEBRIDGE_TEST_PREFILL_DELAY", "0.3")
-    with PrefillServer(SPEC, 2, "DLS", num_pages=8, config=FAST, state_fn=SLOW,
+    with PrefillServer(SPEC, 2, "DLS", num_pages=8, config=FAST, model=SLOW,
                        launcher=prefill_hosts.launcher()) as server, \
             DecodeCoordinator(SPEC, 2, "DLS", num_pages=8, config=FAST, checksums=True,
                               launcher=decode_hosts.launcher()) as decode:
