@@ -1,5 +1,10 @@
 """The ``statebridge`` command line.
 
+    statebridge demo
+    statebridge make-checkpoint --arch {lfm2,mamba2} --out DIR [--preset tiny|small]
+    statebridge prefill --model DIR --tp P --port N [--layout DLS]
+    statebridge decode --model DIR --tp D --prefill HOST:PORT [--prefill ...] --port M
+    statebridge generate --decode HOST:PORT --prompt-ids 1,2,3 [--max-new-tokens K] [--json]
     statebridge plan --model DIR_OR_CONFIG_JSON --prefill-tp P --decode-tp D --layout DLS [--json]
 """
 
@@ -8,7 +13,9 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import signal
 import sys
+import threading
 from typing import Sequence
 
 from statebridge.errors import StatebridgeError
@@ -73,10 +80,166 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     return 0
 
 
+def _config_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--host", default="127.0.0.1",
+                   help="address to bind (default 127.0.0.1; 0.0.0.0 only if you mean it)")
+    p.add_argument("--layout", default="DLS",
+                   help=f"page layout: {', '.join(LAYOUT_PRESETS)} or CONV+SSM (default DLS)")
+    p.add_argument("--num-pages", type=_positive_int, default=64,
+                   help="state pages per rank = requests in flight (default 64)")
+    p.add_argument("--peer-timeout", type=float, default=None,
+                   help="seconds of silence before a peer is declared lost (default 3)")
+    p.add_argument("--ucx-error-handling", action="store_true",
+                   help="UCX endpoint error handling (detects dead peers in UCX, but forces TCP "
+                        "lanes: ~10x slower on one host)")
+
+
+def _config(args: argparse.Namespace):
+    from statebridge.config import ConnectorConfig
+
+    overrides = {"bind_host": args.host, "ucx_error_handling": args.ucx_error_handling}
+    if args.peer_timeout is not None:
+        overrides["peer_timeout"] = args.peer_timeout
+    return ConnectorConfig.from_env(**overrides)
+
+
+def _wait_for_signal() -> None:
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    while not stop.wait(0.5):
+        pass
+
+
+def _cmd_prefill(args: argparse.Namespace) -> int:
+    from statebridge.node.prefill_node import start_prefill_node
+
+    server = start_prefill_node(args.model, args.tp, port=args.port, layout=args.layout,
+                                num_pages=args.num_pages, config=_config(args))
+    print(f"prefill node ready on {server.address} (TP {args.tp}, {args.layout})", flush=True)
+    try:
+        _wait_for_signal()
+    finally:
+        server.close()
+    return 0
+
+
+def _cmd_decode(args: argparse.Namespace) -> int:
+    from statebridge.node.decode_node import DecodeNode
+
+    node = DecodeNode(args.model, args.tp, args.prefill, port=args.port, layout=args.layout,
+                      num_pages=args.num_pages, max_batch=args.max_batch, policy=args.policy,
+                      max_prompt_len=args.max_prompt_len, config=_config(args))
+    print(f"decode node ready on {node.address} (TP {args.tp}, {args.layout}, "
+          f"prefill {', '.join(args.prefill)})", flush=True)
+    try:
+        _wait_for_signal()
+    finally:
+        node.close()
+    return 0
+
+
+def _token_list(text: str) -> list[int]:
+    try:
+        tokens = [int(t) for t in text.split(",") if t.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated token ids, got {text!r}") \
+            from None
+    if not tokens:
+        raise argparse.ArgumentTypeError("expected at least one token id")
+    return tokens
+
+
+def _cmd_generate(args: argparse.Namespace) -> int:
+    from statebridge.node.client import Client
+
+    with Client(args.decode, timeout=args.timeout) as client:
+        if args.json:
+            out = client.generate(args.prompt_ids, max_new_tokens=args.max_new_tokens,
+                                  temperature=args.temperature, top_p=args.top_p, seed=args.seed)
+            print(json.dumps({"request_id": out.request_id, "tokens": out.tokens,
+                              "ttft_s": out.ttft, "transfer_s": out.transfer_seconds,
+                              "transfer_bytes": out.transfer_bytes,
+                              "recomputed": out.recomputed}))
+            return 0
+        for msg in client.stream(args.prompt_ids, max_new_tokens=args.max_new_tokens,
+                                 temperature=args.temperature, top_p=args.top_p, seed=args.seed):
+            if msg.tokens:
+                print(" ".join(map(str, msg.tokens)), end=" ", flush=True)
+        print()
+    return 0
+
+
+def _cmd_make_checkpoint(args: argparse.Namespace) -> int:
+    from statebridge.models.checkpoint import make_checkpoint
+
+    make_checkpoint(args.arch, args.out, preset=args.preset, seed=args.seed)
+    print(f"wrote {args.arch} {args.preset} checkpoint to {args.out}")
+    return 0
+
+
+def _cmd_demo(args: argparse.Namespace) -> int:
+    from statebridge.node.demo import run_demo
+
+    return run_demo(arch=args.arch, prefill_tp=args.prefill_tp, decode_tp=args.decode_tp,
+                    layout=args.layout, prompts=args.prompts, max_new_tokens=args.max_new_tokens)
+
+
+def _add_nodes(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("prefill", help="run a prefill node (P rank processes + one server)")
+    p.add_argument("--model", required=True, help="checkpoint directory (HF format)")
+    p.add_argument("--tp", type=_positive_int, required=True, help="TP size")
+    p.add_argument("--port", type=int, required=True, help="control port decode nodes connect to")
+    _config_args(p)
+    p.set_defaults(func=_cmd_prefill)
+
+    p = sub.add_parser("decode", help="run a decode node (D rank processes + the front door)")
+    p.add_argument("--model", required=True, help="checkpoint directory (HF format)")
+    p.add_argument("--tp", type=_positive_int, required=True, help="TP size")
+    p.add_argument("--prefill", action="append", required=True, metavar="HOST:PORT",
+                   help="a prefill node (repeat for several: used round robin)")
+    p.add_argument("--port", type=int, required=True, help="port clients connect to")
+    p.add_argument("--max-batch", type=_positive_int, default=32, help="requests per decode step")
+    p.add_argument("--max-prompt-len", type=_positive_int, default=8192)
+    p.add_argument("--policy", choices=("fail", "recompute"), default="fail",
+                   help="when a transfer fails: error to the client, or prefill locally")
+    _config_args(p)
+    p.set_defaults(func=_cmd_decode)
+
+    p = sub.add_parser("generate", help="send a prompt to a decode node and print the tokens")
+    p.add_argument("--decode", required=True, metavar="HOST:PORT")
+    p.add_argument("--prompt-ids", type=_token_list, required=True, help="e.g. 1,2,3")
+    p.add_argument("--max-new-tokens", type=_positive_int, default=16)
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--timeout", type=float, default=120.0)
+    p.add_argument("--json", action="store_true", help='print one JSON object ("tokens": [...])')
+    p.set_defaults(func=_cmd_generate)
+
+    p = sub.add_parser("make-checkpoint", help="write a small random HF-format checkpoint")
+    p.add_argument("--arch", choices=("lfm2", "mamba2"), required=True)
+    p.add_argument("--out", required=True)
+    p.add_argument("--preset", choices=("tiny", "small"), default="tiny")
+    p.add_argument("--seed", type=int, default=0)
+    p.set_defaults(func=_cmd_make_checkpoint)
+
+    p = sub.add_parser("demo", help="tiny checkpoint, prefill TP=2 + decode TP=4 on localhost, "
+                                    "checked against a single-process run")
+    p.add_argument("--arch", choices=("lfm2", "mamba2"), default="lfm2")
+    p.add_argument("--prefill-tp", type=_positive_int, default=2)
+    p.add_argument("--decode-tp", type=_positive_int, default=4)
+    p.add_argument("--layout", default="DLS")
+    p.add_argument("--prompts", type=_positive_int, default=4)
+    p.add_argument("--max-new-tokens", type=_positive_int, default=8)
+    p.set_defaults(func=_cmd_demo)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="statebridge", description=__doc__.split("\n")[1])
     parser.add_argument("-v", "--verbose", action="count", default=0, help="more logging")
     sub = parser.add_subparsers(dest="command", required=True)
+    _add_nodes(sub)
     _add_plan(sub)
     return parser
 

@@ -118,6 +118,9 @@ class RankGroup:
         self._ready = threading.Event()
         self.healthy = True
         self._closed = False
+        #: Called on the loop thread with (rank, message) for rank messages the group does not
+        #: handle itself (e.g. a node's RankStepResult), and with (rank, None) when a rank is lost.
+        self.rank_message_hook: Callable[[int, m.Message | None], None] | None = None
         self._init_state()
         self.loop.call_every(self.config.heartbeat_interval, self._tick)
         self.loop.start()
@@ -204,6 +207,8 @@ class RankGroup:
                 self.rank_watch.heard(rank)
                 if isinstance(msg, m.RankDone):
                     self._on_rank_done(rank, msg)
+                elif not isinstance(msg, m.Heartbeat) and self.rank_message_hook is not None:
+                    self.rank_message_hook(rank, msg)
             else:
                 self._on_peer_message(identity, msg)
 
@@ -234,6 +239,10 @@ class RankGroup:
         for r in range(self.tp_size):
             self.to_rank(r, msg)
 
+    def send_to_ranks(self, msg: m.Message) -> None:
+        """Broadcast ``msg`` to every rank; safe from any thread."""
+        self.loop.call_soon(self.to_ranks, msg)
+
     def _tick(self) -> None:
         hb = m.Heartbeat(node_id=self.node_id, seq=0)
         self.to_ranks(hb)
@@ -250,6 +259,8 @@ class RankGroup:
                 self.counters.add("ranks_lost")
                 log.error("%s: rank %d lost", self.node_id, r)
                 self._on_rank_lost(r)
+                if self.rank_message_hook is not None:
+                    self.rank_message_hook(r, None)
         self._on_tick()
 
     def _on_tick(self) -> None:

@@ -263,6 +263,34 @@ class DecodeCoordinator(RankGroup):
         c.send_dealer(peer.sock, m.TransferRequest(request_id=request_id, generation=generation,
                                                    prompt=prompt, dst_page=page))
 
+    def submit_local(self, request_id: str, prompt: Sequence[int]) -> concurrent.futures.Future:
+        """Compute the state of ``prompt`` on the decode ranks themselves (the ``recompute``
+        policy when a transfer failed); resolves like :meth:`submit`."""
+        if not isinstance(request_id, str) or not request_id:
+            raise ConfigError(f"request_id must be a non-empty string, got {request_id!r}")
+        prompt = tuple(int(t) for t in prompt)
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        self.loop.call(self._submit_local, request_id, prompt, future)
+        return future
+
+    def _submit_local(self, request_id: str, prompt: tuple[int, ...],
+                      future: concurrent.futures.Future) -> None:
+        if request_id in self.current:
+            raise ConfigError(f"request id {request_id!r} is already in flight")
+        if not self.healthy:
+            raise PeerLostError(f"decode group {self.node_id} lost a rank", request_id=request_id)
+        page = self.pool.allocate()
+        generation = next(self._generations) & 0xFFFFFFFF
+        req = RequestState(request_id, generation, page, "",
+                           deadline=time.monotonic() + self.config.transfer_timeout)
+        key = (request_id, generation)
+        self.requests[key] = req
+        self.futures[key] = future
+        self.current[request_id] = generation
+        self.counters.add("local_prefills")
+        self.to_ranks(m.RankLocalPrefill(request_id=request_id, generation=generation,
+                                         prompt=prompt, page=page))
+
     def abort(self, request_id: str, reason: str = "aborted by caller") -> None:
         """Abort a request in flight: its future fails with AbortedError."""
         def run() -> None:

@@ -1,0 +1,100 @@
+"""The client of a decode node: ``Client(address).generate(prompt)``."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Iterator, Sequence
+
+import zmq
+
+from statebridge.connector import control as c
+from statebridge.connector import messages as m
+from statebridge.errors import ConfigError, TransferTimeoutError, transfer_error
+
+__all__ = ["Client", "Generation"]
+
+
+@dataclass
+class Generation:
+    """A finished request: its tokens and what it cost."""
+
+    request_id: str
+    tokens: list[int] = field(default_factory=list)
+    ttft: float = 0.0                 # seconds from arrival at the decode node to token 1
+    transfer_seconds: float = 0.0     # the state transfer (submit -> every decode rank ready)
+    transfer_bytes: int = 0
+    recomputed: bool = False          # the decode node prefilled locally (recompute policy)
+    seconds: float = 0.0              # wall time seen by the client
+
+
+class Client:
+    """Talks to a decode node's front door over zmq. One outstanding call per Client object;
+    use one Client per thread."""
+
+    def __init__(self, address: str, *, timeout: float = 120.0) -> None:
+        self.address = address
+        self.timeout = timeout
+        self._ctx = zmq.Context.instance()
+        self._sock = c.connect_dealer(self._ctx, address)
+
+    def wait_ready(self, timeout: float = 120.0) -> None:
+        """Block until the decode node answers that it serves."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            self._sock.send(m.encode(m.Heartbeat(node_id="client", seq=0)))
+            if self._sock.poll(500):
+                msg = m.decode(self._sock.recv())
+                if isinstance(msg, m.Heartbeat) and msg.seq == 1:
+                    return
+            time.sleep(0.1)
+        raise TransferTimeoutError(f"decode node {self.address} not ready within {timeout} s")
+
+    def stream(self, prompt: Sequence[int], *, max_new_tokens: int = 16,
+               temperature: float = 0.0, top_p: float = 1.0, seed: int = 0,
+               request_id: str | None = None) -> Iterator[m.GenerateTokens]:
+        """Yield the node's GenerateTokens messages for one request, as they arrive."""
+        request_id = request_id or uuid.uuid4().hex
+        prompt = tuple(int(t) for t in prompt)
+        self._sock.send(m.encode(m.GenerateRequest(
+            request_id=request_id, prompt=prompt, max_new_tokens=int(max_new_tokens),
+            temperature=float(temperature), top_p=float(top_p), seed=int(seed))))
+        while True:
+            if not self._sock.poll(int(self.timeout * 1000)):
+                raise TransferTimeoutError(f"no answer from {self.address} for "
+                                           f"{self.timeout} s", request_id=request_id)
+            msg = m.decode(self._sock.recv())
+            if isinstance(msg, m.Error):
+                raise ConfigError(f"decode node refused the request: {msg.kind}: {msg.message}")
+            if not isinstance(msg, m.GenerateTokens) or msg.request_id != request_id:
+                continue
+            if msg.kind:
+                if msg.kind == "invalid_request":
+                    raise ConfigError(f"request {request_id}: {msg.message}")
+                raise transfer_error(msg.kind, msg.message, request_id=request_id,
+                                     peer=self.address)
+            yield msg
+            if msg.done:
+                return
+
+    def generate(self, prompt: Sequence[int], **kwargs) -> Generation:
+        """Run one request to completion; typed errors as the node reports them."""
+        start = time.perf_counter()
+        out = Generation(request_id=kwargs.get("request_id") or uuid.uuid4().hex)
+        kwargs["request_id"] = out.request_id
+        for msg in self.stream(prompt, **kwargs):
+            out.tokens.extend(msg.tokens)
+            out.ttft, out.transfer_seconds = msg.ttft, msg.transfer_seconds
+            out.transfer_bytes, out.recomputed = msg.transfer_bytes, msg.recomputed
+        out.seconds = time.perf_counter() - start
+        return out
+
+    def close(self) -> None:
+        self._sock.close(0)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
