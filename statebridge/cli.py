@@ -92,6 +92,9 @@ def _config_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ucx-error-handling", action="store_true",
                    help="UCX endpoint error handling (detects dead peers in UCX, but forces TCP "
                         "lanes: ~10x slower on one host)")
+    p.add_argument("--rank-model", default="statebridge.node.rank_model:ModelRankModel",
+                   metavar="MODULE:CLASS",
+                   help="the RankModel class each rank runs (swap in your own implementation)")
 
 
 def _config(args: argparse.Namespace):
@@ -115,7 +118,8 @@ def _cmd_prefill(args: argparse.Namespace) -> int:
     from statebridge.node.prefill_node import start_prefill_node
 
     server = start_prefill_node(args.model, args.tp, port=args.port, layout=args.layout,
-                                num_pages=args.num_pages, config=_config(args))
+                                num_pages=args.num_pages, config=_config(args),
+                                rank_model=args.rank_model)
     print(f"prefill node ready on {server.address} (TP {args.tp}, {args.layout})", flush=True)
     try:
         _wait_for_signal()
@@ -129,7 +133,8 @@ def _cmd_decode(args: argparse.Namespace) -> int:
 
     node = DecodeNode(args.model, args.tp, args.prefill, port=args.port, layout=args.layout,
                       num_pages=args.num_pages, max_batch=args.max_batch, policy=args.policy,
-                      max_prompt_len=args.max_prompt_len, config=_config(args))
+                      max_prompt_len=args.max_prompt_len, config=_config(args),
+                      rank_model=args.rank_model)
     print(f"decode node ready on {node.address} (TP {args.tp}, {args.layout}, "
           f"prefill {', '.join(args.prefill)})", flush=True)
     try:

@@ -35,6 +35,7 @@ class ConnectorConfig:
     ucx_error_handling: bool = False
     max_message_bytes: int = 16 * 1024 * 1024
     max_inflight_per_peer: int = 1024
+    torch_threads: int = 1
 
     def __post_init__(self) -> None:
         for name in ("heartbeat_interval", "peer_timeout", "lease_timeout", "transfer_timeout",
@@ -45,7 +46,7 @@ class ConnectorConfig:
         if self.peer_timeout <= self.heartbeat_interval:
             raise ConfigError(f"peer_timeout {self.peer_timeout} must exceed heartbeat_interval "
                               f"{self.heartbeat_interval}")
-        for name in ("max_message_bytes", "max_inflight_per_peer"):
+        for name in ("max_message_bytes", "max_inflight_per_peer", "torch_threads"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ConfigError(f"{name} must be a positive integer, got {value!r}")

@@ -63,7 +63,8 @@ class DecodeNode:
                  layout: str = "DLS", num_pages: int = 64, max_batch: int = 32,
                  policy: str = "fail", max_prompt_len: int = 8192, max_new_tokens: int = 4096,
                  config: ConnectorConfig | None = None, launcher: Launcher | None = spawn_launcher,
-                 dist_init: str = "") -> None:
+                 dist_init: str = "",
+                 rank_model: str = "statebridge.node.rank_model:ModelRankModel") -> None:
         if policy not in POLICIES:
             raise ConfigError(f"unknown failure policy {policy!r}; expected one of {POLICIES}")
         self.config = config or ConnectorConfig()
@@ -74,7 +75,7 @@ class DecodeNode:
         spec = StateSpec.from_pretrained(model_dir)
         self.coordinator = DecodeCoordinator(
             spec, tp_size, layout, num_pages, config=self.config, launcher=launcher,
-            model="statebridge.node.rank_model:ModelRankModel", model_dir=model_dir,
+            model=rank_model, model_dir=model_dir,
             dist_init=dist_init or f"tcp://127.0.0.1:{free_port()}")
         self.coordinator.rank_message_hook = self._on_rank_message
         self.loop = c.EventLoop("decode-front")
@@ -98,6 +99,10 @@ class DecodeNode:
     @property
     def address(self) -> str:
         return f"{self.config.bind_host}:{self.port}"
+
+    def add_prefill(self, address: str) -> str:
+        """Connect one more prefill node (e.g. a replacement for a dead one); returns its id."""
+        return self.coordinator.connect(address)
 
     # -- clients -----------------------------------------------------------------------------
     def _on_client(self) -> None:
@@ -155,8 +160,11 @@ class DecodeNode:
     # -- the prompt's state ------------------------------------------------------------------
     def _start_transfer(self, gen: _Gen, local: bool = False) -> None:
         submit = self.coordinator.submit_local if local else self.coordinator.submit
+        # A recompute is a new attempt under its own id: the failed transfer's page is freed
+        # only once every decode rank confirmed nothing can still land in it.
+        attempt = f"{gen.request_id}#recompute" if local else gen.request_id
         try:
-            future = submit(gen.request_id, gen.prompt[:-1])
+            future = submit(attempt, gen.prompt[:-1])
         except CacheFullError:
             self.waiting.append(gen)              # back-pressure: retried when a page frees
             gen.recomputed = local
@@ -246,9 +254,9 @@ class DecodeNode:
         if gen in self.running:
             self.running.remove(gen)
         self.gens.pop(gen.request_id, None)
-        if gen.page >= 0 and release:
+        if gen.transfer is not None and release:
             try:
-                self.coordinator.release(gen.request_id)
+                self.coordinator.release(gen.transfer)
             except StatebridgeError as e:
                 log.warning("%s: release failed: %s", gen.request_id, e)
         self.counters.add("finished_ok" if not kind else f"finished_{kind}")

@@ -18,11 +18,13 @@ __all__ = ["start_prefill_node"]
 
 def start_prefill_node(model_dir: str, tp_size: int, *, port: int = 0, layout: str = "DLS",
                        num_pages: int = 64, config: ConnectorConfig | None = None,
-                       launcher: Launcher | None = spawn_launcher) -> PrefillServer:
+                       launcher: Launcher | None = spawn_launcher,
+                       rank_model: str = "statebridge.node.rank_model:ModelRankModel"
+                       ) -> PrefillServer:
     """Start the server and its rank processes; returns once every rank is up."""
     spec = StateSpec.from_pretrained(model_dir)
     server = PrefillServer(spec, tp_size, layout, num_pages, config=config, port=port,
-                           launcher=launcher, model="statebridge.node.rank_model:ModelRankModel",
+                           launcher=launcher, model=rank_model,
                            model_dir=model_dir, dist_init=f"tcp://127.0.0.1:{free_port()}")
     try:
         server.wait_ready()

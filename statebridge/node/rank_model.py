@@ -44,18 +44,18 @@ class ModelRankModel(RankModel):
         super().__init__(setup, cache)
         from statebridge.models.runner import ModelRunner
 
-        self.group_initialised = False
+        if not torch.cuda.is_available():
+            # Several rank processes share the CPUs; torch's default of one thread per core in
+            # every process makes them fight (a tiny matmul goes from ~15 us to ~20 ms).
+            torch.set_num_threads(setup.config.torch_threads)
+        self.process_group = None
         all_reduce = None
         if setup.tp_size > 1:
-            import torch.distributed as dist
-
-            backend = "nccl" if torch.cuda.is_available() else "gloo"
-            dist.init_process_group(backend, init_method=setup.dist_init,
-                                    world_size=setup.tp_size, rank=setup.tp_rank)
-            self.group_initialised = True
+            self.process_group = _tp_group(setup)
+            pg = self.process_group
 
             def all_reduce(t: torch.Tensor) -> torch.Tensor:
-                dist.all_reduce(t)
+                pg.allreduce([t]).wait()
                 return t
         self.runner = ModelRunner(setup.model_dir, setup.tp_size, setup.tp_rank, cache,
                                   all_reduce=all_reduce)
@@ -73,10 +73,25 @@ class ModelRankModel(RankModel):
         return sample_tokens(logits, msg)
 
     def close(self) -> None:
-        if self.group_initialised:
-            import torch.distributed as dist
+        self.process_group = None
 
-            try:
-                dist.destroy_process_group()
-            except Exception:  # already torn down by a dying peer
-                pass
+
+def _tp_group(setup: RankSetup):
+    """A private process group for this TP group (gloo on CPU, nccl on CUDA) rendezvousing at
+    ``setup.dist_init`` (``tcp://host:port``; rank 0 hosts the store). It is not torch's default
+    group, so several TP groups can live in one process (rank hosts in tests/benchmarks)."""
+    import datetime
+
+    import torch.distributed as dist
+
+    from statebridge.errors import ConfigError
+
+    address = setup.dist_init.removeprefix("tcp://")
+    host, _, port = address.rpartition(":")
+    if not host or not port.isdigit():
+        raise ConfigError(f"dist_init must be tcp://HOST:PORT, got {setup.dist_init!r}")
+    store = dist.TCPStore(host, int(port), setup.tp_size, setup.tp_rank == 0,
+                          timeout=datetime.timedelta(seconds=setup.config.handshake_timeout * 6))
+    if torch.cuda.is_available():
+        return dist.ProcessGroupNCCL(store, setup.tp_rank, setup.tp_size)
+    return dist.ProcessGroupGloo(store, setup.tp_rank, setup.tp_size)

@@ -339,8 +339,11 @@ def _lfm2(config: Mapping[str, Any], conv_dtype: str, ssm_dtype: str) -> StateSp
         raise ConfigError(f"conv_L_cache must be >= 2 to carry state, got {kernel}")
     layer_types = config.get("layer_types")
     if layer_types is None:
+        # As transformers' Lfm2Config: without layer_types, full_attn_idxs (default: every
+        # layer) names the attention layers.
         num_layers = _int(config, "num_hidden_layers")
-        attn = set(config.get("full_attn_idxs") or ())
+        idxs = config.get("full_attn_idxs")
+        attn = set(range(num_layers) if idxs is None else idxs)
         layer_types = ["full_attention" if i in attn else "conv" for i in range(num_layers)]
     layer_types = [str(t) for t in layer_types]
     unknown = sorted({t for t in layer_types} - {"conv", "full_attention"})
@@ -364,7 +367,7 @@ def _mamba2(config: Mapping[str, Any], conv_dtype: str, ssm_dtype: str) -> State
         raise ConfigError(f"mamba2: expand * hidden_size = {expand} * {hidden} is not an integer")
     head_dim = _int(config, "head_dim", "headdim", default=64)
     d_state = _int(config, "state_size", "d_state", default=128)
-    n_groups = _int(config, "n_groups", "ngroups", default=1)
+    n_groups = _int(config, "n_groups", "ngroups", default=8)      # transformers' default
     kernel = _int(config, "conv_kernel", "d_conv", default=4)
     num_layers = _int(config, "num_hidden_layers", "n_layer")
     if intermediate % head_dim:

@@ -372,10 +372,10 @@ def test_wait_timeout_then_cancel_cleanly(agents):
 
     out = b.call("wait", hid, 0.25)
     assert out["error"] == "TransferTimeoutError" and out["kind"] == "timeout"
-    assert 0.25 <= out["waited"] < 1.0 and not out["done"]
+    assert 0.25 <= out["waited"] < 2.0 and not out["done"]
     b.call("cancel", hid)
     out = b.call("wait", hid, 1.0)
-    assert out["error"] == "AbortedError" and out["done"] and out["waited"] < 0.1
+    assert out["error"] == "AbortedError" and out["done"] and out["waited"] < 0.5
     b.call("cancel", hid)                               # idempotent
 
     # Cancelled receives no longer match: a late sender's messages stay unexpected and the
@@ -394,6 +394,8 @@ def test_wait_timeout_then_cancel_cleanly(agents):
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("mode", ["polling", "background", "thread"])
 def test_other_progress_modes_move_the_same_bytes(agents, mode):
+    # The agents progress a transport between commands only in the caller-driven modes; in
+    # "background" and "thread" the transport's own thread must move the rendezvous runs.
     a, b, c = agents
     zero_copy = TransferPlan.build(SPEC, 2, "LDS", 4, "LDS")
     cluster = Cluster(zero_copy, {0: a}, {0: b, 1: c}, progress_mode=mode)
@@ -464,7 +466,7 @@ def test_killed_peer_fails_outstanding_handles_after_fail_peer(agents):
         assert agent.call("fail_peer", "victim", "heartbeats stopped") == 1
         out = agent.call("wait", hid, 5)
         assert out["error"] == "PeerLostError" and out["peer"] == "victim"
-        assert "heartbeats stopped" in out["message"] and out["waited"] < 0.5
+        assert "heartbeats stopped" in out["message"] and out["waited"] < 1.0
         stats = agent.call("stats")
         assert stats["failures"].get("peer_lost") == 1 and stats["handles_outstanding"] == 0
     with pytest.raises(AgentError, match="PeerLostError"):
@@ -480,7 +482,7 @@ def test_killed_peer_detected_by_ucx_error_handling(agents, record_property):
         out = agent.call("wait", hid, 5)                # no fail_peer: UCX reports the death
         assert out["error"] == "PeerLostError" and out["peer"] == "victim", out
         detections[role] = out["at"] - t_kill
-        assert detections[role] < 2.0, f"{role} took {detections[role]:.3f} s to notice"
+        assert detections[role] < 3.0, f"{role} took {detections[role]:.3f} s to notice"
         stats = agent.call("stats")
         assert stats["ucx_peer_errors"] == 1 and stats["failures"].get("peer_lost") == 1
     record_property("ucx_peer_loss_detection_s", detections)

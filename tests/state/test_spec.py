@@ -114,3 +114,12 @@ def test_missing_and_malformed_config_files(tmp_path):
     (tmp_path / "config.json").write_text("{not json")
     with pytest.raises(ConfigError, match="not valid JSON"):
         StateSpec.from_pretrained(tmp_path)
+
+
+def test_defaults_agree_with_transformers():
+    """Without layer_types or full_attn_idxs transformers' Lfm2Config makes every layer
+    attention; Mamba2Config's n_groups defaults to 8."""
+    with pytest.raises(UnsupportedModelError, match="no conv"):
+        StateSpec.from_config({"model_type": "lfm2", "hidden_size": 8, "num_hidden_layers": 2})
+    spec = StateSpec.from_config({k: v for k, v in MAMBA2_2_7B.items() if k != "n_groups"})
+    assert spec.groups[0].tensors[0].segments[1].groups == 8

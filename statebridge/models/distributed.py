@@ -1,0 +1,196 @@
+"""The TP group of a runner: ``torch.distributed`` across processes, threads in one process, or
+nothing at TP = 1.
+
+Across processes (one per rank)::
+
+    group = init_tp_group(tp_size, tp_rank, "tcp://127.0.0.1:29500")   # gloo on CPU, nccl on CUDA
+    runner = ModelRunner(model_dir, tp_size, tp_rank, cache, all_reduce=group.all_reduce)
+    ...
+    group.close()
+
+At TP = 1, ``init_tp_group(1, 0)`` touches no ``torch.distributed`` and its ``all_reduce`` is
+None. :class:`ThreadGroup` runs the ranks of a group as threads of one process (tests, a
+single-process reference run): its all-reduce sums in rank order, so every rank gets the same
+bits.
+"""
+
+from __future__ import annotations
+
+import datetime
+import socket
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+import torch
+
+from statebridge.errors import ConfigError
+
+__all__ = ["TPGroup", "init_tp_group", "make_all_reduce", "free_port", "ThreadGroup",
+           "AllReduce"]
+
+AllReduce = Callable[[torch.Tensor], torch.Tensor]
+T = TypeVar("T")
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port that was free on ``host`` a moment ago (for a ``tcp://`` init method)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def make_all_reduce(group: Any = None) -> AllReduce:
+    """An :data:`AllReduce` summing over ``group`` (default: the world) with
+    ``torch.distributed.all_reduce``; it reduces its argument in place when contiguous."""
+    import torch.distributed as dist
+
+    def all_reduce(tensor: torch.Tensor) -> torch.Tensor:
+        tensor = tensor.contiguous()
+        dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group)
+        return tensor
+
+    return all_reduce
+
+
+@dataclass
+class TPGroup:
+    """One rank's membership in a TP group. ``all_reduce`` is None at TP = 1."""
+
+    tp_size: int
+    tp_rank: int
+    device: torch.device
+    backend: str | None = None
+    all_reduce: AllReduce | None = None
+    _owns_process_group: bool = field(default=False, repr=False)
+
+    def close(self) -> None:
+        """Destroy the process group this object created (idempotent)."""
+        if self._owns_process_group:
+            import torch.distributed as dist
+
+            self._owns_process_group = False
+            if dist.is_initialized():
+                dist.destroy_process_group()
+
+    def __enter__(self) -> "TPGroup":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+
+def init_tp_group(tp_size: int, tp_rank: int, init_method: str | None = None, *,
+                  backend: str | None = None, device: torch.device | str | None = None,
+                  timeout_s: float = 60.0, cpu_threads: int | None = None) -> TPGroup:
+    """Join a TP group of ``tp_size`` processes as rank ``tp_rank``.
+
+    Args:
+        init_method: ``"tcp://HOST:PORT"`` where rank 0 listens (explicit; never read from the
+            environment). Not needed at TP = 1.
+        backend: default ``"nccl"`` for a CUDA device, else ``"gloo"``.
+        device: default ``cuda:<tp_rank % device count>`` when CUDA is available, else CPU.
+        timeout_s: bound on rendezvous and on every collective.
+        cpu_threads: when set, ``torch.set_num_threads(cpu_threads)`` for this process (several
+            CPU ranks on one machine should share its cores, e.g. ``cores // tp_size``: intra-op
+            threads that wait for a busy core make small matmuls ~1000x slower).
+
+    At ``tp_size == 1`` without ``init_method`` nothing is initialised and ``all_reduce`` is
+    None.
+    """
+    if isinstance(tp_size, bool) or not isinstance(tp_size, int) or tp_size < 1:
+        raise ConfigError(f"tp_size must be a positive integer, got {tp_size!r}")
+    if isinstance(tp_rank, bool) or not isinstance(tp_rank, int) or not 0 <= tp_rank < tp_size:
+        raise ConfigError(f"tp_rank must be in [0, {tp_size}), got {tp_rank!r}")
+    if device is None:
+        device = (torch.device(f"cuda:{tp_rank % torch.cuda.device_count()}")
+                  if torch.cuda.is_available() else torch.device("cpu"))
+    device = torch.device(device)
+    if cpu_threads is not None:
+        if isinstance(cpu_threads, bool) or not isinstance(cpu_threads, int) or cpu_threads < 1:
+            raise ConfigError(f"cpu_threads must be a positive integer, got {cpu_threads!r}")
+        torch.set_num_threads(cpu_threads)
+    if tp_size == 1 and init_method is None:
+        return TPGroup(1, 0, device)
+    if not isinstance(init_method, str) or not init_method.startswith("tcp://"):
+        raise ConfigError(f"init_method must be 'tcp://HOST:PORT', got {init_method!r}")
+    if backend is None:
+        backend = "nccl" if device.type == "cuda" else "gloo"
+    if backend not in ("gloo", "nccl"):
+        raise ConfigError(f"backend must be 'gloo' or 'nccl', got {backend!r}")
+    if backend == "nccl" and device.type != "cuda":
+        raise ConfigError(f"backend 'nccl' needs a CUDA device, got {device}")
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        raise ConfigError("torch.distributed is already initialised in this process")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    dist.init_process_group(backend, init_method=init_method, world_size=tp_size, rank=tp_rank,
+                            timeout=datetime.timedelta(seconds=timeout_s))
+    return TPGroup(tp_size, tp_rank, device, backend, make_all_reduce(), True)
+
+
+class ThreadGroup:
+    """A TP group whose ranks are threads of this process.
+
+    ``all_reduce(rank)`` gives rank ``rank``'s :data:`AllReduce`: every rank deposits its
+    tensor, all sum them in rank order (identical bits on every rank), then continue. A rank
+    that fails breaks the barrier, so the others raise instead of waiting out ``timeout_s``.
+    """
+
+    def __init__(self, tp_size: int, *, timeout_s: float = 60.0) -> None:
+        if isinstance(tp_size, bool) or not isinstance(tp_size, int) or tp_size < 1:
+            raise ConfigError(f"tp_size must be a positive integer, got {tp_size!r}")
+        self.tp_size = tp_size
+        self.timeout_s = timeout_s
+        self._barrier = threading.Barrier(tp_size, timeout=timeout_s)
+        self._slots: list[torch.Tensor | None] = [None] * tp_size
+
+    def all_reduce(self, rank: int) -> AllReduce | None:
+        """Rank ``rank``'s all-reduce (None at TP = 1, like :func:`init_tp_group`)."""
+        if not 0 <= rank < self.tp_size:
+            raise ConfigError(f"rank must be in [0, {self.tp_size}), got {rank!r}")
+        if self.tp_size == 1:
+            return None
+
+        def all_reduce(tensor: torch.Tensor) -> torch.Tensor:
+            self._slots[rank] = tensor
+            self._barrier.wait()
+            total = self._slots[0].clone()
+            for other in self._slots[1:]:
+                total += other
+            self._barrier.wait()  # nobody overwrites a slot before everyone has summed
+            return total
+
+        return all_reduce
+
+    def run(self, fn: Callable[[int], T]) -> list[T]:
+        """Run ``fn(rank)`` on one thread per rank; the results in rank order. The first
+        exception (by rank) is re-raised after every thread has finished."""
+        results: list[Any] = [None] * self.tp_size
+        errors: list[BaseException | None] = [None] * self.tp_size
+
+        def body(rank: int) -> None:
+            try:
+                results[rank] = fn(rank)
+            except BaseException as e:  # noqa: BLE001 -- re-raised in the caller
+                errors[rank] = e
+                self._barrier.abort()
+
+        threads = [threading.Thread(target=body, args=(r,), name=f"tp-rank-{r}", daemon=True)
+                   for r in range(self.tp_size)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        if self._barrier.broken:
+            self._barrier.reset()
+        # Prefer the root cause over the BrokenBarrierError it caused in the other ranks.
+        first = next((e for e in errors if e is not None
+                      and not isinstance(e, threading.BrokenBarrierError)), None)
+        first = first or next((e for e in errors if e is not None), None)
+        if first is not None:
+            raise first
+        return results

@@ -1,0 +1,355 @@
+"""ModelRunner: one tensor-parallel rank of an LFM2 (ShortConv layers) or Mamba2 model whose
+recurrent state lives ONLY in a :class:`~statebridge.state.cache.StateCache`.
+
+Every TP rank of a group builds one runner over its own cache and calls the same methods with
+the same arguments in the same order (each call runs collectives through ``all_reduce``)::
+
+    tokens -> embed (replicated)
+           -> per layer:  norm -> mixer (column-parallel in_proj, sharded conv/SSM on the page
+                          views, row-parallel out_proj) -> all_reduce -> + residual
+                          [LFM2] norm -> MLP (w1/w3 column-, w2 row-parallel) -> all_reduce -> +
+           -> final norm -> lm_head (replicated) -> fp32 logits of the last token
+
+Weights are read from the HF checkpoint per rank (:class:`~statebridge.models.checkpoint.
+Checkpoint`): sharded weights through lazy handles, so a rank reads only its rows; embedding,
+norms and lm_head whole. Decoder layer ``i`` keeps its state in the cache region of the layer
+group ``g`` that lists it, at index ``j = spec.groups[g].layer_ids.index(i)``; the kernels read
+and write those strided views (``cache.view(g, tensor, j)``, any layout), so a page filled by a
+transfer from another TP degree or layout is all a decode needs.
+
+Not thread-safe: one thread drives a runner.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from statebridge.errors import CacheError, ConfigError, ShapeError
+from statebridge.kernels.layers import Mamba2Mixer, ShortConvMixer
+from statebridge.kernels.tp_shard import shard_segments
+from statebridge.models.checkpoint import Checkpoint
+from statebridge.models.hf_config import ModelConfig
+from statebridge.state.cache import StateCache
+from statebridge.state.spec import DTYPES, StateSpec, dtype_from_name
+
+__all__ = ["ModelRunner", "AllReduce"]
+
+log = logging.getLogger(__name__)
+
+AllReduce = Callable[[torch.Tensor], torch.Tensor]
+"""Sum over the TP group; may reuse its argument's storage; returns the sum."""
+
+
+def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm exactly as ``Lfm2RMSNorm`` / ``Mamba2RMSNorm`` (fp32 statistics)."""
+    dtype = x.dtype
+    h = x.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * h.to(dtype)
+
+
+def _spec_shape(spec: StateSpec) -> dict:
+    """A spec's description without dtypes (a cache may store state in another dtype)."""
+    d = spec.to_dict()
+    for group in d["groups"]:
+        for tensor in group["tensors"]:
+            tensor.pop("dtype")
+    return d
+
+
+@dataclass
+class _Layer:
+    """One decoder layer on this rank."""
+
+    index: int                    # HF layer index
+    group: int                    # state spec group
+    slot: int                     # index within the group
+    mixer: torch.nn.Module
+    states: tuple[torch.Tensor, ...]   # page views [num_pages, channel, *inner], canonical order
+    norm: torch.Tensor            # operator_norm (LFM2) / norm (Mamba2)
+    ffn_norm: torch.Tensor | None = None
+    w1: torch.Tensor | None = None     # [F/t, H]
+    w3: torch.Tensor | None = None     # [F/t, H]
+    w2: torch.Tensor | None = None     # [H, F/t]
+
+
+class ModelRunner:
+    """One TP rank of a model served from an HF checkpoint, state in ``cache`` pages.
+
+    Args:
+        model_dir: checkpoint directory (``config.json`` + ``model.safetensors`` or a sharded
+            index) of ``Lfm2ForCausalLM`` (conv layers only) or ``Mamba2ForCausalLM``.
+        tp_size, tp_rank: this rank's place in its TP group.
+        cache: this rank's cache; its geometry must be built from
+            ``StateSpec.from_pretrained(model_dir)`` (state dtypes may differ) at ``tp_size``,
+            any layout. All recurrent state lives in its pages.
+        all_reduce: sums a tensor over the TP group (see :mod:`statebridge.models.distributed`);
+            required when ``tp_size > 1``.
+        dtype: weight and activation dtype (default: the checkpoint's ``dtype``).
+        provider: kernel choice (``"auto"``: Triton on CUDA, torch references elsewhere).
+
+    Raises ConfigError (missing weight, wrong cache, TP size that does not divide the model),
+    UnsupportedModelError (e.g. LFM2 attention layers), ShapeError (a weight of the wrong
+    shape or dtype), each naming the value.
+    """
+
+    def __init__(self, model_dir: str | os.PathLike, tp_size: int, tp_rank: int,
+                 cache: StateCache, *, all_reduce: AllReduce | None = None,
+                 dtype: torch.dtype | str | None = None, provider: str = "auto") -> None:
+        if isinstance(tp_size, bool) or not isinstance(tp_size, int) or tp_size < 1:
+            raise ConfigError(f"tp_size must be a positive integer, got {tp_size!r}")
+        if isinstance(tp_rank, bool) or not isinstance(tp_rank, int) \
+                or not 0 <= tp_rank < tp_size:
+            raise ConfigError(f"tp_rank must be in [0, {tp_size}), got {tp_rank!r}")
+        if tp_size > 1 and all_reduce is None:
+            raise ConfigError(f"tp_size={tp_size} needs an all_reduce function")
+        if not isinstance(cache, StateCache):
+            raise ConfigError(f"cache must be a StateCache, got {type(cache).__name__}")
+        if cache.geometry.tp_size != tp_size:
+            raise ConfigError(f"cache geometry is for tp_size={cache.geometry.tp_size}, runner "
+                              f"has tp_size={tp_size}")
+        self.tp_size = tp_size
+        self.tp_rank = tp_rank
+        self.cache = cache
+        self.device = cache.buffer.device
+        self._all_reduce = all_reduce if tp_size > 1 else None
+        self._provider = provider
+
+        with Checkpoint(model_dir) as ckpt:
+            config = ckpt.config
+            self.config: ModelConfig = config
+            self.spec = cache.geometry.spec
+            model_spec = StateSpec.from_config(config.hf)
+            if _spec_shape(model_spec) != _spec_shape(self.spec):
+                raise ConfigError(
+                    f"cache state spec {self.spec.fingerprint()} does not describe {model_dir!s} "
+                    f"(expected {model_spec.fingerprint()}); build the cache's PageGeometry from "
+                    f"StateSpec.from_pretrained(model_dir)")
+            if dtype is None:
+                self.dtype = DTYPES[config.dtype]
+            elif isinstance(dtype, torch.dtype):
+                self.dtype = dtype
+            else:
+                self.dtype = DTYPES[dtype_from_name(dtype)]
+            if config.model_type == "lfm2" and config.ff_dim % tp_size:
+                raise ConfigError(f"lfm2: MLP width {config.ff_dim} (from intermediate_size="
+                                  f"{config.hf['intermediate_size']}) is not divisible by "
+                                  f"tp_size={tp_size}")
+            expected = config.weight_shapes()
+            ckpt.check(expected)
+            stored = {ckpt.resolve(name) for name in expected}
+            unused = [name for name in ckpt.names() if name not in stored]
+            if unused:  # transformers ignores them too ("unexpected keys")
+                log.warning("%s: %d checkpoint weights are not used, e.g. %s", model_dir,
+                            len(unused), unused[:3])
+            self._load(ckpt)
+            #: bytes of each checkpoint weight this rank read (its shard of split weights)
+            self.bytes_read: dict[str, int] = dict(ckpt.bytes_read)
+        log.info("loaded %s (%d layers) rank %d/%d, %d weight bytes read, layout %s",
+                 config.architecture, config.num_layers, tp_rank, tp_size,
+                 sum(self.bytes_read.values()),
+                 cache.geometry.layout.name)
+
+    # -- loading ----------------------------------------------------------------------------------
+    def _load(self, ckpt: Checkpoint) -> None:
+        config, dev, dt = self.config, self.device, self.dtype
+        t, r = self.tp_size, self.tp_rank
+
+        def whole(name: str) -> torch.Tensor:
+            return ckpt.get(name, dtype=dt, device=dev)
+
+        def lazy(name: str):
+            return ckpt.lazy(name, dtype=dt, device=dev)
+
+        self.embed = whole(config.embedding_name)
+        self.lm_head = self.embed if config.tie_word_embeddings else whole("lm_head.weight")
+        final_norm = "model.embedding_norm.weight" if config.model_type == "lfm2" else \
+            "backbone.norm_f.weight"
+        self.final_norm = whole(final_norm)
+
+        where = {layer_id: (g, j) for g, group in enumerate(self.spec.groups)
+                 for j, layer_id in enumerate(group.layer_ids)}
+        shapes = config.weight_shapes()
+        self.layers: list[_Layer] = []
+        for i in range(config.num_layers):
+            if i not in where:
+                raise ConfigError(f"layer {i} ({config.layer_types[i]!r}) has no state in the "
+                                  f"cache spec")
+            g, j = where[i]
+            prefix = config.layer_prefix(i)
+            weights = {name[len(prefix):]: lazy(name) for name in shapes
+                       if name.startswith(prefix)}
+            if config.model_type == "lfm2":
+                mixer = ShortConvMixer.from_hf_state_dict(config.hf, weights, t, r,
+                                                          provider=self._provider)
+                states = (self.cache.view(g, "conv", j),)
+                p = f"model.layers.{i}."
+                ff = config.ff_dim
+                layer = _Layer(
+                    i, g, j, mixer, states, norm=whole(p + "operator_norm.weight"),
+                    ffn_norm=whole(p + "ffn_norm.weight"),
+                    w1=shard_segments(lazy(p + "feed_forward.w1.weight"), [(ff, False)], t, r),
+                    w3=shard_segments(lazy(p + "feed_forward.w3.weight"), [(ff, False)], t, r),
+                    w2=shard_segments(lazy(p + "feed_forward.w2.weight"), [(ff, False)], t, r,
+                                      dim=1))
+            else:
+                mixer = Mamba2Mixer.from_hf_state_dict(config.hf, weights, t, r,
+                                                       all_reduce=self._all_reduce,
+                                                       provider=self._provider)
+                states = (self.cache.view(g, "conv", j), self.cache.view(g, "ssm", j))
+                layer = _Layer(i, g, j, mixer, states,
+                               norm=whole(f"backbone.layers.{i}.norm.weight"))
+            self._check_state_views(layer)
+            self.layers.append(layer)
+
+    def _check_state_views(self, layer: _Layer) -> None:
+        mixer = layer.mixer
+        if isinstance(mixer, ShortConvMixer):
+            want = [(mixer.dim_local, mixer.state_len)]
+        else:
+            want = [(mixer.conv_dim_local, mixer.state_len),
+                    (mixer.heads_local, mixer.head_dim, mixer.d_state)]
+        for view, shape in zip(layer.states, want):
+            if tuple(view.shape[1:]) != shape:
+                raise ConfigError(f"layer {layer.index}: cache state view {list(view.shape[1:])} "
+                                  f"does not fit the local weights {list(shape)}")
+
+    # -- public API -------------------------------------------------------------------------------
+    @property
+    def vocab_size(self) -> int:
+        return self.config.vocab_size
+
+    @property
+    def layer_slots(self) -> dict[int, tuple[int, int]]:
+        """HF layer index -> (state group, index within the group)."""
+        return {layer.index: (layer.group, layer.slot) for layer in self.layers}
+
+    @torch.no_grad()
+    def prefill(self, prompts: Sequence[Sequence[int]], pages: Sequence[int], *,
+                resume: bool | Sequence[bool] = False) -> torch.Tensor:
+        """Run whole prompts (a varlen batch) and write each one's final state into its page.
+
+        Args:
+            prompts: B token sequences, any lengths, EMPTY allowed.
+            pages: B distinct page ids of this rank's cache.
+            resume: continue from the state already in the page (chunked prefill) instead of the
+                zero state; one bool for all or one per prompt.
+
+        Returns:
+            ``[B, vocab]`` fp32 logits of each prompt's last token. An empty prompt has no last
+            token: its row is all zeros (a placeholder, never NaN) and its page is reset to the
+            zero state (or left as is with ``resume``). Under the N-1 protocol a 1-token prompt
+            ``p`` prefills ``p[:-1] == []`` and its first logits come from ``decode(p[-1])``.
+        """
+        token_lists = [self._tokens(p, f"prompt {b}") for b, p in enumerate(prompts)]
+        page_list = self._pages(pages, len(token_lists))
+        B = len(token_lists)
+        if isinstance(resume, bool):
+            resume_list = [resume] * B
+        else:
+            resume_list = [bool(x) for x in resume]
+            if len(resume_list) != B:
+                raise ShapeError(f"resume has {len(resume_list)} entries for {B} prompts")
+        logits = torch.zeros(B, self.vocab_size, dtype=torch.float32, device=self.device)
+        rows = [b for b in range(B) if token_lists[b]]
+        for b in range(B):
+            if not token_lists[b] and not resume_list[b]:
+                self.cache.page_bytes(page_list[b]).zero_()
+        if not rows:
+            return logits
+        lengths = [len(token_lists[b]) for b in rows]
+        ids = torch.tensor([tok for b in rows for tok in token_lists[b]], dtype=torch.long,
+                           device=self.device)
+        qsl_list = [0]
+        for n in lengths:
+            qsl_list.append(qsl_list[-1] + n)
+        qsl = torch.tensor(qsl_list, dtype=torch.int64, device=self.device)
+        slots = torch.tensor([page_list[b] for b in rows], dtype=torch.int64, device=self.device)
+        has_init = torch.tensor([resume_list[b] for b in rows], dtype=torch.bool,
+                                device=self.device)
+
+        def mix(layer: _Layer, x: torch.Tensor) -> torch.Tensor:
+            return layer.mixer.prefill(x, *layer.states, qsl, slots, has_init)
+
+        hidden = self._layers(F.embedding(ids, self.embed), mix)
+        last = qsl[1:] - 1
+        logits[torch.tensor(rows, device=self.device)] = self._logits(hidden[last])
+        return logits
+
+    @torch.no_grad()
+    def decode(self, tokens: Sequence[int], pages: Sequence[int]) -> torch.Tensor:
+        """One token per request against, and updating, its page's state.
+
+        Returns ``[B, vocab]`` fp32 logits of the next token."""
+        token_list = self._tokens(tokens, "tokens")
+        page_list = self._pages(pages, len(token_list))
+        if not token_list:
+            return torch.zeros(0, self.vocab_size, dtype=torch.float32, device=self.device)
+        ids = torch.tensor(token_list, dtype=torch.long, device=self.device)
+        slots = torch.tensor(page_list, dtype=torch.int64, device=self.device)
+
+        def mix(layer: _Layer, x: torch.Tensor) -> torch.Tensor:
+            return layer.mixer.decode(x, *layer.states, slots)
+
+        return self._logits(self._layers(F.embedding(ids, self.embed), mix))
+
+    def reset(self, pages: Sequence[int]) -> None:
+        """Zero the state of ``pages`` (the state before any token)."""
+        for page in self._pages(pages, None):
+            self.cache.page_bytes(page).zero_()
+
+    # -- forward ----------------------------------------------------------------------------------
+    def _reduce(self, partial: torch.Tensor) -> torch.Tensor:
+        return partial if self._all_reduce is None else self._all_reduce(partial)
+
+    def _layers(self, hidden: torch.Tensor,
+                mix: Callable[[_Layer, torch.Tensor], torch.Tensor]) -> torch.Tensor:
+        """hidden ``[T, H]`` through every decoder layer (HF's residual arithmetic)."""
+        eps = self.config.norm_eps
+        lfm2 = self.config.model_type == "lfm2"
+        for layer in self.layers:
+            if lfm2:
+                hidden = self._reduce(mix(layer, _rms_norm(hidden, layer.norm, eps))) + hidden
+                x = _rms_norm(hidden, layer.ffn_norm, eps)
+                partial = F.linear(F.silu(F.linear(x, layer.w1)) * F.linear(x, layer.w3), layer.w2)
+                hidden = hidden + self._reduce(partial)
+            else:
+                residual = hidden.float() if self.config.residual_in_fp32 else hidden
+                x = _rms_norm(hidden.to(layer.norm.dtype), layer.norm, eps)
+                hidden = residual + self._reduce(mix(layer, x))
+        return hidden
+
+    def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        h = _rms_norm(hidden, self.final_norm, self.config.norm_eps)
+        return F.linear(h.to(self.lm_head.dtype), self.lm_head).float()
+
+    # -- argument checks --------------------------------------------------------------------------
+    def _tokens(self, tokens: Sequence[int], what: str) -> list[int]:
+        if isinstance(tokens, torch.Tensor):
+            tokens = tokens.tolist()
+        try:
+            out = [int(t) for t in tokens]
+        except (TypeError, ValueError):
+            raise ShapeError(f"{what} must be a sequence of token ids, got {tokens!r}") from None
+        bad = [t for t in out if not 0 <= t < self.vocab_size]
+        if bad:
+            raise ShapeError(f"{what}: token id {bad[0]} outside the vocabulary "
+                             f"[0, {self.vocab_size})")
+        return out
+
+    def _pages(self, pages: Sequence[int], count: int | None) -> list[int]:
+        page_list = list(pages)
+        if count is not None and len(page_list) != count:
+            raise ShapeError(f"{len(page_list)} pages for {count} requests")
+        for page in page_list:
+            self.cache.pool.check(page)
+        if len(set(page_list)) != len(page_list):
+            dup = next(p for p in page_list if page_list.count(p) > 1)
+            raise CacheError(f"page {dup} appears twice in one batch: {page_list}")
+        return page_list

@@ -1,0 +1,21 @@
+"""Pieces of the end-to-end tests that rank processes import too (no transformers here)."""
+
+from __future__ import annotations
+
+import os
+import time
+
+from statebridge.config import ConnectorConfig
+from statebridge.node.rank_model import ModelRankModel
+
+FAST = ConnectorConfig(heartbeat_interval=0.1, peer_timeout=1.5, lease_timeout=30.0,
+                       transfer_timeout=60.0, handshake_timeout=60.0)
+
+
+class SlowPrefillModel(ModelRankModel):
+    """The real model, with STATEBRIDGE_TEST_PREFILL_DELAY seconds added to every prefill so a
+    test can kill the prefill node while requests are in flight."""
+
+    def prefill(self, page, prompt, request_id) -> None:
+        time.sleep(float(os.environ.get("STATEBRIDGE_TEST_PREFILL_DELAY", "1.0")))
+        super().prefill(page, prompt, request_id)

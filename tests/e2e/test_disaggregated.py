@@ -1,0 +1,163 @@
+"""Prefill node and decode node at different TP degrees serve checkpoints made by transformers,
+token for token equal to transformers' own greedy continuation."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import os
+import signal
+import sys
+import time
+
+import pytest
+
+from statebridge.connector.hosts import RankHostPool
+from statebridge.errors import ConfigError, PeerLostError
+from statebridge.node.client import Client
+from statebridge.node.decode_node import DecodeNode, free_port
+from statebridge.node.demo import NodeProcess
+from statebridge.node.prefill_node import start_prefill_node
+
+from tests.models._helpers import NEW_TOKENS, PROMPTS
+
+from tests.connector._helpers import wait_until
+
+from ._helpers import FAST
+
+pytestmark = [pytest.mark.ucx, pytest.mark.multiprocess]
+
+
+@pytest.fixture(scope="module")
+def pools():
+    with RankHostPool(4) as prefill_hosts, RankHostPool(4) as decode_hosts:
+        yield prefill_hosts, decode_hosts
+
+
+def run_all(address: str, prompts, **kwargs):
+    """Every prompt from its own client thread, all in flight at once."""
+    def one(prompt):
+        with Client(address, timeout=120) as client:
+            return client.generate(prompt, max_new_tokens=NEW_TOKENS, **kwargs)
+    with concurrent.futures.ThreadPoolExecutor(len(prompts)) as pool:
+        return list(pool.map(one, prompts))
+
+
+CASES = [pytest.param(model, p, d, layout, id=f"{model}-{p}x{d}-{layout}")
+         for model in ("lfm2", "mamba2-g1", "mamba2-g4")
+         for (p, d) in [(1, 2), (2, 1), (2, 4), (4, 2)]
+         for layout in ("LDS", "DLS")]
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("model,prefill_tp,decode_tp,layout", CASES)
+def test_greedy_tokens_equal_transformers(pools, hf_models, model, prefill_tp, decode_tp,
+                                          layout):
+    prefill_hosts, decode_hosts = pools
+    hf = hf_models[model]
+    server = start_prefill_node(hf.path, prefill_tp, layout=layout, num_pages=16, config=FAST,
+                                launcher=prefill_hosts.launcher())
+    try:
+        with DecodeNode(hf.path, decode_tp, [server.address], layout=layout, num_pages=16,
+                        config=FAST, launcher=decode_hosts.launcher()) as node:
+            results = run_all(node.address, PROMPTS)
+            for prompt, result, expected in zip(PROMPTS, results, hf.reference):
+                assert result.tokens == list(expected), f"prompt of {len(prompt)} tokens"
+                assert not result.recomputed
+            # The 1-token prompt moves the zero state: N-1 = 0 tokens prefilled.
+            assert all(r.transfer_bytes > 0 for r in results)
+            stats = node.stats()
+            assert stats["finished_ok"] == len(PROMPTS)
+            assert stats["coordinator"]["pages_used"] == 0
+    finally:
+        server.close()
+
+
+@pytest.mark.timeout(300)
+def test_eight_concurrent_clients_get_independent_results(pools, hf_models):
+    prefill_hosts, decode_hosts = pools
+    hf = hf_models["mamba2-g1"]
+    server = start_prefill_node(hf.path, 2, num_pages=16, config=FAST,
+                                launcher=prefill_hosts.launcher())
+    try:
+        with DecodeNode(hf.path, 4, [server.address], num_pages=16, max_batch=3,
+                        config=FAST, launcher=decode_hosts.launcher()) as node:
+            prompts = [PROMPTS[i % len(PROMPTS)] for i in range(8)]
+            results = run_all(node.address, prompts)
+            for i, result in enumerate(results):
+                assert result.tokens == list(hf.reference[i % len(PROMPTS)])
+            # Sampling with a seed gives the same tokens alone and inside a busy batch.
+            alone = run_all(node.address, [PROMPTS[3]], temperature=0.8, top_p=0.9, seed=11)
+            crowd = run_all(node.address, [PROMPTS[3]] * 6, temperature=0.8, top_p=0.9,
+                            seed=11)
+            assert all(r.tokens == alone[0].tokens for r in crowd)
+            other_seed = run_all(node.address, [PROMPTS[3]] * 3, temperature=0.8, top_p=0.9,
+                                 seed=12)
+            assert len({tuple(r.tokens) for r in other_seed}) == 1
+            # Bad requests get typed errors and the node serves on.
+            with Client(node.address) as client:
+                with pytest.raises(ConfigError, match="exceeds the limit"):
+                    client.generate(list(range(9000)), max_new_tokens=2)
+                with pytest.raises(ConfigError, match="prompt is empty"):
+                    client.generate([], max_new_tokens=2)
+                assert client.generate(PROMPTS[1], max_new_tokens=NEW_TOKENS).tokens == \
+                    list(hf.reference[1])
+    finally:
+        server.close()
+
+
+def start_slow_prefill_node(model_dir: str, port: int) -> NodeProcess:
+    os.environ["STATEBRIDGE_TEST_PREFILL_DELAY"] = "1.0"
+    return NodeProcess(["prefill", "--model", model_dir, "--tp", "2", "--port", str(port),
+                        "--peer-timeout", "1.5",
+                        "--rank-model", "tests.e2e._helpers:SlowPrefillModel"], "prefill node")
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("policy", ["fail", "recompute"])
+def test_killed_prefill_node_follows_the_policy(pools, hf_models, policy, monkeypatch):
+    _, decode_hosts = pools
+    hf = hf_models["lfm2"]
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(sys.path))
+    prefill = start_slow_prefill_node(hf.path, free_port())
+    address = prefill.lines[-1].split(" ready on ")[1].split()[0]
+    with DecodeNode(hf.path, 2, [address], num_pages=16, config=FAST, policy=policy,
+                    launcher=decode_hosts.launcher()) as node:
+        with concurrent.futures.ThreadPoolExecutor(4) as pool:
+            def one(prompt):
+                with Client(node.address, timeout=120) as client:
+                    try:
+                        return client.generate(prompt, max_new_tokens=NEW_TOKENS)
+                    except PeerLostError as e:
+                        return e
+            futures = [pool.submit(one, p) for p in PROMPTS[1:]]
+            time.sleep(0.5)                          # every request is in its slow prefill
+            os.killpg(prefill.proc.pid, signal.SIGKILL)
+            killed = time.monotonic()
+            outcomes = [f.result(timeout=60) for f in futures]
+        if policy == "fail":
+            assert all(isinstance(o, PeerLostError) for o in outcomes), outcomes
+            assert time.monotonic() - killed < FAST.peer_timeout + 10
+        else:
+            for o, expected in zip(outcomes, hf.reference[1:]):
+                assert not isinstance(o, Exception), o
+                assert o.recomputed and o.tokens == list(expected)
+        wait_until(lambda: node.stats()["coordinator"]["pages_used"] == 0, 15,
+                   "decode pages reclaimed")
+        # A prefill node comes back: later requests are served by it again.
+        fresh = start_prefill_node(hf.path, 2, num_pages=8, config=FAST,
+                                   launcher=pools[0].launcher())
+        try:
+            node.add_prefill(fresh.address)
+            result = run_all(node.address, [PROMPTS[4]])[0]
+            assert result.tokens == list(hf.reference[4]) and not result.recomputed
+        finally:
+            fresh.close()
+
+
+@pytest.mark.timeout(600)
+def test_demo_exits_zero():
+    import subprocess
+    out = subprocess.run([sys.executable, "-m", "statebridge.cli", "demo"], capture_output=True,
+                         text=True, timeout=550)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    assert "demo OK: every token matches" in out.stdout

@@ -1,0 +1,115 @@
+"""Checkpoints made by transformers itself (the oracle) and their reference greedy tokens.
+
+Each model is a tiny ``*ForCausalLM`` built from its config class, given well-conditioned random
+weights (transformers' own init makes tied LFM2 logits echo the input token, a weak test), saved
+with ``save_pretrained``. The reference continuation is repeated FULL forwards with
+``use_cache=False`` (argmax of the last position, append, repeat): transformers' cached
+``generate`` fails on an LFM2 config with only conv layers (its mask code needs an attention
+layer).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+from tests.models._helpers import NEW_TOKENS, PROMPTS
+
+#: name -> (config class, config kwargs, save_pretrained kwargs)
+HF_MODELS = {
+    # Tied embeddings, no biases, auto-adjusted MLP width 160 -> 112.
+    "lfm2": ("Lfm2Config", dict(
+        vocab_size=128, hidden_size=64, intermediate_size=160, block_multiple_of=16,
+        num_hidden_layers=3, layer_types=["conv"] * 3, conv_L_cache=3, num_attention_heads=4,
+        num_key_value_heads=2, tie_word_embeddings=True), {}),
+    # Untied, conv_bias (in_proj / conv / out_proj biases), width 4, MLP width 96 as given.
+    "lfm2-bias": ("Lfm2Config", dict(
+        vocab_size=128, hidden_size=32, intermediate_size=96, block_auto_adjust_ff_dim=False,
+        num_hidden_layers=2, layer_types=["conv"] * 2, conv_L_cache=4, conv_bias=True,
+        num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False), {}),
+    # n_groups = 1: B and C replicated at TP > 1; saved as a SHARDED checkpoint (index.json).
+    "mamba2-g1": ("Mamba2Config", dict(
+        vocab_size=128, hidden_size=32, num_heads=8, head_dim=8, state_size=8, n_groups=1,
+        num_hidden_layers=3, conv_kernel=4, chunk_size=8), {"max_shard_size": "40KB"}),
+    # n_groups = 4 = TP: B and C split by groups; in_proj / out_proj biases.
+    "mamba2-g4": ("Mamba2Config", dict(
+        vocab_size=128, hidden_size=32, num_heads=8, head_dim=8, state_size=8, n_groups=4,
+        num_hidden_layers=2, conv_kernel=4, chunk_size=8, use_bias=True), {}),
+}
+
+
+@dataclass(frozen=True)
+class HFModel:
+    name: str
+    path: str
+    reference: tuple[tuple[int, ...], ...]   # greedy continuation of each of PROMPTS
+    min_margin: float                        # smallest top-1 minus top-2 logit on those paths
+
+
+def randomize_(model: torch.nn.Module, seed: int) -> None:
+    """Well-conditioned random weights in place (unit gain per linear, perturbed norms)."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("A_log"):
+                p.copy_(torch.log(torch.empty(p.shape).uniform_(1.0, 16.0, generator=gen)))
+            elif name.endswith("dt_bias"):
+                continue  # transformers' init: softplus^-1 of dt in [1e-3, 0.1]
+            elif "norm" in name or name.endswith(".D"):
+                p.copy_(1.0 + 0.1 * torch.randn(p.shape, generator=gen))
+            elif name.endswith("bias"):
+                p.copy_(0.1 * torch.randn(p.shape, generator=gen))
+            elif "embed" in name:
+                p.copy_(0.25 * torch.randn(p.shape, generator=gen))
+            else:
+                p.copy_(torch.randn(p.shape, generator=gen) / math.sqrt(p.shape[-1]))
+
+
+def reference_greedy(model: torch.nn.Module, prompt: tuple[int, ...],
+                     new_tokens: int) -> tuple[list[int], float]:
+    ids = list(prompt)
+    out, margin = [], math.inf
+    with torch.no_grad():
+        for _ in range(new_tokens):
+            logits = model(torch.tensor([ids]), use_cache=False).logits[0, -1].float()
+            top2 = logits.topk(2).values
+            margin = min(margin, float(top2[0] - top2[1]))
+            token = int(logits.argmax())
+            out.append(token)
+            ids.append(token)
+    return out, margin
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_cpu_thread():
+    """Tiny matmuls on one intra-op thread: with 2 threads on a busy 2-core machine each waits
+    for the other core and a [9, 64] x [64, 192] matmul takes ~20 ms instead of ~15 us."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="session")
+def transformers_module():
+    return pytest.importorskip("transformers")
+
+
+@pytest.fixture(scope="session")
+def hf_models(tmp_path_factory, transformers_module) -> dict[str, HFModel]:
+    tf = transformers_module
+    out = {}
+    for i, (name, (config_cls, kwargs, save_kwargs)) in enumerate(HF_MODELS.items()):
+        config = getattr(tf, config_cls)(**kwargs)
+        model_cls = tf.Lfm2ForCausalLM if config_cls == "Lfm2Config" else tf.Mamba2ForCausalLM
+        torch.manual_seed(i)
+        model = model_cls(config).eval()
+        randomize_(model, seed=100 + i)
+        path = tmp_path_factory.mktemp(name)
+        model.save_pretrained(path, **save_kwargs)
+        refs, margins = zip(*(reference_greedy(model, p, NEW_TOKENS) for p in PROMPTS))
+        out[name] = HFModel(name, str(path), tuple(tuple(r) for r in refs), min(margins))
+    return out

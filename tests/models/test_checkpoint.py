@@ -1,0 +1,170 @@
+"""make_checkpoint writes what transformers loads; Checkpoint reads shards lazily."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors import safe_open
+
+from statebridge.errors import ConfigError, ShapeError, UnsupportedModelError
+from statebridge.models import Checkpoint, ModelRunner, lfm2_ff_dim, make_checkpoint
+from statebridge.models.hf_config import ModelConfig
+from tests.models._helpers import PROMPTS, generate, make_cache
+from tests.models.conftest import reference_greedy
+
+ARCHS = ["lfm2", "mamba2"]
+
+
+def _weights(path) -> dict[str, torch.Tensor]:
+    out = {}
+    for file in sorted(path.glob("*.safetensors")):
+        with safe_open(str(file), framework="pt") as f:
+            out.update({k: f.get_tensor(k) for k in f.keys()})
+    return out
+
+
+@pytest.mark.parametrize("sharded", [False, True], ids=["single", "sharded"])
+@pytest.mark.parametrize("arch", ARCHS)
+def test_make_checkpoint_loads_in_transformers_and_agrees(tmp_path, transformers_module, arch,
+                                                          sharded):
+    tf = transformers_module
+    path = make_checkpoint(arch, tmp_path / arch, "tiny", seed=3,
+                           max_shard_bytes=120_000 if sharded else None)
+    assert (path / "model.safetensors.index.json").exists() == sharded
+    model, info = tf.AutoModelForCausalLM.from_pretrained(path, output_loading_info=True)
+    model.eval()
+    expected_cls = {"lfm2": "Lfm2ForCausalLM", "mamba2": "Mamba2ForCausalLM"}[arch]
+    assert type(model).__name__ == expected_cls
+    assert not any(info[k] for k in ("missing_keys", "unexpected_keys", "mismatched_keys")), info
+    # transformers holds exactly our weights (nothing re-initialised or renamed)
+    ours = _weights(path)
+    theirs = model.state_dict()
+    for name, tensor in ours.items():
+        assert torch.equal(theirs[name], tensor), name
+    if model.config.tie_word_embeddings:
+        assert "lm_head.weight" not in ours
+        assert torch.equal(theirs["lm_head.weight"], ours[model.base_model_prefix +
+                                                           (".embed_tokens.weight" if arch == "lfm2"
+                                                            else ".embeddings.weight")])
+    # the config round-trips through transformers' own class
+    ours_cfg = json.loads((path / "config.json").read_text())
+    assert model.config.vocab_size == ours_cfg["vocab_size"] == 256
+    assert model.config.hidden_size == 64 and model.config.num_hidden_layers == 4
+    # greedy tokens agree
+    runner = ModelRunner(path, 1, 0, make_cache(str(path), 1, "DLS"))
+    tokens = generate(runner, PROMPTS, [0, 1, 2, 3, 4])
+    for prompt, got in zip(PROMPTS, tokens):
+        want, margin = reference_greedy(model, prompt, len(got))
+        assert margin > 1e-3
+        assert got == want, f"{arch} prompt length {len(prompt)}: {got} != {want}"
+
+
+def test_make_checkpoint_is_deterministic_and_seeded(tmp_path):
+    a = _weights(make_checkpoint("mamba2", tmp_path / "a", seed=5))
+    b = _weights(make_checkpoint("mamba2", tmp_path / "b", seed=5))
+    c = _weights(make_checkpoint("mamba2", tmp_path / "c", seed=6))
+    assert a.keys() == b.keys() == c.keys()
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    assert not torch.equal(a["lm_head.weight"], c["lm_head.weight"])
+
+
+def test_make_checkpoint_presets_overrides_and_dtype(tmp_path):
+    path = make_checkpoint("mamba2", tmp_path / "m", "small", overrides={"n_groups": 2},
+                           dtype="bfloat16")
+    config = ModelConfig.from_dict(json.loads((path / "config.json").read_text()))
+    assert config.hf["n_groups"] == 2 and config.dtype == "bfloat16"
+    assert config.hidden_size == 256 and config.num_layers == 8
+    with Checkpoint(path) as ckpt:
+        ckpt.check(config.weight_shapes())
+        assert ckpt.dtype("lm_head.weight") == torch.bfloat16
+    # a rewrite removes the old weight files (here: single file -> shards)
+    make_checkpoint("mamba2", path, "tiny", max_shard_bytes=50_000)
+    assert not (path / "model.safetensors").exists()
+    with pytest.raises(ConfigError, match="already holds"):
+        make_checkpoint("mamba2", path, "tiny", overwrite=False)
+
+
+@pytest.mark.parametrize("arch,preset,extra", [
+    ("lfm2", "huge", {}), ("gpt2", "tiny", {}),
+])
+def test_make_checkpoint_rejects_unknown_names(tmp_path, arch, preset, extra):
+    with pytest.raises(ConfigError, match=preset if arch == "lfm2" else arch):
+        make_checkpoint(arch, tmp_path / "x", preset, overrides=extra)
+
+
+def test_make_checkpoint_refuses_attention_layers(tmp_path):
+    with pytest.raises(UnsupportedModelError, match=r"layer 1 .*'full_attention'"):
+        make_checkpoint("lfm2", tmp_path / "x", overrides={
+            "layer_types": ["conv", "full_attention", "conv", "conv"]})
+
+
+@pytest.mark.parametrize("fields", [
+    dict(intermediate_size=12288),
+    dict(intermediate_size=160, block_multiple_of=16),
+    dict(intermediate_size=1000, block_ffn_dim_multiplier=1.5, block_multiple_of=64),
+    dict(intermediate_size=1000, block_ffn_dim_multiplier=0.7, block_multiple_of=1),
+    dict(intermediate_size=10752, block_auto_adjust_ff_dim=False),
+    dict(intermediate_size=96, block_auto_adjust_ff_dim=False, block_ffn_dim_multiplier=3.0),
+], ids=lambda f: "-".join(f"{k}={v}" for k, v in f.items()))
+def test_lfm2_ff_dim_matches_transformers(transformers_module, fields):
+    tf = transformers_module
+    config = tf.Lfm2Config(hidden_size=8, num_hidden_layers=1, layer_types=["conv"], **fields)
+    hf_width = tf.models.lfm2.modeling_lfm2.Lfm2MLP(config).w1.out_features
+    raw = {"model_type": "lfm2", "vocab_size": 16, "hidden_size": 8, "num_hidden_layers": 1,
+           "layer_types": ["conv"], **fields}
+    assert lfm2_ff_dim(ModelConfig.from_dict(raw).hf) == hf_width
+
+
+def test_lazy_tensor_reads_only_what_is_narrowed(tmp_path):
+    path = make_checkpoint("lfm2", tmp_path / "l", "tiny")
+    with Checkpoint(path) as ckpt:
+        name = "model.layers.0.conv.conv.weight"  # [64, 1, 3]
+        full = ckpt.get(name)
+        ckpt.bytes_read.clear()
+        lazy = ckpt.lazy(name)
+        squeezed = lazy[:, 0, :]
+        assert squeezed.shape == (64, 3) and ckpt.bytes_read[name] == 0
+        part = squeezed.narrow(0, 16, 8)
+        assert torch.equal(part, full[16:24, 0, :])
+        assert ckpt.bytes_read[name] == 8 * 3 * 4
+        cols = ckpt.lazy("model.layers.0.feed_forward.w2.weight").narrow(1, 32, 32)
+        assert cols.shape == (64, 32)
+        # anything else materialises (correct, just not frugal)
+        assert torch.equal(torch.cat([lazy[:2]], dim=0), full[:2])
+        assert torch.equal(lazy.clone(), full)
+        as_bf16 = ckpt.lazy(name, dtype=torch.bfloat16)[:, 0, :].narrow(0, 0, 4)
+        assert as_bf16.dtype == torch.bfloat16
+        with pytest.raises(ShapeError):
+            lazy.narrow(0, 60, 8)
+
+
+def test_special_floats_round_trip(tmp_path):
+    path = make_checkpoint("mamba2", tmp_path / "m")
+    raw = json.loads((path / "config.json").read_text())
+    assert raw["time_step_limit"] == [0.0, {"__float__": "Infinity"}]  # transformers 5's form
+    assert ModelConfig.from_dict(raw).hf["time_step_limit"] == (0.0, float("inf"))
+    raw["time_step_limit"] = [0.0, float("inf")]  # the bare form older writers use
+    assert ModelConfig.from_dict(raw).hf["time_step_limit"] == (0.0, float("inf"))
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_bf16_checkpoint_close_to_transformers(tmp_path, transformers_module, arch):
+    """bf16 weights: our prefill and N-1 decode logits stay within bf16 rounding of
+    transformers' (LFM2 is bit-identical; Mamba2's scans differ in order)."""
+    path = make_checkpoint(arch, tmp_path / arch, "tiny", seed=1, dtype="bfloat16")
+    model = transformers_module.AutoModelForCausalLM.from_pretrained(path).eval()
+    assert next(model.parameters()).dtype == torch.bfloat16
+    prompt = list(range(3, 20))
+    with torch.no_grad():
+        want = model(torch.tensor([prompt]), use_cache=False).logits[0, -1].float()
+    runner = ModelRunner(path, 1, 0, make_cache(str(path), 1, "LSD"))
+    assert runner.dtype == torch.bfloat16
+    whole = runner.prefill([prompt], [0])[0]
+    runner.prefill([prompt[:-1]], [1])
+    stepped = runner.decode([prompt[-1]], [1])[0]
+    scale = want.abs().max().item()
+    for got in (whole, stepped):
+        assert (got - want).abs().max().item() <= 0.05 * scale
+        assert got.argmax() == want.argmax()

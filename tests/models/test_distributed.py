@@ -1,0 +1,76 @@
+"""The TP group helpers: TP = 1 without torch.distributed, thread groups, argument checks.
+(Real gloo groups across processes run in test_runner.py.)"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from statebridge.errors import ConfigError
+from statebridge.models import ThreadGroup, free_port, init_tp_group
+
+
+def test_tp1_needs_no_torch_distributed():
+    group = init_tp_group(1, 0, device="cpu")
+    assert group.all_reduce is None and group.tp_size == 1
+    assert not dist.is_initialized()
+    group.close()
+    group.close()  # idempotent
+
+
+@pytest.mark.parametrize("args,kwargs,match", [
+    ((0, 0), {}, "tp_size"),
+    ((2, 2), {}, "tp_rank"),
+    ((2, 0), {}, "init_method"),
+    ((2, 0), {"init_method": "env://"}, "init_method"),
+    ((2, 0), {"init_method": "tcp://127.0.0.1:1", "backend": "mpi"}, "backend"),
+    ((2, 0), {"init_method": "tcp://127.0.0.1:1", "backend": "nccl", "device": "cpu"}, "nccl"),
+    ((1, 0), {"cpu_threads": 0}, "cpu_threads"),
+])
+def test_bad_group_arguments(args, kwargs, match):
+    with pytest.raises(ConfigError, match=match):
+        init_tp_group(*args, **kwargs)
+
+
+def test_free_port_is_bindable():
+    import socket
+
+    port = free_port()
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", port))
+
+
+def test_thread_group_sums_identically_on_every_rank():
+    group = ThreadGroup(3)
+    assert ThreadGroup(1).all_reduce(0) is None
+
+    def body(rank: int) -> list[torch.Tensor]:
+        reduce = group.all_reduce(rank)
+        return [reduce(torch.full((4,), float(rank + step))) for step in range(3)]
+
+    results = group.run(body)
+    for step in range(3):
+        want = torch.full((4,), float(0 + 1 + 2 + 3 * step))
+        for rank in range(3):
+            assert torch.equal(results[rank][step], want)
+
+
+def test_thread_group_failure_does_not_hang():
+    group = ThreadGroup(2, timeout_s=30.0)
+
+    def body(rank: int) -> None:
+        if rank == 1:
+            raise RuntimeError("rank 1 broke")
+        group.all_reduce(rank)(torch.zeros(2))
+
+    start = time.monotonic()
+    with pytest.raises(RuntimeError, match="rank 1 broke"):
+        group.run(body)
+    assert time.monotonic() - start < 10
+    assert threading.active_count() < 50
+    # the group is usable again
+    assert group.run(lambda r: group.all_reduce(r)(torch.ones(1)).item()) == [2.0, 2.0]
