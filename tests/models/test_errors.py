@@ -57,11 +57,13 @@ def test_lfm2_attention_layer_is_unsupported(tmp_path, transformers_module):
 
 def test_lfm2_without_layer_types_is_all_attention_like_transformers(tmp_path, lfm2_dir):
     """transformers reads a config with neither layer_types nor full_attn_idxs as ALL
-    attention; so do we (the state spec alone would call every layer conv)."""
+    attention; so do the state spec and the runner."""
     path = _copy(lfm2_dir, tmp_path / "m")
     _edit_config(path, lambda c: (c.pop("layer_types"), c.pop("full_attn_idxs")))
+    with pytest.raises(UnsupportedModelError, match=r"no conv layers"):
+        make_cache(str(path), 1, "DLS")
     with pytest.raises(UnsupportedModelError, match=r"layer 0 has type 'full_attention'"):
-        ModelRunner(path, 1, 0, make_cache(str(path), 1, "DLS"))
+        ModelRunner(path, 1, 0, make_cache(str(lfm2_dir), 1, "DLS"))
 
 
 def test_missing_weight_is_named(tmp_path, lfm2_dir):
