@@ -161,3 +161,32 @@ def test_demo_exits_zero():
                          text=True, timeout=550)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     assert "demo OK: every token matches" in out.stdout
+
+
+def children_of(pid: int) -> list[int]:
+    out = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    fields = f.read().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if int(fields[1]) == pid:
+                out.append(int(entry))
+    return out
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_signal_shuts_a_node_down_without_orphans(hf_models, sig):
+    node = NodeProcess(["prefill", "--model", hf_models["lfm2"].path, "--tp", "2",
+                        "--port", str(free_port())], "prefill node")
+    ranks = children_of(node.proc.pid)          # the 2 rank processes (and spawn's tracker)
+    assert len(ranks) >= 2, ranks
+    node.proc.send_signal(sig)
+    assert node.proc.wait(60) == 0
+    for pid in ranks:
+        wait_until(lambda: not os.path.exists(f"/proc/{pid}") or
+                   open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0] == "Z",
+                   10, f"rank process {pid} gone")
