@@ -6,6 +6,7 @@
     statebridge decode --model DIR --tp D --prefill HOST:PORT [--prefill ...] --port M
     statebridge generate --decode HOST:PORT --prompt-ids 1,2,3 [--max-new-tokens K] [--json]
     statebridge plan --model DIR_OR_CONFIG_JSON --prefill-tp P --decode-tp D --layout DLS [--json]
+    statebridge bench --preset mamba2-2.7b --pairs 2x4,4x2 --layouts DLS,LDS,LSD --json FILE
 """
 
 from __future__ import annotations
@@ -246,6 +247,9 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     _add_nodes(sub)
     _add_plan(sub)
+    from statebridge.bench import hetero_tp
+
+    hetero_tp.add_parser(sub)
     return parser
 
 

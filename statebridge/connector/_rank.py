@@ -117,14 +117,16 @@ class RankWorker:
     """One rank's connector: cache + transport + a loop serving its coordinator."""
 
     def __init__(self, setup: RankSetup) -> None:
-        from statebridge.connector.transport import Transport  # only module importing ucxx
+        from statebridge.connector.transport import Transport, alloc_buffer  # imports ucxx
 
         self.setup = setup
         self.config = setup.config
         self.spec = StateSpec.from_json(setup.spec_json)
         self.geometry = PageGeometry(self.spec, setup.tp_size, setup.layout,
                                      region_align=setup.region_align)
-        self.cache = StateCache(self.geometry, setup.num_pages)
+        # Huge-page backed page memory: shared-memory transfers run ~1.5-2x faster from it.
+        self.cache = StateCache(self.geometry, setup.num_pages,
+                                buffer=alloc_buffer(self.geometry.page_size * setup.num_pages))
         self.transport = Transport(self.cache.buffer,
                                    error_handling=self.config.ucx_error_handling)
         self.model: RankModel = load_callable(setup.model)(setup, self.cache)

@@ -30,60 +30,82 @@ Why the low-level request API and not ucxx's asyncio API
 --------------------------------------------------------
 Callers are plain threads (the connector rank loops), so the transport offers a synchronous,
 thread-safe API with pollable handles, built on ``ucxx._lib.libucxx`` requests
-(``UCXEndpoint.tag_send`` / ``tag_recv``, ``UCXRequest.completed`` / ``status``). Progress is
-driven by the callers themselves (``progress_mode="blocking"``, the default): :meth:`done`
-progresses the worker once without sleeping, :meth:`wait` progresses, arms the worker and sleeps
-in ``poll()`` on its epoll fd until UCX has an event. Measured on this 2-core machine
-(``benchmarks/bench_transport.py``, shared memory, numbers in ``benchmarks/results``), one message
-in flight at a time (post, wait, repeat):
+(``UCXEndpoint.tag_send`` / ``tag_recv``, ``UCXRequest.completed`` / ``status``): no event loop,
+no futures, no notifier thread. ucxx's asyncio API costs 150-800 us per awaited message in its
+default ``thread`` mode (reference/transport-limits.md) and cannot be awaited from a plain thread.
 
-===========================  ========  ========  ========
-progress                     8 KiB     64 KiB    1 MiB
-===========================  ========  ========  ========
-blocking (caller, epoll)     25 us     46 us     10.4 GB/s
-polling (caller, spinning)   15 us     19 us     10.5 GB/s
-thread (ucxx C++ thread)     108 us    132 us    4.6 GB/s
-===========================  ========  ========  ========
+Progress
+--------
+``progress_mode="blocking"`` (default): callers progress the worker. :meth:`TransferHandle.done`
+progresses once and never sleeps; :meth:`TransferHandle.wait` progresses, arms the worker and
+sleeps in ``poll()`` on its epoll fd (plus a wake-up pipe for posts from other threads) until
+UCX has an event. ``polling`` spins instead of sleeping; ``background`` runs that blocking loop
+in a thread of the transport; ``thread`` is ucxx's C++ progress thread (it needs delayed
+submission: without it, posts from other threads lose wake-ups and stall).
 
-``thread`` (ucxx's progress thread with delayed submission) pays two thread hand-offs per
-message on 2 cores; without delayed submission it loses wake-ups and stalls. ``polling`` is
-fastest for a lone message but burns a core while waiting, which on 2 cores is taken from the
-model. ``blocking`` sleeps in the kernel and is within 10% of polling once many messages are in
-flight. The asyncio API adds an event loop and (in its ``thread`` mode) 150-800 us per awaited
-message (reference/transport-limits.md) and cannot be awaited from a plain thread.
+Caveat measured here: a rendezvous transfer (>= 8 KiB with ucxx's ``UCX_RNDV_THRESH=8192``;
+"zero-copy read from remote" over cma) moves only while BOTH sides progress -- a receiver
+progressing alone completed none of four 64 KiB messages in 2 s. A rank that computes while its
+sends are in flight must keep calling :meth:`TransferHandle.done` / :meth:`progress`, or use
+``background`` / ``thread``.
+
+``benchmarks/results/transport-2026-12-02.json`` (2 shared cores, load average 1.3 at the start;
+one sender and one receiver process, N messages in flight, shared memory, THP buffers), GB/s:
+
+=============  ======  ======  ======  ======  ======
+progress       8 KiB   64 KiB  1 MiB   16 MiB  64 MiB
+=============  ======  ======  ======  ======  ======
+blocking       0.67    3.02    4.61    5.51    6.21
+polling        0.85    3.63    5.74    5.55    5.23
+background     0.44    2.70    4.29    5.02    5.39
+thread         0.31    1.96    4.35    5.33    5.45
+perftest sm    1.15    7.06    16.97   7.53    7.51
+=============  ======  ======  ======  ======  ======
+
+``blocking`` is within 10-20% of ``polling`` below 1 MiB and as fast above, without burning a
+core that the model needs on 2 cores; ``thread`` pays its hand-offs on small messages. One
+message per handle, posted and waited in turn, costs 190-280 us per 8 KiB message under that load
+(85 us on an idle machine): per-handle Python overhead, so a pair should be one handle with all
+its runs. The ``ucx_perftest`` line rate never writes its buffers (the sender's pages are the
+kernel's zero page, which cma reads fastest); out of such untouched buffers the transport reaches
+0.90 of it at 64 MiB, out of filled page buffers 0.73-0.83 at >= 16 MiB.
 
 Per-run sends vs ``send_multi``
 -------------------------------
 Each zero-copy run is one tagged send straight from the page and one tagged receive straight
 into the page. ``tag_send_multi`` was measured and not taken: ucxx sends a header message plus
-one message per frame anyway, and ``tag_recv_multi`` receives into buffers *it* allocates (so the
-receive side is no longer zero-copy). Pipelined, 1000 messages: 8 KiB 16.4 us/msg per-run vs
-16.0 multi; 64 KiB 21 vs 41; 1 MiB 153 vs 862 (multi allocates and faults in receive buffers).
-The posting cost per message is ~6-10 us of Python + ucxx on this machine, so plans with many
-small runs should stage instead (one message): the plan marks those pairs ``staged``.
+one message per frame anyway, and ``tag_recv_multi`` receives into buffers *it* allocates, so the
+receive side copies. Same benchmark, blocking: 8 KiB 0.67 GB/s per run vs 0.15 multi; 64 KiB
+3.02 vs 0.72; 1 MiB 4.61 vs 1.34; 64 MiB 6.21 vs 0.72. Posting costs ~10-20 us of Python + ucxx
+per message here, so pairs with many small runs are staged instead (the plan marks them).
 
 Error handling and transports
 -----------------------------
 ``error_handling=False`` (default): endpoints from worker addresses without UCX error handling,
-so UCX may use shared memory (sysv eager + cma rendezvous, ~10 GB/s at >= 1 MiB); UCX never
-reports a dead peer -- its requests just stay pending -- so the control plane's heartbeats must
-call :meth:`fail_peer`. ``error_handling=True``: UCX detects a dead peer itself (measured 4-8 ms
-after SIGKILL on loopback) and the affected handles fail with :class:`PeerLostError`, but UCX
-then skips shared memory and runs over TCP (~1 GB/s). UCX options (``UCX_TLS`` etc.) are passed
-explicitly as ``ucx_options`` or set by the process entry point with :func:`configure_ucx_env`.
+so UCX picks shared memory (sysv eager below 8 KiB, cma rendezvous above; ``UCX_TLS`` left at
+UCX's default); UCX never reports a dead peer -- its requests just stay pending -- so the control
+plane's heartbeats must call :meth:`fail_peer`. ``error_handling=True``: UCX notices a SIGKILLed
+peer by itself (4-8 ms on loopback, ~30 ms through the test harness) and the affected handles
+fail with :class:`PeerLostError`, but UCX then drops shared memory for TCP: 0.19 / 0.39 / 0.81 /
+0.84 / 0.80 GB/s at 8 KiB / 64 KiB / 1 MiB / 16 MiB / 64 MiB, 3.5-7.8x slower from 64 KiB up
+(``ucx_perftest tcp -e``: 0.30-1.11 GB/s). UCX options are passed explicitly as
+``ucx_options`` or set by the process entry point with :func:`configure_ucx_env`.
 
 Staging
 -------
 :meth:`post_send_staged` gathers a pair's source pieces into a pooled staging buffer and sends it
 as one message; :meth:`post_recv_staged` receives into a pooled buffer and scatters it into the
-page before the handle reports done. The gather/scatter runs on the host with one vectorised
-numpy copy per distinct run length (:func:`_copy_runs`, 3-20 GB/s here); the pure-torch
-``statebridge.kernels.pack.pack_ref`` it would otherwise use runs at 0.02-0.09 GB/s on CPU and the
-Triton ``pack`` needs CUDA. Page buffers on CUDA are not supported yet (ConfigError).
+page before the handle reports done. On the host the gather/scatter is :func:`_copy_runs`: one
+vectorised numpy copy per distinct run length below 64 KiB, one slice copy per larger run (2-5
+GB/s here; 300 000 two-byte runs take ~12 ms). ``statebridge.kernels.pack.pack_ref``, the pure
+torch reference, ran at 0.02-0.09 GB/s on the same runs, and the Triton ``pack`` needs CUDA.
+End to end a staged pair moved 0.6-1.8 GB/s (two host copies plus one message). Page buffers on
+CUDA are not supported yet (ConfigError).
 
-Huge pages: torch CPU tensors are not backed by transparent huge pages, numpy arrays are;
-shared-memory throughput roughly doubles with them for large messages. :func:`alloc_buffer`
-returns a THP-backed uint8 tensor for ``StateCache(..., buffer=alloc_buffer(n))``.
+Huge pages: torch CPU tensors are not backed by transparent huge pages, numpy arrays are
+(``madvise`` from 4 MiB). Out of non-THP buffers the same transfers ran at 3.14 / 2.70 / 3.79
+GB/s (1 / 16 / 64 MiB) instead of 4.61 / 5.51 / 6.21. :func:`alloc_buffer` returns a THP-backed
+uint8 tensor for ``StateCache(..., buffer=alloc_buffer(n))``.
 """
 
 from __future__ import annotations
@@ -583,12 +605,14 @@ class Transport:
         buffer: the :class:`~statebridge.state.cache.StateCache` buffer; every run offset is an
             absolute byte offset into it (``PairPlan.runs_at(src_base, dst_base)``).
         error_handling: UCX endpoint error handling (see the module docstring: detects dead
-            peers in ms, but forces TCP, ~10x slower on one host).
+            peers in milliseconds, but forces TCP, 3.5-8x slower on one host).
         progress_mode: ``"blocking"`` (default; callers progress in :meth:`TransferHandle.done`,
             :meth:`TransferHandle.wait` and :meth:`progress`, sleeping on the worker's epoll fd),
             ``"polling"`` (the same, spinning), ``"background"`` (a Python thread of the
             transport sleeps on the epoll fd and progresses on every event) or ``"thread"``
-            (ucxx's C++ progress thread with delayed submission).
+            (ucxx's C++ progress thread with delayed submission). Rendezvous transfers move only
+            while both sides progress: a rank that computes between polls should use
+            ``"background"``.
         ucx_options: UCX configuration for this worker's context, without the ``UCX_`` prefix
             (e.g. ``{"TLS": "sm,self"}``); environment variables still apply to unset keys.
         staging_pool_bytes: most bytes of free staging buffers kept for reuse.
@@ -740,8 +764,9 @@ class Transport:
     def fail_peer(self, peer_id: str, reason: str) -> int:
         """The control plane declared ``peer_id`` dead: cancel every outstanding request
         involving it; those handles raise :class:`PeerLostError` (with ``peer`` set). Later
-        posts to it raise at once until it is connected again. Returns how many handles
-        failed."""
+        posts to it raise at once until it is connected again. Receives posted with peer None
+        belong to no peer and are not touched (cancel or time them out). Returns how many
+        handles failed."""
         with self._lock:
             self._lost[peer_id] = str(reason)
             peer = self._peers.pop(peer_id, None)

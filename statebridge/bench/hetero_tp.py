@@ -1,0 +1,582 @@
+"""Heterogeneous-TP transfer benchmark: statebridge vs the line rate, NIXL, and vLLM's way.
+
+For every (preset, prefill TP x decode TP, layout) cell, in one run on this machine:
+
+- statebridge: a :class:`~statebridge.connector.prefill.PrefillServer` and a
+  :class:`~statebridge.connector.decode.DecodeCoordinator`, every rank its own process
+  (:class:`~statebridge.connector.hosts.RankHostPool`), move ``--requests`` requests with
+  ``--concurrency`` in flight. Byte-exactness is checked first on a few requests (decode-rank
+  checksums against the synthetic-state oracle), then the timed round runs without checksums.
+  The prefill "model" (:class:`~statebridge.bench._model.PageOnceModel`) fills each page once,
+  so the transfer, not the stand-in model, is measured.
+- line rate: ``ucx_perftest -t tag_bw`` over the same UCX transport at the plan's mean message
+  size (helpers of ``benchmarks/bench_transport.py``).
+- NIXL (UCX backend): READ of exactly the cell's runs between page buffers of separate
+  processes, one descriptor per run; and vLLM's way: the same state laid out ``LDS`` (one
+  descriptor per layer per piece). See :mod:`statebridge.bench._nixl`.
+
+Wire into a CLI with :func:`add_parser` and :func:`main`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import importlib.util
+import json
+import logging
+import os
+import platform
+import sys
+import time
+import uuid
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+import numpy as np
+
+from statebridge.config import ConnectorConfig
+from statebridge.errors import CacheFullError, ConfigError
+from statebridge.state.layout import Layout
+from statebridge.state.plan import TransferPlan
+from statebridge.state.spec import StateSpec, load_config
+
+log = logging.getLogger(__name__)
+
+__all__ = ["PRESETS", "TRANSPORTS", "add_parser", "main", "run", "preset_spec"]
+
+GIB = 1 << 30
+MODEL = "statebridge.bench._model:PageOnceModel"
+
+_LFM2_1_2B = {
+    "model_type": "lfm2", "hidden_size": 2048, "num_hidden_layers": 16, "conv_L_cache": 3,
+    "torch_dtype": "bfloat16",
+    "layer_types": ["conv", "conv", "full_attention", "conv", "conv", "full_attention", "conv",
+                    "conv", "full_attention", "conv", "full_attention", "conv",
+                    "full_attention", "conv", "full_attention", "conv"]}
+_MAMBA2_2_7B = {
+    "model_type": "mamba2", "hidden_size": 2560, "expand": 2, "head_dim": 64, "num_heads": 80,
+    "state_size": 128, "n_groups": 1, "num_hidden_layers": 64, "conv_kernel": 4,
+    "torch_dtype": "bfloat16"}
+_TINY = {
+    "model_type": "mamba2", "hidden_size": 64, "expand": 2, "head_dim": 16, "num_heads": 8,
+    "state_size": 16, "n_groups": 2, "num_hidden_layers": 3, "conv_kernel": 4,
+    "torch_dtype": "bfloat16"}
+
+# name -> (HF config, StateSpec.from_config keyword arguments)
+PRESETS: dict[str, tuple[dict, dict]] = {
+    "lfm2-1.2b": (_LFM2_1_2B, {}),
+    "mamba2-2.7b": (_MAMBA2_2_7B, {}),
+    "mamba2-2.7b-fp32ssm": (_MAMBA2_2_7B, {"ssm_dtype": "float32"}),
+    "tiny": (_TINY, {}),
+}
+
+# --transport -> (ConnectorConfig.ucx_error_handling, ucx_perftest UCX_TLS, perftest -e)
+TRANSPORTS: dict[str, tuple[bool, str, bool]] = {
+    "sm": (False, "sm", False),        # worker-address endpoints, no error handling: shared memory
+    "tcp-eh": (True, "tcp", True),     # UCX endpoint error handling on: UCX drops to tcp/lo
+}
+DEFAULT_TP = (1, 2, 4, 8)
+LAYOUTS = ("LSD", "LDS", "DLS")
+CELL_FIELDS = ("pair", "layout", "preset", "gbps", "messages_per_request",
+               "staging_bytes_per_request", "latency_p50_ms", "latency_p99_ms",
+               "line_rate_gbps", "ratio_to_line_rate", "nixl_gbps", "ratio_to_nixl",
+               "nixl_lds_gbps", "ratio_to_nixl_lds")
+
+
+def preset_spec(name: str) -> StateSpec:
+    if name not in PRESETS:
+        raise ConfigError(f"unknown preset {name!r}; expected one of {sorted(PRESETS)}")
+    config, kwargs = PRESETS[name]
+    return StateSpec.from_config(config, **kwargs)
+
+
+def parse_pairs(text: str) -> list[tuple[int, int]]:
+    pairs = []
+    for item in text.split(","):
+        src, sep, dst = item.strip().lower().partition("x")
+        if not sep or not src.isdigit() or not dst.isdigit() or int(src) < 1 or int(dst) < 1:
+            raise ConfigError(f"bad TP pair {item!r}; expected PREFILLxDECODE like 2x4")
+        pairs.append((int(src), int(dst)))
+    return pairs
+
+
+def _mem_available() -> int:
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 16 * GIB
+
+
+def cell_memory(spec: StateSpec, src_tp: int, dst_tp: int, layout: str, pages: int) -> int:
+    """Bytes of page memory a cell holds at once (prefill + decode groups, or NIXL buffers)."""
+    plan = TransferPlan.build(spec, src_tp, layout, dst_tp)
+    return (pages + 2) * (plan.src.page_size * src_tp + plan.dst.page_size * dst_tp)
+
+
+# -- progress ------------------------------------------------------------------------------------
+
+class _Progress:
+    """tqdm when importable, else one plain stderr line per cell."""
+
+    def __init__(self, total: int, enabled: bool) -> None:
+        self.total, self.n, self.enabled = total, 0, enabled
+        self.bar = None
+        if enabled:
+            try:
+                from tqdm import tqdm
+                self.bar = tqdm(total=total, unit="cell", file=sys.stderr, dynamic_ncols=True)
+            except ImportError:
+                pass
+
+    def step(self, label: str) -> None:
+        if not self.enabled:
+            return
+        if self.bar is not None:
+            self.bar.set_description(label)
+        else:
+            print(f"[{self.n + 1}/{self.total}] {label}", file=sys.stderr, flush=True)
+
+    def done(self) -> None:
+        self.n += 1
+        if self.bar is not None:
+            self.bar.update(1)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+
+# -- line rate ---------------------------------------------------------------------------------
+
+def _bench_transport():
+    """``benchmarks/bench_transport.py`` (not a package): its ucx_perftest helpers."""
+    path = Path(__file__).resolve().parents[2] / "benchmarks" / "bench_transport.py"
+    spec = importlib.util.spec_from_file_location("_statebridge_bench_transport", path)
+    if spec is None or not path.exists():
+        raise ImportError(f"{path} not found")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+class _LineRate:
+    def __init__(self, transport: str) -> None:
+        _, self.tls, self.error_handling = TRANSPORTS[transport]
+        self.cache: dict[int, tuple[float | None, str]] = {}
+        try:
+            self.perftest = _bench_transport().perftest
+            self.error = ""
+        except Exception as e:  # noqa: BLE001 -- recorded per cell
+            self.perftest, self.error = None, f"ucx_perftest helpers unavailable: {e}"
+
+    def __call__(self, size: int) -> tuple[float | None, str]:
+        """Best of the poll and sleep wait modes, GB/s, at ``size`` bytes per message."""
+        size = max(1, int(size))
+        if size in self.cache:
+            return self.cache[size]
+        if self.perftest is None:
+            return None, self.error
+        iters = int(min(20000, max(20, (512 << 20) // size)))
+        best, why = None, ""
+        for mode in ("poll", "sleep"):
+            try:
+                r = self.perftest(size, self.tls, self.error_handling, iters, 120.0, mode)
+                best = max(best or 0.0, r["gbps"])
+            except Exception as e:  # noqa: BLE001 -- recorded
+                why = f"ucx_perftest ({mode}): {e}"[:300]
+        self.cache[size] = (best, "" if best else why)
+        return self.cache[size]
+
+
+# -- statebridge --------------------------------------------------------------------------------
+
+def _run_requests(decode, count: int, concurrency: int, prefix: str,
+                  timeout: float) -> list:
+    """``count`` requests, ``concurrency`` in flight; each result released at once."""
+    results = []
+    inflight: set[concurrent.futures.Future] = set()
+    submitted = 0
+    deadline = time.monotonic() + timeout
+    while submitted < count or inflight:
+        while submitted < count and len(inflight) < concurrency:
+            try:
+                inflight.add(decode.submit(f"{prefix}{submitted}-{uuid.uuid4().hex[:6]}",
+                                           (submitted % 1000,)))
+                submitted += 1
+            except CacheFullError:
+                break
+        done, inflight = concurrent.futures.wait(
+            inflight, timeout=max(0.0, deadline - time.monotonic()),
+            return_when=concurrent.futures.FIRST_COMPLETED)
+        if not done and time.monotonic() > deadline:
+            raise TimeoutError(f"{len(inflight)} requests not done after {timeout} s")
+        for f in done:
+            result = f.result()
+            results.append(result)
+            decode.release(result)
+    return results
+
+
+def _expected_checksums(geometry, request_id: str) -> tuple[str, ...]:
+    from statebridge.state.cache import StateCache
+    from statebridge.state.synthetic import fill_page, global_state, page_checksum, request_seed
+
+    state = global_state(geometry.spec, request_seed(request_id))
+    cache = StateCache(geometry, 1)
+    out = []
+    for rank in range(geometry.tp_size):
+        fill_page(cache, 0, state, rank)
+        out.append(page_checksum(geometry, cache.page_bytes(0)))
+    return tuple(out)
+
+
+def _statebridge_cell(spec: StateSpec, src_tp: int, dst_tp: int, layout: str,
+                      a: argparse.Namespace, pools, config: ConnectorConfig) -> dict:
+    from statebridge.bench._model import CHECK_PREFIX
+    from statebridge.connector.decode import DecodeCoordinator
+    from statebridge.connector.prefill import PrefillServer
+
+    prefill_hosts, decode_hosts = pools
+    c = a.concurrency
+    out: dict[str, Any] = {}
+    with PrefillServer(spec, src_tp, layout, num_pages=c + 2, config=config,
+                       launcher=prefill_hosts.launcher(), model=MODEL) as server:
+        server.wait_ready()
+        # 1. byte-exactness on a few requests, checksums on
+        if a.check_requests:
+            with DecodeCoordinator(spec, dst_tp, layout, num_pages=a.check_requests,
+                                   config=config, launcher=decode_hosts.launcher(),
+                                   checksums=True) as check:
+                check.connect(server.address)
+                results = _run_requests(check, a.check_requests, a.check_requests,
+                                        CHECK_PREFIX, a.timeout)
+                for r in results:
+                    if r.checksums != _expected_checksums(check.geometry, r.request_id):
+                        raise AssertionError(f"{r.request_id}: decode pages differ from the "
+                                             f"synthetic-state oracle")
+            out["checked_requests"] = len(results)
+        # 2. the timed round, checksums off
+        with DecodeCoordinator(spec, dst_tp, layout, num_pages=c, config=config,
+                               launcher=decode_hosts.launcher()) as decode:
+            decode.connect(server.address)
+            plan = TransferPlan(server.geometry, decode.geometry)
+            warm = _run_requests(decode, c + 2 + c, c, "warm-", a.timeout)   # fill every page
+            dst_staging0 = np.max([r.rank_staging_bytes for r in warm], axis=0)
+            src_staging0 = np.array(server.stats()["rank_staging_bytes"])
+            started = time.perf_counter()
+            results = _run_requests(decode, a.requests, c, "req-", a.timeout)
+            wall = time.perf_counter() - started
+            dst_staging = np.max([r.rank_staging_bytes for r in results], axis=0) - dst_staging0
+            time.sleep(0.05)                      # the last RankDone of the prefill side
+            src_staging = np.array(server.stats()["rank_staging_bytes"]) - src_staging0
+            prefill_stats = server.stats()
+    lat = np.array([r.seconds for r in results])
+    rank_lat = np.array([max(r.rank_seconds) for r in results])
+    messages = sorted({r.messages for r in results})
+    nbytes = sum(r.nbytes for r in results)
+    out.update({
+        "gbps": nbytes / wall / 1e9,
+        "requests_per_s": len(results) / wall,
+        "seconds": wall,
+        "bytes_per_request": nbytes // len(results),
+        "messages_per_request": messages[0] if len(messages) == 1 else messages,
+        "plan_messages_per_request": plan.messages_per_request,
+        "plan_bytes_per_request": plan.bytes_per_request,
+        "mean_message_bytes": plan.bytes_per_request / plan.messages_per_request,
+        "staging_bytes_per_request": int(dst_staging.sum() + src_staging.sum()) // len(results),
+        "plan_staging_bytes_per_request": plan.staging_bytes_per_request,
+        "latency_p50_ms": float(np.percentile(lat, 50) * 1e3),
+        "latency_p99_ms": float(np.percentile(lat, 99) * 1e3),
+        # Where the time goes: post -> done inside the slowest decode rank (UCX + polling), vs
+        # submit -> done (adds the control plane, prefill queueing and the stand-in model).
+        "rank_transfer_p50_ms": float(np.percentile(rank_lat, 50) * 1e3),
+        "rank_transfer_p99_ms": float(np.percentile(rank_lat, 99) * 1e3),
+        "prefill_compute_seconds": float(prefill_stats.get("compute_seconds", 0.0) or 0.0),
+    })
+    return out, plan
+
+
+def _ratio(x: float | None, y: float | None) -> float | None:
+    return x / y if x and y else None
+
+
+# -- the run --------------------------------------------------------------------------------------
+
+def _machine(a: argparse.Namespace) -> dict:
+    out = {"python": platform.python_version(), "platform": platform.platform(),
+           "cpus": os.cpu_count(), "mem_available_bytes": _mem_available(),
+           "transport": a.transport, "ucx_error_handling": TRANSPORTS[a.transport][0],
+           "perftest_tls": TRANSPORTS[a.transport][1], "progress_mode": "blocking",
+           "requests": a.requests, "concurrency": a.concurrency,
+           "check_requests": a.check_requests,
+           "ucx_env": {k: v for k, v in os.environ.items() if k.startswith("UCX")}}
+    for mod in ("torch", "numpy", "ucxx", "nixl_cu12"):
+        try:
+            out[mod] = __import__(mod).__version__
+        except Exception:  # noqa: BLE001 -- informational
+            out[mod] = None
+    try:
+        out["transparent_hugepage"] = Path(
+            "/sys/kernel/mm/transparent_hugepage/enabled").read_text().strip()
+    except OSError:
+        pass
+    return out
+
+
+def plan_cells(a: argparse.Namespace) -> tuple[list[tuple[str, StateSpec, int, int, str]], list]:
+    """The cells to run, and the ones skipped because they do not fit in memory."""
+    specs = {}
+    for name in a.presets:
+        specs[name] = preset_spec(name)
+    if a.config:
+        specs[Path(a.config).parent.name or a.config] = StateSpec.from_config(
+            load_config(a.config))
+    budget = a.memory_fraction * _mem_available()
+    cells, skipped = [], []
+    for name, spec in specs.items():
+        for src_tp, dst_tp in a.pairs:
+            for layout in a.layouts:
+                need = cell_memory(spec, src_tp, dst_tp, layout, a.concurrency)
+                if need > budget:
+                    skipped.append({"preset": name, "pair": f"{src_tp}x{dst_tp}",
+                                    "layout": layout, "bytes_needed": need,
+                                    "reason": f"needs {need / GIB:.1f} GiB > budget "
+                                              f"{budget / GIB:.1f} GiB"})
+                    continue
+                cells.append((name, spec, src_tp, dst_tp, layout))
+    return cells, skipped
+
+
+def run(a: argparse.Namespace) -> dict:
+    """Every cell; returns the JSON object (also written to ``a.json`` / ``a.plot``)."""
+    from statebridge.bench._nixl import NixlPool, nixl_available
+    from statebridge.connector.hosts import RankHostPool
+    from statebridge.connector.transport import configure_ucx_env
+
+    configure_ucx_env()
+    cells, skipped = plan_cells(a)
+    if not cells:
+        raise ConfigError("no cell to run (all skipped: " + "; ".join(s["reason"] for s in skipped)
+                          + ")")
+    config = ConnectorConfig(ucx_error_handling=TRANSPORTS[a.transport][0],
+                             transfer_timeout=a.timeout, handshake_timeout=60.0)
+    nixl_why = "disabled by --no-nixl" if a.no_nixl else nixl_available()
+    if nixl_why is None and a.transport != "sm":
+        nixl_why = (f"NIXL has no equivalent of --transport {a.transport}; measured only "
+                    f"with --transport sm")
+    line_rate = _LineRate(a.transport) if not a.no_line_rate else None
+    max_src = max(c[2] for c in cells)
+    max_dst = max(c[3] for c in cells)
+    out: dict[str, Any] = {"benchmark": "hetero_tp", "machine": _machine(a),
+                           "nixl": {"available": nixl_why is None, "reason": nixl_why},
+                           "cells": [], "skipped": skipped}
+    progress = _Progress(len(cells), not a.quiet)
+    nixl_lds: dict[tuple[str, int, int], dict] = {}
+    with RankHostPool(max_src) as prefill_hosts, RankHostPool(max_dst) as decode_hosts:
+        nixl = None
+        if nixl_why is None:
+            try:
+                nixl = NixlPool(max_src, max_dst)
+            except Exception as e:  # noqa: BLE001 -- recorded
+                nixl_why = f"NIXL worker start failed: {e}"
+                out["nixl"] = {"available": False, "reason": nixl_why}
+        try:
+            for preset, spec, src_tp, dst_tp, layout in cells:
+                progress.step(f"{preset} {src_tp}x{dst_tp} {layout}")
+                cell: dict[str, Any] = {"preset": preset, "pair": f"{src_tp}x{dst_tp}",
+                                        "layout": layout, "transport": a.transport}
+                sb, plan = _statebridge_cell(spec, src_tp, dst_tp, layout, a,
+                                             (prefill_hosts, decode_hosts), config)
+                cell.update(sb)
+                rate, why = line_rate(sb["mean_message_bytes"]) if line_rate else \
+                    (None, "disabled by --no-line-rate")
+                cell["line_rate_gbps"], cell["line_rate_note"] = rate, why or None
+                cell["line_rate_message_bytes"] = int(sb["mean_message_bytes"])
+                cell["ratio_to_line_rate"] = _ratio(cell["gbps"], rate)
+                cell.update(_nixl_cell(nixl, nixl_why, plan, spec, preset, src_tp, dst_tp,
+                                       layout, a, nixl_lds, cell))
+                out["cells"].append(cell)
+                progress.done()
+        finally:
+            progress.close()
+            if nixl is not None:
+                nixl.close()
+    if a.json:
+        Path(a.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(a.json).write_text(json.dumps(out, indent=1, default=_jsonable) + "\n")
+    if a.plot:
+        out["plot"] = write_plot(a.plot, out["cells"])
+    return out
+
+
+def _jsonable(x):
+    if isinstance(x, np.generic):
+        return x.item()
+    if isinstance(x, np.ndarray):
+        return x.tolist()
+    raise TypeError(type(x))
+
+
+def _nixl_cell(nixl, nixl_why, plan, spec, preset, src_tp, dst_tp, layout, a, lds_cache,
+               cell) -> dict:
+    out: dict[str, Any] = {"nixl_gbps": None, "ratio_to_nixl": None, "nixl_lds_gbps": None,
+                           "ratio_to_nixl_lds": None, "nixl_note": nixl_why}
+    if nixl is None:
+        return out
+    kw = dict(pages=a.concurrency, requests=a.requests, concurrency=a.concurrency,
+              timeout=a.timeout)
+    try:
+        same = nixl.run_cell(plan, **kw)
+        key = (preset, src_tp, dst_tp)
+        if layout == "LDS":
+            lds_cache.setdefault(key, same)
+        if key not in lds_cache:
+            from statebridge.state.layout import PageGeometry
+            lds_plan = TransferPlan(PageGeometry(spec, src_tp, "LDS"),
+                                    PageGeometry(spec, dst_tp, "LDS"))
+            lds_cache[key] = nixl.run_cell(lds_plan, **kw)
+        lds = lds_cache[key]
+    except Exception as e:  # noqa: BLE001 -- recorded, the run goes on
+        out["nixl_note"] = f"NIXL run failed: {e}"[:500]
+        return out
+    out.update({
+        "nixl_gbps": same["gbps"], "ratio_to_nixl": _ratio(cell["gbps"], same["gbps"]),
+        "nixl_requests_per_s": same["requests_per_s"],
+        "nixl_latency_p50_ms": same["latency_p50_ms"],
+        "nixl_latency_p99_ms": same["latency_p99_ms"],
+        "nixl_descriptors_per_request": same["descriptors_per_request"],
+        "nixl_lds_gbps": lds["gbps"], "ratio_to_nixl_lds": _ratio(cell["gbps"], lds["gbps"]),
+        "nixl_lds_requests_per_s": lds["requests_per_s"],
+        "nixl_lds_latency_p50_ms": lds["latency_p50_ms"],
+        "nixl_lds_descriptors_per_request": lds["descriptors_per_request"],
+        "nixl_note": None,
+    })
+    return out
+
+
+# -- output ------------------------------------------------------------------------------------
+
+def write_plot(path: str, cells: Sequence[dict]) -> str | None:
+    """Bars: statebridge GB/s per cell; markers: line rate, NIXL, NIXL LDS (vLLM's way).
+    Returns the path, or None (with a warning) when matplotlib is not installed."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("--plot: matplotlib is not installed (pip install matplotlib); no plot written",
+              file=sys.stderr)
+        return None
+    labels = [f"{c['preset']}\n{c['pair']} {c['layout']}" for c in cells]
+    x = np.arange(len(cells))
+    fig, ax = plt.subplots(figsize=(max(6, 0.9 * len(cells) + 2), 4.5))
+    ax.bar(x, [c["gbps"] for c in cells], 0.6, label="statebridge", color="tab:blue")
+    for key, marker, color, name in (("line_rate_gbps", "_", "black", "ucx_perftest line rate"),
+                                     ("nixl_gbps", "o", "tab:orange", "NIXL, same runs"),
+                                     ("nixl_lds_gbps", "x", "tab:red", "NIXL LDS (vLLM's way)")):
+        ys = [c.get(key) for c in cells]
+        if any(y is not None for y in ys):
+            ax.scatter(x, [np.nan if y is None else y for y in ys], marker=marker, s=200,
+                       color=color, label=name, zorder=3)
+    ax.set_xticks(x, labels, fontsize=7)
+    ax.set_ylabel("GB/s (1e9 B/s)")
+    ax.set_title(f"statebridge hetero-TP transfer ({cells[0].get('transport', '')})")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def format_table(cells: Sequence[dict]) -> str:
+    def f(x, fmt="{:.3g}"):
+        return "-" if x is None else fmt.format(x)
+    rows = ["| preset | pair | layout | GB/s | req/s | msgs/req | staging B/req | p50 ms | "
+            "p99 ms | line GB/s | x line | NIXL GB/s | x NIXL | NIXL LDS GB/s | x LDS |",
+            "|" + "---|" * 15]
+    for c in cells:
+        rows.append(f"| {c['preset']} | {c['pair']} | {c['layout']} | {f(c['gbps'])} | "
+                    f"{f(c['requests_per_s'], '{:.0f}')} | {c['messages_per_request']} | "
+                    f"{c['staging_bytes_per_request']} | {f(c['latency_p50_ms'])} | "
+                    f"{f(c['latency_p99_ms'])} | {f(c['line_rate_gbps'])} | "
+                    f"{f(c['ratio_to_line_rate'])} | {f(c['nixl_gbps'])} | "
+                    f"{f(c['ratio_to_nixl'])} | {f(c['nixl_lds_gbps'])} | "
+                    f"{f(c['ratio_to_nixl_lds'])} |")
+    return "\n".join(rows)
+
+
+# -- CLI ---------------------------------------------------------------------------------------
+
+def add_parser(subparsers) -> argparse.ArgumentParser:
+    """Add the ``bench`` subcommand to an argparse ``subparsers`` object."""
+    p = subparsers.add_parser("bench", help="heterogeneous-TP transfer benchmark",
+                              description=__doc__.splitlines()[0])
+    configure_parser(p)
+    p.set_defaults(func=main)
+    return p
+
+
+def configure_parser(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    p.add_argument("--preset", dest="presets", action="append", choices=sorted(PRESETS),
+                   help="model shape (repeatable; default mamba2-2.7b unless --config)")
+    p.add_argument("--config", default=None, help="a Hugging Face config.json instead")
+    p.add_argument("--pairs", type=parse_pairs, default=None,
+                   help="PREFILLxDECODE TP pairs, e.g. 1x2,2x4,4x2 (default {1,2,4,8}^2 minus "
+                        "what does not fit in memory)")
+    p.add_argument("--layouts", type=lambda s: [Layout.parse(x.strip()).name
+                                                for x in s.split(",")],
+                   default=list(LAYOUTS), help="comma-separated, e.g. LSD,LDS,DLS")
+    p.add_argument("--requests", type=int, default=64, help="timed requests per cell")
+    p.add_argument("--concurrency", type=int, default=8, help="requests in flight")
+    p.add_argument("--check-requests", type=int, default=2,
+                   help="requests checked byte-exact (checksums) per cell before timing")
+    p.add_argument("--transport", choices=sorted(TRANSPORTS), default="sm",
+                   help="sm: shared memory, no UCX endpoint error handling (default); "
+                        "tcp-eh: UCX endpoint error handling on (UCX then uses tcp/lo)")
+    p.add_argument("--timeout", type=float, default=300.0, help="bound on one round (s)")
+    p.add_argument("--memory-fraction", type=float, default=0.6,
+                   help="share of MemAvailable a cell may hold (cells above are skipped)")
+    p.add_argument("--no-nixl", action="store_true", help="skip the NIXL measurements")
+    p.add_argument("--no-line-rate", action="store_true", help="skip ucx_perftest")
+    p.add_argument("--json", default=None, help="write every figure here")
+    p.add_argument("--plot", default=None, help="PNG plot (needs matplotlib)")
+    p.add_argument("--quiet", action="store_true", help="no progress bar, no table")
+    return p
+
+
+def _validate(a: argparse.Namespace) -> None:
+    if not a.presets and not a.config:
+        a.presets = ["mamba2-2.7b"]
+    a.presets = a.presets or []
+    if a.pairs is None:
+        a.pairs = [(p, d) for p in DEFAULT_TP for d in DEFAULT_TP]
+    for name in ("requests", "concurrency"):
+        if getattr(a, name) < 1:
+            raise ConfigError(f"--{name} must be >= 1, got {getattr(a, name)}")
+    if a.check_requests < 0:
+        raise ConfigError(f"--check-requests must be >= 0, got {a.check_requests}")
+
+
+def main(args: "argparse.Namespace | Sequence[str] | None" = None) -> int:
+    """Run the benchmark from parsed ``args`` (from :func:`add_parser`) or an argv list."""
+    if not isinstance(args, argparse.Namespace):
+        args = configure_parser(argparse.ArgumentParser(description=__doc__.splitlines()[0])
+                                ).parse_args(args)
+    _validate(args)
+    out = run(args)
+    if not args.quiet:
+        print(format_table(out["cells"]))
+        if not out["nixl"]["available"]:
+            print(f"NIXL: not measured ({out['nixl']['reason']})")
+        for s in out["skipped"]:
+            print(f"skipped {s['preset']} {s['pair']} {s['layout']}: {s['reason']}")
+    return 0
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main(sys.argv[1:]))
