@@ -107,10 +107,16 @@ def _config(args: argparse.Namespace):
     return ConnectorConfig.from_env(**overrides)
 
 
-def _wait_for_signal() -> None:
+def _stop_on_signal() -> threading.Event:
+    """An event set by SIGINT/SIGTERM. Installed before a node starts, so a signal that arrives
+    while it starts (or right after it says ready) still shuts it down cleanly."""
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
+    return stop
+
+
+def _wait(stop: threading.Event) -> None:
     while not stop.wait(0.5):
         pass
 
@@ -118,12 +124,13 @@ def _wait_for_signal() -> None:
 def _cmd_prefill(args: argparse.Namespace) -> int:
     from statebridge.node.prefill_node import start_prefill_node
 
+    stop = _stop_on_signal()
     server = start_prefill_node(args.model, args.tp, port=args.port, layout=args.layout,
                                 num_pages=args.num_pages, config=_config(args),
                                 rank_model=args.rank_model)
     print(f"prefill node ready on {server.address} (TP {args.tp}, {args.layout})", flush=True)
     try:
-        _wait_for_signal()
+        _wait(stop)
     finally:
         server.close()
     return 0
@@ -132,6 +139,7 @@ def _cmd_prefill(args: argparse.Namespace) -> int:
 def _cmd_decode(args: argparse.Namespace) -> int:
     from statebridge.node.decode_node import DecodeNode
 
+    stop = _stop_on_signal()
     node = DecodeNode(args.model, args.tp, args.prefill, port=args.port, layout=args.layout,
                       num_pages=args.num_pages, max_batch=args.max_batch, policy=args.policy,
                       max_prompt_len=args.max_prompt_len, config=_config(args),
@@ -139,7 +147,7 @@ def _cmd_decode(args: argparse.Namespace) -> int:
     print(f"decode node ready on {node.address} (TP {args.tp}, {args.layout}, "
           f"prefill {', '.join(args.prefill)})", flush=True)
     try:
-        _wait_for_signal()
+        _wait(stop)
     finally:
         node.close()
     return 0
