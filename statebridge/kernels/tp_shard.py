@@ -60,12 +60,15 @@ def shard_segments(
 
 def mamba2_bc_replicated(n_groups: int, tp_size: int) -> bool:
     """Whether Mamba2's B and C are replicated on every rank (``G == 1 < t``) rather than split
-    by groups (``G % t == 0``); any other combination raises :class:`ConfigError`."""
-    if n_groups % tp_size == 0:
-        return False
-    if n_groups == 1:
-        return True
-    raise ConfigError(
-        f"Mamba2 n_groups={n_groups} cannot be sharded over tp_size={tp_size}: "
-        "n_groups must be divisible by tp_size, or equal to 1 (replicated B and C)"
-    )
+    by groups (``G % t == 0``); any other combination raises :class:`ConfigError`.
+
+    The rule is the state's (``state/sharding.py``): weights and state must never disagree.
+    """
+    from statebridge.state.sharding import segment_is_replicated
+    from statebridge.state.spec import Segment as StateSegment
+    from statebridge.state.spec import Sharding
+
+    if tp_size < 1 or n_groups < 1:
+        raise ConfigError(f"Mamba2 n_groups={n_groups} and tp_size={tp_size} must be >= 1")
+    return segment_is_replicated(StateSegment("B", n_groups, Sharding.GROUPED, n_groups),
+                                 tp_size, tensor="Mamba2 in_proj")
