@@ -16,7 +16,6 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
-import zmq
 
 from statebridge.config import ConnectorConfig
 from statebridge.connector import control as c
@@ -238,6 +237,15 @@ class RankGroup:
     def to_ranks(self, msg: m.Message) -> None:
         for r in range(self.tp_size):
             self.to_rank(r, msg)
+
+    def cancel_on_ranks(self, req: "RequestState", kind: str, message: str,
+                        lost_node: str = "") -> None:
+        """Tell every rank still working on ``req`` to cancel it (each answers RankDone once
+        nothing of it can touch the page any more)."""
+        cancel = m.RankCancel(request_id=req.request_id, generation=req.generation, kind=kind,
+                              reason=message, lost_node=lost_node)
+        for r in req.ranks_pending(self):
+            self.to_rank(r, cancel)
 
     def send_to_ranks(self, msg: m.Message) -> None:
         """Broadcast ``msg`` to every rank; safe from any thread."""

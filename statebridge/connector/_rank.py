@@ -13,7 +13,6 @@ killed node leaves no orphans.
 
 from __future__ import annotations
 
-import dataclasses
 import importlib
 import logging
 import os
@@ -31,7 +30,7 @@ from statebridge.connector import messages as m
 from statebridge.errors import ProtocolError, StatebridgeError, TransferError
 from statebridge.state.cache import StateCache
 from statebridge.state.layout import PageGeometry
-from statebridge.state.plan import PairPlan, TransferPlan
+from statebridge.state.plan import TransferPlan
 from statebridge.state.spec import StateSpec
 from statebridge.state.synthetic import fill_page, global_state, page_checksum, request_seed
 
@@ -417,6 +416,3 @@ def rank_main(setup: RankSetup) -> None:
                                f"%(name)s: %(message)s")
     RankWorker(setup).run()
 
-
-def with_config(setup: RankSetup, **changes) -> RankSetup:
-    return dataclasses.replace(setup, **changes)

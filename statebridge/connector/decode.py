@@ -236,12 +236,7 @@ class DecodeCoordinator(RankGroup):
 
     def _submit(self, request_id: str, prompt: tuple[int, ...], prefill: str | None,
                 future: concurrent.futures.Future) -> None:
-        if self._closed:
-            raise ClosedError(f"{self.node_id} is closed")
-        if request_id in self.current:
-            raise ConfigError(f"request id {request_id!r} is already in flight")
-        if not self.healthy:
-            raise PeerLostError(f"decode group {self.node_id} lost a rank", request_id=request_id)
+        self._check_can_start(request_id)
         ready = [p for p in self.prefills.values() if p.state == "ready"]
         if prefill is not None:
             ready = [p for p in ready if p.node_id == prefill]
@@ -249,19 +244,34 @@ class DecodeCoordinator(RankGroup):
             raise PeerLostError(f"no prefill server connected{f' named {prefill!r}' if prefill else ''}",
                                 request_id=request_id)
         peer = ready[next(self._rr) % len(ready)]
-        page = self.pool.allocate()                       # CacheFullError: back-pressure
-        generation = next(self._generations) & 0xFFFFFFFF
-        req = RequestState(request_id, generation, page, peer.node_id,
-                           deadline=time.monotonic() + self.config.transfer_timeout)
-        key = (request_id, generation)
-        self.requests[key] = req
-        self.futures[key] = future
-        self.current[request_id] = generation
-        self.counters.add("requests")
+        page, generation = self._register(request_id, peer.node_id, future, "requests")
         self.to_ranks(m.RankRecv(request_id=request_id, generation=generation, dst_page=page,
                                  peer_node=peer.node_id))
         c.send_dealer(peer.sock, m.TransferRequest(request_id=request_id, generation=generation,
                                                    prompt=prompt, dst_page=page))
+
+    def _check_can_start(self, request_id: str) -> None:
+        if self._closed:
+            raise ClosedError(f"{self.node_id} is closed")
+        if request_id in self.current:
+            raise ConfigError(f"request id {request_id!r} is already in flight")
+        if not self.healthy:
+            raise PeerLostError(f"decode group {self.node_id} lost a rank", request_id=request_id)
+
+    def _register(self, request_id: str, peer: str, future: concurrent.futures.Future,
+                  counter: str) -> tuple[int, int]:
+        """Allocate the page (CacheFullError: back-pressure) and a fresh generation, and track
+        the request; returns (page, generation)."""
+        page = self.pool.allocate()
+        generation = next(self._generations) & 0xFFFFFFFF
+        key = (request_id, generation)
+        self.requests[key] = RequestState(
+            request_id, generation, page, peer,
+            deadline=time.monotonic() + self.config.transfer_timeout)
+        self.futures[key] = future
+        self.current[request_id] = generation
+        self.counters.add(counter)
+        return page, generation
 
     def submit_local(self, request_id: str, prompt: Sequence[int]) -> concurrent.futures.Future:
         """Compute the state of ``prompt`` on the decode ranks themselves (the ``recompute``
@@ -275,19 +285,8 @@ class DecodeCoordinator(RankGroup):
 
     def _submit_local(self, request_id: str, prompt: tuple[int, ...],
                       future: concurrent.futures.Future) -> None:
-        if request_id in self.current:
-            raise ConfigError(f"request id {request_id!r} is already in flight")
-        if not self.healthy:
-            raise PeerLostError(f"decode group {self.node_id} lost a rank", request_id=request_id)
-        page = self.pool.allocate()
-        generation = next(self._generations) & 0xFFFFFFFF
-        req = RequestState(request_id, generation, page, "",
-                           deadline=time.monotonic() + self.config.transfer_timeout)
-        key = (request_id, generation)
-        self.requests[key] = req
-        self.futures[key] = future
-        self.current[request_id] = generation
-        self.counters.add("local_prefills")
+        self._check_can_start(request_id)
+        page, generation = self._register(request_id, "", future, "local_prefills")
         self.to_ranks(m.RankLocalPrefill(request_id=request_id, generation=generation,
                                          prompt=prompt, page=page))
 
@@ -333,10 +332,7 @@ class DecodeCoordinator(RankGroup):
         if future is not None and not future.done():
             future.set_exception(transfer_error(kind, message, request_id=req.request_id,
                                                 peer=str(req.peer)))
-        cancel = m.RankCancel(request_id=req.request_id, generation=req.generation, kind=kind,
-                              reason=message, lost_node=lost_node)
-        for r in req.ranks_pending(self):
-            self.to_rank(r, cancel)
+        self.cancel_on_ranks(req, kind, message, lost_node)
         peer = self.prefills.get(str(req.peer))
         if notify and peer is not None and peer.state == "ready":
             c.send_dealer(peer.sock, m.Abort(request_id=req.request_id,

@@ -15,7 +15,7 @@ import os
 import threading
 from typing import Sequence
 
-from statebridge.connector._group import Launcher, RankHandle
+from statebridge.connector._group import Launcher, RankHandle, _ProcessHandle
 from statebridge.connector._rank import RankSetup, RankWorker
 from statebridge.errors import ConfigError
 
@@ -49,16 +49,8 @@ def _host_main(conn) -> None:
         conn.send(("ok", os.getpid()))
 
 
-class _HostHandle(RankHandle):
-    def __init__(self, proc: multiprocessing.Process) -> None:
-        self.proc = proc
-
-    @property
-    def pid(self) -> int | None:
-        return self.proc.pid
-
-    def is_alive(self) -> bool:
-        return self.proc.is_alive()
+class _HostHandle(_ProcessHandle):
+    """A rank inside a host process: alive while the host is."""
 
     def stop(self, timeout: float) -> None:
         # The worker thread ends on RankShutdown; the host process stays for the next group.

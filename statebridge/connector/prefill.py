@@ -206,10 +206,7 @@ class PrefillServer(RankGroup):
             return
         req.failure = (kind, message)
         self.counters.add(f"failed_{kind}")
-        cancel = m.RankCancel(request_id=req.request_id, generation=req.generation, kind=kind,
-                              reason=message, lost_node=lost_node)
-        for r in req.ranks_pending(self):
-            self.to_rank(r, cancel)
+        self.cancel_on_ranks(req, kind, message, lost_node)
         if notify and req.peer in self.peers:
             c.send_router(self.router, req.peer, m.TransferFailed(
                 request_id=req.request_id, generation=req.generation, kind=kind,

@@ -29,7 +29,7 @@ contiguous staging buffer (``pack``), sends it as one message, and the destinati
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Iterator
 
 import numpy as np
