@@ -1,6 +1,7 @@
 """The ``statebridge`` command line.
 
     statebridge demo
+    statebridge keygen DIR [--name NAME] [--force]
     statebridge make-checkpoint --arch {lfm2,mamba2} --out DIR [--preset tiny|small]
     statebridge prefill --model DIR --tp P --port N [--layout DLS]
     statebridge decode --model DIR --tp D --prefill HOST:PORT [--prefill ...] --port M
@@ -14,6 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import signal
 import sys
 import threading
@@ -96,6 +98,15 @@ def _config_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--rank-model", default="statebridge.node.rank_model:ModelRankModel",
                    metavar="MODULE:CLASS",
                    help="the RankModel class each rank runs (swap in your own implementation)")
+    _keys_args(p, "node")
+
+
+def _keys_args(p: argparse.ArgumentParser, default_name: str) -> None:
+    p.add_argument("--keys", default=None, metavar="DIR",
+                   help="CurveZMQ keys directory written by `statebridge keygen` (default: "
+                        "$STATEBRIDGE_KEYS_DIR; none: unauthenticated control plane)")
+    p.add_argument("--key-name", default=None, metavar="NAME",
+                   help=f"the key pair in DIR this process dials with (default {default_name})")
 
 
 def _config(args: argparse.Namespace):
@@ -104,6 +115,10 @@ def _config(args: argparse.Namespace):
     overrides = {"bind_host": args.host, "ucx_error_handling": args.ucx_error_handling}
     if args.peer_timeout is not None:
         overrides["peer_timeout"] = args.peer_timeout
+    if args.keys is not None:
+        overrides["keys_dir"] = os.path.abspath(args.keys) if args.keys else ""
+    if args.key_name is not None:
+        overrides["key_name"] = args.key_name
     return ConnectorConfig.from_env(**overrides)
 
 
@@ -165,9 +180,17 @@ def _token_list(text: str) -> list[int]:
 
 
 def _cmd_generate(args: argparse.Namespace) -> int:
+    from statebridge.config import ConnectorConfig
     from statebridge.node.client import Client
+    from statebridge.security import CurveKeys
 
-    with Client(args.decode, timeout=args.timeout) as client:
+    # The client's key pair is "client" unless --key-name says otherwise (STATEBRIDGE_KEY_NAME
+    # names the nodes' pair); the directory comes from --keys or STATEBRIDGE_KEYS_DIR.
+    config = ConnectorConfig.from_env(key_name=args.key_name or "client",
+                                      **({"keys_dir": args.keys} if args.keys is not None
+                                         else {}))
+    keys = CurveKeys.from_config(config)
+    with Client(args.decode, timeout=args.timeout, keys=keys) as client:
         if args.json:
             out = client.generate(args.prompt_ids, max_new_tokens=args.max_new_tokens,
                                   temperature=args.temperature, top_p=args.top_p, seed=args.seed)
@@ -190,6 +213,35 @@ def _cmd_make_checkpoint(args: argparse.Namespace) -> int:
     make_checkpoint(args.arch, args.out, preset=args.preset, seed=args.seed)
     print(f"wrote {args.arch} {args.preset} checkpoint to {args.out}")
     return 0
+
+
+def _cmd_keygen(args: argparse.Namespace) -> int:
+    from statebridge.security import generate_keys
+
+    names = args.name or ["node"]
+    written = generate_keys(args.dir, names, force=args.force)
+    for path in written:
+        kind = "secret" if path.endswith("_secret") else "public"
+        print(f"wrote {kind} key {path}")
+    print(f"nodes: --keys {args.dir} (they listen with server.key_secret and admit every *.key "
+          f"in {args.dir}); a client host needs server.key and its own pair")
+    return 0
+
+
+def _add_keygen(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("keygen", help="write CurveZMQ key pairs for an authenticated control plane",
+                       description="Writes NAME.key (public) and NAME.key_secret (mode 0600) in "
+                                   "DIR, and the server pair shared by all listening sockets "
+                                   "(server.key, server.key_secret) when DIR has none. Nodes "
+                                   "started with --keys DIR admit only peers whose public key "
+                                   "is a *.key file in DIR.")
+    p.add_argument("dir", metavar="DIR", help="keys directory (created with mode 0700)")
+    p.add_argument("--name", action="append", default=None, metavar="NAME",
+                   help="key pair to write (repeatable; default node). Use one per client, "
+                        "e.g. --name client; --name server replaces the server pair (with --force)")
+    p.add_argument("--force", action="store_true",
+                   help="replace existing key pairs (peers holding the old keys are refused)")
+    p.set_defaults(func=_cmd_keygen)
 
 
 def _cmd_demo(args: argparse.Namespace) -> int:
@@ -229,6 +281,7 @@ def _add_nodes(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--timeout", type=float, default=120.0)
     p.add_argument("--json", action="store_true", help='print one JSON object ("tokens": [...])')
+    _keys_args(p, "client")
     p.set_defaults(func=_cmd_generate)
 
     p = sub.add_parser("make-checkpoint", help="write a small random HF-format checkpoint")
@@ -255,6 +308,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     _add_nodes(sub)
     _add_plan(sub)
+    _add_keygen(sub)
     from statebridge.bench import hetero_tp
 
     hetero_tp.add_parser(sub)

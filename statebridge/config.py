@@ -24,6 +24,11 @@ class ConnectorConfig:
     - ``transfer_timeout``: bound on one request's transfer once both sides work on it.
     - ``ucx_error_handling``: UCX endpoint error handling (detects dead peers itself, but UCX then
       skips shared memory: ~1 GB/s TCP instead of ~10 GB/s); heartbeats work either way.
+    - ``bind_host``: the address every listening control socket binds (``0.0.0.0`` / ``::``
+      only if you mean it: a warning is logged).
+    - ``keys_dir``: a directory written by ``statebridge keygen``; when set, every control socket
+      uses CurveZMQ and listening sockets admit only the public keys in it (see
+      :mod:`statebridge.security`). ``key_name``: the key pair this process dials with.
     """
 
     bind_host: str = "127.0.0.1"
@@ -36,6 +41,8 @@ class ConnectorConfig:
     max_message_bytes: int = 16 * 1024 * 1024
     max_inflight_per_peer: int = 1024
     torch_threads: int = 1
+    keys_dir: str = ""
+    key_name: str = "node"
 
     def __post_init__(self) -> None:
         for name in ("heartbeat_interval", "peer_timeout", "lease_timeout", "transfer_timeout",
@@ -52,6 +59,10 @@ class ConnectorConfig:
                 raise ConfigError(f"{name} must be a positive integer, got {value!r}")
         if not isinstance(self.bind_host, str) or not self.bind_host:
             raise ConfigError(f"bind_host must be a host name or address, got {self.bind_host!r}")
+        if not isinstance(self.keys_dir, str):
+            raise ConfigError(f"keys_dir must be a directory path, got {self.keys_dir!r}")
+        if self.keys_dir:
+            _check_keys(self.keys_dir, self.key_name)
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None, **overrides) -> "ConnectorConfig":
@@ -78,3 +89,17 @@ class ConnectorConfig:
 
     def replace(self, **changes) -> "ConnectorConfig":
         return dataclasses.replace(self, **changes)
+
+
+def _check_keys(keys_dir: str, key_name: str) -> None:
+    """The files a keyed process needs exist (their contents are read where sockets are made)."""
+    from statebridge.security import SERVER_NAME, check_key_name, key_files
+
+    check_key_name(key_name)
+    if not os.path.isdir(keys_dir):
+        raise ConfigError(f"keys_dir {keys_dir!r} does not exist or is not a directory "
+                          f"(create it with `statebridge keygen {keys_dir}`)")
+    for path in (key_files(keys_dir, key_name)[1], key_files(keys_dir, SERVER_NAME)[0]):
+        if not os.path.isfile(path):
+            raise ConfigError(f"keys_dir {keys_dir!r} lacks {path} (create it with "
+                              f"`statebridge keygen {keys_dir} --name {key_name}`)")

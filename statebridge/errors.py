@@ -11,6 +11,8 @@ the message. The tree says who caused the error:
   network broke it), :class:`TransferTimeoutError` (it took too long), :class:`AbortedError`
   (someone aborted it). They carry ``request_id`` and ``peer`` where known.
 - :class:`ClosedError` -- we closed the object being used.
+- :class:`AuthenticationError` -- the CURVE handshake with a peer failed (our key refused, keys
+  on one side only, or the wrong server key).
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ __all__ = [
     "TransferTimeoutError",
     "AbortedError",
     "ClosedError",
+    "AuthenticationError",
 ]
 
 
@@ -108,6 +111,15 @@ class AbortedError(TransferError):
 
 class ClosedError(StatebridgeError):
     """The object was closed by us; no further use is possible."""
+
+
+class AuthenticationError(StatebridgeError):
+    """The control-plane handshake with ``peer`` failed authentication: the peer refused our
+    public key, one side has CURVE keys and the other none, or we hold the wrong server key."""
+
+    def __init__(self, message: str, *, peer: str | None = None) -> None:
+        super().__init__(message)
+        self.peer = peer
 
 
 _KINDS = {TransferError: "transfer_error", PeerLostError: "peer_lost",

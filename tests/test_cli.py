@@ -61,3 +61,35 @@ def test_plan_unknown_model_type(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama"}))
     out = run("plan", "--model", str(tmp_path), "--prefill-tp", "1", "--decode-tp", "1")
     assert out.returncode == 2 and "'llama'" in out.stderr
+
+
+
+def test_keygen_writes_keys_and_refuses_overwrite(tmp_path, capsys):
+    """In-process (main()), the subprocess path is the same parser; one subprocess run below."""
+    import stat
+
+    import zmq.auth
+
+    from statebridge.cli import main
+
+    keys = tmp_path / "keys"
+    assert main(["keygen", str(keys), "--name", "node", "--name", "client"]) == 0
+    out = capsys.readouterr().out
+    for name in ("server", "node", "client"):
+        assert f"wrote public key {keys / name}.key" in out
+        assert f"wrote secret key {keys / name}.key_secret" in out
+        assert stat.S_IMODE((keys / f"{name}.key_secret").stat().st_mode) == 0o600
+        public, secret = zmq.auth.load_certificate(keys / f"{name}.key_secret")
+        assert len(public) == 40 and len(secret) == 40
+    before = (keys / "client.key").read_bytes()
+    assert main(["keygen", str(keys), "--name", "client"]) == 2
+    assert f"{keys / 'client.key'} exists; refusing to overwrite" in capsys.readouterr().err
+    assert (keys / "client.key").read_bytes() == before
+    assert main(["keygen", str(keys), "--name", "client", "--force"]) == 0
+    assert (keys / "client.key").read_bytes() != before
+
+
+def test_generate_names_a_missing_keys_dir(tmp_path):
+    missing = tmp_path / "nowhere"
+    out = run("generate", "--decode", "127.0.0.1:1", "--prompt-ids", "1", "--keys", str(missing))
+    assert out.returncode == 2 and str(missing) in out.stderr and "Traceback" not in out.stderr

@@ -22,6 +22,7 @@ from statebridge.connector import control as c
 from statebridge.connector import messages as m
 from statebridge.connector._rank import RankSetup, rank_main
 from statebridge.errors import ClosedError, ConfigError, ProtocolError, TransferTimeoutError
+from statebridge.security import CurveKeys
 from statebridge.state.cache import PagePool
 from statebridge.state.layout import Layout, PageGeometry
 from statebridge.state.spec import StateSpec
@@ -108,8 +109,15 @@ class RankGroup:
         self.pool = PagePool(num_pages)
         self.node_id = node_id or f"{self.role}-{uuid.uuid4().hex[:8]}"
         self.counters = c.Counters()
+        keys = CurveKeys.from_config(self.config, listen=True)   # bad keys: nothing to clean up
         self.loop = c.EventLoop(self.node_id)
-        self.router, self.port = c.bind_router(self.loop.context, self.config.bind_host, port)
+        try:
+            self.router, self.port = c.bind_router(self.loop.context, self.config.bind_host, port,
+                                                   keys=keys, counters=self.counters,
+                                                   name=self.node_id)
+        except BaseException:
+            self.loop.stop()
+            raise
         self.loop.add_reader(self.router, self._on_router)
         self.ranks = [_RankState() for _ in range(tp_size)]
         self._by_identity: dict[bytes, int] = {}

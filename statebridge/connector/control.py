@@ -23,16 +23,22 @@ import itertools
 import logging
 import threading
 import time
-from typing import Callable
+import weakref
+from typing import TYPE_CHECKING, Callable
 
 import zmq
 
 from statebridge.connector import messages as m
-from statebridge.errors import ClosedError, ProtocolError
+from statebridge.errors import AuthenticationError, ClosedError, ConfigError, ProtocolError
 
-__all__ = ["EventLoop", "PeerWatch", "Counters", "bind_router", "connect_dealer"]
+if TYPE_CHECKING:
+    from statebridge.security import CurveKeys
+
+__all__ = ["EventLoop", "PeerWatch", "Counters", "bind_router", "connect_dealer", "flush",
+           "dial_dealer", "HandshakeWatch", "watch_handshake", "poll_dealer"]
 
 log = logging.getLogger(__name__)
+_current = threading.local()        # .loop: the EventLoop running on this thread
 
 
 class Counters:
@@ -81,6 +87,8 @@ class EventLoop:
         self.on_idle: Callable[[], None] | None = None      # called every iteration
         self.before_sleep: Callable[[], bool] | None = None  # False: not safe to sleep now
         self.slow_handler = 0.25                            # log handlers slower than this
+        # (socket, identity or None) -> encoded messages queued this iteration (see flush)
+        self._outbox: dict[tuple[zmq.Socket, bytes | None], list[bytes]] = {}
 
     # -- registration (loop thread, or before start) ---------------------------------------
     def add_reader(self, sock: zmq.Socket, handler: Callable[[], None]) -> None:
@@ -160,7 +168,41 @@ class EventLoop:
         self._thread.start()
 
     def run(self) -> None:
+        _current.loop = self
+        try:
+            self._run()
+        finally:
+            self.flush()
+            _current.loop = None
+
+    def flush(self, sock: zmq.Socket | None = None) -> None:
+        """Send the queued messages (of ``sock`` only, if given): one multipart zmq message per
+        destination, at most :data:`MAX_BATCH_FRAMES` messages each. Loop thread only."""
+        if not self._outbox:
+            return
+        keys = list(self._outbox) if sock is None else [k for k in self._outbox if k[0] is sock]
+        for key in keys:
+            frames = self._outbox.pop(key)
+            s, identity = key
+            for i in range(0, len(frames), MAX_BATCH_FRAMES):
+                chunk = frames[i:i + MAX_BATCH_FRAMES]
+                try:
+                    if identity is None:
+                        if len(chunk) == 1:
+                            s.send(chunk[0], zmq.NOBLOCK)
+                        else:
+                            s.send_multipart(chunk, zmq.NOBLOCK)
+                    else:
+                        s.send_multipart([identity, *chunk], zmq.NOBLOCK)
+                except zmq.Again:
+                    log.warning("%s: dropped %d message(s) to %r: queue full", self.name,
+                                len(chunk), identity)
+                except zmq.ZMQError as e:           # socket closed meanwhile
+                    log.debug("%s: dropped %d queued message(s): %s", self.name, len(chunk), e)
+
+    def _run(self) -> None:
         while not self._stop.is_set():
+            self.flush()
             now = time.monotonic()
             timeout = self.idle_poll
             if self._timers:
@@ -258,67 +300,315 @@ class PeerWatch:
         return lost
 
 
-def bind_router(context: zmq.Context, host: str, port: int = 0) -> tuple[zmq.Socket, int]:
-    """A ROUTER bound to ``host:port`` (0 picks a free port); returns (socket, port)."""
+_WILDCARDS = ("0.0.0.0", "::", "[::]", "*")
+
+
+def _tcp_host(host: str) -> str:
+    """``host`` as it goes into a ``tcp://`` endpoint (IPv6 literals in brackets)."""
+    return f"[{host}]" if ":" in host and not host.startswith("[") else host
+
+
+def bind_router(context: zmq.Context, host: str, port: int = 0, *,
+                keys: "CurveKeys | None" = None, counters: Counters | None = None,
+                name: str = "") -> tuple[zmq.Socket, int]:
+    """A ROUTER bound to ``host:port`` (0 picks a free port); returns (socket, port).
+
+    With ``keys`` the socket is a CURVE server admitting only the public keys of
+    ``keys.keys_dir`` (:func:`statebridge.security.secure_server`); refused handshakes are
+    counted in ``counters`` as ``auth_refused``. Binding every interface logs a warning.
+    """
     sock = context.socket(zmq.ROUTER)
-    sock.setsockopt(zmq.LINGER, 0)
-    sock.setsockopt(zmq.ROUTER_MANDATORY, 0)
-    if port:
-        sock.bind(f"tcp://{host}:{port}")
-    else:
-        port = sock.bind_to_random_port(f"tcp://{host}")
+    try:
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.ROUTER_MANDATORY, 0)
+        if ":" in host:
+            sock.setsockopt(zmq.IPV6, 1)
+        if keys is not None:
+            from statebridge.security import secure_server
+
+            secure_server(sock, keys, counters=counters, name=name)
+        endpoint = f"tcp://{_tcp_host(host)}"
+        if port:
+            sock.bind(f"{endpoint}:{port}")
+        else:
+            port = sock.bind_to_random_port(endpoint)
+    except zmq.ZMQError as e:
+        sock.close(0)
+        raise ConfigError(f"cannot bind a control socket to {host}:{port}: {e}") from None
+    except BaseException:
+        sock.close(0)
+        raise
+    if host in _WILDCARDS:
+        if keys is None:
+            log.warning("%s listens on ALL interfaces (%s:%d) WITHOUT AUTHENTICATION: anyone who "
+                        "can reach this port can drive the node; create keys with `statebridge "
+                        "keygen DIR` and pass --keys DIR, or bind one address with --host",
+                        name or "control socket", host, port)
+        else:
+            log.warning("%s listens on all interfaces (%s:%d); CURVE authentication is on "
+                        "(keys %s)", name or "control socket", host, port, keys.keys_dir)
     return sock, port
 
 
-def connect_dealer(context: zmq.Context, address: str, identity: bytes | None = None) -> zmq.Socket:
-    """A DEALER connected to ``host:port`` (``tcp://`` added when missing)."""
+def connect_dealer(context: zmq.Context, address: str, identity: bytes | None = None, *,
+                   keys: "CurveKeys | None" = None) -> zmq.Socket:
+    """A DEALER connected to ``host:port`` (``tcp://`` added when missing); with ``keys`` a
+    CURVE client holding ``keys``' own pair and the server public key. A wildcard host
+    (``0.0.0.0``, ``::``) means this machine's loopback."""
+    return _dealer(context, address, identity, keys, watch=False)[0]
+
+
+def dial_dealer(context: zmq.Context, address: str, identity: bytes | None = None, *,
+                keys: "CurveKeys | None" = None) -> tuple[zmq.Socket, "HandshakeWatch"]:
+    """:func:`connect_dealer` plus a :class:`HandshakeWatch` attached before it connects, so no
+    handshake event is missed."""
+    sock, watch = _dealer(context, address, identity, keys, watch=True)
+    assert watch is not None
+    return sock, watch
+
+
+def _dealer(context: zmq.Context, address: str, identity: bytes | None,
+            keys: "CurveKeys | None", watch: bool) -> tuple[zmq.Socket, "HandshakeWatch | None"]:
     sock = context.socket(zmq.DEALER)
-    sock.setsockopt(zmq.LINGER, 0)
-    if identity is not None:
-        sock.setsockopt(zmq.IDENTITY, identity)
-    if not address.startswith(("tcp://", "ipc://", "inproc://")):
-        address = f"tcp://{address}"
-    sock.connect(address)
-    return sock
+    handshake: HandshakeWatch | None = None
+    given = address
+    try:
+        sock.setsockopt(zmq.LINGER, 0)
+        if identity is not None:
+            sock.setsockopt(zmq.IDENTITY, identity)
+        if keys is not None:
+            from statebridge.security import secure_client
+
+            secure_client(sock, keys)
+        if not address.startswith(("tcp://", "ipc://", "inproc://")):
+            host, sep, port = address.rpartition(":")
+            if sep and host:
+                host = {"0.0.0.0": "127.0.0.1", "*": "127.0.0.1", "::": "::1",
+                        "[::]": "::1"}.get(host, host)
+                if ":" in host:
+                    sock.setsockopt(zmq.IPV6, 1)
+                address = f"{_tcp_host(host)}:{port}"
+            address = f"tcp://{address}"
+        elif address.startswith("tcp://[") or address.count(":") > 2:
+            sock.setsockopt(zmq.IPV6, 1)
+        if watch:
+            handshake = HandshakeWatch(sock, given, keyed=keys is not None)
+        sock.connect(address)
+    except zmq.ZMQError as e:
+        if handshake is not None:
+            handshake.close()
+        sock.close(0)
+        raise ConfigError(f"cannot connect a control socket to {address!r}: {e}") from None
+    except BaseException:
+        if handshake is not None:
+            handshake.close()
+        sock.close(0)
+        raise
+    return sock, handshake
+
+
+# Why a dialer's handshake failed, by monitor event and by whether the dialer holds keys.
+_HANDSHAKE_FAILURES = {
+    zmq.EVENT_HANDSHAKE_FAILED_AUTH: (
+        "authentication refused: the server does not accept our public key (copy our NAME.key "
+        "into the server's keys directory)",) * 2,
+    zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL: (
+        "authentication mismatch: the server requires CURVE keys and we have none (pass --keys "
+        "DIR / set keys_dir)",
+        "authentication mismatch: we use CURVE keys and the server has none (start it with "
+        "--keys DIR), or it speaks another protocol"),
+    zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL: (
+        "the server dropped the handshake: it probably requires CURVE keys and we have none "
+        "(pass --keys DIR / set keys_dir)",
+        "the server dropped the handshake: our server.key probably does not match the server's "
+        "key pair (authentication)"),
+}
+
+
+class HandshakeWatch:
+    """The socket monitor of one dialing socket, turning a failed zmq handshake into an
+    :class:`~statebridge.errors.AuthenticationError` as soon as libzmq reports it (instead of a
+    timeout). It ends itself on the first handshake that succeeds or fails; :meth:`close` is
+    idempotent. Poll :attr:`socket` for readability, then call :meth:`check`. Attach it before
+    the socket connects (:func:`dial_dealer` does): events before that are not seen."""
+
+    def __init__(self, sock: zmq.Socket, address: str, *, keyed: bool) -> None:
+        self.address = address
+        self.keyed = keyed
+        self._sock = sock
+        events = zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_MONITOR_STOPPED
+        for event in _HANDSHAKE_FAILURES:
+            events |= event
+        self.socket: zmq.Socket | None = sock.get_monitor_socket(events)
+        self.socket.setsockopt(zmq.LINGER, 0)
+        self.succeeded = False
+
+    def check(self) -> None:
+        """Read pending events: raise AuthenticationError on a failed handshake."""
+        from zmq.utils.monitor import parse_monitor_message
+
+        while self.socket is not None:
+            try:
+                event = parse_monitor_message(self.socket.recv_multipart(zmq.NOBLOCK))
+            except zmq.Again:
+                return
+            except zmq.ZMQError:        # the watched socket or the context went away
+                self.close()
+                return
+            kind = event["event"]
+            if kind == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+                self.succeeded = True
+                self.close()
+            elif kind in _HANDSHAKE_FAILURES:
+                self.close()
+                raise AuthenticationError(
+                    f"handshake with {self.address} failed: "
+                    f"{_HANDSHAKE_FAILURES[kind][int(self.keyed)]}", peer=self.address)
+            elif kind == zmq.EVENT_MONITOR_STOPPED:
+                self.close()
+
+    def close(self) -> None:
+        if self.socket is None:
+            return
+        monitor, self.socket = self.socket, None
+        if not self._sock.closed:
+            try:
+                self._sock.disable_monitor()
+            except zmq.ZMQError:
+                pass
+        monitor.close(0)
+
+
+def watch_handshake(loop: EventLoop, watch: HandshakeWatch,
+                    on_failure: Callable[[AuthenticationError], None]) -> None:
+    """Call ``on_failure(error)`` on ``loop`` when the handshake ``watch`` follows fails (loop
+    thread only). The watch leaves the loop after the first success or failure, or when its
+    socket closes."""
+    monitor = watch.socket
+    if monitor is None:
+        return
+
+    def on_event() -> None:
+        try:
+            watch.check()
+        except AuthenticationError as e:
+            on_failure(e)
+        finally:
+            if watch.socket is None:
+                loop.remove_reader(monitor)
+    loop.add_reader(monitor, on_event)
+
+
+def poll_dealer(sock: zmq.Socket, watch: HandshakeWatch | None, timeout: float,
+                flags: int = zmq.POLLIN) -> bool:
+    """Wait up to ``timeout`` seconds for ``sock`` to be readable (``flags``: or writable);
+    AuthenticationError as soon as ``watch`` reports a failed handshake. (A DEALER whose
+    handshake failed has no peer: a blocking send on it would wait forever.)"""
+    deadline = time.monotonic() + timeout
+    while True:
+        if watch is not None:
+            watch.check()
+        if watch is None or watch.socket is None:
+            return bool(sock.poll(max(0, int((deadline - time.monotonic()) * 1000)), flags))
+        poller = zmq.Poller()
+        poller.register(sock, flags)
+        poller.register(watch.socket, zmq.POLLIN)
+        events = dict(poller.poll(max(0, int((deadline - time.monotonic()) * 1000))))
+        if sock in events:
+            return True
+        if watch.socket not in events and time.monotonic() >= deadline:
+            return False
+
+
+# A sender's loop coalesces the messages it sends to one destination in one loop iteration
+# into one multipart zmq message (one frame per message; ROUTER: identity first). Receivers
+# hand them out one at a time; the frames left over wait here, per socket.
+MAX_BATCH_FRAMES = 1024
+_leftover: "weakref.WeakKeyDictionary[zmq.Socket, collections.deque]" = weakref.WeakKeyDictionary()
+
+
+def _decode_batch(frames: list, max_bytes: int) -> list:
+    if not frames:
+        return [ProtocolError("empty zmq message (no message frame)")]
+    if len(frames) > MAX_BATCH_FRAMES:
+        return [ProtocolError(f"{len(frames)} message frames in one zmq message; at most "
+                              f"{MAX_BATCH_FRAMES}")]
+    out = []
+    for frame in frames:
+        try:
+            out.append(m.decode(frame, max_bytes=max_bytes))
+        except ProtocolError as e:
+            out.append(e)
+    return out
 
 
 def recv_router(sock: zmq.Socket, max_bytes: int) -> tuple[bytes, m.Message | ProtocolError] | None:
-    """One ROUTER message as (identity, message or the ProtocolError it raised)."""
+    """One message from a ROUTER as (identity, message or the ProtocolError it raised); None
+    when nothing is waiting. A batch (identity, message, message, ...) is handed out one
+    message per call."""
+    left = _leftover.get(sock)
+    if left:
+        return left.popleft()
     try:
         frames = sock.recv_multipart(zmq.NOBLOCK, copy=True)
     except zmq.Again:
         return None
-    if len(frames) != 2:
+    if len(frames) < 2:
         return (frames[0] if frames else b""), ProtocolError(
-            f"expected 2 frames (identity, message), got {len(frames)}")
-    try:
-        return frames[0], m.decode(frames[1], max_bytes=max_bytes)
-    except ProtocolError as e:
-        return frames[0], e
+            f"expected an identity frame and at least one message frame, got {len(frames)} "
+            f"frame(s)")
+    identity = frames[0]
+    items = [(identity, x) for x in _decode_batch(frames[1:], max_bytes)]
+    if len(items) > 1:
+        _leftover.setdefault(sock, collections.deque()).extend(items[1:])
+    return items[0]
 
 
 def recv_dealer(sock: zmq.Socket, max_bytes: int) -> m.Message | ProtocolError | None:
+    """One message from a DEALER (or the ProtocolError it raised); None when nothing is
+    waiting. A batch of several frames is handed out one message per call."""
+    left = _leftover.get(sock)
+    if left:
+        return left.popleft()
     try:
         frames = sock.recv_multipart(zmq.NOBLOCK, copy=True)
     except zmq.Again:
         return None
-    if len(frames) != 1:
-        return ProtocolError(f"expected 1 frame, got {len(frames)}")
-    try:
-        return m.decode(frames[0], max_bytes=max_bytes)
-    except ProtocolError as e:
-        return e
+    items = _decode_batch(frames, max_bytes)
+    if len(items) > 1:
+        _leftover.setdefault(sock, collections.deque()).extend(items[1:])
+    return items[0]
 
 
 def send_router(sock: zmq.Socket, identity: bytes, message: m.Message) -> None:
+    """Send to the peer ``identity``; from an event loop's thread the message is queued and
+    leaves, coalesced with the others to the same peer, at the end of the loop iteration."""
+    data = m.encode(message)
+    loop = getattr(_current, "loop", None)
+    if loop is not None:
+        loop._outbox.setdefault((sock, identity), []).append(data)
+        return
     try:
-        sock.send_multipart([identity, m.encode(message)], zmq.NOBLOCK)
+        sock.send_multipart([identity, data], zmq.NOBLOCK)
     except zmq.Again:
         log.warning("dropped %s to %r: peer queue full", type(message).__name__, identity)
 
 
 def send_dealer(sock: zmq.Socket, message: m.Message) -> None:
+    """Send on a DEALER; queued and coalesced like :func:`send_router` on a loop thread."""
+    data = m.encode(message)
+    loop = getattr(_current, "loop", None)
+    if loop is not None:
+        loop._outbox.setdefault((sock, None), []).append(data)
+        return
     try:
-        sock.send(m.encode(message), zmq.NOBLOCK)
+        sock.send(data, zmq.NOBLOCK)
     except zmq.Again:
         log.warning("dropped %s: queue full", type(message).__name__)
+
+
+def flush(sock: zmq.Socket) -> None:
+    """Send what this thread's event loop queued for ``sock`` now (call before closing it)."""
+    loop = getattr(_current, "loop", None)
+    if loop is not None:
+        loop.flush(sock)

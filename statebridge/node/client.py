@@ -12,6 +12,7 @@ import zmq
 from statebridge.connector import control as c
 from statebridge.connector import messages as m
 from statebridge.errors import ConfigError, TransferTimeoutError, transfer_error
+from statebridge.security import CurveKeys
 
 __all__ = ["Client", "Generation"]
 
@@ -33,23 +34,28 @@ class Client:
     """Talks to a decode node's front door over zmq. One outstanding call per Client object;
     use one Client per thread."""
 
-    def __init__(self, address: str, *, timeout: float = 120.0) -> None:
+    def __init__(self, address: str, *, timeout: float = 120.0,
+                 keys: CurveKeys | None = None) -> None:
+        """``keys``: the client's CURVE keys when the node requires them, e.g.
+        ``CurveKeys.load(DIR, "client")``; a refused handshake raises AuthenticationError."""
         self.address = address
         self.timeout = timeout
         self._ctx = zmq.Context.instance()
-        self._sock = c.connect_dealer(self._ctx, address)
+        self._sock, self._watch = c.dial_dealer(self._ctx, address, keys=keys)
 
     def wait_ready(self, timeout: float = 120.0) -> None:
         """Block until the decode node answers that it serves."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
-            self._sock.send(m.encode(m.Heartbeat(node_id="client", seq=0)))
-            if self._sock.poll(500):
+            self._send(m.Heartbeat(node_id="client", seq=0), max(0.0, deadline - time.monotonic()))
+            if c.poll_dealer(self._sock, self._watch, 0.5):
                 msg = m.decode(self._sock.recv())
                 if isinstance(msg, m.Heartbeat) and msg.seq == 1:
                     return
             time.sleep(0.1)
-        raise TransferTimeoutError(f"decode node {self.address} not ready within {timeout} s")
+        raise TransferTimeoutError(f"decode node {self.address} not ready within {timeout} s (no "
+                                   f"answer: down, unreachable, or refusing us because of "
+                                   f"authentication -- check the keys on both sides)")
 
     def stream(self, prompt: Sequence[int], *, max_new_tokens: int = 16,
                temperature: float = 0.0, top_p: float = 1.0, seed: int = 0,
@@ -57,11 +63,11 @@ class Client:
         """Yield the node's GenerateTokens messages for one request, as they arrive."""
         request_id = request_id or uuid.uuid4().hex
         prompt = tuple(int(t) for t in prompt)
-        self._sock.send(m.encode(m.GenerateRequest(
+        self._send(m.GenerateRequest(
             request_id=request_id, prompt=prompt, max_new_tokens=int(max_new_tokens),
-            temperature=float(temperature), top_p=float(top_p), seed=int(seed))))
+            temperature=float(temperature), top_p=float(top_p), seed=int(seed)), self.timeout)
         while True:
-            if not self._sock.poll(int(self.timeout * 1000)):
+            if not c.poll_dealer(self._sock, self._watch, self.timeout):
                 raise TransferTimeoutError(f"no answer from {self.address} for "
                                            f"{self.timeout} s", request_id=request_id)
             msg = m.decode(self._sock.recv())
@@ -90,7 +96,16 @@ class Client:
         out.seconds = time.perf_counter() - start
         return out
 
+    def _send(self, message: m.Message, timeout: float) -> None:
+        """Send without blocking forever: a refused handshake leaves no peer to queue to."""
+        if not c.poll_dealer(self._sock, self._watch, timeout, zmq.POLLOUT):
+            raise TransferTimeoutError(f"cannot send to {self.address} for {timeout} s (no "
+                                       f"connection: down, unreachable, or refusing us because "
+                                       f"of authentication -- check the keys on both sides)")
+        self._sock.send(m.encode(message), zmq.NOBLOCK)
+
     def close(self) -> None:
+        self._watch.close()
         self._sock.close(0)
 
     def __enter__(self):

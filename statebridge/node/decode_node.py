@@ -27,6 +27,7 @@ from statebridge.connector import messages as m
 from statebridge.connector._group import Launcher, spawn_launcher
 from statebridge.connector.decode import DecodeCoordinator, TransferResult
 from statebridge.errors import CacheFullError, ConfigError, StatebridgeError, TransferError
+from statebridge.security import CurveKeys
 from statebridge.state.spec import StateSpec
 
 log = logging.getLogger(__name__)
@@ -79,14 +80,16 @@ class DecodeNode:
             dist_init=dist_init or f"tcp://127.0.0.1:{free_port()}")
         self.coordinator.rank_message_hook = self._on_rank_message
         self.loop = c.EventLoop("decode-front")
-        self.router, self.port = c.bind_router(self.loop.context, self.config.bind_host, port)
+        self.counters = c.Counters()
+        self.router, self.port = c.bind_router(
+            self.loop.context, self.config.bind_host, port, counters=self.counters,
+            keys=CurveKeys.from_config(self.config, listen=True), name="decode front door")
         self.loop.add_reader(self.router, self._on_client)
         self.gens: dict[str, _Gen] = {}
         self.waiting: collections.deque[_Gen] = collections.deque()   # no free page yet
         self.running: list[_Gen] = []
         self.step_in_flight: tuple[int, list[_Gen]] | None = None
         self._steps = itertools.count(1)
-        self.counters = c.Counters()
         self.ready = False
         self.loop.start()
         self.coordinator.wait_ready()
