@@ -28,6 +28,7 @@ from statebridge.config import ConnectorConfig
 from statebridge.connector import control as c
 from statebridge.connector import messages as m
 from statebridge.errors import ProtocolError, StatebridgeError, TransferError
+from statebridge.security import CurveKeys
 from statebridge.state.cache import StateCache
 from statebridge.state.layout import PageGeometry
 from statebridge.state.plan import TransferPlan
@@ -130,7 +131,8 @@ class RankWorker:
                                    error_handling=self.config.ucx_error_handling)
         self.model: RankModel = load_callable(setup.model)(setup, self.cache)
         self.loop = c.EventLoop(f"{setup.role}-rank{setup.tp_rank}")
-        self.sock = c.connect_dealer(self.loop.context, setup.coordinator)
+        self.sock = c.connect_dealer(self.loop.context, setup.coordinator,
+                                     keys=CurveKeys.from_config(self.config))
         self.loop.add_reader(self.sock, self._on_message)
         self.plans: dict[str, TransferPlan] = {}         # peer node -> plan
         self.computing: dict[tuple[str, int], tuple[str, str] | None] = {}
@@ -139,6 +141,10 @@ class RankWorker:
                                          name=f"{setup.role}-rank{setup.tp_rank}-compute")
         self._compute.start()
         self.pending: dict[tuple[str, int], _Pending] = {}
+        #: Newest generation the coordinator announced to this rank (RankRecv /
+        #: RankLocalPrefill); with ``pending`` it says which data-plane messages may still be
+        #: received (see :meth:`_may_arrive`).
+        self.announced_generation = 0
         self.coordinator_watch = c.PeerWatch(self.config.peer_timeout)
         self.coordinator_watch.heard("coordinator")
         self.counters = c.Counters()
@@ -174,6 +180,11 @@ class RankWorker:
 
     def _heartbeat(self) -> None:
         self._send(m.Heartbeat(node_id=f"{self.setup.node_id}/{self.setup.tp_rank}", seq=0))
+        try:
+            self.transport.reject_unannounced(self._may_arrive, grace=self.config.peer_timeout)
+        except StatebridgeError as e:
+            log.warning("rank %d: sweeping unannounced messages failed: %s",
+                        self.setup.tp_rank, e)
         if self.coordinator_watch.expired():
             log.error("%s rank %d: coordinator silent for %.1f s, shutting down",
                       self.setup.role, self.setup.tp_rank, self.config.peer_timeout)
@@ -217,6 +228,12 @@ class RankWorker:
         else:
             plan = TransferPlan(peer_geo, self.geometry)
             ranks = [p.src_rank for p in plan.for_destination(self.setup.tp_rank)]
+        if msg.peer_node in self.plans:
+            # The same node connected again (it re-dialed after a cut link or a restart): its
+            # old endpoints may be broken; fresh ones for the new connection.
+            for peer in self._peers_of(msg.peer_node):
+                if peer in self.transport.peers:
+                    self.transport.fail_peer(peer, f"{msg.peer_node} connected again")
         self.plans[msg.peer_node] = plan
         for r in ranks:
             self.transport.connect(f"{msg.peer_node}/{r}", msg.peer_addresses[r])
@@ -235,6 +252,7 @@ class RankWorker:
         self._compute_q.put(msg)
 
     def _on_local_prefill(self, msg: m.RankLocalPrefill) -> None:
+        self._announce(msg.generation)
         self.computing[(msg.request_id, msg.generation)] = None
         self._compute_q.put(msg)
 
@@ -302,20 +320,61 @@ class RankWorker:
         src_base = self.cache.page_offset(msg.src_page)
         dst_base = msg.dst_page * plan.dst.page_size
         pending = _Pending(msg.request_id, msg.generation, msg.src_page, [], started)
-        for pair in plan.for_source(self.setup.tp_rank):
-            peer = f"{msg.peer_node}/{pair.dst_rank}"
-            if pair.staged:
-                pack = pair.pack + np.array([src_base, 0, 0], dtype=np.int64)
-                h = self.transport.post_send_staged(peer, msg.generation, pair.src_rank, pack)
-            else:
-                h = self.transport.post_send(peer, msg.generation, pair.src_rank,
-                                             pair.runs_at(src_base, dst_base))
-            pending.handles.append(h)
-            pending.nbytes += pair.nbytes
-            pending.messages += pair.messages
+        try:
+            for pair in plan.for_source(self.setup.tp_rank):
+                peer = f"{msg.peer_node}/{pair.dst_rank}"
+                if pair.staged:
+                    pack = pair.pack + np.array([src_base, 0, 0], dtype=np.int64)
+                    h = self.transport.post_send_staged(peer, msg.generation, pair.src_rank,
+                                                        pack)
+                else:
+                    h = self.transport.post_send(peer, msg.generation, pair.src_rank,
+                                                 pair.runs_at(src_base, dst_base))
+                pending.handles.append(h)
+                pending.nbytes += pair.nbytes
+                pending.messages += pair.messages
+        except StatebridgeError as e:
+            self._post_failed(pending, e)
+            return
         self.pending[key] = pending
 
+    def _post_failed(self, pending: "_Pending", error: StatebridgeError) -> None:
+        """A post raised (peer declared lost, transport closed, bad runs): the request fails
+        now, its posted handles are cancelled, and the coordinator hears it at once."""
+        for h in pending.handles:
+            h.cancel()
+        kind = error.kind if isinstance(error, TransferError) else "transfer_error"
+        self.counters.add(f"failed_{kind}")
+        self._done(pending.request_id, pending.generation, kind, f"posting failed: {error}")
+
+    def _announce(self, generation: int) -> None:
+        if _generation_after(generation, self.announced_generation):
+            self.announced_generation = generation
+
+    def _may_arrive(self, generation: int, src_rank: int) -> bool:
+        """Whether a data-plane message of ``generation`` sitting in UCX's unexpected queue
+        may still be taken by a receive of this rank (the sweep in :meth:`_heartbeat` rejects
+        it otherwise, and also once it waited longer than ``peer_timeout``).
+
+        The decode coordinator numbers attempts in increasing order and announces them to
+        every rank in that order (RankRecv, RankLocalPrefill) before the prefill side can send
+        anything; receives are posted when the announcement is handled, and UCX matches
+        messages that came first at that moment. So a message in the unexpected queue is
+        legitimate only while its announcement is still on its way: its generation is newer
+        than the newest announced. Of an announced generation it is either stale (the attempt
+        finished or was cancelled: no receive left) or matches none of the attempt's tags
+        (rogue or corrupt) -- with the attempt still pending it is left for the grace period
+        (receives posted with delayed submission match a little later), else rejected at once.
+        A prefill rank posts no receives: nothing may arrive.
+        """
+        if self.setup.role != "decode":
+            return False
+        if _generation_after(generation, self.announced_generation):
+            return True
+        return any(g == generation for (_, g) in self.pending)
+
     def _on_recv(self, msg: m.RankRecv) -> None:
+        self._announce(msg.generation)
         plan = self.plans.get(msg.peer_node)
         if plan is None:
             self._done(msg.request_id, msg.generation, "transfer_error",
@@ -323,18 +382,22 @@ class RankWorker:
             return
         dst_base = self.cache.page_offset(msg.dst_page)
         pending = _Pending(msg.request_id, msg.generation, msg.dst_page, [], time.perf_counter())
-        for pair in plan.for_destination(self.setup.tp_rank):
-            peer = f"{msg.peer_node}/{pair.src_rank}"
-            if pair.staged:
-                unpack = pair.unpack + np.array([0, dst_base, 0], dtype=np.int64)
-                h = self.transport.post_recv_staged(peer, msg.generation, pair.src_rank,
-                                                    int(pair.pack[:, 2].sum()), unpack)
-            else:
-                h = self.transport.post_recv(peer, msg.generation, pair.src_rank,
-                                             pair.runs_at(0, dst_base))
-            pending.handles.append(h)
-            pending.nbytes += pair.nbytes
-            pending.messages += pair.messages
+        try:
+            for pair in plan.for_destination(self.setup.tp_rank):
+                peer = f"{msg.peer_node}/{pair.src_rank}"
+                if pair.staged:
+                    unpack = pair.unpack + np.array([0, dst_base, 0], dtype=np.int64)
+                    h = self.transport.post_recv_staged(peer, msg.generation, pair.src_rank,
+                                                        int(pair.pack[:, 2].sum()), unpack)
+                else:
+                    h = self.transport.post_recv(peer, msg.generation, pair.src_rank,
+                                                 pair.runs_at(0, dst_base))
+                pending.handles.append(h)
+                pending.nbytes += pair.nbytes
+                pending.messages += pair.messages
+        except StatebridgeError as e:
+            self._post_failed(pending, e)
+            return
         self.pending[(msg.request_id, msg.generation)] = pending
 
     def _on_cancel(self, msg: m.RankCancel) -> None:
@@ -369,8 +432,9 @@ class RankWorker:
         if not self.pending:
             return
         now = time.perf_counter()
+        self.transport.progress()
         for key, p in list(self.pending.items()):
-            if not all(h.done() for h in p.handles):
+            if not all(h.finished() for h in p.handles):
                 if p.failure is None and now - p.started > self.config.transfer_timeout:
                     p.failure = ("timeout", f"transfer not done after "
                                             f"{self.config.transfer_timeout} s")
@@ -405,8 +469,13 @@ class RankWorker:
         self._send(m.RankDone(tp_rank=self.setup.tp_rank, request_id=request_id,
                               generation=generation, kind=kind, message=message,
                               checksum=checksum, seconds=seconds, nbytes=nbytes,
-                              messages=messages, staging_bytes=int(
-                                  self.transport.stats().get("staging_bytes", 0))))
+                              messages=messages, staging_bytes=self.transport.staging_bytes))
+
+
+def _generation_after(a: int, b: int) -> bool:
+    """``a`` is newer than ``b`` in the 32-bit generation sequence (serial number arithmetic,
+    so the order survives the wrap-around after 2**32 attempts)."""
+    return 0 < (a - b) % (1 << 32) < 1 << 31
 
 
 def rank_main(setup: RankSetup) -> None:

@@ -18,6 +18,13 @@ Failures become typed errors on the request's future (``PeerLostError``,
 is freed only after every decode rank confirmed that none of its receives can still write into
 it. A prefill server that goes silent for ``peer_timeout`` seconds (or says Goodbye) fails every
 request it touched; other prefill servers keep serving.
+
+Reconnect: an address given to :meth:`DecodeCoordinator.connect` (after its first handshake
+succeeded) is kept and re-dialed when its server is lost -- a fresh socket and a fresh handshake
+every ``REDIAL_MIN_S`` .. ``REDIAL_MAX_S`` seconds (doubling), each attempt bounded by
+``handshake_timeout``. Nothing of the old connection can land after a reconnect: its requests
+already failed (and their pages were freed only once every decode rank confirmed its receives
+were cancelled), and new requests carry new generations, hence new tags.
 """
 
 from __future__ import annotations
@@ -35,12 +42,15 @@ import zmq
 from statebridge.connector import control as c
 from statebridge.connector import messages as m
 from statebridge.connector._group import RankGroup, RequestState
+from statebridge.security import CurveKeys
 from statebridge.errors import (
+    CacheFullError,
     ClosedError,
     ConfigError,
     IncompatiblePeerError,
     PeerLostError,
     ProtocolError,
+    StatebridgeError,
     TransferTimeoutError,
     transfer_error,
 )
@@ -50,6 +60,9 @@ from statebridge.state.plan import TransferPlan
 log = logging.getLogger(__name__)
 
 __all__ = ["DecodeCoordinator", "TransferResult"]
+
+REDIAL_MIN_S = 0.5     # first re-dial of a lost prefill server, after this many seconds
+REDIAL_MAX_S = 2.0     # the wait doubles per failed attempt, up to this
 
 
 @dataclass(frozen=True)
@@ -80,6 +93,21 @@ class _Prefill:
         self.event = threading.Event()
         self.geometry: PageGeometry | None = None
         self.plan: TransferPlan | None = None
+        self.deadline = 0.0                          # monotonic end of a re-dial's handshake
+
+
+class _Dial:
+    """A prefill address the coordinator keeps connected: re-dialed while its server is lost."""
+
+    def __init__(self, address: str, peer: _Prefill) -> None:
+        self.address = address
+        self.peer: _Prefill | None = peer            # the live connection or the attempt
+        self.node_id = peer.node_id                  # of the last successful handshake
+        self.wait = REDIAL_MIN_S
+        self.next_at = 0.0
+        self.attempts = 0                            # since the connection was lost
+        self.lost_at = 0.0
+        self.last_why = ""                           # logged once per change
 
 
 class _Request(RequestState):
@@ -101,24 +129,102 @@ class DecodeCoordinator(RankGroup):
         self._generations = itertools.count(1)
         self._rr = itertools.count()
         self.prefill_watch = c.PeerWatch(self.config.peer_timeout)
+        self._dials: dict[str, _Dial] = {}           # address -> kept connection
 
     # -- prefill servers -------------------------------------------------------------------------
-    def connect(self, address: str, timeout: float | None = None) -> str:
-        """Handshake with the prefill server at ``host:port``; returns its node id."""
+    def connect(self, address: str, timeout: float | None = None, *,
+                redial: bool = True) -> str:
+        """Handshake with the prefill server at ``host:port``; returns its node id.
+
+        With ``redial`` (the default) the address is kept once this handshake succeeded: when
+        its server is lost later, the coordinator re-dials it with backoff until it answers
+        again (or :meth:`close`). A failed first handshake raises and keeps nothing."""
         self.wait_ready()
         timeout = self.config.handshake_timeout if timeout is None else timeout
         peer = self.loop.call(self._open, address)
         if not peer.event.wait(timeout):
             self.loop.call(self._drop_prefill, peer, "handshake timed out")
             raise TransferTimeoutError(f"handshake with prefill server {address} did not "
-                                       f"finish within {timeout} s", peer=address)
+                                       f"finish within {timeout} s: no answer (the server may "
+                                       f"be down or unreachable, or refusing us because of "
+                                       f"authentication: check keys_dir/--keys on both sides)",
+                                       peer=address)
         if peer.state != "ready":
             raise peer.error or IncompatiblePeerError(f"handshake with {address} failed")
+        if redial:
+            self.loop.call(self._keep, address, peer)
         return peer.node_id
 
+    def _keep(self, address: str, peer: _Prefill) -> None:
+        if self._closed:
+            return
+        dial = self._dials.get(address)
+        if dial is None:
+            dial = self._dials[address] = _Dial(address, peer)
+        elif dial.peer is not peer:
+            # connect() again while a re-dial was pending: this connection is the kept one,
+            # the re-dial's attempt (if any) is dropped without scheduling another.
+            attempt, dial.peer = dial.peer, peer
+            if attempt is not None:
+                attempt.state = "failed"
+                self._drop_prefill(attempt, "superseded by connect()")
+            self._redialed(peer)
+        if peer.state != "ready":                    # lost between handshake and here
+            dial.peer = None
+            self._schedule_redial(dial, f"prefill {peer.node_id} lost")
+
+    def _schedule_redial(self, dial: _Dial, why: str) -> None:
+        now = time.monotonic()
+        if dial.attempts == 0 and not dial.lost_at:
+            dial.lost_at = now
+            log.info("%s: prefill %s at %s lost (%s); re-dialing every %.1f-%.1f s",
+                     self.node_id, dial.node_id, dial.address, why, REDIAL_MIN_S, REDIAL_MAX_S)
+        elif why != dial.last_why:
+            log.warning("%s: re-dial %d of %s failed: %s", self.node_id, dial.attempts,
+                        dial.address, why)
+        else:
+            log.debug("%s: re-dial %d of %s failed: %s", self.node_id, dial.attempts,
+                      dial.address, why)
+        dial.last_why = why
+        dial.next_at = now + dial.wait
+        dial.wait = min(2 * dial.wait, REDIAL_MAX_S)
+
+    def _redial(self) -> None:
+        """On every tick: start due re-dials, time out attempts that hang."""
+        now = time.monotonic()
+        for dial in self._dials.values():
+            peer = dial.peer
+            if peer is None:
+                if now >= dial.next_at:
+                    dial.attempts += 1
+                    log.debug("%s: re-dial %d of %s", self.node_id, dial.attempts, dial.address)
+                    dial.peer = self._open(dial.address)
+                    dial.peer.deadline = now + self.config.handshake_timeout
+            elif peer.state in ("hello", "info") and peer.deadline and now > peer.deadline:
+                peer.state = "failed"
+                self._drop_prefill(peer, f"handshake did not finish within "
+                                         f"{self.config.handshake_timeout} s")
+
+    def _redialed(self, peer: _Prefill) -> None:
+        """A handshake finished: if it was a re-dial, the kept address is connected again."""
+        dial = self._dials.get(peer.address)
+        if dial is None or dial.peer is not peer:
+            return
+        if dial.lost_at:
+            log.info("%s: prefill %s at %s connected again after %d attempts (%.1f s); was %s",
+                     self.node_id, peer.node_id, dial.address, dial.attempts,
+                     time.monotonic() - dial.lost_at, dial.node_id)
+            self.counters.add("prefills_reconnected")
+        dial.node_id = peer.node_id
+        dial.wait, dial.attempts, dial.lost_at, dial.last_why = REDIAL_MIN_S, 0, 0.0, ""
+        peer.deadline = 0.0
+
     def _open(self, address: str) -> _Prefill:
-        sock = c.connect_dealer(self.loop.context, address)
+        keys = CurveKeys.from_config(self.config)
+        sock, watch = c.dial_dealer(self.loop.context, address, keys=keys)
         peer = _Prefill(address, sock)
+        c.watch_handshake(self.loop, watch, lambda e: peer.state == "hello"
+                          and self._handshake_failed(peer, e))
         self._by_sock[sock] = peer
         self.loop.add_reader(sock, lambda: self._on_prefill_socket(peer))
         c.send_dealer(sock, m.Hello(compat_hash=m.compat_hash(self.spec.to_json()),
@@ -126,7 +232,7 @@ class DecodeCoordinator(RankGroup):
         return peer
 
     def _on_prefill_socket(self, peer: _Prefill) -> None:
-        while True:
+        while not peer.sock.closed:                  # a Goodbye below drops (closes) it
             msg = c.recv_dealer(peer.sock, self.config.max_message_bytes)
             if msg is None:
                 return
@@ -174,15 +280,17 @@ class DecodeCoordinator(RankGroup):
             log.info("%s: prefill group %s connected (TP %d, %s): %d messages, %d bytes per "
                      "request", self.node_id, msg.node_id, msg.tp_size, msg.layout,
                      peer.plan.messages_per_request, peer.plan.bytes_per_request)
+            self._redialed(peer)
             peer.event.set()
         elif isinstance(msg, m.TransferFailed):
             req = self.requests.get((msg.request_id, msg.generation))
             if req is None:
                 self.counters.add("stale_messages")
                 return
-            lost = peer.node_id if msg.kind == "peer_lost" else ""
-            self._fail(req, msg.kind, f"prefill {peer.node_id}: {msg.message}",
-                       notify=False, lost_node=lost)
+            # Only this request: the server still talks to us, so its endpoints stay. (Failing
+            # them here -- lost_node -- would leave every later request of this connection
+            # posting to a peer the ranks consider lost, with no RankConnect to revive it.)
+            self._fail(req, msg.kind, f"prefill {peer.node_id}: {msg.message}", notify=False)
         elif isinstance(msg, m.Goodbye):
             self._prefill_lost(peer, "said goodbye")
         elif isinstance(msg, m.Error):
@@ -203,10 +311,16 @@ class DecodeCoordinator(RankGroup):
     def _drop_prefill(self, peer: _Prefill, why: str) -> None:
         self.loop.remove_reader(peer.sock)
         self._by_sock.pop(peer.sock, None)
+        c.flush(peer.sock)          # e.g. a queued Goodbye
         peer.sock.close(0)
         if peer.node_id and self.prefills.get(peer.node_id) is peer:
             del self.prefills[peer.node_id]
-        self.prefill_watch.forget(peer.node_id)
+            self.prefill_watch.forget(peer.node_id)
+        dial = self._dials.get(peer.address)
+        if dial is not None and dial.peer is peer:
+            dial.peer = None
+            if not self._closed:
+                self._schedule_redial(dial, why)
 
     def _prefill_lost(self, peer: _Prefill, why: str) -> None:
         if peer.state == "lost":
@@ -233,6 +347,52 @@ class DecodeCoordinator(RankGroup):
         future: concurrent.futures.Future = concurrent.futures.Future()
         self.loop.call(self._submit, request_id, prompt, prefill, future)
         return future
+
+    def submit_many(self, items: Sequence[tuple[str, Sequence[int]]], *,
+                    prefill: str | None = None) -> list[concurrent.futures.Future]:
+        """:meth:`submit` for many requests in one hop to the loop thread (a caller keeping
+        many requests in flight pays one thread handoff per batch, not per request).
+
+        Requests start in order until the page pool is full: the futures of the ones started
+        are returned (fewer than ``items`` means back-pressure), and CacheFullError is raised
+        only when not even the first could start. Any other refusal (a duplicate request id,
+        no prefill server) fails that request's future.
+        """
+        prepared = []
+        for request_id, prompt in items:
+            if not isinstance(request_id, str) or not request_id:
+                raise ConfigError(f"request_id must be a non-empty string, got {request_id!r}")
+            prepared.append((request_id, tuple(int(t) for t in prompt),
+                             concurrent.futures.Future()))
+
+        def run() -> list[concurrent.futures.Future]:
+            started = []
+            for request_id, prompt, future in prepared:
+                try:
+                    self._submit(request_id, prompt, prefill, future)
+                except CacheFullError:
+                    if not started:
+                        raise
+                    break
+                except StatebridgeError as e:
+                    future.set_exception(e)
+                started.append(future)
+            return started
+        return self.loop.call(run) if prepared else []
+
+    def release_many(self, results: Sequence["TransferResult | str"]) -> None:
+        """:meth:`release` for many completed requests in one hop to the loop thread; raises
+        ConfigError naming the ids that were not completed requests (the others are freed)."""
+        ids = [r if isinstance(r, str) else r.request_id for r in results]
+
+        def run() -> None:
+            unknown = [rid for rid in ids if not self._release(rid)]
+            if unknown:
+                raise ConfigError(f"no completed request {unknown[:5]!r}"
+                                  f"{f' (+{len(unknown) - 5} more)' if len(unknown) > 5 else ''}"
+                                  f" to release")
+        if ids:
+            self.loop.call(run)
 
     def _submit(self, request_id: str, prompt: tuple[int, ...], prefill: str | None,
                 future: concurrent.futures.Future) -> None:
@@ -305,12 +465,17 @@ class DecodeCoordinator(RankGroup):
         request_id = result if isinstance(result, str) else result.request_id
 
         def run() -> None:
-            done = self.results.pop(request_id, None)
-            if done is None:
+            if not self._release(request_id):
                 raise ConfigError(f"no completed request {request_id!r} to release")
-            self.pool.free(done.page)
-            self.current.pop(request_id, None)
         self.loop.call(run)
+
+    def _release(self, request_id: str) -> bool:
+        done = self.results.pop(request_id, None)
+        if done is None:
+            return False
+        self.pool.free(done.page)
+        self.current.pop(request_id, None)
+        return True
 
     def _on_rank_done(self, rank: int, msg: m.RankDone) -> None:
         req = self.requests.get((msg.request_id, msg.generation))
@@ -344,7 +509,9 @@ class DecodeCoordinator(RankGroup):
         if req.ranks_pending(self):
             return
         key = (req.request_id, req.generation)
-        self.requests.pop(key, None)
+        if self.requests.get(key) is not req:
+            return                                   # settled already (_fail settles too)
+        del self.requests[key]
         if req.failure is not None:
             self.pool.free(req.page)
             if self.current.get(req.request_id) == req.generation:
@@ -379,6 +546,7 @@ class DecodeCoordinator(RankGroup):
             peer = self.prefills.get(node)
             if peer is not None:
                 self._prefill_lost(peer, f"silent for {self.config.peer_timeout} s")
+        self._redial()
         now = time.monotonic()
         for req in list(self.requests.values()):
             if req.failure is None and now > req.deadline + self.config.peer_timeout:
@@ -400,10 +568,17 @@ class DecodeCoordinator(RankGroup):
                 c.send_dealer(peer.sock, m.Goodbye(node_id=self.node_id))
         for peer in list(self._by_sock.values()):
             self._drop_prefill(peer, "closing")
+        self._dials.clear()
 
     def stats(self) -> dict:
         def collect():
-            return {"pages_used": self.pool.num_used, "requests_in_flight": len(self.requests),
+            return {"pages_used": self.pool.num_used, "pages_free": self.pool.num_free,
+                    "pages_total": self.num_pages,
+                    # per rank: pages it may still receive into (no RankDone yet)
+                    "rank_pages_busy": [sum(r in q.ranks_pending(self)
+                                            for q in self.requests.values())
+                                        for r in range(self.tp_size)],
+                    "requests_in_flight": len(self.requests),
                     "completed_unreleased": len(self.results),
                     "prefills": sorted(n for n, p in self.prefills.items()
                                        if p.state == "ready"),

@@ -59,6 +59,11 @@ class PrefillServer(RankGroup):
     # -- decode peers ----------------------------------------------------------------------------
     def _on_peer_message(self, identity: bytes, msg: m.Message) -> None:
         peer = self.peers.get(identity)
+        if self._closed and isinstance(msg, (m.Hello, m.GroupInfo)):
+            # Goodbye is sent: a decode node re-dialing now must not be connected anew.
+            c.send_router(self.router, identity, m.Reject(
+                code="closing", reason=f"prefill server {self.node_id} is closing"))
+            return
         if isinstance(msg, m.Hello):
             self._on_hello(identity, msg)
             return
@@ -122,7 +127,15 @@ class PrefillServer(RankGroup):
             self._connect_peer(identity, info)
 
     def _connect_peer(self, identity: bytes, info: m.GroupInfo) -> None:
-        peer = self.peers[identity]
+        peer = self.peers.get(identity)
+        if peer is None:                 # lost while its GroupInfo waited for the ranks
+            return
+        # A decode node that re-dials (it lost us, e.g. a cut link) comes back on a new socket
+        # with the same node id. Its old connection is dead: drop it first, so the ranks fail
+        # its endpoints (RankCancel with lost_node) BEFORE the RankConnect below makes new ones.
+        for old in [p for i, p in self.peers.items()
+                    if i != identity and p.node_id == info.node_id]:
+            self._peer_lost(old.identity, "superseded by a new connection")
         peer.node_id = info.node_id
         self.to_ranks(m.RankConnect(peer_node=info.node_id, peer_role=info.role,
                                     peer_tp_size=info.tp_size, peer_layout=info.layout,
@@ -154,6 +167,13 @@ class PrefillServer(RankGroup):
         try:
             page = self.pool.allocate()
         except CacheFullError:
+            # Queued requests count against the peer's limit too: the queue stays bounded.
+            queued = sum(1 for i, _ in self.waiting if i == peer.identity)
+            if peer.inflight + queued >= self.config.max_inflight_per_peer:
+                self._reject(peer, msg, "busy", f"{peer.inflight} requests in flight and "
+                                                f"{queued} queued from {peer.node_id} (limit "
+                                                f"{self.config.max_inflight_per_peer})")
+                return
             self.counters.add("waiting_for_pages")
             self.waiting.append((peer.identity, msg))        # back-pressure, not a failure
             return
@@ -219,7 +239,10 @@ class PrefillServer(RankGroup):
             return
         if req.failure is None and not req.complete:
             return
-        self.requests.pop((req.peer, req.request_id, req.generation), None)
+        key = (req.peer, req.request_id, req.generation)
+        if self.requests.get(key) is not req:
+            return                                   # freed already (callers may re-check)
+        del self.requests[key]
         self.pool.free(req.page)
         peer = self.peers.get(req.peer)
         if peer is not None:
@@ -227,7 +250,7 @@ class PrefillServer(RankGroup):
         self._start_waiting()
 
     def _start_waiting(self) -> None:
-        while self.waiting and self.pool.num_free:
+        while self.healthy and self.waiting and self.pool.num_free:   # broken: rejected instead
             identity, msg = self.waiting.popleft()
             peer = self.peers.get(identity)
             if peer is None:
@@ -285,7 +308,13 @@ class PrefillServer(RankGroup):
     # -- introspection (thread-safe) -----------------------------------------------------------
     def stats(self) -> dict:
         def collect():
-            return {"pages_used": self.pool.num_used, "requests_in_flight": len(self.requests),
+            return {"pages_used": self.pool.num_used, "pages_free": self.pool.num_free,
+                    "pages_total": self.num_pages,
+                    # per rank: pages it may still send from (no RankDone yet)
+                    "rank_pages_busy": [sum(r in q.ranks_pending(self)
+                                            for q in self.requests.values())
+                                        for r in range(self.tp_size)],
+                    "requests_in_flight": len(self.requests),
                     "waiting": len(self.waiting), "peers": len(self.peers),
                     "healthy": self.healthy, "rank_staging_bytes": list(self.rank_staging_bytes),
                     **self.counters.snapshot()}

@@ -21,10 +21,20 @@ Every message carries a 64-bit tag from :func:`make_tag`::
 
 The generation is unique per request attempt, so a recycled request id (or page) with a new
 generation can never match a stale message of an earlier attempt: the stale message just sits
-in UCX's unexpected queue (:meth:`Transport.discard_unexpected` drains it). The index is the run
+in UCX's unexpected queue (:meth:`Transport.discard_unexpected` drains one generation; the rank's
+heartbeat runs :meth:`Transport.reject_unannounced`, which receives every message no announced
+receive will take into scratch memory and counts it). The index is the run
 number; a staged pair's single message uses the reserved index :data:`STAGED_INDEX`, so a staged
 receive never matches a zero-copy run by mistake. Tag matching in UCX is per worker, not per
 endpoint: the destination rank is implicit (it is the receiving worker).
+
+Sizes: a message LONGER than the receive it matches fails that handle with a
+:class:`TransferError` (UCX truncates it; nothing lands in the page; counted as
+``rejected_wrong_size``). A SHORTER one is not detected: ucxx 0.52 completes the receive with
+status OK and does not expose the received length (its ``RequestTag`` length check is disabled,
+rapidsai/ucxx#104), so the tail of that run keeps its old bytes. Tags only keep apart
+attempts and runs; they are not authentication -- UCX has none, keep its interfaces on a
+trusted network.
 
 Why the low-level request API and not ucxx's asyncio API
 --------------------------------------------------------
@@ -116,7 +126,7 @@ import os
 import select
 import threading
 import time
-from typing import Any, Iterable, Mapping
+from typing import Any, Callable, Iterable, Mapping
 
 import numpy as np
 import torch
@@ -330,6 +340,10 @@ def _copy_runs(frm: np.ndarray, runs: np.ndarray, to: np.ndarray) -> None:
 
 _UCS_OK = 0
 _UCS_ERR_CANCELED = -16
+_UCS_ERR_MESSAGE_TRUNCATED = -9     # a message longer than the posted receive
+#: Most bytes of a rejected unannounced message that are received (into scratch); UCX
+#: truncates the rest.
+_REJECT_SCRATCH_BYTES = 64 * 1024
 # The peer or the network is gone: unreachable, not connected, connection reset, link and
 # endpoint failures (ucs/type/status.h).
 _PEER_STATUSES = frozenset([-6, -24, -25, *range(-89, -39)])
@@ -386,6 +400,11 @@ class TransferHandle:
             return True
         self._transport._drive(0.0, None)
         return self._update()
+
+    def finished(self) -> bool:
+        """Like :meth:`done` without progressing UCX: for a caller that checks many handles
+        after one :meth:`Transport.progress` (one progress per handle costs O(handles))."""
+        return self._state != _PENDING or self._update()
 
     def wait(self, timeout: float) -> None:
         """Block until done, at most ``timeout`` seconds.
@@ -687,8 +706,11 @@ class Transport:
         self._outstanding: dict[int, TransferHandle] = {}
         self._pool = _StagingPool(staging_pool_bytes)
         self._counters = collections.Counter()
+        self._abandoned: list[_Peer] = []     # endpoints of lost peers, closed without waiting
         self._failures = collections.Counter()
         self._progress_thread: threading.Thread | None = None
+        self._rejecting: list[tuple[Any, np.ndarray]] = []   # see reject_unannounced()
+        self._unexpected_head: tuple[int, float] | None = None
         if progress_mode == "background":
             self._progress_thread = threading.Thread(
                 target=self._progress_loop, name=f"statebridge-{name}-progress", daemon=True)
@@ -773,8 +795,11 @@ class Transport:
             handles = [h for h in self._outstanding.values() if h.peer_id == peer_id]
             self._counters["peers_failed"] += 1
         if peer is not None:
-            # Closing the endpoint cancels the requests registered on it (status CANCELED).
-            self._close_endpoint(peer)
+            # Closing the endpoint cancels the requests registered on it (status CANCELED). The
+            # peer is dead or unreachable: a blocking close would wait for a flush that never
+            # completes (seconds behind a cut link, stalling this rank's heartbeats), so the
+            # close is only started here and the endpoint kept until the transport closes.
+            self._close_endpoint(peer, blocking=False)
         for h in handles:
             h._fail(PeerLostError(f"{self.name}: peer {peer_id!r} lost ({reason}) during "
                                   f"{h._describe()}", request_id=h.request_id, peer=peer_id))
@@ -809,6 +834,8 @@ class Transport:
                     os.close(fd)
             self._wake_r = self._wake_w = -1
             self._poller = None
+            self._rejecting.clear()
+            self._abandoned.clear()
             # Destroying the worker cancels what is left and drains unexpected messages.
             self._worker = None
             self._context = None
@@ -1120,7 +1147,83 @@ class Transport:
             self._counters["stale_messages_discarded"] += count
         return count
 
+    def reject_unannounced(self, may_arrive: Callable[[int, int], bool], *, grace: float,
+                           max_messages: int = 64) -> int:
+        """Drop messages in UCX's unexpected queue that no announced receive will take.
+
+        The data plane accepts only transfers the control plane announced: a receive is posted
+        (into page memory) only for a request the rank was told about, so a message whose tag
+        matches no posted receive sits in UCX's unexpected queue. This sweep looks at the head
+        of that queue (``tag_probe`` with mask 0, any tag) and asks
+        ``may_arrive(generation, src_rank)`` whether a receive for it may still be posted:
+
+        - False (a finished or cancelled attempt, or a generation never announced and older
+          than the announced ones): rejected now;
+        - True (e.g. the rank has not yet processed the announcement that is on its way): left
+          in place, but rejected once it has been the head for ``grace`` seconds.
+
+        A rejected message is received into scratch memory, never the page buffer: its first
+        64 KiB at most, the rest truncated by UCX (a rendezvous payload is then never fetched).
+        The receive is not waited for here (a rogue sender may never progress); it completes
+        in a later progress round and is reaped by the next sweep. Counted in :meth:`stats`
+        as ``rejected_unannounced`` (messages) and ``rejected_unannounced_bytes`` (their
+        announced lengths). Only the head of the queue is visible to a probe, so one sweep
+        stops at a head it leaves in place; at most ``max_messages`` are rejected per call.
+        Cheap when the queue is empty: one probe. Call it from the thread that progresses.
+        Returns how many messages this call rejected.
+        """
+        if isinstance(grace, bool) or not isinstance(grace, (int, float)) or grace < 0:
+            raise ConfigError(f"grace must be a non-negative number of seconds, got {grace!r}")
+        rejected = 0
+        now = time.monotonic()
+        with self._lock:
+            if self._closed:
+                return 0
+            self._rejecting = [(r, b) for r, b in self._rejecting if not r.completed]
+        while rejected < max_messages:
+            with self._lock:
+                if self._closed:
+                    break
+                probe = self._worker.tag_probe(self._Tag(0), self._ucx.UCXXTagMask(0),
+                                               remove=False)
+                if not probe.matched:
+                    self._unexpected_head = None
+                    break
+                tag = int(probe.sender_tag.value)
+            generation, src_rank, _ = split_tag(tag)
+            if may_arrive(generation, src_rank):
+                head = self._unexpected_head
+                if head is None or head[0] != tag:
+                    self._unexpected_head = (tag, now)
+                    break
+                if now - head[1] < grace:
+                    break
+            with self._lock:
+                if self._closed:
+                    break
+                # The oldest message with this exact tag: the head we looked at.
+                probe = self._worker.tag_probe(self._Tag(tag), self._ucx.UCXXTagMaskFull,
+                                               remove=True)
+                if not probe.matched:        # a receive posted meanwhile took it
+                    continue
+                nbytes = int(probe.length)
+                scratch = np.empty(max(1, min(nbytes, _REJECT_SCRATCH_BYTES)), dtype=np.uint8)
+                request = self._worker.tag_recv_with_handle(self._Array(scratch), probe)
+                self._rejecting.append((request, scratch))
+                self._unexpected_head = None
+                self._counters["rejected_unannounced"] += 1
+                self._counters["rejected_unannounced_bytes"] += nbytes
+            rejected += 1
+            log.debug("%s: rejected an unannounced message of %d bytes (generation %d, "
+                      "src_rank %d)", self.name, nbytes, generation, src_rank)
+        return rejected
+
     # -- counters -------------------------------------------------------------------------------
+    @property
+    def staging_bytes(self) -> int:
+        """Bytes that went through staging buffers so far (cheap: one counter)."""
+        return int(self._counters["staging_bytes"])
+
     def stats(self) -> dict[str, Any]:
         """Counters since creation (plain data). Messages and bytes count completed transfers;
         ``staging_*`` stay 0 as long as only zero-copy runs were posted."""
@@ -1153,6 +1256,9 @@ class Transport:
                 "peers_failed": c["peers_failed"],
                 "ucx_peer_errors": c["ucx_peer_errors"],
                 "stale_messages_discarded": c["stale_messages_discarded"],
+                "rejected_unannounced": c["rejected_unannounced"],
+                "rejected_unannounced_bytes": c["rejected_unannounced_bytes"],
+                "rejected_wrong_size": c["rejected_wrong_size"],
                 "error_handling": self.error_handling,
                 "progress_mode": self.progress_mode,
             }
@@ -1251,6 +1357,13 @@ class Transport:
             return PeerLostError(f"{self.name}: peer {peer_id!r} lost ({lost or detail}) during "
                                  f"{handle._describe()}", request_id=handle.request_id,
                                  peer=peer_id)
+        if status == _UCS_ERR_MESSAGE_TRUNCATED:
+            with self._lock:
+                self._counters["rejected_wrong_size"] += 1
+            return TransferError(f"{self.name}: {handle._describe()}: message {handle._checked} "
+                                 f"of {handle.messages} is longer than its posted receive "
+                                 f"({handle.nbytes} bytes posted in all; {detail})",
+                                 request_id=handle.request_id, peer=peer_id)
         if status == _UCS_ERR_CANCELED:
             return AbortedError(f"{self.name}: {handle._describe()} was cancelled ({detail})",
                                 request_id=handle.request_id, peer=peer_id)
@@ -1279,11 +1392,18 @@ class Transport:
                     detail = f"{type(e).__name__}: {e}"
             self.fail_peer(peer_id, f"UCX endpoint error: {detail}")
 
-    def _close_endpoint(self, peer: _Peer) -> None:
+    def _close_endpoint(self, peer: _Peer, *, blocking: bool = True) -> None:
+        if peer.closing:
+            return
         peer.closing = True
         try:
             if self.error_handling:
                 peer.endpoint.remove_close_callback()
+            if not blocking:
+                with self._lock:
+                    self._abandoned.append(peer)
+                peer.endpoint.close()
+                return
             # period/attempts bound the close only in thread mode (ucxx's progress thread).
             peer.endpoint.close_blocking(period=1_000_000_000, max_attempts=3)
         except Exception as e:  # noqa: BLE001 -- closing a dead peer's endpoint may complain
