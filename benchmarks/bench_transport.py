@@ -16,8 +16,9 @@ median of ``--rounds`` after one warm-up round. Variants:
   buffers either, so this is the like-for-like row against the line rate. Every other variant
   fills the buffers first, as real pages are.
 
-The line rate is ``ucx_perftest -t tag_bw`` between two processes at the same sizes with
-``UCX_TLS=sm``, ``UCX_TLS=tcp`` and ``UCX_TLS=tcp -e`` (error handling), with ucxx's settings
+The line rate (helpers in ``statebridge/bench/_perftest.py``) is ``ucx_perftest -t tag_bw``
+between two processes at the same sizes with ``UCX_TLS=sm``, ``UCX_TLS=tcp`` and
+``UCX_TLS=tcp -e`` (error handling), with ucxx's settings
 (``UCX_RNDV_THRESH=8192``, ``UCX_MAX_RNDV_RAILS=1``), buffers from transparent huge pages like
 :func:`alloc_buffer`'s, the better of ``-E poll`` and ``-E sleep``. Error handling makes UCX
 drop shared memory, so EH-on cells are compared with ``tcp -e`` and EH-off cells with ``sm``.
@@ -39,8 +40,6 @@ import json
 import multiprocessing as mp
 import os
 import platform
-import re
-import socket
 import statistics
 import subprocess
 import sys
@@ -49,14 +48,14 @@ from pathlib import Path
 
 import numpy as np
 
+from statebridge.bench._perftest import PERFTEST_ENV, UCXX_ENV, perftest
+
 KIB, MIB = 1024, 1024 * 1024
 SIZES = (8 * KIB, 64 * KIB, 1 * MIB, 16 * MIB, 64 * MIB)
 MODES = ("blocking", "polling", "background", "thread")
 VARIANTS = ("zero-copy", "seq", "multi", "staged", "no-thp", "untouched")
 BUFFER_CAP = 128 * MIB          # page buffer per process; runs wrap around inside it
 STAGED_CAP = 64 * MIB           # largest staged message
-UCXX_ENV = {"UCX_RNDV_THRESH": "8192", "UCX_MAX_RNDV_RAILS": "1",
-            "UCX_WARN_UNUSED_ENV_VARS": "n"}
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -278,66 +277,7 @@ def cells(a: argparse.Namespace) -> list[dict]:
 
 
 # -- ucx_perftest ---------------------------------------------------------------------------------
-
-def _libucx() -> Path:
-    import libucx
-
-    return Path(libucx.__file__).parent
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-# perftest allocates its buffers through UCX; by default from SysV segments without
-# transparent huge pages. Put THP first so it moves bytes out of the same kind of memory as
-# alloc_buffer() (measured here at 16 MiB: 2.8 GB/s default vs 4.4 GB/s THP, polling).
-PERFTEST_ENV = {"UCX_ALLOC_PRIO": "thp,md:sysv,md:posix,huge,mmap,heap"}
-
-
-def perftest(size: int, tls: str, error_handling: bool, iters: int, timeout: float,
-             wait_mode: str = "poll") -> dict:
-    """``ucx_perftest -t tag_bw`` between a server and a client process on 127.0.0.1.
-
-    ``wait_mode``: ``poll`` (both spin) or ``sleep`` (both sleep on the worker's event fd
-    between completions, like ``progress_mode="blocking"``; on 2 cores two spinning processes
-    take each other's CPU).
-    """
-    root = _libucx()
-    exe = str(root / "bin" / "ucx_perftest")
-    env = dict(os.environ, LD_LIBRARY_PATH=str(root / "lib"), UCX_TLS=tls, **UCXX_ENV,
-               **PERFTEST_ENV)
-    port = _free_port()
-    warmup = max(2, iters // 10)
-    server = subprocess.Popen([exe, "-p", str(port)], env=env, stdout=subprocess.DEVNULL,
-                              stderr=subprocess.DEVNULL)
-    try:
-        cmd = [exe, "127.0.0.1", "-p", str(port), "-t", "tag_bw", "-s", str(size),
-               "-n", str(iters), "-w", str(warmup), "-E", wait_mode, "-f"] \
-            + (["-e"] if error_handling else [])
-        out = ""
-        for _ in range(50):                           # until the server listens
-            proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
-            out = proc.stdout + proc.stderr
-            if "connect() failed" not in out:
-                break
-            time.sleep(0.1)
-        # -f prints one line: iterations, latency p50/avg/overall (us), bandwidth avg/overall
-        # (MiB/s), message rate avg/overall.
-        m = re.search(r"^\s*(\d+)\s+([\d.]+)\s+([\d.]+)\s+([\d.]+)\s+([\d.]+)\s+([\d.]+)"
-                      r"\s+\d+\s+\d+\s*$", out, re.MULTILINE)
-        if m is None:
-            raise RuntimeError(f"ucx_perftest gave no result:\n{out[-2000:]}")
-        mib_s = float(m.group(6))                    # overall bandwidth, "MB/s" = MiB/s
-        return {"tls": tls, "error_handling": error_handling, "wait_mode": wait_mode,
-                "size": size, "iters": iters, "gbps": mib_s * MIB / 1e9,
-                "overhead_us": float(m.group(4)), "overhead_p50_us": float(m.group(2))}
-    finally:
-        server.kill()
-        server.wait(5)
-
+# The helpers live in the package (statebridge bench needs them from an installed statebridge).
 
 def line_rates(a: argparse.Namespace) -> list[dict]:
     """Every (transport, size) in both wait modes; the line rate is the better of the two."""

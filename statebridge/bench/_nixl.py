@@ -1,28 +1,60 @@
 """NIXL (UCX backend) reading the benchmark's runs, in separate source and destination processes.
 
-Each worker process owns one page buffer (``torch.zeros``, like
-:class:`~statebridge.state.cache.StateCache`) registered with its own NIXL agent. Destination
-workers READ: per request, for every source rank they receive from, one transfer whose
-descriptors are exactly the plan's runs of that (source, destination) pair, one descriptor per
-run -- prepared once per page (``prep_xfer_dlist``) and posted by index per request
-(``make_prepped_xfer``), the way vLLM's NixlConnector does. Sources run NIXL's progress thread
-(UCX wire-up needs the target to progress); destinations poll without one.
+Each worker process owns one page buffer from
+:func:`~statebridge.connector.transport.alloc_buffer` (transparent huge pages, like statebridge's
+page buffers), written before use so its pages are real, registered with its own NIXL agent.
+Destination workers READ: per request, for every source rank they receive from, one transfer
+whose descriptors are exactly the plan's runs of that (source, destination) pair, one
+descriptor per run. The descriptor lists of every page are
+prepared once per cell (``prep_xfer_dlist``) and each request's transfer is made from them by
+index (``make_prepped_xfer``), the way vLLM's NixlConnector does; ``reuse_handles`` instead makes
+one transfer per (slot, source) once and re-posts it.
+
+Fairness to NIXL on this machine (2 cores shared by every process of the benchmark): what
+:class:`NixlOptions` defaults to, and why. Measured with ``benchmarks/bench_nixl.py``
+(mamba2-2.7b 2x4 DLS, whole cell, quiet machine): the first cut's settings gave 3.5 GB/s, these
+8.7 GB/s; under load 12 from other jobs 0.75 vs 3.7 GB/s -- the first cut's 0.4-0.76 GB/s.
+
+- Page buffers from transparent huge pages (``alloc_buffer``), written before use: a READ here
+  is cma (``process_vm_readv``) done by the destination's CPU, and out of 4 KiB pages it costs
+  ~0.34 instead of ~0.20 CPU-seconds per GB.
+- No NIXL progress thread on the sources: the Python API fixes its delay at 0, so each source
+  agent's thread spins 0.85 of a core, idle or not. A READ over cma is one-sided; sources
+  progress their worker from their command loop (wire-up replies) and otherwise sleep. (The
+  first cut also kept each closed agent alive until the next cell, its thread spinning through
+  the next cells' statebridge and line-rate measurements; ``close`` now destroys it.)
+- One untimed READ per slot before the timed round: the first READ to a peer wires the
+  endpoint up (40-200 ms here with error handling on).
+- UCX endpoint error handling off (``ucx_error_handling_mode=none``), as statebridge's ``sm``
+  transport. The READs go by cma either way (``UCX_PROTO_INFO=y``: ``remote memory read by
+  ucp_get*`` -> ``cma/memory``); NIXL's default ``peer`` moves UCX's active messages (wire-up)
+  from shared memory to tcp/lo.
+- Destinations poll ``check_xfer_state`` and yield the CPU between polls that completed
+  nothing, so several destination processes on 2 cores do not starve each other.
 
 Lifecycle: :class:`NixlPool` (processes) -> :meth:`NixlPool.run_cell` (register -> exchange
-metadata -> read -> release) -> :meth:`NixlPool.close`.
+metadata -> prepare -> warm-up -> timed READs -> optional byte check -> release) ->
+:meth:`NixlPool.close`.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import multiprocessing
+import os
 import time
+from dataclasses import dataclass
 from typing import Sequence
 
 import numpy as np
 
-__all__ = ["NixlPool", "nixl_available"]
+from statebridge.errors import ConfigError
+
+__all__ = ["NixlOptions", "NixlPool", "nixl_available", "pattern_block"]
 
 _MODULES = ("nixl_cu12", "nixl")
+_WAITS = ("spin", "yield")
+PATTERN_PERIOD = 4093            # prime: a run read from the wrong offset shows up as a mismatch
 
 
 def _import_api():
@@ -45,40 +77,105 @@ def nixl_available() -> str | None:
     return None
 
 
+@dataclass(frozen=True, slots=True, kw_only=True)
+class NixlOptions:
+    """How the NIXL workers set up and run. The defaults are the fair setting (module docstring).
+
+    - ``error_handling``: UCX endpoint error handling (NIXL's ``ucx_error_handling_mode``
+      ``peer``; off is ``none``). On, UCX's active messages (wire-up) take tcp/lo; the READs
+      stay on cma.
+    - ``huge_pages``: page buffers from transparent huge pages (``alloc_buffer``).
+    - ``touch``: write the page buffers before the cell (else the source pages are the kernel's
+      zero page and the destination's are faulted in during the timed round).
+    - ``progress_thread``: NIXL's progress thread on the source agents (spins a core each).
+    - ``wait``: how a destination waits for its READs: ``spin`` or ``yield`` the CPU.
+    - ``reuse_handles``: one transfer handle per (slot, source), re-posted per request, instead
+      of one ``make_prepped_xfer`` per request.
+    - ``warmup``: one untimed request per slot before the timed round (wire-up, page faults).
+    """
+
+    error_handling: bool = False
+    huge_pages: bool = True
+    touch: bool = True
+    progress_thread: bool = False
+    wait: str = "yield"
+    reuse_handles: bool = False
+    warmup: bool = True
+
+    def __post_init__(self) -> None:
+        if self.wait not in _WAITS:
+            raise ConfigError(f"NixlOptions.wait must be one of {_WAITS}, got {self.wait!r}")
+
+    @classmethod
+    def first_cut(cls) -> "NixlOptions":
+        """The settings of the first benchmark run (hetero-tp-2026-12-02): NIXL's defaults
+        (error handling on, progress thread), 4 KiB pages, spinning destinations, no warm-up."""
+        return cls(error_handling=True, huge_pages=False, progress_thread=True, wait="spin",
+                   warmup=False)
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+def pattern_block(seed: int) -> np.ndarray:
+    """``PATTERN_PERIOD`` bytes; source ``seed``'s buffer byte ``i`` is ``block[i % period]``."""
+    return np.random.default_rng(seed + 1).integers(0, 256, PATTERN_PERIOD, dtype=np.uint8)
+
+
+def _fill_pattern(view: np.ndarray, seed: int) -> None:
+    block = pattern_block(seed)
+    chunk = np.resize(block, PATTERN_PERIOD * max(1, (16 << 20) // PATTERN_PERIOD))
+    for start in range(0, len(view), len(chunk)):       # chunk is a whole number of periods
+        n = min(len(chunk), len(view) - start)
+        view[start:start + n] = chunk[:n]
+
+
+# -- the worker processes -------------------------------------------------------------------------
+
 def _worker_main(conn, role: str, index: int) -> None:
     import logging
-    import torch
 
     logging.getLogger("NIXL").setLevel(logging.WARNING)
     nixl_agent, nixl_agent_config = _import_api()
     state: dict = {}
 
     def close() -> None:
-        agent = state.pop("agent", None)
-        for h in state.pop("dlists", []):
-            agent.release_dlist_handle(h)
-        if agent is not None and "reg" in state:
-            agent.deregister_memory(state.pop("reg"))
+        # Drops the last reference to the agent, so NIXL destroys it now (and with it any
+        # progress thread) -- not at the next "open", which would leave a thread spinning
+        # through the statebridge half of the next benchmark cell.
+        agent = state.get("agent")
+        if agent is not None:
+            for h in state.pop("dlists", []):
+                agent.release_dlist_handle(h)
+            if "reg" in state:
+                agent.deregister_memory(state.pop("reg"))
+        del agent
         state.clear()
+
+    def wait_for_command():
+        # Without a progress thread a source progresses its UCX worker itself between commands
+        # (wire-up replies), sleeping on the pipe in between: ~1 ms of latency, no spinning.
+        agent = state.get("agent")
+        if role == "src" and agent is not None and not state["options"].progress_thread:
+            while not conn.poll(0.001):
+                agent.get_new_notifs()
+        return conn.recv()
 
     while True:
         try:
-            cmd, kw = conn.recv()
+            cmd, kw = wait_for_command()
         except EOFError:
+            close()
             return
         try:
             if cmd == "exit":
                 close()
                 conn.send(("ok", None))
-                return
+                conn.close()
+                os._exit(0)             # the agent is gone; skip torch/UCX interpreter teardown
             if cmd == "open":
                 close()
-                cfg = nixl_agent_config(enable_prog_thread=(role == "src"), backends=["UCX"])
-                agent = nixl_agent(kw["name"], cfg)
-                buf = torch.zeros(kw["nbytes"], dtype=torch.uint8)
-                buf.numpy()[:] = 1 if role == "src" else 0      # real pages, like a filled cache
-                state.update(agent=agent, buf=buf, reg=agent.register_memory(buf), dlists=[])
-                conn.send(("ok", (agent.get_agent_metadata(), buf.data_ptr())))
+                conn.send(("ok", _open(state, role, nixl_agent, nixl_agent_config, **kw)))
             elif cmd == "peers":
                 names = [state["agent"].add_remote_agent(md) for md in kw["metadata"]]
                 for name in names:
@@ -86,6 +183,8 @@ def _worker_main(conn, role: str, index: int) -> None:
                 conn.send(("ok", names))
             elif cmd == "read":
                 conn.send(("ok", _read(state, **kw)))
+            elif cmd == "verify":
+                conn.send(("ok", _verify(state, **kw)))
             elif cmd == "close":
                 close()
                 conn.send(("ok", None))
@@ -95,13 +194,35 @@ def _worker_main(conn, role: str, index: int) -> None:
             conn.send(("error", f"{type(e).__name__}: {e}"))
 
 
+def _open(state: dict, role: str, nixl_agent, nixl_agent_config, *, name: str, nbytes: int,
+          options: dict, seed: int) -> tuple[bytes, int, dict]:
+    """A fresh agent and page buffer in ``state``: (agent metadata, buffer address, UCX env)."""
+    from statebridge.connector.transport import alloc_buffer
+
+    opts = NixlOptions(**options)
+    cfg = nixl_agent_config(enable_prog_thread=role == "src" and opts.progress_thread,
+                            backends=[])
+    state.update(agent=nixl_agent(name, cfg), options=opts, dlists=[])
+    state["agent"].create_backend("UCX", {"ucx_error_handling_mode":
+                                          "peer" if opts.error_handling else "none"})
+    buf = alloc_buffer(nbytes, huge_pages=opts.huge_pages)
+    if role == "src" and opts.touch:
+        _fill_pattern(buf.numpy(), seed)
+    elif role == "dst":
+        buf.numpy()[:] = 0          # always faulted in: the READs land in real pages
+    state.update(buf=buf, reg=state["agent"].register_memory(buf))
+    env = {k: v for k, v in os.environ.items() if k.startswith("UCX_")}
+    return state["agent"].get_agent_metadata(), buf.data_ptr(), env
+
+
 def _read(state: dict, *, sources: Sequence[tuple[str, int, np.ndarray]], src_page: int,
           dst_page: int, pages: int, requests: int, concurrency: int, start_at: float,
           timeout: float) -> dict:
-    """``requests`` READs, ``concurrency`` in flight; request i uses page ``i % pages``."""
-    agent, buf = state["agent"], state["buf"]
+    """``requests`` READs, ``concurrency`` in flight; slot ``s`` (one request in flight) always
+    uses page ``s``, so the pages read are the first ``min(concurrency, pages, requests)``."""
+    agent, buf, opts = state["agent"], state["buf"], state["options"]
     dst_ptr = buf.data_ptr()
-    prepped = []                                          # (remote name, local h, remote h, R)
+    prepped = []                              # (remote name, local h, remote h, [idx per page])
     for name, src_ptr, runs in sources:
         r = len(runs)
         page_idx = np.repeat(np.arange(pages, dtype=np.int64), r)
@@ -112,48 +233,109 @@ def _read(state: dict, *, sources: Sequence[tuple[str, int, np.ndarray]], src_pa
         rh = agent.prep_xfer_dlist(name, remote, "DRAM")
         lh = agent.prep_xfer_dlist("NIXL_INIT_AGENT", local, "DRAM")
         state["dlists"] += [rh, lh]
-        prepped.append((name, lh, rh, r))
+        idx = [np.arange(p * r, (p + 1) * r, dtype=np.int32) for p in range(pages)]
+        prepped.append((name, lh, rh, idx))
     slots = min(concurrency, pages, requests)
-    nxt = 0
-    active: dict[int, tuple[int, float, list]] = {}      # slot -> (request, started, handles)
-    latencies = []
+    reusable: dict[int, list] = {}            # slot -> its handles (reuse_handles)
 
-    def post(slot: int) -> None:
-        nonlocal nxt
-        handles = []
-        for name, lh, rh, r in prepped:
-            idx = list(range(slot * r, (slot + 1) * r))
-            h = agent.make_prepped_xfer("READ", lh, idx, rh, idx)
-            if agent.transfer(h) == "ERR":
-                raise RuntimeError(f"NIXL READ from {name} failed to post")
-            handles.append(h)
-        active[slot] = (nxt, time.perf_counter(), handles)
-        nxt += 1
+    def handles_for(slot: int) -> list:
+        if opts.reuse_handles and slot in reusable:
+            return reusable[slot]
+        hs = [agent.make_prepped_xfer("READ", lh, idx[slot], rh, idx[slot])
+              for _, lh, rh, idx in prepped]
+        if opts.reuse_handles:
+            reusable[slot] = hs
+        return hs
 
-    while time.perf_counter() < start_at:
-        pass
-    t0 = time.perf_counter()
-    for slot in range(slots):
-        post(slot)
-    while active:
-        for slot, (req, started, handles) in list(active.items()):
-            states = [agent.check_xfer_state(h) for h in handles]
-            if "ERR" in states:
-                raise RuntimeError(f"NIXL READ of request {req} failed")
-            if all(s == "DONE" for s in states):
-                latencies.append(time.perf_counter() - started)
-                for h in handles:
-                    agent.release_xfer_handle(h)
-                del active[slot]
-                if nxt < requests:
-                    post(slot)
-        if time.perf_counter() - t0 > timeout:
-            raise RuntimeError(f"NIXL READs not done after {timeout} s")
-    t1 = time.perf_counter()
-    for h in state["dlists"]:
-        agent.release_dlist_handle(h)
-    state["dlists"] = []
-    return {"start": t0, "end": t1, "latencies": latencies}
+    def release(handles: list) -> None:
+        if not opts.reuse_handles:
+            for h in handles:
+                agent.release_xfer_handle(h)
+
+    def round_(count: int, deadline: float) -> list[float]:
+        nxt = 0
+        active: dict[int, tuple[int, float, list]] = {}  # slot -> (request, started, handles)
+        latencies = [0.0] * count
+
+        def post(slot: int) -> None:
+            nonlocal nxt
+            handles = handles_for(slot)
+            started = time.perf_counter()
+            for (name, *_), h in zip(prepped, handles):
+                if agent.transfer(h) == "ERR":
+                    raise RuntimeError(f"NIXL READ from {name} failed to post")
+            active[slot] = (nxt, started, handles)
+            nxt += 1
+
+        for slot in range(min(slots, count)):
+            post(slot)
+        while active:
+            progressed = False
+            for slot, (req, started, handles) in list(active.items()):
+                states = [agent.check_xfer_state(h) for h in handles]
+                if "ERR" in states:
+                    raise RuntimeError(f"NIXL READ of request {req} failed")
+                if all(s == "DONE" for s in states):
+                    latencies[req] = time.perf_counter() - started
+                    release(handles)
+                    del active[slot]
+                    progressed = True
+                    if nxt < count:
+                        post(slot)
+            if not progressed:
+                if time.perf_counter() > deadline:
+                    raise RuntimeError(f"NIXL READs not done after {timeout} s "
+                                       f"({len(active)} in flight)")
+                if opts.wait == "yield":
+                    os.sched_yield()
+        return latencies
+
+    try:
+        if opts.warmup:
+            round_(slots, time.perf_counter() + timeout)
+        while time.perf_counter() < start_at:
+            time.sleep(min(0.001, max(0.0, start_at - time.perf_counter())))
+        t0, c0 = time.perf_counter(), time.process_time()
+        latencies = round_(requests, t0 + timeout)
+        t1, c1 = time.perf_counter(), time.process_time()
+    finally:
+        for hs in reusable.values():
+            for h in hs:
+                agent.release_xfer_handle(h)
+        for h in state["dlists"]:
+            agent.release_dlist_handle(h)
+        state["dlists"] = []
+    return {"start": t0, "end": t1, "latencies": latencies, "cpu_seconds": c1 - c0}
+
+
+def _verify(state: dict, *, sources: Sequence[tuple[int, np.ndarray]], src_page: int,
+            dst_page: int, pages: int) -> dict:
+    """Compare every run of every page read with the source's pattern: bytes checked, and the
+    first mismatching runs."""
+    view = state["buf"].numpy()
+    checked, bad = 0, []
+    for seed, runs in sources:
+        block = pattern_block(seed)
+        for p in range(pages):
+            for src_off, dst_off, length in runs:
+                start = p * src_page + int(src_off)
+                expect = block[(start + np.arange(length, dtype=np.int64)) % PATTERN_PERIOD]
+                got = view[p * dst_page + int(dst_off):p * dst_page + int(dst_off) + int(length)]
+                checked += int(length)
+                if not np.array_equal(got, expect) and len(bad) < 8:
+                    bad.append({"source": seed, "page": p, "run": [int(src_off), int(dst_off),
+                                                                   int(length)]})
+    return {"bytes": checked, "bad_runs": bad}
+
+
+def _cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds of process ``pid`` (all threads), from /proc."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+    except OSError:
+        return float("nan")
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 class _Worker:
@@ -162,6 +344,7 @@ class _Worker:
         self.proc = ctx.Process(target=_worker_main, args=(child, role, index), daemon=True,
                                 name=f"statebridge-nixl-{role}{index}")
         self.proc.start()
+        child.close()
 
     def send(self, cmd: str, **kw) -> None:
         self.conn.send((cmd, kw))
@@ -182,40 +365,85 @@ class _Worker:
 class NixlPool:
     """``num_src`` source and ``num_dst`` destination worker processes, reused across cells."""
 
-    def __init__(self, num_src: int, num_dst: int) -> None:
+    def __init__(self, num_src: int, num_dst: int, options: NixlOptions | None = None) -> None:
+        self.options = NixlOptions() if options is None else options
         ctx = multiprocessing.get_context("spawn")
-        self.src = [_Worker(ctx, "src", i) for i in range(num_src)]
-        self.dst = [_Worker(ctx, "dst", i) for i in range(num_dst)]
+        self.src: list[_Worker] = []
+        self.dst: list[_Worker] = []
+        try:
+            self.src = [_Worker(ctx, "src", i) for i in range(num_src)]
+            self.dst = [_Worker(ctx, "dst", i) for i in range(num_dst)]
+        except BaseException:
+            self.close()
+            raise
         self._serial = 0
 
     def run_cell(self, plan, *, pages: int, requests: int, concurrency: int,
-                 timeout: float = 300.0) -> dict:
-        """NIXL READ of every pair's runs of ``plan`` (a TransferPlan); GB/s, latencies."""
+                 timeout: float = 300.0, verify: bool = False,
+                 options: NixlOptions | None = None) -> dict:
+        """NIXL READ of every pair's runs of ``plan`` (a TransferPlan): GB/s, latencies, and
+        with ``verify`` the bytes compared with the sources' pattern (``verified_bytes``;
+        a mismatch raises). ``options`` overrides the pool's for this cell."""
         src_tp, dst_tp = plan.src.tp_size, plan.dst.tp_size
+        if src_tp > len(self.src) or dst_tp > len(self.dst):
+            raise ConfigError(f"plan {src_tp}x{dst_tp} needs more NIXL workers than the pool's "
+                              f"{len(self.src)}x{len(self.dst)}")
+        for name, value in (("pages", pages), ("requests", requests),
+                            ("concurrency", concurrency)):
+            if value < 1:
+                raise ConfigError(f"{name} must be >= 1, got {value}")
+        opts = self.options if options is None else options
+        if verify and not opts.touch:
+            raise ConfigError("verify needs the sources' pattern: options.touch is False")
         self._serial += 1
-        tag = f"c{self._serial}"
+        tag = f"c{self._serial}-{os.getpid()}"
         src_size, dst_size = plan.src.page_size, plan.dst.page_size
-        for i in range(src_tp):
-            self.src[i].send("open", name=f"{tag}-src{i}", nbytes=pages * src_size)
-        for i in range(dst_tp):
-            self.dst[i].send("open", name=f"{tag}-dst{i}", nbytes=pages * dst_size)
-        src_info = [self.src[i].recv(120) for i in range(src_tp)]
-        for i in range(dst_tp):
-            self.dst[i].recv(120)
+        options = opts.to_dict()
+        opened = []
         try:
+            for i in range(src_tp):
+                self.src[i].send("open", name=f"{tag}-src{i}", nbytes=pages * src_size,
+                                 options=options, seed=i)
+                opened.append(self.src[i])
+            for i in range(dst_tp):
+                self.dst[i].send("open", name=f"{tag}-dst{i}", nbytes=pages * dst_size,
+                                 options=options, seed=0)
+                opened.append(self.dst[i])
+            src_info = [self.src[i].recv(120) for i in range(src_tp)]
+            dst_env = [self.dst[i].recv(120)[2] for i in range(dst_tp)]
             for d in range(dst_tp):
                 pairs = plan.for_destination(d)
                 self.dst[d].call("peers", metadata=[src_info[p.src_rank][0] for p in pairs])
-            start_at = time.perf_counter() + 0.3
+            # Warm-up rounds run before start_at; leave them time (a cma copy runs at >1 GB/s).
+            warm = 0.3 + (2.0 * min(concurrency, pages, requests) * plan.bytes_per_request / 1e9
+                          if opts.warmup else 0.0)
+            start_at = time.perf_counter() + warm
+            src_cpu0 = [_cpu_seconds(self.src[i].proc.pid) for i in range(src_tp)]
             for d in range(dst_tp):
                 sources = [(f"{tag}-src{p.src_rank}", src_info[p.src_rank][1], p.runs)
                            for p in plan.for_destination(d)]
                 self.dst[d].send("read", sources=sources, src_page=src_size, dst_page=dst_size,
                                  pages=pages, requests=requests, concurrency=concurrency,
                                  start_at=start_at, timeout=timeout)
-            results = [self.dst[d].recv(timeout + 60) for d in range(dst_tp)]
+            results = [self.dst[d].recv(timeout + warm + 60) for d in range(dst_tp)]
+            src_cpu = sum(_cpu_seconds(self.src[i].proc.pid) - src_cpu0[i]
+                          for i in range(src_tp))
+            busy = time.perf_counter() - start_at + warm
+            verified = None
+            if verify:
+                used = min(concurrency, pages, requests)
+                for d in range(dst_tp):
+                    self.dst[d].send("verify", sources=[(p.src_rank, p.runs)
+                                                        for p in plan.for_destination(d)],
+                                     src_page=src_size, dst_page=dst_size, pages=used)
+                checks = [self.dst[d].recv(timeout + 60) for d in range(dst_tp)]
+                bad = [(d, c["bad_runs"]) for d, c in enumerate(checks) if c["bad_runs"]]
+                if bad:
+                    raise AssertionError(f"NIXL READ moved wrong bytes (destination rank, "
+                                         f"first runs): {bad}")
+                verified = sum(c["bytes"] for c in checks)
         finally:
-            for w in self.src[:src_tp] + self.dst[:dst_tp]:
+            for w in opened:
                 try:
                     w.call("close", timeout=60)
                 except RuntimeError:
@@ -223,15 +451,19 @@ class NixlPool:
         wall = max(r["end"] for r in results) - min(r["start"] for r in results)
         # A request is done when every destination rank holds it; ranks run in lock step per
         # slot, so per-request latency is the slowest rank's latency of that request.
-        lat = np.max(np.array([r["latencies"][:requests] for r in results]), axis=0) \
-            if all(len(r["latencies"]) >= requests for r in results) else \
-            np.concatenate([r["latencies"] for r in results])
+        lat = np.max(np.array([r["latencies"] for r in results]), axis=0)
         nbytes = requests * plan.bytes_per_request
         return {"gbps": nbytes / wall / 1e9, "seconds": wall,
                 "requests_per_s": requests / wall,
                 "latency_p50_ms": float(np.percentile(lat, 50) * 1e3),
                 "latency_p99_ms": float(np.percentile(lat, 99) * 1e3),
-                "descriptors_per_request": sum(len(p.runs) for p in plan)}
+                "descriptors_per_request": sum(len(p.runs) for p in plan),
+                # CPU the workers burnt: destinations over the timed round; sources over the
+                # whole read command (warm-up included) as a share of one core.
+                "dst_cpu_seconds": sum(r["cpu_seconds"] for r in results),
+                "src_cpu_cores": src_cpu / busy if busy > 0 else None,
+                "verified_bytes": verified, "options": options,
+                "ucx_env": dst_env[0] if dst_env else {}}
 
     def close(self) -> None:
         for w in self.src + self.dst:
@@ -244,6 +476,7 @@ class NixlPool:
             if w.proc.is_alive():
                 w.proc.kill()
                 w.proc.join(2)
+            w.conn.close()
         self.src, self.dst = [], []
 
     def __enter__(self):

@@ -10,7 +10,7 @@ For every (preset, prefill TP x decode TP, layout) cell, in one run on this mach
   The prefill "model" (:class:`~statebridge.bench._model.PageOnceModel`) fills each page once,
   so the transfer, not the stand-in model, is measured.
 - line rate: ``ucx_perftest -t tag_bw`` over the same UCX transport at the plan's mean message
-  size (helpers of ``benchmarks/bench_transport.py``).
+  size (:mod:`statebridge.bench._perftest`).
 - NIXL (UCX backend): READ of exactly the cell's runs between page buffers of separate
   processes, one descriptor per run; and vLLM's way: the same state laid out ``LDS`` (one
   descriptor per layer per piece). See :mod:`statebridge.bench._nixl`.
@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures
-import importlib.util
 import json
 import logging
 import os
@@ -36,6 +35,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from statebridge.config import ConnectorConfig
+from statebridge.bench._nixl import _cpu_seconds
 from statebridge.errors import CacheFullError, ConfigError
 from statebridge.state.layout import Layout
 from statebridge.state.plan import TransferPlan
@@ -152,24 +152,13 @@ class _Progress:
 
 # -- line rate ---------------------------------------------------------------------------------
 
-def _bench_transport():
-    """``benchmarks/bench_transport.py`` (not a package): its ucx_perftest helpers."""
-    path = Path(__file__).resolve().parents[2] / "benchmarks" / "bench_transport.py"
-    spec = importlib.util.spec_from_file_location("_statebridge_bench_transport", path)
-    if spec is None or not path.exists():
-        raise ImportError(f"{path} not found")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 class _LineRate:
     def __init__(self, transport: str) -> None:
         _, self.tls, self.error_handling = TRANSPORTS[transport]
         self.cache: dict[int, tuple[float | None, str]] = {}
         try:
-            self.perftest = _bench_transport().perftest
-            self.error = ""
+            from statebridge.bench._perftest import perftest
+            self.perftest, self.error = perftest, ""
         except Exception as e:  # noqa: BLE001 -- recorded per cell
             self.perftest, self.error = None, f"ucx_perftest helpers unavailable: {e}"
 
@@ -196,29 +185,36 @@ class _LineRate:
 
 def _run_requests(decode, count: int, concurrency: int, prefix: str,
                   timeout: float) -> list:
-    """``count`` requests, ``concurrency`` in flight; each result released at once."""
+    """``count`` requests, ``concurrency`` in flight; results are released as they complete.
+    Submits and releases go to the coordinator in batches (one thread handoff per batch)."""
     results = []
     inflight: set[concurrent.futures.Future] = set()
     submitted = 0
     deadline = time.monotonic() + timeout
     while submitted < count or inflight:
-        while submitted < count and len(inflight) < concurrency:
+        room = min(count - submitted, concurrency - len(inflight))
+        if room > 0:
+            items = [(f"{prefix}{i}-{uuid.uuid4().hex[:6]}", (i % 1000,))
+                     for i in range(submitted, submitted + room)]
             try:
-                inflight.add(decode.submit(f"{prefix}{submitted}-{uuid.uuid4().hex[:6]}",
-                                           (submitted % 1000,)))
-                submitted += 1
+                started = decode.submit_many(items)
             except CacheFullError:
-                break
+                started = []
+            inflight.update(started)
+            submitted += len(started)
         done, inflight = concurrent.futures.wait(
             inflight, timeout=max(0.0, deadline - time.monotonic()),
             return_when=concurrent.futures.FIRST_COMPLETED)
         if not done and time.monotonic() > deadline:
             raise TimeoutError(f"{len(inflight)} requests not done after {timeout} s")
-        for f in done:
-            result = f.result()
-            results.append(result)
-            decode.release(result)
+        batch = [f.result() for f in done]
+        results.extend(batch)
+        decode.release_many(batch)
     return results
+
+
+def _cpu_snapshot(groups: dict[str, list[int]]) -> dict[str, float]:
+    return {name: sum(_cpu_seconds(pid) for pid in pids) for name, pids in groups.items()}
 
 
 def _expected_checksums(geometry, request_id: str) -> tuple[str, ...]:
@@ -267,13 +263,19 @@ def _statebridge_cell(spec: StateSpec, src_tp: int, dst_tp: int, layout: str,
             warm = _run_requests(decode, c + 2 + c, c, "warm-", a.timeout)   # fill every page
             dst_staging0 = np.max([r.rank_staging_bytes for r in warm], axis=0)
             src_staging0 = np.array(server.stats()["rank_staging_bytes"])
+            # CPU seconds per process group over the timed round: where the work goes, and a
+            # figure that (unlike wall time) other load on a shared machine barely moves.
+            groups = {"bench_process": [os.getpid()],
+                      "prefill_ranks": prefill_hosts.pids[:src_tp],
+                      "decode_ranks": decode_hosts.pids[:dst_tp]}
+            cpu0 = _cpu_snapshot(groups)
             started = time.perf_counter()
             results = _run_requests(decode, a.requests, c, "req-", a.timeout)
             wall = time.perf_counter() - started
+            cpu1 = _cpu_snapshot(groups)
             dst_staging = np.max([r.rank_staging_bytes for r in results], axis=0) - dst_staging0
             time.sleep(0.05)                      # the last RankDone of the prefill side
             src_staging = np.array(server.stats()["rank_staging_bytes"]) - src_staging0
-            prefill_stats = server.stats()
     lat = np.array([r.seconds for r in results])
     rank_lat = np.array([max(r.rank_seconds) for r in results])
     messages = sorted({r.messages for r in results})
@@ -295,8 +297,9 @@ def _statebridge_cell(spec: StateSpec, src_tp: int, dst_tp: int, layout: str,
         # submit -> done (adds the control plane, prefill queueing and the stand-in model).
         "rank_transfer_p50_ms": float(np.percentile(rank_lat, 50) * 1e3),
         "rank_transfer_p99_ms": float(np.percentile(rank_lat, 99) * 1e3),
-        "prefill_compute_seconds": float(prefill_stats.get("compute_seconds", 0.0) or 0.0),
+        "cpu_us_per_request": {k: (cpu1[k] - cpu0[k]) / len(results) * 1e6 for k in groups},
     })
+    out["cpu_us_per_request"]["total"] = sum(out["cpu_us_per_request"].values())
     return out, plan
 
 
@@ -449,6 +452,8 @@ def _nixl_cell(nixl, nixl_why, plan, spec, preset, src_tp, dst_tp, layout, a, ld
         "nixl_latency_p50_ms": same["latency_p50_ms"],
         "nixl_latency_p99_ms": same["latency_p99_ms"],
         "nixl_descriptors_per_request": same["descriptors_per_request"],
+        "nixl_options": same.get("options"),
+        "nixl_src_cpu_cores": same.get("src_cpu_cores"),
         "nixl_lds_gbps": lds["gbps"], "ratio_to_nixl_lds": _ratio(cell["gbps"], lds["gbps"]),
         "nixl_lds_requests_per_s": lds["requests_per_s"],
         "nixl_lds_latency_p50_ms": lds["latency_p50_ms"],

@@ -73,6 +73,11 @@ class RankHostPool:
             proc.start()
             self.hosts.append((proc, parent))
 
+    @property
+    def pids(self) -> list[int]:
+        """Process ids of the hosts, host r first for rank r."""
+        return [proc.pid for proc, _ in self.hosts]
+
     def launcher(self) -> Launcher:
         def launch(setups: Sequence[RankSetup]) -> list[RankHandle]:
             if len(setups) > len(self.hosts):
