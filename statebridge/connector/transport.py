@@ -1399,7 +1399,10 @@ class Transport:
         try:
             if self.error_handling:
                 peer.endpoint.remove_close_callback()
-            if not blocking:
+            if not blocking and not self.error_handling:
+                # Without error handling a close flushes first, which never ends behind a cut
+                # link. (With it UCX closes in force mode at once; and a non-blocking close of
+                # an endpoint UCX already failed crashes ucxx 0.52.)
                 with self._lock:
                     self._abandoned.append(peer)
                 peer.endpoint.close()
