@@ -58,7 +58,6 @@ from statebridge.connector._rank import SyntheticModel
 from statebridge.errors import (
     CacheFullError,
     PeerLostError,
-    StatebridgeError,
     TransferError,
 )
 from statebridge.state.spec import StateSpec
@@ -107,7 +106,7 @@ class SoakModel(SyntheticModel):
         super().prefill(page, prompt, request_id)
 
     def step(self, msg: m.RankStep) -> tuple[int, ...]:
-        worker = _calling_worker(self)
+        worker = self.worker
         stats = worker.transport.stats()
         values = {
             "pid": os.getpid(), "rss_kb": rss_kb(os.getpid()) or 0,
@@ -119,17 +118,6 @@ class SoakModel(SyntheticModel):
             "transport_peers": stats["peers"], "num_pages": self.setup.num_pages,
         }
         return tuple(int(values[k]) for k in _REPORT_FIELDS)
-
-
-def _calling_worker(model: SoakModel):
-    """The RankWorker whose compute thread runs ``model`` (a caller's ``self``)."""
-    frame = sys._getframe(1)
-    while frame is not None:
-        owner = frame.f_locals.get("self")
-        if getattr(owner, "model", None) is model and hasattr(owner, "transport"):
-            return owner
-        frame = frame.f_back
-    raise StatebridgeError("SoakModel.step: not called from a RankWorker")
 
 
 def rss_kb(pid: int) -> int | None:

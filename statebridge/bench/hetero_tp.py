@@ -408,12 +408,28 @@ def run(a: argparse.Namespace) -> dict:
             progress.close()
             if nixl is not None:
                 nixl.close()
+    out["runs"] = [{"argv": getattr(a, "argv", None), "machine": out["machine"]}]
     if a.json:
+        if a.append and Path(a.json).exists():
+            out = _appended(json.loads(Path(a.json).read_text()), out, a.json)
         Path(a.json).parent.mkdir(parents=True, exist_ok=True)
         Path(a.json).write_text(json.dumps(out, indent=1, default=_jsonable) + "\n")
     if a.plot:
         out["plot"] = write_plot(a.plot, out["cells"])
     return out
+
+
+def _appended(old: dict, new: dict, path: str) -> dict:
+    """``new``'s cells added to an earlier run's file (--append): one table from several runs
+    with different --requests / --concurrency, each run's settings kept in ``runs``."""
+    if old.get("benchmark") != "hetero_tp" or not isinstance(old.get("cells"), list):
+        raise ConfigError(f"--append: {path} is not a hetero_tp result file")
+    merged = dict(old)
+    merged["cells"] = old["cells"] + new["cells"]
+    merged["skipped"] = old.get("skipped", []) + new["skipped"]
+    merged["runs"] = old.get("runs", []) + new["runs"]
+    merged["nixl"] = new["nixl"]
+    return merged
 
 
 def _jsonable(x):
@@ -476,7 +492,8 @@ def write_plot(path: str, cells: Sequence[dict]) -> str | None:
         print("--plot: matplotlib is not installed (pip install matplotlib); no plot written",
               file=sys.stderr)
         return None
-    labels = [f"{c['preset']}\n{c['pair']} {c['layout']}" for c in cells]
+    labels = [f"{c['preset']}\n{c['pair']} {c['layout']}"
+              + (f" {c['transport']}" if c.get("transport", "sm") != "sm" else "") for c in cells]
     x = np.arange(len(cells))
     fig, ax = plt.subplots(figsize=(max(6, 0.9 * len(cells) + 2), 4.5))
     ax.bar(x, [c["gbps"] for c in cells], 0.6, label="statebridge", color="tab:blue")
@@ -488,8 +505,12 @@ def write_plot(path: str, cells: Sequence[dict]) -> str | None:
             ax.scatter(x, [np.nan if y is None else y for y in ys], marker=marker, s=200,
                        color=color, label=name, zorder=3)
     ax.set_xticks(x, labels, fontsize=7)
+    values = [v for c in cells for v in (c["gbps"], c.get("line_rate_gbps"), c.get("nixl_gbps"))
+              if v]
+    if values and max(values) > 50 * min(values):       # small-state cells would be invisible
+        ax.set_yscale("log")
     ax.set_ylabel("GB/s (1e9 B/s)")
-    ax.set_title(f"statebridge hetero-TP transfer ({cells[0].get('transport', '')})")
+    ax.set_title("statebridge hetero-TP transfer vs ucx_perftest and NIXL (one machine)")
     ax.legend(fontsize=7)
     fig.tight_layout()
     Path(path).parent.mkdir(parents=True, exist_ok=True)
@@ -549,6 +570,8 @@ def configure_parser(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--no-nixl", action="store_true", help="skip the NIXL measurements")
     p.add_argument("--no-line-rate", action="store_true", help="skip ucx_perftest")
     p.add_argument("--json", default=None, help="write every figure here")
+    p.add_argument("--append", action="store_true",
+                   help="add this run's cells to an existing --json file (and plot them all)")
     p.add_argument("--plot", default=None, help="PNG plot (needs matplotlib)")
     p.add_argument("--quiet", action="store_true", help="no progress bar, no table")
     return p
@@ -570,8 +593,12 @@ def _validate(a: argparse.Namespace) -> None:
 def main(args: "argparse.Namespace | Sequence[str] | None" = None) -> int:
     """Run the benchmark from parsed ``args`` (from :func:`add_parser`) or an argv list."""
     if not isinstance(args, argparse.Namespace):
+        argv = list(sys.argv[1:] if args is None else args)
         args = configure_parser(argparse.ArgumentParser(description=__doc__.splitlines()[0])
-                                ).parse_args(args)
+                                ).parse_args(argv)
+        args.argv = " ".join(argv)
+    elif getattr(args, "argv", None) is None:
+        args.argv = " ".join(sys.argv[1:])
     _validate(args)
     out = run(args)
     if not args.quiet:

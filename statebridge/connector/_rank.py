@@ -53,6 +53,9 @@ class RankModel:
     def __init__(self, setup: "RankSetup", cache: StateCache) -> None:
         self.setup = setup
         self.cache = cache
+        #: The RankWorker serving this model (set after construction), for models that report
+        #: on the rank (read-only use from the compute thread).
+        self.worker: "RankWorker | None" = None
 
     def prefill(self, page: int, prompt: tuple[int, ...], request_id: str) -> None:
         raise NotImplementedError
@@ -130,6 +133,7 @@ class RankWorker:
         self.transport = Transport(self.cache.buffer,
                                    error_handling=self.config.ucx_error_handling)
         self.model: RankModel = load_callable(setup.model)(setup, self.cache)
+        self.model.worker = self
         self.loop = c.EventLoop(f"{setup.role}-rank{setup.tp_rank}")
         self.sock = c.connect_dealer(self.loop.context, setup.coordinator,
                                      keys=CurveKeys.from_config(self.config))

@@ -70,3 +70,39 @@ def test_comparison_figures_are_measured_or_explained(report):
                 assert cell[ratio] is None and cell[note], f"{value} null without a reason"
             else:
                 assert _positive(cell[value]) and _positive(cell[ratio])
+
+
+@pytest.mark.timeout(120)
+def test_nixl_and_line_rate_are_measured_here(report):
+    """nixl-cu12 and ucx_perftest come with the test install: the comparisons must be real."""
+    assert report["nixl"]["available"], report["nixl"]
+    for cell in report["cells"]:
+        assert _positive(cell["nixl_gbps"]) and _positive(cell["nixl_lds_gbps"]), cell
+        assert _positive(cell["line_rate_gbps"]), cell.get("line_rate_note")
+
+
+@pytest.mark.timeout(120)
+def test_cpu_per_request_is_split_by_process_group(report):
+    for cell in report["cells"]:
+        cpu = cell["cpu_us_per_request"]
+        assert set(cpu) == {"bench_process", "prefill_ranks", "decode_ranks", "total"}
+        assert all(v >= 0 for v in cpu.values())
+        parts = cpu["bench_process"] + cpu["prefill_ranks"] + cpu["decode_ranks"]
+        assert math.isclose(cpu["total"], parts, rel_tol=1e-9)
+
+
+@pytest.mark.timeout(180)
+def test_append_adds_a_run_to_an_existing_file(tmp_path):
+    out = tmp_path / "bench.json"
+    base = ["--preset", "tiny", "--layouts", "DLS", "--requests", "4", "--concurrency", "2",
+            "--check-requests", "1", "--no-nixl", "--no-line-rate", "--json", str(out),
+            "--quiet"]
+    assert hetero_tp.main(base + ["--pairs", "1x2"]) == 0
+    assert hetero_tp.main(base + ["--pairs", "2x1", "--append"]) == 0
+    merged = json.loads(out.read_text())
+    assert [c["pair"] for c in merged["cells"]] == ["1x2", "2x1"]
+    assert len(merged["runs"]) == 2 and "--append" in merged["runs"][1]["argv"]
+    (tmp_path / "other.json").write_text('{"benchmark": "something else"}')
+    with pytest.raises(Exception, match="not a hetero_tp result file"):
+        hetero_tp.main(base[:-3] + ["--pairs", "1x2", "--append", "--json",
+                                    str(tmp_path / "other.json"), "--quiet"])
