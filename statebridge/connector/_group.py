@@ -319,6 +319,16 @@ class RankGroup:
     def _on_close(self) -> None:
         pass
 
+    def _page_stats(self) -> dict:
+        """Page accounting shared by both sides' stats() (loop thread): the pool, and per rank
+        the pages it may still touch (requests without its RankDone)."""
+        return {"pages_used": self.pool.num_used, "pages_free": self.pool.num_free,
+                "pages_total": self.num_pages,
+                "rank_pages_busy": [sum(r in q.ranks_pending(self)
+                                        for q in self.requests.values())
+                                    for r in range(self.tp_size)],
+                "requests_in_flight": len(self.requests)}
+
     def __enter__(self):
         return self
 

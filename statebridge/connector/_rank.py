@@ -324,17 +324,22 @@ class RankWorker:
         src_base = self.cache.page_offset(msg.src_page)
         dst_base = msg.dst_page * plan.dst.page_size
         pending = _Pending(msg.request_id, msg.generation, msg.src_page, [], started)
+
+        def post(pair):
+            peer = f"{msg.peer_node}/{pair.dst_rank}"
+            if pair.staged:
+                pack = pair.pack + np.array([src_base, 0, 0], dtype=np.int64)
+                return self.transport.post_send_staged(peer, msg.generation, pair.src_rank, pack)
+            return self.transport.post_send(peer, msg.generation, pair.src_rank,
+                                            pair.runs_at(src_base, dst_base))
+        self._post_pairs(key, pending, plan.for_source(self.setup.tp_rank), post)
+
+    def _post_pairs(self, key: tuple[str, int], pending: "_Pending", pairs, post) -> None:
+        """``post(pair)`` for every rank pair of this rank; the request is pending once all are
+        posted, or fails at once when one post raises."""
         try:
-            for pair in plan.for_source(self.setup.tp_rank):
-                peer = f"{msg.peer_node}/{pair.dst_rank}"
-                if pair.staged:
-                    pack = pair.pack + np.array([src_base, 0, 0], dtype=np.int64)
-                    h = self.transport.post_send_staged(peer, msg.generation, pair.src_rank,
-                                                        pack)
-                else:
-                    h = self.transport.post_send(peer, msg.generation, pair.src_rank,
-                                                 pair.runs_at(src_base, dst_base))
-                pending.handles.append(h)
+            for pair in pairs:
+                pending.handles.append(post(pair))
                 pending.nbytes += pair.nbytes
                 pending.messages += pair.messages
         except StatebridgeError as e:
@@ -386,23 +391,17 @@ class RankWorker:
             return
         dst_base = self.cache.page_offset(msg.dst_page)
         pending = _Pending(msg.request_id, msg.generation, msg.dst_page, [], time.perf_counter())
-        try:
-            for pair in plan.for_destination(self.setup.tp_rank):
-                peer = f"{msg.peer_node}/{pair.src_rank}"
-                if pair.staged:
-                    unpack = pair.unpack + np.array([0, dst_base, 0], dtype=np.int64)
-                    h = self.transport.post_recv_staged(peer, msg.generation, pair.src_rank,
-                                                        int(pair.pack[:, 2].sum()), unpack)
-                else:
-                    h = self.transport.post_recv(peer, msg.generation, pair.src_rank,
-                                                 pair.runs_at(0, dst_base))
-                pending.handles.append(h)
-                pending.nbytes += pair.nbytes
-                pending.messages += pair.messages
-        except StatebridgeError as e:
-            self._post_failed(pending, e)
-            return
-        self.pending[(msg.request_id, msg.generation)] = pending
+
+        def post(pair):
+            peer = f"{msg.peer_node}/{pair.src_rank}"
+            if pair.staged:
+                unpack = pair.unpack + np.array([0, dst_base, 0], dtype=np.int64)
+                return self.transport.post_recv_staged(peer, msg.generation, pair.src_rank,
+                                                       int(pair.pack[:, 2].sum()), unpack)
+            return self.transport.post_recv(peer, msg.generation, pair.src_rank,
+                                            pair.runs_at(0, dst_base))
+        self._post_pairs((msg.request_id, msg.generation), pending,
+                         plan.for_destination(self.setup.tp_rank), post)
 
     def _on_cancel(self, msg: m.RankCancel) -> None:
         if msg.lost_node:

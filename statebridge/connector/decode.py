@@ -572,13 +572,7 @@ class DecodeCoordinator(RankGroup):
 
     def stats(self) -> dict:
         def collect():
-            return {"pages_used": self.pool.num_used, "pages_free": self.pool.num_free,
-                    "pages_total": self.num_pages,
-                    # per rank: pages it may still receive into (no RankDone yet)
-                    "rank_pages_busy": [sum(r in q.ranks_pending(self)
-                                            for q in self.requests.values())
-                                        for r in range(self.tp_size)],
-                    "requests_in_flight": len(self.requests),
+            return {**self._page_stats(),
                     "completed_unreleased": len(self.results),
                     "prefills": sorted(n for n, p in self.prefills.items()
                                        if p.state == "ready"),

@@ -308,13 +308,7 @@ class PrefillServer(RankGroup):
     # -- introspection (thread-safe) -----------------------------------------------------------
     def stats(self) -> dict:
         def collect():
-            return {"pages_used": self.pool.num_used, "pages_free": self.pool.num_free,
-                    "pages_total": self.num_pages,
-                    # per rank: pages it may still send from (no RankDone yet)
-                    "rank_pages_busy": [sum(r in q.ranks_pending(self)
-                                            for q in self.requests.values())
-                                        for r in range(self.tp_size)],
-                    "requests_in_flight": len(self.requests),
+            return {**self._page_stats(),
                     "waiting": len(self.waiting), "peers": len(self.peers),
                     "healthy": self.healthy, "rank_staging_bytes": list(self.rank_staging_bytes),
                     **self.counters.snapshot()}
