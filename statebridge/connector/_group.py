@@ -114,7 +114,8 @@ class RankGroup:
         try:
             self.router, self.port = c.bind_router(self.loop.context, self.config.bind_host, port,
                                                    keys=keys, counters=self.counters,
-                                                   name=self.node_id)
+                                                   name=self.node_id,
+                                                   max_message_bytes=self.config.max_message_bytes)
         except BaseException:
             self.loop.stop()
             raise

@@ -308,19 +308,30 @@ def _tcp_host(host: str) -> str:
     return f"[{host}]" if ":" in host and not host.startswith("[") else host
 
 
+def frame_cap(max_message_bytes: int) -> int:
+    """Hard cap on one inbound zmq frame: 4x the message limit (at least 1 MiB more), so an
+    absurd frame is never buffered whole, while a merely oversized one still gets an answer."""
+    return 4 * max_message_bytes + (1 << 20)
+
+
 def bind_router(context: zmq.Context, host: str, port: int = 0, *,
                 keys: "CurveKeys | None" = None, counters: Counters | None = None,
-                name: str = "") -> tuple[zmq.Socket, int]:
+                name: str = "", max_message_bytes: int | None = None) -> tuple[zmq.Socket, int]:
     """A ROUTER bound to ``host:port`` (0 picks a free port); returns (socket, port).
 
     With ``keys`` the socket is a CURVE server admitting only the public keys of
     ``keys.keys_dir`` (:func:`statebridge.security.secure_server`); refused handshakes are
     counted in ``counters`` as ``auth_refused``. Binding every interface logs a warning.
+    With ``max_message_bytes`` a frame over :func:`frame_cap` of it makes zmq drop the
+    connection before buffering it (frames between the limit and the cap are answered with a
+    typed ``Error`` by the receiver's decode).
     """
     sock = context.socket(zmq.ROUTER)
     try:
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.ROUTER_MANDATORY, 0)
+        if max_message_bytes is not None:
+            sock.setsockopt(zmq.MAXMSGSIZE, frame_cap(max_message_bytes))
         if ":" in host:
             sock.setsockopt(zmq.IPV6, 1)
         if keys is not None:

@@ -83,7 +83,8 @@ class DecodeNode:
         self.counters = c.Counters()
         self.router, self.port = c.bind_router(
             self.loop.context, self.config.bind_host, port, counters=self.counters,
-            keys=CurveKeys.from_config(self.config, listen=True), name="decode front door")
+            keys=CurveKeys.from_config(self.config, listen=True), name="decode front door",
+            max_message_bytes=self.config.max_message_bytes)
         self.loop.add_reader(self.router, self._on_client)
         self.gens: dict[str, _Gen] = {}
         self.waiting: collections.deque[_Gen] = collections.deque()   # no free page yet

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import collections
 import json
+import time
 import uuid
 
 import msgpack
@@ -279,3 +280,23 @@ def test_every_node_still_serves_after_the_fuzzing(nodes):
         peer.sock.close(0)
     assert server.stats()["healthy"] and decode.stats()["healthy"]
     assert server.stats()["healthy"] and node.coordinator.stats()["healthy"]
+
+
+@pytest.mark.timeout(60)
+def test_a_frame_over_the_hard_cap_is_dropped_by_zmq_unread(nodes):
+    """A frame above frame_cap(max_message_bytes) never reaches the node: zmq drops the
+    connection instead of buffering it whole. The node counts nothing and keeps serving."""
+    spec, server, _, _ = nodes
+    before = server.stats().get("protocol_errors", 0)
+    rogue = Peer(server.address)
+    try:
+        rogue.send([b"\x00" * (c.frame_cap(LIMIT) + 1)])
+        time.sleep(0.5)
+    finally:
+        rogue.sock.close(0)
+    peer = Peer(server.address)
+    try:
+        peer.hello(spec)                                # still answers a proper Hello
+    finally:
+        peer.sock.close(0)
+    assert server.stats().get("protocol_errors", 0) == before
