@@ -154,7 +154,9 @@ class RankWorker:
         self.counters = c.Counters()
         # UCX progress is driven by this loop: it sleeps in poll() on the zmq socket AND the
         # UCX worker's epoll fd, after arming the worker (blocking progress mode).
-        self.loop.add_fd(self.transport.fileno(), self._poll_transfers)
+        # (The fd only wakes the loop: on_idle below runs after every wake-up anyway, so the
+        # fd's own handler does nothing -- one progress and one scan per iteration, not two.)
+        self.loop.add_fd(self.transport.fileno(), lambda: None)
         self.loop.before_sleep = self.transport.arm
         self.loop.on_idle = self._poll_transfers
         self.loop.call_every(self.config.heartbeat_interval, self._heartbeat)

@@ -67,8 +67,48 @@ def _message(cls):
     cls.TYPE = cls.__name__
     hints = typing.get_type_hints(cls)
     _FIELDS[cls] = {f.name: hints[f.name] for f in dataclasses.fields(cls)}
+    _FIELD_SET[cls] = frozenset(_FIELDS[cls])
+    _CHECKERS[cls] = tuple((name, _checker(cls.TYPE, name, annotation))
+                           for name, annotation in _FIELDS[cls].items())
     MESSAGE_TYPES[cls.TYPE] = cls
     return cls
+
+
+_FIELD_SET: dict[type, frozenset] = {}
+_CHECKERS: dict[type, tuple] = {}
+
+
+def _checker(type_name: str, field: str, annotation: Any):
+    """A function converting a decoded value to ``annotation`` or raising ProtocolError, built
+    once per field: the common case (the exact type) costs one ``type() is`` test per value;
+    everything else goes through :func:`_check`, which has the rules and the messages."""
+    if typing.get_origin(annotation) is tuple:
+        (item, _) = typing.get_args(annotation)
+
+        def check_tuple(value):
+            if type(value) is list and item in _EXACT and all(
+                    type(v) is item for v in value) and (
+                    item is not int or all(_INT_MIN <= v < _INT_END for v in value)):
+                return tuple(value)
+            return _check(type_name, field, annotation, value)
+        return check_tuple
+    if annotation is int:
+        def check_int(value):
+            if type(value) is int and _INT_MIN <= value < _INT_END:
+                return value
+            return _check(type_name, field, annotation, value)
+        return check_int
+    if annotation in _EXACT:
+        def check_exact(value):
+            if type(value) is annotation:
+                return value
+            return _check(type_name, field, annotation, value)
+        return check_exact
+    return lambda value: _check(type_name, field, annotation, value)
+
+
+_EXACT = (int, str, bytes, bool, float)
+_INT_MIN, _INT_END = -(1 << 63), 1 << 64
 
 
 # -- between groups ----------------------------------------------------------------------------
@@ -324,14 +364,13 @@ def decode(data: bytes, *, max_bytes: int = MAX_MESSAGE_BYTES) -> Message:
         raise ProtocolError(f"unknown message type {type_name!r}")
     if not isinstance(body, dict):
         raise ProtocolError(f"{type_name}: body must be a map, got {type(body).__name__}")
-    fields = _FIELDS[cls]
-    missing = sorted(set(fields) - set(body))
-    unknown = sorted(map(repr, set(body) - set(fields)))
-    if missing or unknown:
+    if body.keys() != _FIELD_SET[cls]:
+        fields = _FIELDS[cls]
+        missing = sorted(set(fields) - set(body))
+        unknown = sorted(map(repr, set(body) - set(fields)))
         raise ProtocolError(f"{type_name}: missing fields {missing}, unknown fields "
                             f"[{', '.join(unknown)}]")
-    values = {name: _check(type_name, name, fields[name], body[name]) for name in fields}
-    return cls(**values)
+    return cls(**{name: check(body[name]) for name, check in _CHECKERS[cls]})
 
 
 _SCALARS = {int: int, str: str, bytes: bytes, bool: bool, float: float}
