@@ -404,7 +404,12 @@ class TransferHandle:
     def finished(self) -> bool:
         """Like :meth:`done` without progressing UCX: for a caller that checks many handles
         after one :meth:`Transport.progress` (one progress per handle costs O(handles))."""
-        return self._state != _PENDING or self._update()
+        if self._state != _PENDING:
+            return True
+        reqs = self._requests
+        if reqs and not reqs[-1].completed:     # the common "not yet": no lock, no loop
+            return False
+        return self._update()
 
     def wait(self, timeout: float) -> None:
         """Block until done, at most ``timeout`` seconds.
