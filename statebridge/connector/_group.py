@@ -247,6 +247,14 @@ class RankGroup:
         for r in range(self.tp_size):
             self.to_rank(r, msg)
 
+    def _mark_failed(self, req: "RequestState", kind: str, message: str) -> bool:
+        """Record the first failure of ``req`` (counted by kind); False if it had one."""
+        if req.failure is not None:
+            return False
+        req.failure = (kind, message)
+        self.counters.add(f"failed_{kind}")
+        return True
+
     def cancel_on_ranks(self, req: "RequestState", kind: str, message: str,
                         lost_node: str = "") -> None:
         """Tell every rank still working on ``req`` to cancel it (each answers RankDone once

@@ -553,42 +553,47 @@ def _decode_batch(frames: list, max_bytes: int) -> list:
     return out
 
 
+def _next(sock: zmq.Socket) -> "tuple[object | None, list | None]":
+    """(a message left over from an earlier batch, None) or (None, the next zmq message's
+    frames, None when nothing is waiting)."""
+    left = _leftover.get(sock)
+    if left:
+        return left.popleft(), None
+    try:
+        return None, sock.recv_multipart(zmq.NOBLOCK, copy=True)
+    except zmq.Again:
+        return None, None
+
+
+def _hand_out(sock: zmq.Socket, items: list):
+    """The first of a batch's items; the rest wait in the socket's leftovers."""
+    if len(items) > 1:
+        _leftover.setdefault(sock, collections.deque()).extend(items[1:])
+    return items[0]
+
+
 def recv_router(sock: zmq.Socket, max_bytes: int) -> tuple[bytes, m.Message | ProtocolError] | None:
     """One message from a ROUTER as (identity, message or the ProtocolError it raised); None
     when nothing is waiting. A batch (identity, message, message, ...) is handed out one
     message per call."""
-    left = _leftover.get(sock)
-    if left:
-        return left.popleft()
-    try:
-        frames = sock.recv_multipart(zmq.NOBLOCK, copy=True)
-    except zmq.Again:
-        return None
+    left, frames = _next(sock)
+    if frames is None:
+        return left
     if len(frames) < 2:
         return (frames[0] if frames else b""), ProtocolError(
             f"expected an identity frame and at least one message frame, got {len(frames)} "
             f"frame(s)")
     identity = frames[0]
-    items = [(identity, x) for x in _decode_batch(frames[1:], max_bytes)]
-    if len(items) > 1:
-        _leftover.setdefault(sock, collections.deque()).extend(items[1:])
-    return items[0]
+    return _hand_out(sock, [(identity, x) for x in _decode_batch(frames[1:], max_bytes)])
 
 
 def recv_dealer(sock: zmq.Socket, max_bytes: int) -> m.Message | ProtocolError | None:
     """One message from a DEALER (or the ProtocolError it raised); None when nothing is
     waiting. A batch of several frames is handed out one message per call."""
-    left = _leftover.get(sock)
-    if left:
-        return left.popleft()
-    try:
-        frames = sock.recv_multipart(zmq.NOBLOCK, copy=True)
-    except zmq.Again:
-        return None
-    items = _decode_batch(frames, max_bytes)
-    if len(items) > 1:
-        _leftover.setdefault(sock, collections.deque()).extend(items[1:])
-    return items[0]
+    left, frames = _next(sock)
+    if frames is None:
+        return left
+    return _hand_out(sock, _decode_batch(frames, max_bytes))
 
 
 def send_router(sock: zmq.Socket, identity: bytes, message: m.Message) -> None:

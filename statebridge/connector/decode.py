@@ -489,10 +489,8 @@ class DecodeCoordinator(RankGroup):
 
     def _fail(self, req: RequestState, kind: str, message: str, *, notify: bool,
               lost_node: str = "") -> None:
-        if req.failure is not None:
+        if not self._mark_failed(req, kind, message):
             return
-        req.failure = (kind, message)
-        self.counters.add(f"failed_{kind}")
         future = self.futures.pop((req.request_id, req.generation), None)
         if future is not None and not future.done():
             future.set_exception(transfer_error(kind, message, request_id=req.request_id,

@@ -222,10 +222,8 @@ class PrefillServer(RankGroup):
     def _fail(self, req: RequestState, kind: str, message: str, *, notify: bool,
               lost_node: str = "") -> None:
         """Cancel ``req`` on every rank still working on it; tell the decode peer."""
-        if req.failure is not None:
+        if not self._mark_failed(req, kind, message):
             return
-        req.failure = (kind, message)
-        self.counters.add(f"failed_{kind}")
         self.cancel_on_ranks(req, kind, message, lost_node)
         if notify and req.peer in self.peers:
             c.send_router(self.router, req.peer, m.TransferFailed(

@@ -868,35 +868,35 @@ class Transport:
         ``runs``: int ``[R, 3]`` (local src offset, dst offset, length), absolute offsets; run
         ``i`` travels with tag ``make_tag(generation, src_rank, i)``.
         """
-        runs = _as_runs(runs, "runs")
-        offsets, lengths, nbytes = _spans(runs, 0, self._size, "send", "page buffer")
-        tags = self._tags(generation, src_rank, len(runs))
-        with self._lock:
-            endpoint = self._endpoint(peer_id)
-            requests = self._post_runs(endpoint.tag_send, offsets, lengths, tags, peer_id)
-            handle = TransferHandle(self, direction="send", kind="zero_copy", peer_id=peer_id,
-                                    generation=generation, src_rank=src_rank, nbytes=nbytes,
-                                    messages=len(runs), request_id=request_id,
-                                    requests=requests)
-            self._register(handle)
-        return handle
+        return self._post_zero_copy("send", peer_id, generation, src_rank, runs, request_id)
 
     def post_recv(self, peer_id: str | None, generation: int, src_rank: int, runs: object, *,
                   request_id: str | None = None) -> TransferHandle:
         """Receive every run zero-copy, straight into the buffer (``runs[:, 1]`` absolute dst
         offsets). With ``peer_id`` the receives belong to that peer (:meth:`fail_peer` and UCX
         errors fail them); with None they match the tags from any peer."""
+        return self._post_zero_copy("recv", peer_id, generation, src_rank, runs, request_id)
+
+    def _post_zero_copy(self, direction: str, peer_id: str | None, generation: int,
+                        src_rank: int, runs: object, request_id: str | None) -> TransferHandle:
+        """One tagged message per run, straight from (send) or into (recv) the page buffer."""
         runs = _as_runs(runs, "runs")
-        offsets, lengths, nbytes = _spans(runs, 1, self._size, "receive", "page buffer")
+        send = direction == "send"
+        offsets, lengths, nbytes = _spans(runs, 0 if send else 1, self._size,
+                                          "send" if send else "receive", "page buffer")
         tags = self._tags(generation, src_rank, len(runs))
         with self._lock:
-            if peer_id is None:
+            if send:
+                op = self._endpoint(peer_id).tag_send
+            elif peer_id is None:                  # a receive matching any peer
                 self._check_open()
-            target = self._worker if peer_id is None else self._endpoint(peer_id)
-            requests = self._post_runs(target.tag_recv, offsets, lengths, tags, peer_id)
-            handle = TransferHandle(self, direction="recv", kind="zero_copy", peer_id=peer_id,
-                                    generation=generation, src_rank=src_rank, nbytes=nbytes,
-                                    messages=len(runs), request_id=request_id,
+                op = self._worker.tag_recv
+            else:
+                op = self._endpoint(peer_id).tag_recv
+            requests = self._post_runs(op, offsets, lengths, tags, peer_id)
+            handle = TransferHandle(self, direction=direction, kind="zero_copy",
+                                    peer_id=peer_id, generation=generation, src_rank=src_rank,
+                                    nbytes=nbytes, messages=len(runs), request_id=request_id,
                                     requests=requests)
             self._register(handle)
         return handle
