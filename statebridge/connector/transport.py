@@ -150,6 +150,7 @@ __all__ = [
     "TAG_INDEX_BITS",
     "TAG_SRC_RANK_BITS",
     "Transport",
+    "RunTemplate",
     "TransferHandle",
     "alloc_buffer",
     "configure_ucx_env",
@@ -265,24 +266,47 @@ def _check_span(runs: np.ndarray, col: int, size: int, what: str, side: str) -> 
                           f"({size} bytes)")
 
 
-_FEW_RUNS = 32
+#: Most cached buffer views of a transport (see Transport._post_runs); ~200 B each.
+_MAX_CACHED_ARRAYS = 1 << 16
 
 
-def _spans(runs: np.ndarray, col: int, size: int, what: str,
-           side: str) -> tuple[list[int], list[int], int]:
-    """Checked ``(offsets, lengths, total bytes)`` of ``runs[:, col]`` as Python ints (the
-    posting loop needs them); plain Python for a few runs, numpy for many."""
-    if len(runs) > _FEW_RUNS:
-        _check_span(runs, col, size, what, side)
-        lengths = runs[:, 2]
-        return runs[:, col].tolist(), lengths.tolist(), int(lengths.sum())
-    rows = runs.tolist()
-    offsets = [r[col] for r in rows]
-    lengths = [r[2] for r in rows]
-    for i, (off, n) in enumerate(zip(offsets, lengths)):
-        if off < 0 or n < 0 or off + n > size:
-            raise ConfigError(f"{what} run {i} {rows[i]} lies outside the {side} ({size} bytes)")
-    return offsets, lengths, sum(lengths)
+class RunTemplate:
+    """The zero-copy runs of one rank pair with offsets relative to a page, checked once.
+
+    A rank posts the same runs for every request; only the page moves. Build the template once
+    per peer (:meth:`Transport.template`) and post it at a page's byte offset with
+    :meth:`Transport.post_runs`: per post only the page's bounds are checked.
+    """
+
+    __slots__ = ("runs", "col", "offsets", "lengths", "nbytes", "extent")
+
+    def __init__(self, runs: object, col: int, what: str = "runs") -> None:
+        runs = _as_runs(runs, what)
+        if len(runs) > _MAX_RUNS:
+            raise ConfigError(f"{len(runs)} runs exceed the {_MAX_RUNS} a tag index can number")
+        offsets, lengths = runs[:, col], runs[:, 2]
+        if len(runs) and (offsets.min() < 0 or lengths.min() < 0):
+            i = int(np.flatnonzero((offsets < 0) | (lengths < 0))[0])
+            raise ConfigError(f"{what} run {i} {runs[i].tolist()} has a negative offset or "
+                              f"length")
+        self.runs = runs
+        self.col = col
+        self.offsets: list[int] = offsets.tolist()
+        self.lengths: list[int] = lengths.tolist()
+        self.nbytes = int(lengths.sum())
+        self.extent = int((offsets + lengths).max()) if len(runs) else 0
+
+    def __len__(self) -> int:
+        return len(self.offsets)
+
+    def outside(self, base: int, size: int, what: str, side: str) -> str:
+        """The error message for posting at ``base`` in a ``size``-byte buffer."""
+        for i, (off, n) in enumerate(zip(self.offsets, self.lengths)):
+            if not 0 <= base + off <= base + off + n <= size:
+                row = self.runs[i].tolist()
+                row[self.col] += base
+                return f"{what} run {i} {row} lies outside the {side} ({size} bytes)"
+        return f"{what} runs at offset {base} lie outside the {side} ({size} bytes)"
 
 
 _DIRECT_COPY_BYTES = 64 * 1024
@@ -351,6 +375,10 @@ _PEER_STATUSES = frozenset([-6, -24, -25, *range(-89, -39)])
 PROGRESS_MODES = ("blocking", "polling", "background", "thread")
 
 _PENDING, _DONE, _FAILED = 0, 1, 2
+#: (direction, handle kind) -> the counters a completed handle adds to (Transport._finished).
+_DONE_COUNTERS = {(d, k): (f"messages_{side}", f"bytes_{side}", f"{k}_messages_{side}")
+                  for d, side in (("send", "sent"), ("recv", "received"))
+                  for k in ("zero_copy", "staged", "multi")}
 
 
 def _failure_kind(error: BaseException) -> str:
@@ -368,6 +396,11 @@ class TransferHandle:
     the transport once, never sleeps); :meth:`wait` returns when it completed and raises when it
     failed. A staged receive is done only after its staging buffer was scattered into the page.
     """
+
+    __slots__ = ("_transport", "direction", "kind", "peer_id", "generation", "src_rank",
+                 "nbytes", "messages", "request_id", "posted_at", "finished_at", "_requests",
+                 "_checked", "_staging", "_on_success", "_state", "_error", "_timed_out",
+                 "_lock", "__weakref__")
 
     def __init__(self, transport: "Transport", *, direction: str, kind: str,
                  peer_id: str | None, generation: int, src_rank: int, nbytes: int,
@@ -678,6 +711,7 @@ class Transport:
         self._buffer = buffer
         self._np = buffer.numpy()
         self._mv = memoryview(self._np)
+        self._arrays: dict[tuple[int, int], Any] = {}     # see _post_runs
         self._size = buffer.numel()
 
         options = {str(k): str(v) for k, v in (ucx_options or {}).items()}
@@ -877,14 +911,31 @@ class Transport:
         errors fail them); with None they match the tags from any peer."""
         return self._post_zero_copy("recv", peer_id, generation, src_rank, runs, request_id)
 
-    def _post_zero_copy(self, direction: str, peer_id: str | None, generation: int,
-                        src_rank: int, runs: object, request_id: str | None) -> TransferHandle:
-        """One tagged message per run, straight from (send) or into (recv) the page buffer."""
-        runs = _as_runs(runs, "runs")
+    def template(self, runs: object, direction: str) -> RunTemplate:
+        """``runs`` (``[R, 3]``: src offset, dst offset, length; relative to a page) as a
+        checked :class:`RunTemplate` for :meth:`post_runs` in ``direction`` ("send" takes the
+        source offsets, "recv" the destination offsets)."""
+        if direction not in ("send", "recv"):
+            raise ConfigError(f"direction must be 'send' or 'recv', got {direction!r}")
+        return RunTemplate(runs, 0 if direction == "send" else 1)
+
+    def post_runs(self, direction: str, peer_id: str | None, generation: int, src_rank: int,
+                  base: int, template: RunTemplate, *,
+                  request_id: str | None = None) -> TransferHandle:
+        """:meth:`post_send` / :meth:`post_recv` of a :class:`RunTemplate` at byte offset
+        ``base`` of the buffer (a page's start): the rank's per-request post."""
         send = direction == "send"
-        offsets, lengths, nbytes = _spans(runs, 0 if send else 1, self._size,
-                                          "send" if send else "receive", "page buffer")
-        tags = self._tags(generation, src_rank, len(runs))
+        if not send and direction != "recv":
+            raise ConfigError(f"direction must be 'send' or 'recv', got {direction!r}")
+        if type(base) is not int or base < 0 or base + template.extent > self._size:
+            raise ConfigError(template.outside(base, self._size, "send" if send else "receive",
+                                               "page buffer")
+                              if type(base) is int else f"base must be an int, got {base!r}")
+        if type(generation) is not int or type(src_rank) is not int \
+                or not 0 <= generation <= _MAX_GENERATION or not 0 <= src_rank <= _MAX_SRC_RANK:
+            make_tag(generation, src_rank, 0)          # raises with the offending field
+            generation, src_rank = int(generation), int(src_rank)
+        tag0 = (generation << 32) | (src_rank << 24)
         with self._lock:
             if send:
                 op = self._endpoint(peer_id).tag_send
@@ -893,13 +944,20 @@ class Transport:
                 op = self._worker.tag_recv
             else:
                 op = self._endpoint(peer_id).tag_recv
-            requests = self._post_runs(op, offsets, lengths, tags, peer_id)
+            requests = self._post_runs(op, base, template, tag0, peer_id)
             handle = TransferHandle(self, direction=direction, kind="zero_copy",
                                     peer_id=peer_id, generation=generation, src_rank=src_rank,
-                                    nbytes=nbytes, messages=len(runs), request_id=request_id,
-                                    requests=requests)
+                                    nbytes=template.nbytes, messages=len(template.offsets),
+                                    request_id=request_id, requests=requests)
             self._register(handle)
         return handle
+
+    def _post_zero_copy(self, direction: str, peer_id: str | None, generation: int,
+                        src_rank: int, runs: object, request_id: str | None) -> TransferHandle:
+        """One tagged message per run, straight from (send) or into (recv) the page buffer."""
+        return self.post_runs(direction, peer_id, generation, src_rank, 0,
+                              RunTemplate(runs, 0 if direction == "send" else 1, "runs"),
+                              request_id=request_id)
 
     def post_send_staged(self, peer_id: str, generation: int, src_rank: int, pack_runs: object,
                          *, request_id: str | None = None) -> TransferHandle:
@@ -1285,20 +1343,25 @@ class Transport:
         raise ConfigError(f"{self.name}: unknown peer {peer_id!r}; connect() it first "
                           f"(known: {sorted(self._peers)})")
 
-    def _tags(self, generation: int, src_rank: int, count: int) -> range:
-        base = make_tag(generation, src_rank, 0)
-        if count > _MAX_RUNS:
-            raise ConfigError(f"{count} runs exceed the {_MAX_RUNS} a tag index can number")
-        return range(base, base + count)
-
-    def _post_runs(self, op, offsets: list[int], lengths: list[int], tags: range,
+    def _post_runs(self, op, base: int, template: RunTemplate, tag0: int,
                    peer_id: str | None) -> list:
-        """One UCX request per run of the page buffer, straight from/into its memory."""
-        Array, Tag, mv = self._Array, self._Tag, self._mv
+        """One UCX request per run of the page buffer, straight from/into its memory. The
+        buffer views (ucxx ``Array``, ~3 us each to build) are cached per (offset, length):
+        a rank posts the same few page slices over and over."""
+        Tag, arrays = self._Tag, self._arrays
+        if len(arrays) > _MAX_CACHED_ARRAYS:
+            arrays.clear()
         requests: list = []
         try:
-            for off, n, tag in zip(offsets, lengths, tags):
-                requests.append(op(Array(mv[off:off + n]), Tag(tag)))
+            tag = tag0
+            for off, n in zip(template.offsets, template.lengths):
+                key = (base + off, n)
+                array = arrays.get(key)
+                if array is None:
+                    start = base + off
+                    array = arrays[key] = self._Array(self._mv[start:start + n])
+                requests.append(op(array, Tag(tag)))
+                tag += 1
         except Exception as e:  # noqa: BLE001 -- ucxx raises its own exception types
             requests.clear()      # dropping ucxx's requests cancels what was posted
             raise TransferError(f"{self.name}: posting to {peer_id!r} failed: {e}",
@@ -1330,10 +1393,10 @@ class Transport:
             c = self._counters
             if handle._state == _DONE:
                 c["handles_completed"] += 1
-                side = "sent" if handle.direction == "send" else "received"
-                c[f"messages_{side}"] += handle.messages
-                c[f"bytes_{side}"] += handle.nbytes
-                c[f"{handle.kind}_messages_{side}"] += handle.messages
+                messages, nbytes, kind_messages = _DONE_COUNTERS[handle.direction, handle.kind]
+                c[messages] += handle.messages
+                c[nbytes] += handle.nbytes
+                c[kind_messages] += handle.messages
             else:
                 c["handles_failed"] += 1
                 self._failures[_failure_kind(handle._error)] += 1
