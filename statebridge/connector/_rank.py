@@ -104,6 +104,16 @@ def load_callable(name: str) -> Callable:
         raise StatebridgeError(f"cannot load {name!r}: {e}") from None
 
 
+@dataclass(frozen=True)
+class _Route:
+    """One rank pair of this rank with a peer node: the plan, the UCX peer id, and the
+    zero-copy runs as a template (None for a staged pair)."""
+
+    pair: object
+    peer: str
+    template: object
+
+
 @dataclass
 class _Pending:
     request_id: str
@@ -139,12 +149,15 @@ class RankWorker:
                                      keys=CurveKeys.from_config(self.config))
         self.loop.add_reader(self.sock, self._on_message)
         self.plans: dict[str, TransferPlan] = {}         # peer node -> plan
+        self.routes: dict[str, list[_Route]] = {}        # peer node -> this rank's pairs
         self.computing: dict[tuple[str, int], tuple[str, str] | None] = {}
         self._compute_q: queue.Queue = queue.Queue()
         self._compute = threading.Thread(target=self._compute_main, daemon=True,
                                          name=f"{setup.role}-rank{setup.tp_rank}-compute")
         self._compute.start()
         self.pending: dict[tuple[str, int], _Pending] = {}
+        self._next_timeout_scan = 0.0
+        self._next_full_scan = 0.0
         #: Newest generation the coordinator announced to this rank (RankRecv /
         #: RankLocalPrefill); with ``pending`` it says which data-plane messages may still be
         #: received (see :meth:`_may_arrive`).
@@ -241,10 +254,22 @@ class RankWorker:
                 if peer in self.transport.peers:
                     self.transport.fail_peer(peer, f"{msg.peer_node} connected again")
         self.plans[msg.peer_node] = plan
+        self.routes[msg.peer_node] = self._routes(msg.peer_node, plan)
         for r in ranks:
             self.transport.connect(f"{msg.peer_node}/{r}", msg.peer_addresses[r])
         log.info("%s rank %d: connected to %s (%d ranks, %s)", self.setup.role,
                  self.setup.tp_rank, msg.peer_node, msg.peer_tp_size, msg.peer_layout)
+
+    def _routes(self, node: str, plan: TransferPlan) -> list["_Route"]:
+        """This rank's pairs with ``node``, each with its UCX peer and, for zero-copy pairs,
+        the runs checked once as a :class:`~statebridge.connector.transport.RunTemplate`."""
+        if self.setup.role == "prefill":
+            pairs, direction = plan.for_source(self.setup.tp_rank), "send"
+        else:
+            pairs, direction = plan.for_destination(self.setup.tp_rank), "recv"
+        return [_Route(pair, f"{node}/{pair.dst_rank if direction == 'send' else pair.src_rank}",
+                       None if pair.staged else self.transport.template(pair.runs, direction))
+                for pair in pairs]
 
     def _on_prefill(self, msg: m.RankPrefill) -> None:
         if msg.peer_node not in self.plans:
@@ -266,8 +291,22 @@ class RankWorker:
         self._compute_q.put(msg)
 
     def _compute_main(self) -> None:
-        """The compute thread: model work in arrival order; results go back to the loop."""
+        """The compute thread: model work in arrival order; results go back to the loop.
+
+        Results go back in batches (one loop wake-up each): a batch is handed over when the
+        queue is empty or when its first result has waited :data:`_RESULT_HOLD_S`, so a
+        backlog of cheap work costs one hand-off and a slow step's result is not held back.
+        """
+        results: list = []
+        first_at = 0.0
         while True:
+            if results and (self._compute_q.empty()
+                            or time.perf_counter() - first_at >= _RESULT_HOLD_S):
+                try:
+                    self.loop.call_soon(_run_all, results)
+                except StatebridgeError:                  # loop closed
+                    return
+                results = []
             msg = self._compute_q.get()
             if msg is None:
                 self.model.close()
@@ -300,12 +339,10 @@ class RankWorker:
                         error = f"prefill failed: {type(e).__name__}: {e}"
                 callback, args = self._after_compute, (msg, error)
             self.counters.add("compute_seconds", time.perf_counter() - started)
-            if callback is None:
-                continue
-            try:
-                self.loop.call_soon(callback, *args)
-            except StatebridgeError:                      # loop closed
-                return
+            if callback is not None:
+                if not results:
+                    first_at = time.perf_counter()
+                results.append((callback, args))
 
     def _after_compute(self, msg: "m.RankPrefill | m.RankLocalPrefill",
                        error: str | None) -> None:
@@ -320,34 +357,38 @@ class RankWorker:
         if isinstance(msg, m.RankLocalPrefill):
             self._done(msg.request_id, msg.generation, "", "")
             return
-        plan = self.plans[msg.peer_node]
-        key = (msg.request_id, msg.generation)
-        started = time.perf_counter()
         src_base = self.cache.page_offset(msg.src_page)
-        dst_base = msg.dst_page * plan.dst.page_size
-        pending = _Pending(msg.request_id, msg.generation, msg.src_page, [], started)
+        pending = _Pending(msg.request_id, msg.generation, msg.src_page, [], time.perf_counter())
+        transport = self.transport
 
-        def post(pair):
-            peer = f"{msg.peer_node}/{pair.dst_rank}"
-            if pair.staged:
-                pack = pair.pack + np.array([src_base, 0, 0], dtype=np.int64)
-                return self.transport.post_send_staged(peer, msg.generation, pair.src_rank, pack)
-            return self.transport.post_send(peer, msg.generation, pair.src_rank,
-                                            pair.runs_at(src_base, dst_base))
-        self._post_pairs(key, pending, plan.for_source(self.setup.tp_rank), post)
+        def post_staged(route):
+            pack = route.pair.pack + np.array([src_base, 0, 0], dtype=np.int64)
+            return transport.post_send_staged(route.peer, msg.generation, route.pair.src_rank,
+                                              pack)
+        self._post_routes(pending, self.routes[msg.peer_node], "send", src_base, post_staged)
 
-    def _post_pairs(self, key: tuple[str, int], pending: "_Pending", pairs, post) -> None:
-        """``post(pair)`` for every rank pair of this rank; the request is pending once all are
-        posted, or fails at once when one post raises."""
+    def _post_routes(self, pending: "_Pending", routes: list["_Route"], direction: str,
+                     base: int, post_staged) -> None:
+        """Post every route of this rank for the request at page offset ``base`` (zero-copy
+        routes from their templates, staged ones with ``post_staged(route)``); the request is
+        pending once all are posted, or fails at once when one post raises."""
+        post_runs = self.transport.post_runs
+        generation = pending.generation
         try:
-            for pair in pairs:
-                pending.handles.append(post(pair))
+            for route in routes:
+                pair = route.pair
+                if route.template is None:
+                    handle = post_staged(route)
+                else:
+                    handle = post_runs(direction, route.peer, generation, pair.src_rank, base,
+                                       route.template)
+                pending.handles.append(handle)
                 pending.nbytes += pair.nbytes
                 pending.messages += pair.messages
         except StatebridgeError as e:
             self._post_failed(pending, e)
             return
-        self.pending[key] = pending
+        self.pending[(pending.request_id, generation)] = pending
 
     def _post_failed(self, pending: "_Pending", error: StatebridgeError) -> None:
         """A post raised (peer declared lost, transport closed, bad runs): the request fails
@@ -386,24 +427,21 @@ class RankWorker:
 
     def _on_recv(self, msg: m.RankRecv) -> None:
         self._announce(msg.generation)
-        plan = self.plans.get(msg.peer_node)
-        if plan is None:
+        routes = self.routes.get(msg.peer_node)
+        if routes is None:
             self._done(msg.request_id, msg.generation, "transfer_error",
                        f"no connection to {msg.peer_node!r}")
             return
         dst_base = self.cache.page_offset(msg.dst_page)
         pending = _Pending(msg.request_id, msg.generation, msg.dst_page, [], time.perf_counter())
+        transport = self.transport
 
-        def post(pair):
-            peer = f"{msg.peer_node}/{pair.src_rank}"
-            if pair.staged:
-                unpack = pair.unpack + np.array([0, dst_base, 0], dtype=np.int64)
-                return self.transport.post_recv_staged(peer, msg.generation, pair.src_rank,
-                                                       int(pair.pack[:, 2].sum()), unpack)
-            return self.transport.post_recv(peer, msg.generation, pair.src_rank,
-                                            pair.runs_at(0, dst_base))
-        self._post_pairs((msg.request_id, msg.generation), pending,
-                         plan.for_destination(self.setup.tp_rank), post)
+        def post_staged(route):
+            pair = route.pair
+            unpack = pair.unpack + np.array([0, dst_base, 0], dtype=np.int64)
+            return transport.post_recv_staged(route.peer, msg.generation, pair.src_rank,
+                                              int(pair.pack[:, 2].sum()), unpack)
+        self._post_routes(pending, routes, "recv", dst_base, post_staged)
 
     def _on_cancel(self, msg: m.RankCancel) -> None:
         if msg.lost_node:
@@ -434,39 +472,65 @@ class RankWorker:
 
     # -- transfers ------------------------------------------------------------------------------
     def _poll_transfers(self) -> None:
+        """After one UCX progress: settle the requests whose transfers all finished.
+
+        Runs on every loop pass. Transfers finish about in the order they were posted (the
+        prefill side serves requests in arrival order), so a pass looks at the pending
+        requests oldest first and stops after :data:`_SCAN_AHEAD` unfinished ones; every
+        :data:`_FULL_SCAN_S` it looks at all of them (a transfer that finished out of order
+        waits at most that long). Transfer timeouts are checked every :data:`_TIMEOUT_SCAN_S`.
+        """
         if not self.pending:
             return
-        now = time.perf_counter()
         self.transport.progress()
-        for key, p in list(self.pending.items()):
-            if not all(h.finished() for h in p.handles):
-                if p.failure is None and now - p.started > self.config.transfer_timeout:
-                    p.failure = ("timeout", f"transfer not done after "
-                                            f"{self.config.transfer_timeout} s")
-                    for h in p.handles:
-                        if not h.done():
-                            h.cancel()
-                continue
-            kind, message = p.failure or ("", "")
-            if not kind:
+        now = time.perf_counter()
+        ready = []
+        misses = 0
+        full = now >= self._next_full_scan
+        if full:
+            self._next_full_scan = now + _FULL_SCAN_S
+        for key, p in self.pending.items():
+            handles = p.handles
+            if not handles or handles[-1].finished() and all(h.finished() for h in handles):
+                ready.append(key)
+            else:
+                misses += 1
+                if misses >= _SCAN_AHEAD and not full:
+                    break
+        if now >= self._next_timeout_scan:
+            self._next_timeout_scan = now + _TIMEOUT_SCAN_S
+            self._expire_transfers(now)
+        for key in ready:
+            self._settle(key)
+
+    def _expire_transfers(self, now: float) -> None:
+        limit = self.config.transfer_timeout
+        for p in self.pending.values():
+            if p.failure is None and now - p.started > limit:
+                p.failure = ("timeout", f"transfer not done after {limit} s")
                 for h in p.handles:
-                    try:
-                        h.wait(0)
-                    except TransferError as e:
-                        kind, message = e.kind, str(e)
-                        break
-                    except StatebridgeError as e:
-                        kind, message = "transfer_error", str(e)
-                        break
-            del self.pending[key]
-            checksum = ""
-            if not kind and self.setup.checksums and self.setup.role == "decode":
-                checksum = page_checksum(self.geometry, self.cache.page_bytes(p.page))
-            self.counters.add("transfers_ok" if not kind else f"failed_{kind}")
-            self.counters.add("bytes", p.nbytes)
-            self._done(p.request_id, p.generation, kind, message, checksum,
-                       seconds=time.perf_counter() - p.started, nbytes=p.nbytes,
-                       messages=p.messages)
+                    if not h.done():
+                        h.cancel()
+
+    def _settle(self, key: tuple[str, int]) -> None:
+        """A request whose handles are all finished: answer the coordinator with its outcome."""
+        p = self.pending.pop(key)
+        kind, message = p.failure or ("", "")
+        if not kind:
+            for h in p.handles:
+                error = h.error                 # every handle is finished here
+                if error is not None:
+                    kind = error.kind if isinstance(error, TransferError) else "transfer_error"
+                    message = str(error)
+                    break
+        checksum = ""
+        if not kind and self.setup.checksums and self.setup.role == "decode":
+            checksum = page_checksum(self.geometry, self.cache.page_bytes(p.page))
+        self.counters.add("transfers_ok" if not kind else f"failed_{kind}")
+        self.counters.add("bytes", p.nbytes)
+        self._done(p.request_id, p.generation, kind, message, checksum,
+                   seconds=time.perf_counter() - p.started, nbytes=p.nbytes,
+                   messages=p.messages)
 
     def _done(self, request_id: str, generation: int, kind: str, message: str,
               checksum: str = "", *, seconds: float = 0.0, nbytes: int = 0,
@@ -475,6 +539,29 @@ class RankWorker:
                               generation=generation, kind=kind, message=message,
                               checksum=checksum, seconds=seconds, nbytes=nbytes,
                               messages=messages, staging_bytes=self.transport.staging_bytes))
+
+
+#: Seconds between scans of the pending transfers for timeouts (transfer timeouts are tens
+#: of seconds; scanning on every loop pass cost O(pending) per pass).
+_TIMEOUT_SCAN_S = 0.1
+#: How many unfinished requests a loop pass looks past (oldest first) before it stops, and
+#: how often it looks at all of them (see RankWorker._poll_transfers).
+_SCAN_AHEAD = 4
+_FULL_SCAN_S = 0.002
+
+
+#: Longest a compute result waits for later ones before the batch goes to the loop.
+_RESULT_HOLD_S = 0.0005
+
+
+def _run_all(calls: list) -> None:
+    """Run a compute thread's batch of results on the loop, in order; one failing result does
+    not drop the others."""
+    for fn, args in calls:
+        try:
+            fn(*args)
+        except Exception:  # noqa: BLE001 -- logged like the loop's own handlers
+            log.exception("handling the result of %r failed", fn)
 
 
 def _generation_after(a: int, b: int) -> bool:
