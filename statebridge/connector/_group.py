@@ -244,8 +244,8 @@ class RankGroup:
             c.send_router(self.router, state.identity, msg)
 
     def to_ranks(self, msg: m.Message) -> None:
-        for r in range(self.tp_size):
-            self.to_rank(r, msg)
+        c.send_router_many(self.router, [s.identity for s in self.ranks
+                                         if s.identity is not None and not s.lost], msg)
 
     def _mark_failed(self, req: "RequestState", kind: str, message: str) -> bool:
         """Record the first failure of ``req`` (counted by kind); False if it had one."""

@@ -24,7 +24,7 @@ import logging
 import threading
 import time
 import weakref
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING, Callable, Sequence
 
 import zmq
 
@@ -599,15 +599,21 @@ def recv_dealer(sock: zmq.Socket, max_bytes: int) -> m.Message | ProtocolError |
 def send_router(sock: zmq.Socket, identity: bytes, message: m.Message) -> None:
     """Send to the peer ``identity``; from an event loop's thread the message is queued and
     leaves, coalesced with the others to the same peer, at the end of the loop iteration."""
+    send_router_many(sock, (identity,), message)
+
+
+def send_router_many(sock: zmq.Socket, identities: Sequence[bytes], message: m.Message) -> None:
+    """:func:`send_router` of one message to several peers, encoded once."""
     data = m.encode(message)
     loop = getattr(_current, "loop", None)
-    if loop is not None:
-        loop._outbox.setdefault((sock, identity), []).append(data)
-        return
-    try:
-        sock.send_multipart([identity, data], zmq.NOBLOCK)
-    except zmq.Again:
-        log.warning("dropped %s to %r: peer queue full", type(message).__name__, identity)
+    for identity in identities:
+        if loop is not None:
+            loop._outbox.setdefault((sock, identity), []).append(data)
+            continue
+        try:
+            sock.send_multipart([identity, data], zmq.NOBLOCK)
+        except zmq.Again:
+            log.warning("dropped %s to %r: peer queue full", type(message).__name__, identity)
 
 
 def send_dealer(sock: zmq.Socket, message: m.Message) -> None:

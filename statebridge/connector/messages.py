@@ -63,12 +63,18 @@ _FIELDS: dict[type, dict[str, Any]] = {}
 
 
 def _message(cls):
+    if "__post_init__" in cls.__dict__:
+        raise TypeError(f"{cls.__name__}: messages are built by decode() without __init__; "
+                        f"a __post_init__ would not run")
     cls = dataclass(**_FROZEN)(cls)
     cls.TYPE = cls.__name__
     hints = typing.get_type_hints(cls)
     _FIELDS[cls] = {f.name: hints[f.name] for f in dataclasses.fields(cls)}
     _FIELD_SET[cls] = frozenset(_FIELDS[cls])
-    _CHECKERS[cls] = tuple((name, _checker(cls.TYPE, name, annotation))
+    # (field, slot setter, checker): decode fills a bare instance through the slots, which
+    # costs half of calling the frozen dataclass's __init__ (no message has __post_init__).
+    _CHECKERS[cls] = tuple((name, cls.__dict__[name].__set__,
+                            _checker(cls.TYPE, name, annotation))
                            for name, annotation in _FIELDS[cls].items())
     MESSAGE_TYPES[cls.TYPE] = cls
     return cls
@@ -370,7 +376,13 @@ def decode(data: bytes, *, max_bytes: int = MAX_MESSAGE_BYTES) -> Message:
         unknown = sorted(map(repr, set(body) - set(fields)))
         raise ProtocolError(f"{type_name}: missing fields {missing}, unknown fields "
                             f"[{', '.join(unknown)}]")
-    return cls(**{name: check(body[name]) for name, check in _CHECKERS[cls]})
+    message = _new(cls)
+    for name, set_slot, check in _CHECKERS[cls]:
+        set_slot(message, check(body[name]))
+    return message
+
+
+_new = object.__new__
 
 
 _SCALARS = {int: int, str: str, bytes: bytes, bool: bool, float: float}

@@ -51,6 +51,9 @@ class PrefillServer(RankGroup):
     def _init_state(self) -> None:
         self.peers: dict[bytes, _Peer] = {}
         self.requests: dict[tuple[bytes, str, int], RequestState] = {}
+        # (request id, generation) -> its requests, oldest first: how a RankDone (which names
+        # no peer) finds its request without scanning all of them.
+        self._attempts: dict[tuple[str, int], list[RequestState]] = {}
         self.waiting: collections.deque[tuple[bytes, m.TransferRequest]] = collections.deque()
         self._pending_info: list[tuple[bytes, m.GroupInfo]] = []
         self.peer_watch = c.PeerWatch(self.config.peer_timeout)
@@ -183,6 +186,7 @@ class PrefillServer(RankGroup):
         req = RequestState(msg.request_id, msg.generation, page, peer.identity,
                            deadline=time.monotonic() + self.config.lease_timeout)
         self.requests[(peer.identity, msg.request_id, msg.generation)] = req
+        self._attempts.setdefault((msg.request_id, msg.generation), []).append(req)
         peer.inflight += 1
         self.counters.add("requests")
         self.to_ranks(m.RankPrefill(request_id=msg.request_id, generation=msg.generation,
@@ -200,8 +204,8 @@ class PrefillServer(RankGroup):
             if not (i == identity and w.request_id == request_id and w.generation == generation))
 
     def _on_rank_done(self, rank: int, msg: m.RankDone) -> None:
-        req = next((r for (i, rid, gen), r in self.requests.items()
-                    if rid == msg.request_id and gen == msg.generation), None)
+        reqs = self._attempts.get((msg.request_id, msg.generation))
+        req = reqs[0] if reqs else None
         if req is None:
             self.counters.add("stale_rank_done")
             return
@@ -241,6 +245,11 @@ class PrefillServer(RankGroup):
         if self.requests.get(key) is not req:
             return                                   # freed already (callers may re-check)
         del self.requests[key]
+        attempt = (req.request_id, req.generation)
+        reqs = self._attempts[attempt]
+        reqs[:] = [r for r in reqs if r is not req]        # by identity: states compare by value
+        if not reqs:
+            del self._attempts[attempt]
         self.pool.free(req.page)
         peer = self.peers.get(req.peer)
         if peer is not None:
