@@ -21,11 +21,11 @@ Wire into a CLI with :func:`add_parser` and :func:`main`.
 from __future__ import annotations
 
 import argparse
-import concurrent.futures
 import json
 import logging
 import os
 import platform
+import queue
 import sys
 import time
 import uuid
@@ -186,13 +186,16 @@ class _LineRate:
 def _run_requests(decode, count: int, concurrency: int, prefix: str,
                   timeout: float) -> list:
     """``count`` requests, ``concurrency`` in flight; results are released as they complete.
-    Submits and releases go to the coordinator in batches (one thread handoff per batch)."""
+    Submits and releases go to the coordinator in batches (one thread handoff per batch), and
+    completions arrive on a queue (``concurrent.futures.wait`` would hook and unhook every
+    future in flight on each call)."""
     results = []
-    inflight: set[concurrent.futures.Future] = set()
+    finished: queue.SimpleQueue = queue.SimpleQueue()
+    inflight = 0
     submitted = 0
     deadline = time.monotonic() + timeout
     while submitted < count or inflight:
-        room = min(count - submitted, concurrency - len(inflight))
+        room = min(count - submitted, concurrency - inflight)
         if room > 0:
             items = [(f"{prefix}{i}-{uuid.uuid4().hex[:6]}", (i % 1000,))
                      for i in range(submitted, submitted + room)]
@@ -200,13 +203,20 @@ def _run_requests(decode, count: int, concurrency: int, prefix: str,
                 started = decode.submit_many(items)
             except CacheFullError:
                 started = []
-            inflight.update(started)
+            for future in started:
+                future.add_done_callback(finished.put)
+            inflight += len(started)
             submitted += len(started)
-        done, inflight = concurrent.futures.wait(
-            inflight, timeout=max(0.0, deadline - time.monotonic()),
-            return_when=concurrent.futures.FIRST_COMPLETED)
-        if not done and time.monotonic() > deadline:
-            raise TimeoutError(f"{len(inflight)} requests not done after {timeout} s")
+        try:
+            done = [finished.get(timeout=max(0.0, deadline - time.monotonic()))]
+        except queue.Empty:
+            raise TimeoutError(f"{inflight} requests not done after {timeout} s") from None
+        while True:
+            try:
+                done.append(finished.get_nowait())
+            except queue.Empty:
+                break
+        inflight -= len(done)
         batch = [f.result() for f in done]
         results.extend(batch)
         decode.release_many(batch)
