@@ -187,13 +187,7 @@ class EventLoop:
             for i in range(0, len(frames), MAX_BATCH_FRAMES):
                 chunk = frames[i:i + MAX_BATCH_FRAMES]
                 try:
-                    if identity is None:
-                        if len(chunk) == 1:
-                            s.send(chunk[0], zmq.NOBLOCK)
-                        else:
-                            s.send_multipart(chunk, zmq.NOBLOCK)
-                    else:
-                        s.send_multipart([identity, *chunk], zmq.NOBLOCK)
+                    _send_frames(s, chunk if identity is None else [identity, *chunk])
                 except zmq.Again:
                     log.warning("%s: dropped %d message(s) to %r: queue full", self.name,
                                 len(chunk), identity)
@@ -538,6 +532,33 @@ MAX_BATCH_FRAMES = 1024
 _leftover: "weakref.WeakKeyDictionary[zmq.Socket, collections.deque]" = weakref.WeakKeyDictionary()
 
 
+# pyzmq's Python layer (send, send_multipart, recv_multipart) spends 1-3 us per call turning
+# flags into enums; the loops below call its backend with plain int flags (same semantics:
+# a multipart message is accepted or refused as a whole on its first frame).
+_raw_send = zmq.backend.Socket.send
+_raw_recv = zmq.backend.Socket.recv
+_raw_get = zmq.backend.Socket.get
+_NOBLOCK = int(zmq.NOBLOCK)
+_MORE_NOBLOCK = int(zmq.SNDMORE | zmq.NOBLOCK)
+_RCVMORE = int(zmq.RCVMORE)
+
+
+def _send_frames(sock: zmq.Socket, frames: list) -> None:
+    """Send ``frames`` as one zmq message without blocking (zmq.Again when the peer's queue
+    is full)."""
+    last = len(frames) - 1
+    for i, frame in enumerate(frames):
+        _raw_send(sock, frame, _NOBLOCK if i == last else _MORE_NOBLOCK)
+
+
+def _recv_frames(sock: zmq.Socket) -> list:
+    """The frames of the next zmq message (bytes); zmq.Again when none is waiting."""
+    frames = [_raw_recv(sock, _NOBLOCK)]
+    while _raw_get(sock, _RCVMORE):
+        frames.append(_raw_recv(sock, _NOBLOCK))
+    return frames
+
+
 def _decode_batch(frames: list, max_bytes: int) -> list:
     if not frames:
         return [ProtocolError("empty zmq message (no message frame)")]
@@ -560,7 +581,7 @@ def _next(sock: zmq.Socket) -> "tuple[object | None, list | None]":
     if left:
         return left.popleft(), None
     try:
-        return None, sock.recv_multipart(zmq.NOBLOCK, copy=True)
+        return None, _recv_frames(sock)
     except zmq.Again:
         return None, None
 
@@ -611,7 +632,7 @@ def send_router_many(sock: zmq.Socket, identities: Sequence[bytes], message: m.M
             loop._outbox.setdefault((sock, identity), []).append(data)
             continue
         try:
-            sock.send_multipart([identity, data], zmq.NOBLOCK)
+            _send_frames(sock, [identity, data])
         except zmq.Again:
             log.warning("dropped %s to %r: peer queue full", type(message).__name__, identity)
 
@@ -624,7 +645,7 @@ def send_dealer(sock: zmq.Socket, message: m.Message) -> None:
         loop._outbox.setdefault((sock, None), []).append(data)
         return
     try:
-        sock.send(data, zmq.NOBLOCK)
+        _raw_send(sock, data, _NOBLOCK)
     except zmq.Again:
         log.warning("dropped %s: queue full", type(message).__name__)
 
