@@ -157,7 +157,7 @@ class EventLoop:
             with self._wake_lock:
                 self._wake_sockets.append(sock)
         try:
-            sock.send(b"", zmq.NOBLOCK)
+            _raw_send(sock, b"", _NOBLOCK)
         except zmq.Again:
             pass
 
@@ -214,11 +214,8 @@ class EventLoop:
                 log.error("%s: poll failed: %s", self.name, e)
                 continue
             if self._wake_pull in events:
-                while True:
-                    try:
-                        self._wake_pull.recv(zmq.NOBLOCK)
-                    except zmq.Again:
-                        break
+                while _recv_frames(self._wake_pull) is not None:
+                    pass
             for sock, handler in list(self._handlers.items()):
                 if sock in events:
                     self._guard(handler)
@@ -541,6 +538,8 @@ _raw_get = zmq.backend.Socket.get
 _NOBLOCK = int(zmq.NOBLOCK)
 _MORE_NOBLOCK = int(zmq.SNDMORE | zmq.NOBLOCK)
 _RCVMORE = int(zmq.RCVMORE)
+_EVENTS = int(zmq.EVENTS)
+_POLLIN = int(zmq.POLLIN)
 
 
 def _send_frames(sock: zmq.Socket, frames: list) -> None:
@@ -551,9 +550,16 @@ def _send_frames(sock: zmq.Socket, frames: list) -> None:
         _raw_send(sock, frame, _NOBLOCK if i == last else _MORE_NOBLOCK)
 
 
-def _recv_frames(sock: zmq.Socket) -> list:
-    """The frames of the next zmq message (bytes); zmq.Again when none is waiting."""
-    frames = [_raw_recv(sock, _NOBLOCK)]
+def _recv_frames(sock: zmq.Socket) -> list | None:
+    """The frames of the next zmq message (bytes); None when none is waiting. (Asking
+    ZMQ_EVENTS first: a recv that finds nothing raises zmq.Again, and building that exception
+    costs more than the question -- every drain of a socket ends with one.)"""
+    if not _raw_get(sock, _EVENTS) & _POLLIN:
+        return None
+    try:
+        frames = [_raw_recv(sock, _NOBLOCK)]
+    except zmq.Again:
+        return None
     while _raw_get(sock, _RCVMORE):
         frames.append(_raw_recv(sock, _NOBLOCK))
     return frames
@@ -580,10 +586,7 @@ def _next(sock: zmq.Socket) -> "tuple[object | None, list | None]":
     left = _leftover.get(sock)
     if left:
         return left.popleft(), None
-    try:
-        return None, _recv_frames(sock)
-    except zmq.Again:
-        return None, None
+    return None, _recv_frames(sock)
 
 
 def _hand_out(sock: zmq.Socket, items: list):
