@@ -13,6 +13,7 @@ killed node leaves no orphans.
 
 from __future__ import annotations
 
+import functools
 import importlib
 import logging
 import os
@@ -211,21 +212,25 @@ class RankWorker:
 
     # -- messages from the coordinator -------------------------------------------------------
     def _on_message(self) -> None:
+        handlers, heard = self._handlers, False
         while True:
             msg = c.recv_dealer(self.sock, self.config.max_message_bytes)
             if msg is None:
-                return
-            self.coordinator_watch.heard("coordinator")
+                break
+            heard = True
             if isinstance(msg, ProtocolError):
                 self.counters.add("protocol_errors")
                 log.warning("rank %d: bad message from coordinator: %s", self.setup.tp_rank, msg)
                 continue
-            handler = self._handlers().get(type(msg))
+            handler = handlers.get(type(msg))
             if handler is None:
                 self.counters.add("unexpected_messages")
                 continue
             handler(msg)
+        if heard:
+            self.coordinator_watch.heard("coordinator")
 
+    @functools.cached_property
     def _handlers(self) -> dict:
         return {
             m.Heartbeat: lambda msg: None,
