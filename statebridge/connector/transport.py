@@ -735,6 +735,7 @@ class Transport:
         self._lock = threading.RLock()               # peers, handles, counters, closed
         self._progress_lock = threading.Lock()       # one thread progresses/sleeps at a time
         self._round = threading.Condition(threading.Lock())   # progress rounds, for the others
+        self._round_waiters = 0                      # threads waiting on _round
         self._sleeping = False
         self._posts = 0
         self._closed = False
@@ -1122,15 +1123,23 @@ class Transport:
         if not self._progress_lock.acquire(blocking=False):
             if block_s > 0:
                 with self._round:   # the progressing thread notifies under this lock
-                    if ready is None or not ready():
-                        self._round.wait(min(block_s, 0.05))
+                    self._round_waiters += 1
+                    try:
+                        if ready is None or not ready():
+                            self._round.wait(min(block_s, 0.05))
+                    finally:
+                        self._round_waiters -= 1
             return
         try:
             self._progress_round(block_s, ready)
         finally:
             self._progress_lock.release()
-            with self._round:
-                self._round.notify_all()
+            # Only when a thread waits for this round (the common case -- a rank's own loop
+            # progressing -- has none; notify_all costs more than the progress itself). A
+            # waiter that registers after this check tests ready() after this round anyway.
+            if self._round_waiters:
+                with self._round:
+                    self._round.notify_all()
         if self._ep_events:
             self._process_endpoint_events()
 
