@@ -21,7 +21,7 @@ import queue
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 import numpy as np
 
@@ -32,9 +32,12 @@ from statebridge.errors import ProtocolError, StatebridgeError, TransferError
 from statebridge.security import CurveKeys
 from statebridge.state.cache import StateCache
 from statebridge.state.layout import PageGeometry
-from statebridge.state.plan import TransferPlan
+from statebridge.state.plan import PairPlan, TransferPlan
 from statebridge.state.spec import StateSpec
 from statebridge.state.synthetic import fill_page, global_state, page_checksum, request_seed
+
+if TYPE_CHECKING:
+    from statebridge.connector.transport import RunTemplate
 
 log = logging.getLogger(__name__)
 
@@ -107,12 +110,12 @@ def load_callable(name: str) -> Callable:
 
 @dataclass(frozen=True)
 class _Route:
-    """One rank pair of this rank with a peer node: the plan, the UCX peer id, and the
+    """One rank pair of this rank with a peer node: the pair's plan, the UCX peer id, and the
     zero-copy runs as a template (None for a staged pair)."""
 
-    pair: object
+    pair: PairPlan
     peer: str
-    template: object
+    template: "RunTemplate | None"
 
 
 @dataclass
