@@ -301,21 +301,32 @@ class RankWorker:
     def _compute_main(self) -> None:
         """The compute thread: model work in arrival order; results go back to the loop.
 
-        Results go back in batches (one loop wake-up each): a batch is handed over when the
-        queue is empty or when its first result has waited :data:`_RESULT_HOLD_S`, so a
-        backlog of cheap work costs one hand-off and a slow step's result is not held back.
+        Results go back in batches (one loop wake-up each), so a backlog of cheap work (a
+        stand-in model) costs one hand-off. Held results go to the loop before the thread
+        blocks on an empty queue, before a decode step, after work that took
+        :data:`_RESULT_HOLD_S` or more (the next is likely as slow: a real model), and once the
+        first held result is that old -- a result waits at most about one cheap item.
         """
         results: list = []
-        first_at = 0.0
+        first_at = took = 0.0
+
+        def hand_over() -> bool:
+            nonlocal results
+            try:
+                self.loop.call_soon(_run_all, results)
+            except StatebridgeError:                      # loop closed
+                return False
+            results = []
+            return True
+
         while True:
-            if results and (self._compute_q.empty()
-                            or time.perf_counter() - first_at >= _RESULT_HOLD_S):
-                try:
-                    self.loop.call_soon(_run_all, results)
-                except StatebridgeError:                  # loop closed
-                    return
-                results = []
+            if results and self._compute_q.empty() and not hand_over():
+                return
             msg = self._compute_q.get()
+            if results and (msg is None or isinstance(msg, m.RankStep) or took >= _RESULT_HOLD_S
+                            or time.perf_counter() - first_at >= _RESULT_HOLD_S) \
+                    and not hand_over():
+                return
             if msg is None:
                 self.model.close()
                 return
@@ -346,7 +357,8 @@ class RankWorker:
                                       msg.request_id)
                         error = f"prefill failed: {type(e).__name__}: {e}"
                 callback, args = self._after_compute, (msg, error)
-            self.counters.add("compute_seconds", time.perf_counter() - started)
+            took = time.perf_counter() - started
+            self.counters.add("compute_seconds", took)
             if callback is not None:
                 if not results:
                     first_at = time.perf_counter()

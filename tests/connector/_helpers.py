@@ -53,6 +53,14 @@ class SlowModel(SyntheticModel):
         super().prefill(page, prompt, request_id)
 
 
+class SlowStepModel(SyntheticModel):
+    """Cheap prefills and decode steps that take 0.3 s (each answers token 7)."""
+
+    def step(self, msg):
+        time.sleep(0.3)
+        return (7,) * len(msg.request_ids)
+
+
 def wait_until(predicate, timeout: float, what: str) -> float:
     """Poll ``predicate`` until true; returns the seconds it took, fails after ``timeout``."""
     start = time.monotonic()

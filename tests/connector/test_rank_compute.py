@@ -1,0 +1,73 @@
+"""A rank's compute thread hands results to its loop in batches, but never holds a result
+while slow work runs: a cheap prefill queued just before a slow decode step is answered at
+once, not after the step."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+from statebridge.config import ConnectorConfig
+from statebridge.connector import messages as m
+from statebridge.connector._rank import RankSetup, RankWorker
+
+from ._helpers import SPECS, wait_until
+
+pytestmark = [pytest.mark.ucx]
+
+
+@pytest.fixture
+def worker():
+    setup = RankSetup(role="decode", coordinator="127.0.0.1:9", tp_rank=0, tp_size=1,
+                      spec_json=SPECS["mamba2-g1"].to_json(), layout="DLS", num_pages=4,
+                      node_id="decode-compute", config=ConnectorConfig(),
+                      model="tests.connector._helpers:SlowStepModel")
+    w = RankWorker(setup)
+    sent: list[tuple[float, m.Message]] = []
+    lock = threading.Lock()
+
+    def record(msg):
+        with lock:
+            sent.append((time.monotonic(), msg))
+    w._send = record                                    # what would go to the coordinator
+    w.sent = sent
+    thread = threading.Thread(target=w.loop.run, daemon=True)
+    thread.start()
+    yield w
+    w.loop.request_stop()
+    w.loop.wake()
+    thread.join(5)
+    w.close()
+
+
+def _step(n: int) -> m.RankStep:
+    return m.RankStep(step=n, request_ids=("a",), pages=(0,), tokens=(1,), positions=(3,),
+                      temperatures=(0.0,), top_ps=(1.0,), seeds=(0,))
+
+
+def test_cheap_result_is_not_held_behind_a_slow_step(worker):
+    started = time.monotonic()
+    # Both queued in one loop call: the prefill is computed first (cheap), then the 0.3 s step.
+    worker.loop.call_soon(lambda: (
+        worker._on_local_prefill(m.RankLocalPrefill(request_id="p1", generation=5,
+                                                    prompt=(1, 2, 3), page=1)),
+        worker._on_step(_step(1))))
+    wait_until(lambda: len(worker.sent) >= 2, 10.0, "prefill done and step result")
+    (t_done, done), (t_step, step) = worker.sent[:2]
+    assert isinstance(done, m.RankDone) and (done.request_id, done.kind) == ("p1", "")
+    assert isinstance(step, m.RankStepResult) and step.tokens == (7,)
+    assert t_done - started < 0.2, f"prefill answered after {t_done - started:.3f} s"
+    assert t_step - started >= 0.3
+
+
+def test_backlog_of_cheap_prefills_all_answered(worker):
+    worker.loop.call_soon(lambda: [
+        worker._on_local_prefill(m.RankLocalPrefill(request_id=f"p{i}", generation=10 + i,
+                                                    prompt=(1,), page=i % 4))
+        for i in range(40)])
+    wait_until(lambda: len(worker.sent) >= 40, 10.0, "40 prefills answered")
+    done = [msg for _, msg in worker.sent]
+    assert [d.request_id for d in done] == [f"p{i}" for i in range(40)]
+    assert all(d.kind == "" for d in done)
