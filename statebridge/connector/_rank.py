@@ -110,12 +110,15 @@ def load_callable(name: str) -> Callable:
 
 @dataclass(frozen=True)
 class _Route:
-    """One rank pair of this rank with a peer node: the pair's plan, the UCX peer id, and the
-    zero-copy runs as a template (None for a staged pair)."""
+    """One rank pair of this rank with a peer node, fixed per peer: the pair's plan, the other
+    rank, its UCX peer id, and the zero-copy runs as a template (None for a staged pair, whose
+    single message is ``staged_bytes`` long)."""
 
     pair: PairPlan
+    peer_rank: int
     peer: str
     template: "RunTemplate | None"
+    staged_bytes: int
 
 
 @dataclass
@@ -152,7 +155,6 @@ class RankWorker:
         self.sock = c.connect_dealer(self.loop.context, setup.coordinator,
                                      keys=CurveKeys.from_config(self.config))
         self.loop.add_reader(self.sock, self._on_message)
-        self.plans: dict[str, TransferPlan] = {}         # peer node -> plan
         self.routes: dict[str, list[_Route]] = {}        # peer node -> this rank's pairs
         self.computing: dict[tuple[str, int], tuple[str, str] | None] = {}
         self._compute_q: queue.Queue = queue.Queue()
@@ -249,38 +251,38 @@ class RankWorker:
     def _on_connect(self, msg: m.RankConnect) -> None:
         peer_geo = PageGeometry(self.spec, msg.peer_tp_size, msg.peer_layout,
                                 region_align=msg.peer_region_align, page_size=msg.peer_page_size)
-        if self.setup.role == "prefill":
-            plan = TransferPlan(self.geometry, peer_geo)
-            ranks = [p.dst_rank for p in plan.for_source(self.setup.tp_rank)]
-        else:
-            plan = TransferPlan(peer_geo, self.geometry)
-            ranks = [p.src_rank for p in plan.for_destination(self.setup.tp_rank)]
-        if msg.peer_node in self.plans:
+        if msg.peer_node in self.routes:
             # The same node connected again (it re-dialed after a cut link or a restart): its
             # old endpoints may be broken; fresh ones for the new connection.
             for peer in self._peers_of(msg.peer_node):
                 if peer in self.transport.peers:
                     self.transport.fail_peer(peer, f"{msg.peer_node} connected again")
-        self.plans[msg.peer_node] = plan
-        self.routes[msg.peer_node] = self._routes(msg.peer_node, plan)
-        for r in ranks:
-            self.transport.connect(f"{msg.peer_node}/{r}", msg.peer_addresses[r])
+        routes = self.routes[msg.peer_node] = self._routes(msg.peer_node, peer_geo)
+        for route in routes:
+            self.transport.connect(route.peer, msg.peer_addresses[route.peer_rank])
         log.info("%s rank %d: connected to %s (%d ranks, %s)", self.setup.role,
                  self.setup.tp_rank, msg.peer_node, msg.peer_tp_size, msg.peer_layout)
 
-    def _routes(self, node: str, plan: TransferPlan) -> list["_Route"]:
-        """This rank's pairs with ``node``, each with its UCX peer and, for zero-copy pairs,
-        the runs checked once as a :class:`~statebridge.connector.transport.RunTemplate`."""
+    def _routes(self, node: str, peer_geo: PageGeometry) -> list["_Route"]:
+        """This rank's pairs with ``node`` (whose ranks have ``peer_geo``), each with its UCX
+        peer and, for zero-copy pairs, the runs checked once as a
+        :class:`~statebridge.connector.transport.RunTemplate`."""
+        routes = []
         if self.setup.role == "prefill":
+            plan = TransferPlan(self.geometry, peer_geo)
             pairs, direction = plan.for_source(self.setup.tp_rank), "send"
         else:
+            plan = TransferPlan(peer_geo, self.geometry)
             pairs, direction = plan.for_destination(self.setup.tp_rank), "recv"
-        return [_Route(pair, f"{node}/{pair.dst_rank if direction == 'send' else pair.src_rank}",
-                       None if pair.staged else self.transport.template(pair.runs, direction))
-                for pair in pairs]
+        for pair in pairs:
+            peer_rank = pair.dst_rank if direction == "send" else pair.src_rank
+            template = None if pair.staged else self.transport.template(pair.runs, direction)
+            staged_bytes = int(pair.pack[:, 2].sum()) if pair.staged else 0
+            routes.append(_Route(pair, peer_rank, f"{node}/{peer_rank}", template, staged_bytes))
+        return routes
 
     def _on_prefill(self, msg: m.RankPrefill) -> None:
-        if msg.peer_node not in self.plans:
+        if msg.peer_node not in self.routes:
             self._done(msg.request_id, msg.generation, "transfer_error",
                        f"no connection to {msg.peer_node!r}")
             return
@@ -377,31 +379,31 @@ class RankWorker:
         if isinstance(msg, m.RankLocalPrefill):
             self._done(msg.request_id, msg.generation, "", "")
             return
-        src_base = self.cache.page_offset(msg.src_page)
         pending = _Pending(msg.request_id, msg.generation, msg.src_page, [], time.perf_counter())
-        transport = self.transport
-
-        def post_staged(route):
-            pack = route.pair.pack + np.array([src_base, 0, 0], dtype=np.int64)
-            return transport.post_send_staged(route.peer, msg.generation, route.pair.src_rank,
-                                              pack)
-        self._post_routes(pending, self.routes[msg.peer_node], "send", src_base, post_staged)
+        self._post_routes(pending, self.routes[msg.peer_node], "send",
+                          self.cache.page_offset(msg.src_page))
 
     def _post_routes(self, pending: "_Pending", routes: list["_Route"], direction: str,
-                     base: int, post_staged) -> None:
+                     base: int) -> None:
         """Post every route of this rank for the request at page offset ``base`` (zero-copy
-        routes from their templates, staged ones with ``post_staged(route)``); the request is
-        pending once all are posted, or fails at once when one post raises."""
-        post_runs = self.transport.post_runs
+        routes from their templates, staged ones packed from / unpacked into the page); the
+        request is pending once all are posted, or fails at once when one post raises."""
+        transport = self.transport
         generation = pending.generation
         try:
             for route in routes:
                 pair = route.pair
-                if route.template is None:
-                    handle = post_staged(route)
+                if route.template is None and direction == "send":
+                    handle = transport.post_send_staged(
+                        route.peer, generation, pair.src_rank,
+                        pair.pack + np.array([base, 0, 0], dtype=np.int64))
+                elif route.template is None:
+                    handle = transport.post_recv_staged(
+                        route.peer, generation, pair.src_rank, route.staged_bytes,
+                        pair.unpack + np.array([0, base, 0], dtype=np.int64))
                 else:
-                    handle = post_runs(direction, route.peer, generation, pair.src_rank, base,
-                                       route.template)
+                    handle = transport.post_runs(direction, route.peer, generation,
+                                                 pair.src_rank, base, route.template)
                 pending.handles.append(handle)
                 pending.nbytes += pair.nbytes
                 pending.messages += pair.messages
@@ -452,16 +454,8 @@ class RankWorker:
             self._done(msg.request_id, msg.generation, "transfer_error",
                        f"no connection to {msg.peer_node!r}")
             return
-        dst_base = self.cache.page_offset(msg.dst_page)
         pending = _Pending(msg.request_id, msg.generation, msg.dst_page, [], time.perf_counter())
-        transport = self.transport
-
-        def post_staged(route):
-            pair = route.pair
-            unpack = pair.unpack + np.array([0, dst_base, 0], dtype=np.int64)
-            return transport.post_recv_staged(route.peer, msg.generation, pair.src_rank,
-                                              int(pair.pack[:, 2].sum()), unpack)
-        self._post_routes(pending, routes, "recv", dst_base, post_staged)
+        self._post_routes(pending, routes, "recv", self.cache.page_offset(msg.dst_page))
 
     def _on_cancel(self, msg: m.RankCancel) -> None:
         if msg.lost_node:
@@ -483,12 +477,7 @@ class RankWorker:
                 h.cancel()
 
     def _peers_of(self, node: str) -> list[str]:
-        plan = self.plans.get(node)
-        if plan is None:
-            return []
-        if self.setup.role == "prefill":
-            return [f"{node}/{p.dst_rank}" for p in plan.for_source(self.setup.tp_rank)]
-        return [f"{node}/{p.src_rank}" for p in plan.for_destination(self.setup.tp_rank)]
+        return [route.peer for route in self.routes.get(node, ())]
 
     # -- transfers ------------------------------------------------------------------------------
     def _poll_transfers(self) -> None:

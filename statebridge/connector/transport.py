@@ -3,9 +3,11 @@
 Who runs what: every TP rank process (prefill and decode) owns one :class:`Transport` over its
 :class:`~statebridge.state.cache.StateCache` buffer. The control plane (zmq, not this module)
 carries :attr:`Transport.address` in the handshake; each side then calls :meth:`connect` for the
-peer ranks its plan pairs it with. Per request the prefill rank calls :meth:`post_send` (or
-:meth:`post_send_staged`) for each pair and the decode rank :meth:`post_recv` (or
-:meth:`post_recv_staged`); both poll or wait the returned :class:`TransferHandle`. When the
+peer ranks its plan pairs it with, and turns each pair's runs into a :class:`RunTemplate` once.
+Per request the prefill rank calls :meth:`post_runs` "send" (or :meth:`post_send_staged`) for
+each pair at the page's offset and the decode rank :meth:`post_runs` "recv" (or
+:meth:`post_recv_staged`); both poll or wait the returned :class:`TransferHandle`
+(:meth:`post_send` / :meth:`post_recv` take absolute runs directly). When the
 control plane declares a peer dead (heartbeats), the rank calls :meth:`fail_peer`.
 
 This is the only module of statebridge that imports ``ucxx`` (DESIGN rule), and it does so only
@@ -903,14 +905,16 @@ class Transport:
         ``runs``: int ``[R, 3]`` (local src offset, dst offset, length), absolute offsets; run
         ``i`` travels with tag ``make_tag(generation, src_rank, i)``.
         """
-        return self._post_zero_copy("send", peer_id, generation, src_rank, runs, request_id)
+        return self.post_runs("send", peer_id, generation, src_rank, 0, RunTemplate(runs, 0),
+                              request_id=request_id)
 
     def post_recv(self, peer_id: str | None, generation: int, src_rank: int, runs: object, *,
                   request_id: str | None = None) -> TransferHandle:
         """Receive every run zero-copy, straight into the buffer (``runs[:, 1]`` absolute dst
         offsets). With ``peer_id`` the receives belong to that peer (:meth:`fail_peer` and UCX
         errors fail them); with None they match the tags from any peer."""
-        return self._post_zero_copy("recv", peer_id, generation, src_rank, runs, request_id)
+        return self.post_runs("recv", peer_id, generation, src_rank, 0, RunTemplate(runs, 1),
+                              request_id=request_id)
 
     def template(self, runs: object, direction: str) -> RunTemplate:
         """``runs`` (``[R, 3]``: src offset, dst offset, length; relative to a page) as a
@@ -952,13 +956,6 @@ class Transport:
                                     request_id=request_id, requests=requests)
             self._register(handle)
         return handle
-
-    def _post_zero_copy(self, direction: str, peer_id: str | None, generation: int,
-                        src_rank: int, runs: object, request_id: str | None) -> TransferHandle:
-        """One tagged message per run, straight from (send) or into (recv) the page buffer."""
-        return self.post_runs(direction, peer_id, generation, src_rank, 0,
-                              RunTemplate(runs, 0 if direction == "send" else 1, "runs"),
-                              request_id=request_id)
 
     def post_send_staged(self, peer_id: str, generation: int, src_rank: int, pack_runs: object,
                          *, request_id: str | None = None) -> TransferHandle:

@@ -203,19 +203,12 @@ def prefill_target(spec, server, *, greeted: bool) -> Target:
 # -- the tests ------------------------------------------------------------------------------------
 
 @pytest.mark.timeout(120)
+@pytest.mark.parametrize("greeted", [False, True], ids=["before_hello", "after_hello"])
 @FUZZ
 @given(frames=frame_lists)
-def test_prefill_server_before_hello(nodes, frames):
+def test_prefill_server(nodes, greeted, frames):
     spec, server, _, _ = nodes
-    prefill_target(spec, server, greeted=False).fuzz(frames)
-
-
-@pytest.mark.timeout(120)
-@FUZZ
-@given(frames=frame_lists)
-def test_prefill_server_after_hello(nodes, frames):
-    spec, server, _, _ = nodes
-    prefill_target(spec, server, greeted=True).fuzz(frames)
+    prefill_target(spec, server, greeted=greeted).fuzz(frames)
 
 
 @pytest.mark.timeout(120)
