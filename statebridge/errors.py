@@ -13,11 +13,32 @@ the message. The tree says who caused the error:
 - :class:`ClosedError` -- we closed the object being used.
 - :class:`AuthenticationError` -- the CURVE handshake with a peer failed (our key refused, keys
   on one side only, or the wrong server key).
+
+A failed request crosses processes as a :class:`FailureKind` (its wire name) and a message;
+:func:`kind_of` and :func:`error_for` are the one table between kinds and exception classes:
+
+==================  ===========================  ==========================================
+kind                exception                    who caused it
+==================  ===========================  ==========================================
+``transfer_error``  :class:`TransferError`       the data plane or a model failed
+``peer_lost``       :class:`PeerLostError`       the peer or the network died
+``timeout``         :class:`TransferTimeoutError`  it took too long
+``aborted``         :class:`AbortedError`        one of the two sides aborted it
+``busy``            :class:`BusyError`           the peer refused it: its limit is reached
+``not_ready``       :class:`NotReadyError`       no peer to serve it is connected (yet)
+``invalid_request`` :class:`InvalidRequestError`  the caller's request is malformed
+``closed``          :class:`ClosedError`         we closed the object it used
+==================  ===========================  ==========================================
 """
 
 from __future__ import annotations
 
+import enum
+
 __all__ = [
+    "FailureKind",
+    "kind_of",
+    "error_for",
     "StatebridgeError",
     "ConfigError",
     "UnsupportedModelError",
@@ -33,7 +54,12 @@ __all__ = [
     "PeerLostError",
     "TransferTimeoutError",
     "AbortedError",
+    "BusyError",
+    "NotReadyError",
+    "InvalidRequestError",
     "ClosedError",
+    "LoopTimeoutError",
+    "StartupError",
     "AuthenticationError",
 ]
 
@@ -92,9 +118,9 @@ class TransferError(StatebridgeError):
         self.peer = peer
 
     @property
-    def kind(self) -> str:
-        """Stable short name of the failure kind (used on the wire and in counters)."""
-        return _KINDS.get(type(self), "transfer_error")
+    def kind(self) -> "FailureKind":
+        """The failure kind (its value travels on the wire and names counters)."""
+        return kind_of(self)
 
 
 class PeerLostError(TransferError):
@@ -109,8 +135,33 @@ class AbortedError(TransferError):
     """The request was aborted by one of the two sides."""
 
 
+class BusyError(TransferError):
+    """The peer refused the request because a limit is reached (requests in flight and
+    queued per peer): back-pressure, retry later."""
+
+
+class NotReadyError(PeerLostError):
+    """No peer that could serve the request is connected: not yet (a node still dialling its
+    configured peers) or not any more (re-dialling a lost one). Retry later."""
+
+
+class InvalidRequestError(TransferError, ConfigError):
+    """The request itself is malformed (empty or too long prompt, bad sampling parameters, a
+    duplicate request id): the caller's mistake, never retried."""
+
+
 class ClosedError(StatebridgeError):
     """The object was closed by us; no further use is possible."""
+
+
+class StartupError(StatebridgeError):
+    """A node could not start: a rank process failed while starting (the message carries the
+    rank's own error, e.g. the checkpoint file or layer it could not load) or never came up."""
+
+
+class LoopTimeoutError(StatebridgeError, TimeoutError):
+    """A call handed to an event loop thread did not run within its bound (the loop is busy
+    or stuck)."""
 
 
 class AuthenticationError(StatebridgeError):
@@ -122,12 +173,63 @@ class AuthenticationError(StatebridgeError):
         self.peer = peer
 
 
-_KINDS = {TransferError: "transfer_error", PeerLostError: "peer_lost",
-          TransferTimeoutError: "timeout", AbortedError: "aborted"}
+class FailureKind(str, enum.Enum):
+    """Why a request failed: the wire name of a failure (see the table in the module
+    docstring). ``str(kind)`` and f-strings give the wire name."""
+
+    TRANSFER_ERROR = "transfer_error"
+    PEER_LOST = "peer_lost"
+    TIMEOUT = "timeout"
+    ABORTED = "aborted"
+    BUSY = "busy"
+    NOT_READY = "not_ready"
+    INVALID_REQUEST = "invalid_request"
+    CLOSED = "closed"
+
+    def __str__(self) -> str:
+        return self.value
+
+    def __format__(self, spec: str) -> str:
+        return format(self.value, spec)
+
+    @classmethod
+    def parse(cls, name: str) -> "FailureKind":
+        """The kind named ``name`` (from the wire); an unknown name is a plain transfer error,
+        so a newer peer's kind still fails the request rather than the connection."""
+        try:
+            return cls(name)
+        except ValueError:
+            return cls.TRANSFER_ERROR
 
 
-def transfer_error(kind: str, message: str, *, request_id: str | None = None,
-                   peer: str | None = None) -> TransferError:
-    """The :class:`TransferError` subclass named by ``kind`` (the wire form of an error)."""
-    cls = {v: k for k, v in _KINDS.items()}.get(kind, TransferError)
-    return cls(message, request_id=request_id, peer=peer)
+#: The one kind <-> exception table (most specific class first: subclasses before bases).
+_ERRORS: dict[FailureKind, type[StatebridgeError]] = {
+    FailureKind.NOT_READY: NotReadyError,
+    FailureKind.PEER_LOST: PeerLostError,
+    FailureKind.TIMEOUT: TransferTimeoutError,
+    FailureKind.ABORTED: AbortedError,
+    FailureKind.BUSY: BusyError,
+    FailureKind.INVALID_REQUEST: InvalidRequestError,
+    FailureKind.TRANSFER_ERROR: TransferError,
+    FailureKind.CLOSED: ClosedError,
+}
+_KINDS = {cls: kind for kind, cls in _ERRORS.items()}
+
+
+def kind_of(error: BaseException) -> FailureKind:
+    """The failure kind of ``error``: its class's kind, or ``transfer_error`` for anything
+    else (a model's exception, a UCX error)."""
+    for cls in type(error).__mro__:
+        kind = _KINDS.get(cls)
+        if kind is not None:
+            return kind
+    return FailureKind.TRANSFER_ERROR
+
+
+def error_for(kind: "FailureKind | str", message: str, *, request_id: str | None = None,
+              peer: str | None = None) -> StatebridgeError:
+    """The exception of ``kind`` (the wire form of an error) with ``message``."""
+    cls = _ERRORS[FailureKind.parse(kind) if not isinstance(kind, FailureKind) else kind]
+    if issubclass(cls, TransferError):
+        return cls(message, request_id=request_id, peer=peer)
+    return cls(message)

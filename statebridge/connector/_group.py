@@ -4,6 +4,11 @@ A coordinator binds one ROUTER socket; its rank processes connect to it, announc
 (``RankHello``) and heartbeat. The coordinator broadcasts commands to all ranks, collects one
 ``RankDone`` per rank per request, and declares a rank lost when it goes silent for
 ``peer_timeout`` seconds or its process exits -- whichever comes first.
+
+Both sides track their requests in one :class:`~statebridge.connector.ledger.Ledger`; what
+failing a request means on the ranks (cancel where still pending, free the page only once every
+live rank confirmed) is written here once. A rank that cannot start says so (``RankFailed``)
+or exits; either fails :meth:`RankGroup.wait_ready` at once with that rank's error.
 """
 
 from __future__ import annotations
@@ -13,7 +18,7 @@ import multiprocessing
 import threading
 import time
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable, Sequence
 
 
@@ -21,7 +26,16 @@ from statebridge.config import ConnectorConfig
 from statebridge.connector import control as c
 from statebridge.connector import messages as m
 from statebridge.connector._rank import RankSetup, rank_main
-from statebridge.errors import ClosedError, ConfigError, ProtocolError, TransferTimeoutError
+from statebridge.connector.ledger import Ledger, Record
+from statebridge.errors import (
+    ClosedError,
+    ConfigError,
+    FailureKind,
+    IncompatiblePeerError,
+    LoopTimeoutError,
+    ProtocolError,
+    StartupError,
+)
 from statebridge.security import CurveKeys
 from statebridge.state.cache import PagePool
 from statebridge.state.layout import Layout, PageGeometry
@@ -52,6 +66,10 @@ class _ProcessHandle(RankHandle):
 
     def is_alive(self) -> bool:
         return self.proc.is_alive()
+
+    @property
+    def exitcode(self) -> int | None:
+        return self.proc.exitcode
 
     def stop(self, timeout: float) -> None:
         self.proc.join(timeout)
@@ -123,12 +141,18 @@ class RankGroup:
         self.ranks = [_RankState() for _ in range(tp_size)]
         self._by_identity: dict[bytes, int] = {}
         self.rank_watch = c.PeerWatch(self.config.peer_timeout)
+        self.ledger = Ledger(tp_size, self.pool)
         self._ready = threading.Event()
+        self._started = threading.Event()        # all ranks up, or one failed to start
+        self._start_errors: dict[int, str] = {}
         self.healthy = True
         self._closed = False
-        #: Called on the loop thread with (rank, message) for rank messages the group does not
-        #: handle itself (e.g. a node's RankStepResult), and with (rank, None) when a rank is lost.
-        self.rank_message_hook: Callable[[int, m.Message | None], None] | None = None
+        self._heartbeats = 0
+        #: Handlers of rank messages the group does not know itself (a layer above the
+        #: connector, e.g. the decode node's step results), by type: ``fn(rank, msg)`` on the
+        #: loop thread. See :meth:`on_rank_message`.
+        self._rank_handlers: dict[type, Callable[[int, m.Message], None]] = {}
+        self._rank_lost_handlers: list[Callable[[int], None]] = []
         self._init_state()
         self.loop.call_every(self.config.heartbeat_interval, self._tick)
         self.loop.start()
@@ -140,6 +164,7 @@ class RankGroup:
                                 node_id=self.node_id, config=self.config,
                                 region_align=region_align, checksums=checksums,
                                 model_dir=model_dir, dist_init=dist_init,
+                                log_level=_rank_log_level(),
                                 **({"model": model} if model else {}))
                       for r in range(tp_size)]
             self.handles = launcher(setups)
@@ -153,11 +178,16 @@ class RankGroup:
 
     # -- readiness ---------------------------------------------------------------------------
     def wait_ready(self, timeout: float = 120.0) -> None:
-        """Block until every rank has announced itself."""
-        if not self._ready.wait(timeout):
+        """Block until every rank has announced itself. A rank that fails to start (it sent
+        ``RankFailed`` or its process exited) raises :class:`StartupError` at once, with that
+        rank's error; so does ``timeout`` running out."""
+        if not self._started.wait(timeout):
             missing = [r for r, s in enumerate(self.ranks) if s.identity is None]
-            raise TransferTimeoutError(f"{self.node_id}: ranks {missing} did not start within "
-                                       f"{timeout} s")
+            raise StartupError(f"{self.node_id}: ranks {missing} did not start within "
+                               f"{timeout} s")
+        if self._start_errors:
+            raise StartupError(f"{self.node_id}: " + "; ".join(
+                f"rank {r} failed to start: {why}" for r, why in sorted(self._start_errors.items())))
         if not self.healthy:
             raise ClosedError(f"{self.node_id}: a rank was lost during start-up")
 
@@ -173,8 +203,6 @@ class RankGroup:
 
     def check_peer_info(self, info: m.GroupInfo) -> PageGeometry:
         """The peer's page geometry, or IncompatiblePeerError/ConfigError naming the value."""
-        from statebridge.errors import IncompatiblePeerError
-
         expected_role = "decode" if self.role == "prefill" else "prefill"
         if info.role != expected_role:
             raise IncompatiblePeerError(f"peer {info.node_id!r} has role {info.role!r}, "
@@ -211,12 +239,18 @@ class RankGroup:
             rank = self._by_identity.get(identity)
             if isinstance(msg, m.RankHello):
                 self._on_rank_hello(identity, msg)
+            elif isinstance(msg, m.RankFailed):
+                self._on_rank_failed(msg)
             elif rank is not None:
                 self.rank_watch.heard(rank)
                 if isinstance(msg, m.RankDone):
                     self._on_rank_done(rank, msg)
-                elif not isinstance(msg, m.Heartbeat) and self.rank_message_hook is not None:
-                    self.rank_message_hook(rank, msg)
+                elif not isinstance(msg, m.Heartbeat):
+                    handler = self._rank_handlers.get(type(msg))
+                    if handler is None:
+                        self.counters.add("unexpected_messages")
+                    else:
+                        handler(rank, msg)
             else:
                 self._on_peer_message(identity, msg)
 
@@ -230,10 +264,21 @@ class RankGroup:
         self.ranks[r] = _RankState(identity, msg.address, msg.pid)
         self._by_identity[identity] = r
         self.rank_watch.heard(r)
-        if all(s.identity is not None for s in self.ranks):
+        if all(s.identity is not None for s in self.ranks) and not self._start_errors:
             log.info("%s: all %d ranks up", self.node_id, self.tp_size)
             self._ready.set()
+            self._started.set()
             self._on_group_ready()
+
+    def _on_rank_failed(self, msg: m.RankFailed) -> None:
+        r = msg.tp_rank
+        if not 0 <= r < self.tp_size or self._ready.is_set():
+            self.counters.add("protocol_errors")
+            return
+        log.error("%s: rank %d failed to start: %s", self.node_id, r, msg.message)
+        self._start_errors[r] = msg.message
+        self._rank_lost(r)
+        self._started.set()
 
     def _on_group_ready(self) -> None:
         pass
@@ -247,46 +292,61 @@ class RankGroup:
         c.send_router_many(self.router, [s.identity for s in self.ranks
                                          if s.identity is not None and not s.lost], msg)
 
-    def _mark_failed(self, req: "RequestState", kind: str, message: str) -> bool:
-        """Record the first failure of ``req`` (counted by kind); False if it had one."""
-        if req.failure is not None:
+    def fail_on_ranks(self, record: Record, kind: FailureKind, message: str,
+                      lost_node: str = "") -> bool:
+        """Record the first failure of ``record`` (counted by kind) and tell every rank still
+        working on it to cancel it (each answers RankDone once nothing of it can touch the page
+        any more). False if it had failed already."""
+        if not self.ledger.fail(record, kind, message):
             return False
-        req.failure = (kind, message)
         self.counters.add(f"failed_{kind}")
+        key = record.key
+        cancel = m.RankCancel(peer_node=key.peer_node, request_id=key.request_id,
+                              generation=key.generation, kind=kind.value, reason=message,
+                              lost_node=lost_node)
+        for r in self.ledger.pending_ranks(record):
+            self.to_rank(r, cancel)
         return True
 
-    def cancel_on_ranks(self, req: "RequestState", kind: str, message: str,
-                        lost_node: str = "") -> None:
-        """Tell every rank still working on ``req`` to cancel it (each answers RankDone once
-        nothing of it can touch the page any more)."""
-        cancel = m.RankCancel(request_id=req.request_id, generation=req.generation, kind=kind,
-                              reason=message, lost_node=lost_node)
-        for r in req.ranks_pending(self):
-            self.to_rank(r, cancel)
-
-    def send_to_ranks(self, msg: m.Message) -> None:
-        """Broadcast ``msg`` to every rank; safe from any thread."""
-        self.loop.call_soon(self.to_ranks, msg)
-
     def _tick(self) -> None:
-        hb = m.Heartbeat(node_id=self.node_id, seq=0)
-        self.to_ranks(hb)
+        self._heartbeats += 1
+        self.to_ranks(m.Heartbeat(node_id=self.node_id, seq=self._heartbeats))
         if self._closed:
             return
         lost = set(self.rank_watch.expired())
         for r, handle in enumerate(self.handles):
             if not self.ranks[r].lost and not handle.is_alive():
                 lost.add(r)
+                if not self._ready.is_set() and r not in self._start_errors:
+                    code = getattr(handle, "exitcode", None)
+                    self._start_errors[r] = (f"its process exited (code {code}) before it "
+                                             f"announced itself; see its output")
         for r in sorted(lost):
-            if not self.ranks[r].lost:
-                self.ranks[r].lost = True
-                self.healthy = False
-                self.counters.add("ranks_lost")
-                log.error("%s: rank %d lost", self.node_id, r)
-                self._on_rank_lost(r)
-                if self.rank_message_hook is not None:
-                    self.rank_message_hook(r, None)
+            self._rank_lost(r)
+        if self._start_errors:
+            self._started.set()
         self._on_tick()
+
+    def _rank_lost(self, r: int) -> None:
+        if self.ranks[r].lost:
+            return
+        self.ranks[r].lost = True
+        self.ledger.lost.add(r)
+        self.healthy = False
+        self.counters.add("ranks_lost")
+        log.error("%s: rank %d lost", self.node_id, r)
+        self._on_rank_lost(r)
+        for handler in self._rank_lost_handlers:
+            handler(r)
+
+    def on_rank_message(self, msg_type: type, handler: Callable[[int, m.Message], None]) -> None:
+        """Route rank messages of ``msg_type`` to ``handler(rank, msg)`` on the loop thread
+        (call before the ranks can send them, e.g. before :meth:`wait_ready`)."""
+        self._rank_handlers[msg_type] = handler
+
+    def on_rank_lost(self, handler: Callable[[int], None]) -> None:
+        """Call ``handler(rank)`` on the loop thread after a rank was declared lost."""
+        self._rank_lost_handlers.append(handler)
 
     def _on_tick(self) -> None:
         pass
@@ -311,7 +371,7 @@ class RankGroup:
             try:
                 self.loop.call(self._shutdown_ranks, timeout=timeout)
                 told = True
-            except (ClosedError, TimeoutError):
+            except (ClosedError, LoopTimeoutError):
                 pass
         if not told:
             timeout = 0.5      # nobody told the ranks to stop: do not wait for them politely
@@ -333,10 +393,12 @@ class RankGroup:
         the pages it may still touch (requests without its RankDone)."""
         return {"pages_used": self.pool.num_used, "pages_free": self.pool.num_free,
                 "pages_total": self.num_pages,
-                "rank_pages_busy": [sum(r in q.ranks_pending(self)
-                                        for q in self.requests.values())
-                                    for r in range(self.tp_size)],
-                "requests_in_flight": len(self.requests)}
+                "rank_pages_busy": self.ledger.busy_pages(),
+                "requests_in_flight": self._in_flight()}
+
+    def _in_flight(self) -> int:
+        """Requests that still hold a page for the transfer (both sides: until freed)."""
+        return len(self.ledger)
 
     def __enter__(self):
         return self
@@ -345,19 +407,9 @@ class RankGroup:
         self.close()
 
 
-@dataclass
-class RequestState:
-    """A request as a coordinator tracks it, until its page is freed."""
-
-    request_id: str
-    generation: int
-    page: int
-    peer: object
-    started: float = field(default_factory=time.perf_counter)
-    done: dict[int, m.RankDone] = field(default_factory=dict)
-    failure: tuple[str, str] | None = None
-    complete: bool = False
-    deadline: float = 0.0
-
-    def ranks_pending(self, group: RankGroup) -> list[int]:
-        return [r for r in range(group.tp_size) if r not in self.done and not group.ranks[r].lost]
+def _rank_log_level() -> str:
+    """The level rank processes log at: the application's, when it configured logging (the
+    CLI does); else none, and the ranks leave logging alone like any library."""
+    if not logging.getLogger().handlers:
+        return ""
+    return logging.getLevelName(logging.getLogger("statebridge").getEffectiveLevel())

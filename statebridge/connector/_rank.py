@@ -5,7 +5,15 @@ A rank owns its :class:`~statebridge.state.cache.StateCache` (page memory) and i
 coordinator over one DEALER socket: it announces itself (``RankHello`` with its UCX address),
 heartbeats, and executes ``RankConnect`` / ``RankPrefill`` / ``RankRecv`` / ``RankCancel``,
 answering each request with exactly one ``RankDone`` -- sent only once nothing of the request
-can still touch the page (transfers complete or cancelled).
+can still touch the page (transfers complete or cancelled). A request is named by its
+:class:`~statebridge.connector.ledger.RequestKey` ``(peer_node, request_id, generation)``, as on
+the coordinator.
+
+The model (a :class:`RankModel`) runs on the rank's compute thread. Besides ``prefill`` it may
+serve messages of its own (:meth:`RankModel.handlers`; the decode node's batched decode steps are
+one), in arrival order with the prefills; the connector knows nothing of what they mean.
+A rank that cannot start (model, checkpoint, UCX) tells its coordinator ``RankFailed`` with the
+error before it exits, so the node fails at once with that message.
 
 A rank that stops hearing its coordinator for ``peer_timeout`` seconds shuts itself down, so a
 killed node leaves no orphans.
@@ -28,7 +36,8 @@ import numpy as np
 from statebridge.config import ConnectorConfig
 from statebridge.connector import control as c
 from statebridge.connector import messages as m
-from statebridge.errors import ProtocolError, StatebridgeError, TransferError
+from statebridge.connector.ledger import RequestKey
+from statebridge.errors import FailureKind, ProtocolError, StatebridgeError, kind_of
 from statebridge.security import CurveKeys
 from statebridge.state.cache import StateCache
 from statebridge.state.layout import PageGeometry
@@ -48,10 +57,10 @@ __all__ = ["RankSetup", "RankWorker", "RankModel", "SyntheticModel", "rank_main"
 class RankModel:
     """What runs on a rank's compute thread: the model (or a stand-in).
 
-    ``prefill`` writes the state of ``prompt`` into ``page`` of the rank's cache; ``step`` runs
-    one decode step of a batch and returns the sampled tokens (on the rank that samples) or
-    None. Both run in arrival order on every rank of the group, so collective ops across ranks
-    line up.
+    ``prefill`` writes the state of ``prompt`` into ``page`` of the rank's cache. ``handlers``
+    names further coordinator messages the model serves (e.g. a decode step): each handler
+    returns the reply to send to the coordinator, or None. Everything runs in arrival order on
+    every rank of the group, so collective ops across ranks line up.
     """
 
     def __init__(self, setup: "RankSetup", cache: StateCache) -> None:
@@ -64,8 +73,15 @@ class RankModel:
     def prefill(self, page: int, prompt: tuple[int, ...], request_id: str) -> None:
         raise NotImplementedError
 
-    def step(self, msg: m.RankStep) -> tuple[int, ...] | None:
-        raise StatebridgeError(f"{type(self).__name__} cannot decode")
+    @classmethod
+    def validate(cls, model_dir: str, tp_size: int) -> None:
+        """Called in the node's process before any rank starts: raise a typed error naming
+        the value if ``model_dir`` cannot be served at ``tp_size`` (nothing to check here)."""
+
+    def handlers(self) -> "dict[type, Callable[[m.Message], m.Message | None]]":
+        """Message type -> handler, run on the compute thread. A handler that raises is
+        logged and answered with nothing: handlers report their own failures."""
+        return {}
 
     def close(self) -> None:
         pass
@@ -98,6 +114,7 @@ class RankSetup:
     model_dir: str = ""                                         # checkpoint, for real models
     dist_init: str = ""                                         # torch.distributed rendezvous
     checksums: bool = False
+    log_level: str = ""                                         # "": leave logging alone
 
 
 def load_callable(name: str) -> Callable:
@@ -123,8 +140,7 @@ class _Route:
 
 @dataclass
 class _Pending:
-    request_id: str
-    generation: int
+    key: RequestKey
     page: int
     handles: list
     started: float
@@ -156,12 +172,14 @@ class RankWorker:
                                      keys=CurveKeys.from_config(self.config))
         self.loop.add_reader(self.sock, self._on_message)
         self.routes: dict[str, list[_Route]] = {}        # peer node -> this rank's pairs
-        self.computing: dict[tuple[str, int], tuple[str, str] | None] = {}
+        #: Requests queued for or on the compute thread -> None, or why they were cancelled.
+        self.computing: dict[RequestKey, tuple[str, str] | None] = {}
+        self._model_handlers = self.model.handlers()
         self._compute_q: queue.Queue = queue.Queue()
         self._compute = threading.Thread(target=self._compute_main, daemon=True,
                                          name=f"{setup.role}-rank{setup.tp_rank}-compute")
         self._compute.start()
-        self.pending: dict[tuple[str, int], _Pending] = {}
+        self.pending: dict[RequestKey, _Pending] = {}
         self._next_timeout_scan = 0.0
         self._next_full_scan = 0.0
         #: Newest generation the coordinator announced to this rank (RankRecv /
@@ -169,6 +187,7 @@ class RankWorker:
         #: received (see :meth:`_may_arrive`).
         self.announced_generation = 0
         self.coordinator_watch = c.PeerWatch(self.config.peer_timeout)
+        self._heartbeats = 0
         self.coordinator_watch.heard("coordinator")
         self.counters = c.Counters()
         # UCX progress is driven by this loop: it sleeps in poll() on the zmq socket AND the
@@ -204,7 +223,9 @@ class RankWorker:
         c.send_dealer(self.sock, message)
 
     def _heartbeat(self) -> None:
-        self._send(m.Heartbeat(node_id=f"{self.setup.node_id}/{self.setup.tp_rank}", seq=0))
+        self._heartbeats += 1
+        self._send(m.Heartbeat(node_id=f"{self.setup.node_id}/{self.setup.tp_rank}",
+                               seq=self._heartbeats))
         try:
             self.transport.reject_unannounced(self._may_arrive, grace=self.config.peer_timeout)
         except StatebridgeError as e:
@@ -228,10 +249,12 @@ class RankWorker:
                 log.warning("rank %d: bad message from coordinator: %s", self.setup.tp_rank, msg)
                 continue
             handler = handlers.get(type(msg))
-            if handler is None:
+            if handler is not None:
+                handler(msg)
+            elif type(msg) in self._model_handlers:
+                self._compute_q.put(msg)              # the model's own work, in order
+            else:
                 self.counters.add("unexpected_messages")
-                continue
-            handler(msg)
         if heard:
             self.coordinator_watch.heard("coordinator")
 
@@ -244,7 +267,6 @@ class RankWorker:
             m.RankRecv: self._on_recv,
             m.RankCancel: self._on_cancel,
             m.RankLocalPrefill: self._on_local_prefill,
-            m.RankStep: self._on_step,
             m.RankShutdown: lambda msg: self.loop.request_stop(),
         }
 
@@ -282,22 +304,19 @@ class RankWorker:
         return routes
 
     def _on_prefill(self, msg: m.RankPrefill) -> None:
+        key = RequestKey(msg.peer_node, msg.request_id, msg.generation)
         if msg.peer_node not in self.routes:
-            self._done(msg.request_id, msg.generation, "transfer_error",
-                       f"no connection to {msg.peer_node!r}")
+            self._done(key, FailureKind.TRANSFER_ERROR, f"no connection to {msg.peer_node!r}")
             return
         # The model runs on the compute thread, in arrival order (every rank of the group sees
         # the same order, which collective ops across ranks need); this loop keeps serving
         # heartbeats and other transfers meanwhile.
-        self.computing[(msg.request_id, msg.generation)] = None
+        self.computing[key] = None
         self._compute_q.put(msg)
 
     def _on_local_prefill(self, msg: m.RankLocalPrefill) -> None:
         self._announce(msg.generation)
-        self.computing[(msg.request_id, msg.generation)] = None
-        self._compute_q.put(msg)
-
-    def _on_step(self, msg: m.RankStep) -> None:
+        self.computing[RequestKey("", msg.request_id, msg.generation)] = None
         self._compute_q.put(msg)
 
     def _compute_main(self) -> None:
@@ -305,7 +324,8 @@ class RankWorker:
 
         Results go back in batches (one loop wake-up each), so a backlog of cheap work (a
         stand-in model) costs one hand-off. Held results go to the loop before the thread
-        blocks on an empty queue, before a decode step, after work that took
+        blocks on an empty queue, before a model message (:meth:`RankModel.handlers`: a decode
+        step is latency-bound), after work that took
         :data:`_RESULT_HOLD_S` or more (the next is likely as slow: a real model), and once the
         first held result is that old -- a result waits at most about one cheap item.
         """
@@ -325,7 +345,8 @@ class RankWorker:
             if results and self._compute_q.empty() and not hand_over():
                 return
             msg = self._compute_q.get()
-            if results and (msg is None or isinstance(msg, m.RankStep) or took >= _RESULT_HOLD_S
+            model_handler = None if msg is None else self._model_handlers.get(type(msg))
+            if results and (msg is None or model_handler is not None or took >= _RESULT_HOLD_S
                             or time.perf_counter() - first_at >= _RESULT_HOLD_S) \
                     and not hand_over():
                 return
@@ -333,22 +354,16 @@ class RankWorker:
                 self.model.close()
                 return
             started = time.perf_counter()
-            if isinstance(msg, m.RankStep):
-                tokens, error = None, ""
+            if model_handler is not None:
+                reply = None
                 try:
-                    tokens = self.model.step(msg)
-                except Exception as e:
-                    log.exception("rank %d: decode step %d failed", self.setup.tp_rank, msg.step)
-                    error = f"{type(e).__name__}: {e}"
-                result = None
-                if error or tokens is not None:
-                    result = m.RankStepResult(step=msg.step, tp_rank=self.setup.tp_rank,
-                                              tokens=tuple(tokens or ()),
-                                              kind="transfer_error" if error else "",
-                                              message=error)
-                callback, args = (self._send, (result,)) if result else (None, ())
+                    reply = model_handler(msg)
+                except Exception:  # noqa: BLE001 -- the handler's own failure: logged
+                    log.exception("rank %d: %s failed", self.setup.tp_rank, type(msg).__name__)
+                    self.counters.add("model_handler_errors")
+                callback, args = (self._send, (reply,)) if reply is not None else (None, ())
             else:
-                key = (msg.request_id, msg.generation)
+                key = _key_of(msg)
                 error = None
                 if self.computing.get(key) is None:       # not cancelled while queued
                     page = msg.src_page if isinstance(msg, m.RankPrefill) else msg.page
@@ -368,18 +383,18 @@ class RankWorker:
 
     def _after_compute(self, msg: "m.RankPrefill | m.RankLocalPrefill",
                        error: str | None) -> None:
-        key = (msg.request_id, msg.generation)
+        key = _key_of(msg)
         cancelled = self.computing.pop(key, None)
         if cancelled is not None:
-            self._done(msg.request_id, msg.generation, *cancelled)
+            self._done(key, *cancelled)
             return
         if error is not None:
-            self._done(msg.request_id, msg.generation, "transfer_error", error)
+            self._done(key, FailureKind.TRANSFER_ERROR, error)
             return
         if isinstance(msg, m.RankLocalPrefill):
-            self._done(msg.request_id, msg.generation, "", "")
+            self._done(key, "", "")
             return
-        pending = _Pending(msg.request_id, msg.generation, msg.src_page, [], time.perf_counter())
+        pending = _Pending(key, msg.src_page, [], time.perf_counter())
         self._post_routes(pending, self.routes[msg.peer_node], "send",
                           self.cache.page_offset(msg.src_page))
 
@@ -389,7 +404,7 @@ class RankWorker:
         routes from their templates, staged ones packed from / unpacked into the page); the
         request is pending once all are posted, or fails at once when one post raises."""
         transport = self.transport
-        generation = pending.generation
+        generation = pending.key.generation
         try:
             for route in routes:
                 pair = route.pair
@@ -410,16 +425,16 @@ class RankWorker:
         except StatebridgeError as e:
             self._post_failed(pending, e)
             return
-        self.pending[(pending.request_id, generation)] = pending
+        self.pending[pending.key] = pending
 
     def _post_failed(self, pending: "_Pending", error: StatebridgeError) -> None:
         """A post raised (peer declared lost, transport closed, bad runs): the request fails
         now, its posted handles are cancelled, and the coordinator hears it at once."""
         for h in pending.handles:
             h.cancel()
-        kind = error.kind if isinstance(error, TransferError) else "transfer_error"
+        kind = kind_of(error)
         self.counters.add(f"failed_{kind}")
-        self._done(pending.request_id, pending.generation, kind, f"posting failed: {error}")
+        self._done(pending.key, kind, f"posting failed: {error}")
 
     def _announce(self, generation: int) -> None:
         if _generation_after(generation, self.announced_generation):
@@ -445,33 +460,34 @@ class RankWorker:
             return False
         if _generation_after(generation, self.announced_generation):
             return True
-        return any(g == generation for (_, g) in self.pending)
+        return any(key.generation == generation for key in self.pending)
 
     def _on_recv(self, msg: m.RankRecv) -> None:
         self._announce(msg.generation)
+        key = RequestKey(msg.peer_node, msg.request_id, msg.generation)
         routes = self.routes.get(msg.peer_node)
         if routes is None:
-            self._done(msg.request_id, msg.generation, "transfer_error",
-                       f"no connection to {msg.peer_node!r}")
+            self._done(key, FailureKind.TRANSFER_ERROR, f"no connection to {msg.peer_node!r}")
             return
-        pending = _Pending(msg.request_id, msg.generation, msg.dst_page, [], time.perf_counter())
-        self._post_routes(pending, routes, "recv", self.cache.page_offset(msg.dst_page))
+        pending = _Pending(key, msg.page, [], time.perf_counter())
+        self._post_routes(pending, routes, "recv", self.cache.page_offset(msg.page))
 
     def _on_cancel(self, msg: m.RankCancel) -> None:
         if msg.lost_node:
             for peer in self._peers_of(msg.lost_node):
                 self.transport.fail_peer(peer, f"peer node {msg.lost_node} lost")
-        key = (msg.request_id, msg.generation)
+        key = RequestKey(msg.peer_node, msg.request_id, msg.generation)
+        kind = msg.kind or FailureKind.ABORTED.value
         if key in self.computing:
             # Still queued or computing: answered when the compute thread hands it back.
-            self.computing[key] = (msg.kind or "aborted", msg.reason)
+            self.computing[key] = (kind, msg.reason)
             return
         pending = self.pending.get(key)
         if pending is None:
             # Nothing in flight here (never started or already done): confirm at once.
-            self._done(msg.request_id, msg.generation, msg.kind or "aborted", msg.reason)
+            self._done(key, kind, msg.reason)
             return
-        pending.failure = (msg.kind or "aborted", msg.reason)
+        pending.failure = (kind, msg.reason)
         for h in pending.handles:
             if not h.done():
                 h.cancel()
@@ -516,12 +532,12 @@ class RankWorker:
         limit = self.config.transfer_timeout
         for p in self.pending.values():
             if p.failure is None and now - p.started > limit:
-                p.failure = ("timeout", f"transfer not done after {limit} s")
+                p.failure = (FailureKind.TIMEOUT.value, f"transfer not done after {limit} s")
                 for h in p.handles:
                     if not h.done():
                         h.cancel()
 
-    def _settle(self, key: tuple[str, int]) -> None:
+    def _settle(self, key: RequestKey) -> None:
         """A request whose handles are all finished: answer the coordinator with its outcome."""
         p = self.pending.pop(key)
         kind, message = p.failure or ("", "")
@@ -529,23 +545,22 @@ class RankWorker:
             for h in p.handles:
                 error = h.error                 # every handle is finished here
                 if error is not None:
-                    kind = error.kind if isinstance(error, TransferError) else "transfer_error"
-                    message = str(error)
+                    kind, message = kind_of(error).value, str(error)
                     break
         checksum = ""
         if not kind and self.setup.checksums and self.setup.role == "decode":
             checksum = page_checksum(self.geometry, self.cache.page_bytes(p.page))
         self.counters.add("transfers_ok" if not kind else f"failed_{kind}")
         self.counters.add("bytes", p.nbytes)
-        self._done(p.request_id, p.generation, kind, message, checksum,
-                   seconds=time.perf_counter() - p.started, nbytes=p.nbytes,
-                   messages=p.messages)
+        self._done(key, kind, message, checksum, seconds=time.perf_counter() - p.started,
+                   nbytes=p.nbytes, messages=p.messages)
 
-    def _done(self, request_id: str, generation: int, kind: str, message: str,
+    def _done(self, key: RequestKey, kind: "FailureKind | str", message: str,
               checksum: str = "", *, seconds: float = 0.0, nbytes: int = 0,
               messages: int = 0) -> None:
-        self._send(m.RankDone(tp_rank=self.setup.tp_rank, request_id=request_id,
-                              generation=generation, kind=kind, message=message,
+        self._send(m.RankDone(tp_rank=self.setup.tp_rank, peer_node=key.peer_node,
+                              request_id=key.request_id, generation=key.generation,
+                              kind=str(kind), message=message,
                               checksum=checksum, seconds=seconds, nbytes=nbytes,
                               messages=messages, staging_bytes=self.transport.staging_bytes))
 
@@ -573,6 +588,11 @@ def _run_all(calls: list) -> None:
             log.exception("handling the result of %r failed", fn)
 
 
+def _key_of(msg: "m.RankPrefill | m.RankLocalPrefill") -> RequestKey:
+    peer = msg.peer_node if isinstance(msg, m.RankPrefill) else ""
+    return RequestKey(peer, msg.request_id, msg.generation)
+
+
 def _generation_after(a: int, b: int) -> bool:
     """``a`` is newer than ``b`` in the 32-bit generation sequence (serial number arithmetic,
     so the order survives the wrap-around after 2**32 attempts)."""
@@ -580,9 +600,36 @@ def _generation_after(a: int, b: int) -> bool:
 
 
 def rank_main(setup: RankSetup) -> None:
-    """Entry point of a rank process."""
-    logging.basicConfig(level=os.environ.get("STATEBRIDGE_LOG_LEVEL", "WARNING"),
-                        format=f"%(asctime)s {setup.role}-rank{setup.tp_rank} %(levelname)s "
-                               f"%(name)s: %(message)s")
-    RankWorker(setup).run()
+    """Entry point of a rank process. A rank that cannot start tells its coordinator why
+    (``RankFailed``), then exits with status 1."""
+    if setup.log_level:
+        # A spawned process has no logging configured; the node's CLI passes its level on.
+        # (Library use leaves the rank's logging to the embedding application.)
+        logging.basicConfig(level=setup.log_level,
+                            format=f"%(asctime)s {setup.role}-rank{setup.tp_rank} %(levelname)s "
+                                   f"%(name)s: %(message)s")
+    try:
+        worker = RankWorker(setup)
+    except Exception as e:  # noqa: BLE001 -- reported to the coordinator, then the rank exits
+        log.exception("%s rank %d failed to start", setup.role, setup.tp_rank)
+        _report_start_failure(setup, f"{type(e).__name__}: {e}")
+        raise SystemExit(1) from None
+    worker.run()
+
+
+def _report_start_failure(setup: RankSetup, message: str) -> None:
+    """Best effort: one RankFailed to the coordinator, flushed before the process exits."""
+    import zmq
+
+    try:
+        ctx = zmq.Context.instance()
+        sock = c.connect_dealer(ctx, setup.coordinator,
+                                keys=CurveKeys.from_config(setup.config))
+        try:
+            c.send_dealer(sock, m.RankFailed(tp_rank=setup.tp_rank, message=message[:4000]))
+            c.flush(sock)
+        finally:
+            sock.close(linger=2000)
+    except Exception as e:  # noqa: BLE001 -- the coordinator also sees the process exit
+        log.warning("could not report the start failure to %s: %s", setup.coordinator, e)
 

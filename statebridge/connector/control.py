@@ -29,7 +29,13 @@ from typing import TYPE_CHECKING, Callable, Sequence
 import zmq
 
 from statebridge.connector import messages as m
-from statebridge.errors import AuthenticationError, ClosedError, ConfigError, ProtocolError
+from statebridge.errors import (
+    AuthenticationError,
+    ClosedError,
+    ConfigError,
+    LoopTimeoutError,
+    ProtocolError,
+)
 
 if TYPE_CHECKING:
     from statebridge.security import CurveKeys
@@ -87,6 +93,9 @@ class EventLoop:
         self.on_idle: Callable[[], None] | None = None      # called every iteration
         self.before_sleep: Callable[[], bool] | None = None  # False: not safe to sleep now
         self.slow_handler = 0.25                            # log handlers slower than this
+        #: Calls handed to this loop from other threads (call_soon / call): each is a wake-up
+        #: and a thread switch; the decode node's per-request path makes none.
+        self.handoffs = 0
         # (socket, identity or None) -> encoded messages queued this iteration (see flush)
         self._outbox: dict[tuple[zmq.Socket, bytes | None], list[bytes]] = {}
 
@@ -124,6 +133,8 @@ class EventLoop:
         if self._closed:
             raise ClosedError(f"event loop {self.name!r} is closed")
         self._calls.append((fn, args))
+        if threading.current_thread() is not self._thread:
+            self.handoffs += 1
         self.wake()
 
     def call(self, fn: Callable, *args, timeout: float = 10.0):
@@ -142,7 +153,8 @@ class EventLoop:
                 done.set()
         self.call_soon(run)
         if not done.wait(timeout):
-            raise TimeoutError(f"event loop {self.name!r} did not run {fn!r} within {timeout} s")
+            raise LoopTimeoutError(f"event loop {self.name!r} did not run {fn!r} within "
+                                   f"{timeout} s")
         if "error" in box:
             raise box["error"]  # type: ignore[misc]
         return box.get("value")

@@ -13,14 +13,22 @@ Per request (N-1 protocol)::
       future resolves to a TransferResult;  --TransferComplete--> prefill (its lease ends)
     release(result)        the caller is done with the page (decoding finished)
 
-Failures become typed errors on the request's future (``PeerLostError``,
-``TransferTimeoutError``, ``AbortedError``, ``TransferError``) as soon as they are known; the page
-is freed only after every decode rank confirmed that none of its receives can still write into
-it. A prefill server that goes silent for ``peer_timeout`` seconds (or says Goodbye) fails every
+Two ways in: :meth:`DecodeCoordinator.start` / :meth:`~DecodeCoordinator.free` /
+:meth:`~DecodeCoordinator.cancel` run ON the coordinator's loop thread and report through a
+callback (the decode node, whose front door and scheduler live on this loop, uses them: no thread
+hand-off per request or token); :meth:`~DecodeCoordinator.submit`, :meth:`release` and friends
+are the thread-safe wrappers (one hand-off each) that return futures. Requests live in
+``self.ledger`` keyed by ``RequestKey(prefill node id, request id, generation)`` (``""`` for a
+local recompute).
+
+Failures become typed errors (``PeerLostError``, ``NotReadyError``, ``TransferTimeoutError``,
+``AbortedError``, ``TransferError``) as soon as they are known; the page is freed only after
+every decode rank confirmed that none of its receives can still write into it. A prefill server that goes silent for ``peer_timeout`` seconds (or says Goodbye) fails every
 request it touched; other prefill servers keep serving.
 
 Reconnect: an address given to :meth:`DecodeCoordinator.connect` (after its first handshake
-succeeded) is kept and re-dialed when its server is lost -- a fresh socket and a fresh handshake
+succeeded, or at once with ``wait=False``: a node started before its prefill nodes) is kept and
+dialled until its server answers, and re-dialed when its server is lost -- a fresh socket and a fresh handshake
 every ``REDIAL_MIN_S`` .. ``REDIAL_MAX_S`` seconds (doubling), each attempt bounded by
 ``handshake_timeout``. Nothing of the old connection can land after a reconnect: its requests
 already failed (and their pages were freed only once every decode rank confirmed its receives
@@ -35,31 +43,36 @@ import logging
 import threading
 import time
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Callable, Sequence
 
 import zmq
 
 from statebridge.connector import control as c
 from statebridge.connector import messages as m
-from statebridge.connector._group import RankGroup, RequestState
+from statebridge.connector._group import RankGroup
+from statebridge.connector.ledger import Phase, Record, RequestKey
 from statebridge.security import CurveKeys
 from statebridge.errors import (
     CacheFullError,
     ClosedError,
     ConfigError,
+    FailureKind,
     IncompatiblePeerError,
+    InvalidRequestError,
+    NotReadyError,
     PeerLostError,
     ProtocolError,
     StatebridgeError,
+    TransferError,
     TransferTimeoutError,
-    transfer_error,
+    error_for,
 )
 from statebridge.state.layout import PageGeometry
 from statebridge.state.plan import TransferPlan
 
 log = logging.getLogger(__name__)
 
-__all__ = ["DecodeCoordinator", "TransferResult"]
+__all__ = ["DecodeCoordinator", "TransferResult", "OnDone"]
 
 REDIAL_MIN_S = 0.5     # first re-dial of a lost prefill server, after this many seconds
 REDIAL_MAX_S = 2.0     # the wait doubles per failed attempt, up to this
@@ -81,6 +94,10 @@ class TransferResult:
     rank_staging_bytes: tuple[int, ...]   # each decode rank's transport staging counter (total)
 
 
+#: ``on_done(result, error)`` of :meth:`DecodeCoordinator.start`: exactly one is not None.
+OnDone = Callable[["TransferResult | None", "TransferError | None"], None]
+
+
 class _Prefill:
     """One connected prefill server, as the decode coordinator sees it."""
 
@@ -99,19 +116,16 @@ class _Prefill:
 class _Dial:
     """A prefill address the coordinator keeps connected: re-dialed while its server is lost."""
 
-    def __init__(self, address: str, peer: _Prefill) -> None:
+    def __init__(self, address: str, peer: _Prefill | None) -> None:
         self.address = address
         self.peer: _Prefill | None = peer            # the live connection or the attempt
-        self.node_id = peer.node_id                  # of the last successful handshake
+        self.node_id = peer.node_id if peer else ""  # of the last successful handshake
+        self.connected = peer is not None            # a handshake ever succeeded
         self.wait = REDIAL_MIN_S
         self.next_at = 0.0
         self.attempts = 0                            # since the connection was lost
         self.lost_at = 0.0
         self.last_why = ""                           # logged once per change
-
-
-class _Request(RequestState):
-    pass
 
 
 class DecodeCoordinator(RankGroup):
@@ -122,10 +136,10 @@ class DecodeCoordinator(RankGroup):
     def _init_state(self) -> None:
         self.prefills: dict[str, _Prefill] = {}      # node id (or address before Hello) -> peer
         self._by_sock: dict[zmq.Socket, _Prefill] = {}
-        self.requests: dict[tuple[str, int], RequestState] = {}
-        self.futures: dict[tuple[str, int], concurrent.futures.Future] = {}
-        self.current: dict[str, int] = {}            # request id -> live generation
-        self.results: dict[str, TransferResult] = {}
+        #: request id -> its live attempt (ACTIVE, FAILED until its page is free, or DONE until
+        #: released): a request id is in use exactly while it is here.
+        self.current: dict[str, RequestKey] = {}
+        self._callbacks: dict[RequestKey, OnDone] = {}
         self._generations = itertools.count(1)
         self._rr = itertools.count()
         self.prefill_watch = c.PeerWatch(self.config.peer_timeout)
@@ -133,13 +147,21 @@ class DecodeCoordinator(RankGroup):
 
     # -- prefill servers -------------------------------------------------------------------------
     def connect(self, address: str, timeout: float | None = None, *,
-                redial: bool = True) -> str:
+                redial: bool = True, wait: bool = True) -> str | None:
         """Handshake with the prefill server at ``host:port``; returns its node id.
 
         With ``redial`` (the default) the address is kept once this handshake succeeded: when
         its server is lost later, the coordinator re-dials it with backoff until it answers
-        again (or :meth:`close`). A failed first handshake raises and keeps nothing."""
+        again (or :meth:`close`). A failed first handshake raises and keeps nothing.
+
+        With ``wait=False`` the address is kept at once and dialled in the background with
+        the same backoff until its server answers (a node started before its prefill nodes);
+        returns None. Meanwhile requests fail with :class:`NotReadyError`; see :meth:`status`.
+        """
         self.wait_ready()
+        if not wait:
+            self.loop.call(self._dial_later, address)
+            return None
         timeout = self.config.handshake_timeout if timeout is None else timeout
         peer = self.loop.call(self._open, address)
         if not peer.event.wait(timeout):
@@ -154,6 +176,33 @@ class DecodeCoordinator(RankGroup):
         if redial:
             self.loop.call(self._keep, address, peer)
         return peer.node_id
+
+    def _dial_later(self, address: str) -> None:
+        if self._closed or address in self._dials:
+            return
+        dial = self._dials[address] = _Dial(address, None)
+        dial.lost_at = time.monotonic()
+        log.info("%s: dialling prefill %s (every %.1f-%.1f s until it answers)", self.node_id,
+                 address, REDIAL_MIN_S, REDIAL_MAX_S)
+        dial.attempts = 1
+        dial.peer = self._open(address)
+        dial.peer.deadline = dial.lost_at + self.config.handshake_timeout
+
+    def status(self) -> tuple[bool, str]:
+        """(ready, why not) on the loop thread: ready once the group is up and a prefill server
+        is connected; else the reason, naming the addresses still being dialled."""
+        if self._closed:
+            return False, f"{self.node_id} is closed"
+        if not self.healthy:
+            return False, f"decode group {self.node_id} lost a rank"
+        if not self._ready.is_set():
+            return False, f"decode ranks of {self.node_id} are starting"
+        if any(p.state == "ready" for p in self.prefills.values()):
+            return True, ""
+        dialling = [f"{d.address} (attempt {d.attempts}{': ' + d.last_why if d.last_why else ''})"
+                    for d in self._dials.values()]
+        return False, ("no prefill server connected" +
+                       (f"; dialling {', '.join(dialling)}" if dialling else ""))
 
     def _keep(self, address: str, peer: _Prefill) -> None:
         if self._closed:
@@ -210,11 +259,16 @@ class DecodeCoordinator(RankGroup):
         dial = self._dials.get(peer.address)
         if dial is None or dial.peer is not peer:
             return
-        if dial.lost_at:
+        if dial.lost_at and not dial.connected:
+            log.info("%s: prefill %s at %s connected after %d attempts (%.1f s)",
+                     self.node_id, peer.node_id, dial.address, dial.attempts,
+                     time.monotonic() - dial.lost_at)
+        elif dial.lost_at:
             log.info("%s: prefill %s at %s connected again after %d attempts (%.1f s); was %s",
                      self.node_id, peer.node_id, dial.address, dial.attempts,
                      time.monotonic() - dial.lost_at, dial.node_id)
             self.counters.add("prefills_reconnected")
+        dial.connected = True
         dial.node_id = peer.node_id
         dial.wait, dial.attempts, dial.lost_at, dial.last_why = REDIAL_MIN_S, 0, 0.0, ""
         peer.deadline = 0.0
@@ -283,14 +337,15 @@ class DecodeCoordinator(RankGroup):
             self._redialed(peer)
             peer.event.set()
         elif isinstance(msg, m.TransferFailed):
-            req = self.requests.get((msg.request_id, msg.generation))
-            if req is None:
+            record = self.ledger.get(RequestKey(peer.node_id, msg.request_id, msg.generation))
+            if record is None:
                 self.counters.add("stale_messages")
                 return
             # Only this request: the server still talks to us, so its endpoints stay. (Failing
             # them here -- lost_node -- would leave every later request of this connection
             # posting to a peer the ranks consider lost, with no RankConnect to revive it.)
-            self._fail(req, msg.kind, f"prefill {peer.node_id}: {msg.message}", notify=False)
+            self._fail(record, FailureKind.parse(msg.kind),
+                       f"prefill {peer.node_id}: {msg.message}", notify=False)
         elif isinstance(msg, m.Goodbye):
             self._prefill_lost(peer, "said goodbye")
         elif isinstance(msg, m.Error):
@@ -328,24 +383,113 @@ class DecodeCoordinator(RankGroup):
         peer.state = "lost"
         self.counters.add("prefills_lost")
         log.warning("%s: prefill %s lost (%s)", self.node_id, peer.node_id, why)
-        for req in [r for r in self.requests.values() if r.peer == peer.node_id]:
-            self._fail(req, "peer_lost", f"prefill {peer.node_id} lost ({why})", notify=False,
-                       lost_node=peer.node_id)
+        for record in self.ledger.of_peer(peer.node_id):
+            self._fail(record, FailureKind.PEER_LOST, f"prefill {peer.node_id} lost ({why})",
+                       notify=False, lost_node=peer.node_id)
         self._drop_prefill(peer, why)
 
     def prefill_nodes(self) -> list[str]:
         return self.loop.call(lambda: [n for n, p in self.prefills.items() if p.state == "ready"])
 
-    # -- requests ------------------------------------------------------------------------------
+    # -- requests: on the loop thread ---------------------------------------------------------
+    def start(self, request_id: str, prompt: Sequence[int], on_done: OnDone, *,
+              prefill: str | None = None, local: bool = False) -> RequestKey:
+        """Start moving the state of ``prompt`` (the N-1 prefix) into a page of every decode
+        rank (``local``: compute it on the decode ranks themselves, the ``recompute`` policy).
+        Loop thread only. ``on_done(result, error)`` runs once, on the loop thread, when every
+        decode rank holds the state or when the request failed; a DONE request keeps its page
+        (and its id) until :meth:`free`.
+
+        Refusals raise and hold nothing: :class:`CacheFullError` (no free page: back-pressure),
+        :class:`NotReadyError` (no prefill server connected), :class:`InvalidRequestError`
+        (the id is in use), :class:`PeerLostError` (a decode rank is lost),
+        :class:`ClosedError`.
+        """
+        if not isinstance(request_id, str) or not request_id:
+            raise InvalidRequestError(f"request_id must be a non-empty string, got "
+                                      f"{request_id!r}")
+        if self._closed:
+            raise ClosedError(f"{self.node_id} is closed")
+        live = self.current.get(request_id)
+        if live is not None and self.ledger.get(live).phase is not Phase.FAILED:
+            # (A FAILED attempt only waits for its page: a retry -- the recompute policy --
+            # is a new attempt of the same id under a new generation.)
+            raise InvalidRequestError(f"request id {request_id!r} is already in flight",
+                                      request_id=request_id)
+        if not self.healthy:
+            raise PeerLostError(f"decode group {self.node_id} lost a rank", request_id=request_id)
+        peer = None
+        if not local:
+            ready = [p for p in self.prefills.values() if p.state == "ready"]
+            if prefill is not None:
+                ready = [p for p in ready if p.node_id == prefill]
+            if not ready:
+                _, why = self.status()
+                raise NotReadyError(f"{why}{f' named {prefill!r}' if prefill else ''}",
+                                    request_id=request_id)
+            peer = ready[next(self._rr) % len(ready)]
+        prompt = tuple(int(t) for t in prompt)
+        generation = next(self._generations) & 0xFFFFFFFF
+        key = RequestKey(peer.node_id if peer else "", request_id, generation)
+        record = self.ledger.open(key, time.monotonic() + self.config.transfer_timeout, peer)
+        self.current[request_id] = key
+        self._callbacks[key] = on_done
+        if peer is None:
+            self.counters.add("local_prefills")
+            self.to_ranks(m.RankLocalPrefill(request_id=request_id, generation=generation,
+                                             prompt=prompt, page=record.page))
+        else:
+            self.counters.add("requests")
+            self.to_ranks(m.RankRecv(request_id=request_id, generation=generation,
+                                     page=record.page, peer_node=peer.node_id))
+            c.send_dealer(peer.sock, m.TransferRequest(request_id=request_id,
+                                                       generation=generation, prompt=prompt))
+        return key
+
+    def free(self, request_id: str) -> bool:
+        """Loop thread: the caller is done with a DONE request's page (its id may be reused);
+        False if ``request_id`` is not a DONE request."""
+        key = self.current.get(request_id)
+        record = self.ledger.get(key) if key is not None else None
+        if record is None or record.phase is not Phase.DONE:
+            return False
+        self.ledger.free(record)
+        del self.current[request_id]
+        return True
+
+    def cancel(self, request_id: str, reason: str = "aborted by caller") -> bool:
+        """Loop thread: abort a request in flight (its callback gets AbortedError); False if it
+        is not in flight."""
+        key = self.current.get(request_id)
+        record = self.ledger.get(key) if key is not None else None
+        if record is None or record.phase is not Phase.ACTIVE:
+            return False
+        self._fail(record, FailureKind.ABORTED, reason, notify=True)
+        return True
+
+    def result(self, request_id: str) -> "TransferResult | None":
+        """Loop thread: the result of a DONE request not yet freed."""
+        key = self.current.get(request_id)
+        record = self.ledger.get(key) if key is not None else None
+        return record.result if record is not None and record.phase is Phase.DONE else None
+
+    # -- requests: thread-safe wrappers ------------------------------------------------------
     def submit(self, request_id: str, prompt: Sequence[int], *,
                prefill: str | None = None) -> concurrent.futures.Future:
-        """Start moving the state of ``prompt`` (the N-1 prefix) into a page of every decode
-        rank; the future resolves to a :class:`TransferResult` or a typed error."""
-        if not isinstance(request_id, str) or not request_id:
-            raise ConfigError(f"request_id must be a non-empty string, got {request_id!r}")
-        prompt = tuple(int(t) for t in prompt)
+        """:meth:`start` from any thread; the future resolves to a :class:`TransferResult` or
+        a typed error. Refusals raise here (one thread hand-off)."""
         future: concurrent.futures.Future = concurrent.futures.Future()
-        self.loop.call(self._submit, request_id, prompt, prefill, future)
+        prompt = tuple(int(t) for t in prompt)
+        self.loop.call(lambda: self.start(request_id, prompt, _resolver(future),
+                                          prefill=prefill))
+        return future
+
+    def submit_local(self, request_id: str, prompt: Sequence[int]) -> concurrent.futures.Future:
+        """Compute the state of ``prompt`` on the decode ranks themselves (the ``recompute``
+        policy when a transfer failed); resolves like :meth:`submit`."""
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        prompt = tuple(int(t) for t in prompt)
+        self.loop.call(lambda: self.start(request_id, prompt, _resolver(future), local=True))
         return future
 
     def submit_many(self, items: Sequence[tuple[str, Sequence[int]]], *,
@@ -358,18 +502,14 @@ class DecodeCoordinator(RankGroup):
         only when not even the first could start. Any other refusal (a duplicate request id,
         no prefill server) fails that request's future.
         """
-        prepared = []
-        for request_id, prompt in items:
-            if not isinstance(request_id, str) or not request_id:
-                raise ConfigError(f"request_id must be a non-empty string, got {request_id!r}")
-            prepared.append((request_id, tuple(int(t) for t in prompt),
-                             concurrent.futures.Future()))
+        prepared = [(request_id, tuple(int(t) for t in prompt), concurrent.futures.Future())
+                    for request_id, prompt in items]
 
         def run() -> list[concurrent.futures.Future]:
             started = []
             for request_id, prompt, future in prepared:
                 try:
-                    self._submit(request_id, prompt, prefill, future)
+                    self.start(request_id, prompt, _resolver(future), prefill=prefill)
                 except CacheFullError:
                     if not started:
                         raise
@@ -380,163 +520,95 @@ class DecodeCoordinator(RankGroup):
             return started
         return self.loop.call(run) if prepared else []
 
-    def release_many(self, results: Sequence["TransferResult | str"]) -> None:
-        """:meth:`release` for many completed requests in one hop to the loop thread; raises
-        ConfigError naming the ids that were not completed requests (the others are freed)."""
-        ids = [r if isinstance(r, str) else r.request_id for r in results]
-
-        def run() -> None:
-            unknown = [rid for rid in ids if not self._release(rid)]
-            if unknown:
-                raise ConfigError(f"no completed request {unknown[:5]!r}"
-                                  f"{f' (+{len(unknown) - 5} more)' if len(unknown) > 5 else ''}"
-                                  f" to release")
-        if ids:
-            self.loop.call(run)
-
-    def _submit(self, request_id: str, prompt: tuple[int, ...], prefill: str | None,
-                future: concurrent.futures.Future) -> None:
-        self._check_can_start(request_id)
-        ready = [p for p in self.prefills.values() if p.state == "ready"]
-        if prefill is not None:
-            ready = [p for p in ready if p.node_id == prefill]
-        if not ready:
-            raise PeerLostError(f"no prefill server connected{f' named {prefill!r}' if prefill else ''}",
-                                request_id=request_id)
-        peer = ready[next(self._rr) % len(ready)]
-        page, generation = self._register(request_id, peer.node_id, future, "requests")
-        self.to_ranks(m.RankRecv(request_id=request_id, generation=generation, dst_page=page,
-                                 peer_node=peer.node_id))
-        c.send_dealer(peer.sock, m.TransferRequest(request_id=request_id, generation=generation,
-                                                   prompt=prompt, dst_page=page))
-
-    def _check_can_start(self, request_id: str) -> None:
-        if self._closed:
-            raise ClosedError(f"{self.node_id} is closed")
-        if request_id in self.current:
-            raise ConfigError(f"request id {request_id!r} is already in flight")
-        if not self.healthy:
-            raise PeerLostError(f"decode group {self.node_id} lost a rank", request_id=request_id)
-
-    def _register(self, request_id: str, peer: str, future: concurrent.futures.Future,
-                  counter: str) -> tuple[int, int]:
-        """Allocate the page (CacheFullError: back-pressure) and a fresh generation, and track
-        the request; returns (page, generation)."""
-        page = self.pool.allocate()
-        generation = next(self._generations) & 0xFFFFFFFF
-        key = (request_id, generation)
-        self.requests[key] = RequestState(
-            request_id, generation, page, peer,
-            deadline=time.monotonic() + self.config.transfer_timeout)
-        self.futures[key] = future
-        self.current[request_id] = generation
-        self.counters.add(counter)
-        return page, generation
-
-    def submit_local(self, request_id: str, prompt: Sequence[int]) -> concurrent.futures.Future:
-        """Compute the state of ``prompt`` on the decode ranks themselves (the ``recompute``
-        policy when a transfer failed); resolves like :meth:`submit`."""
-        if not isinstance(request_id, str) or not request_id:
-            raise ConfigError(f"request_id must be a non-empty string, got {request_id!r}")
-        prompt = tuple(int(t) for t in prompt)
-        future: concurrent.futures.Future = concurrent.futures.Future()
-        self.loop.call(self._submit_local, request_id, prompt, future)
-        return future
-
-    def _submit_local(self, request_id: str, prompt: tuple[int, ...],
-                      future: concurrent.futures.Future) -> None:
-        self._check_can_start(request_id)
-        page, generation = self._register(request_id, "", future, "local_prefills")
-        self.to_ranks(m.RankLocalPrefill(request_id=request_id, generation=generation,
-                                         prompt=prompt, page=page))
-
     def abort(self, request_id: str, reason: str = "aborted by caller") -> None:
         """Abort a request in flight: its future fails with AbortedError."""
-        def run() -> None:
-            generation = self.current.get(request_id)
-            req = self.requests.get((request_id, generation)) if generation is not None else None
-            if req is None or req.failure is not None or req.complete:
-                return
-            self._fail(req, "aborted", reason, notify=True)
-        self.loop.call(run)
+        self.loop.call(self.cancel, request_id, reason)
 
     def release(self, result: "TransferResult | str") -> None:
         """The caller is done with a completed request's page."""
-        request_id = result if isinstance(result, str) else result.request_id
+        self.release_many([result])
+
+    def release_many(self, results: Sequence["TransferResult | str"]) -> None:
+        """:meth:`release` for many completed requests in one hop to the loop thread; raises
+        InvalidRequestError naming the ids that were not completed requests (the others are
+        freed)."""
+        ids = [r if isinstance(r, str) else r.request_id for r in results]
 
         def run() -> None:
-            if not self._release(request_id):
-                raise ConfigError(f"no completed request {request_id!r} to release")
-        self.loop.call(run)
+            unknown = [rid for rid in ids if not self.free(rid)]
+            if unknown:
+                raise InvalidRequestError(
+                    f"no completed request {unknown[:5]!r}"
+                    f"{f' (+{len(unknown) - 5} more)' if len(unknown) > 5 else ''} to release")
+        if ids:
+            self.loop.call(run)
 
-    def _release(self, request_id: str) -> bool:
-        done = self.results.pop(request_id, None)
-        if done is None:
-            return False
-        self.pool.free(done.page)
-        self.current.pop(request_id, None)
-        return True
-
+    # -- request lifecycle --------------------------------------------------------------------
     def _on_rank_done(self, rank: int, msg: m.RankDone) -> None:
-        req = self.requests.get((msg.request_id, msg.generation))
-        if req is None:
+        record = self.ledger.answer(rank, msg)
+        if record is None:
             self.counters.add("stale_rank_done")
             return
-        req.done[rank] = msg
-        if msg.kind and req.failure is None:
-            self._fail(req, msg.kind, f"decode rank {rank}: {msg.message}", notify=True)
-        self._settle(req)
+        if msg.kind and record.failure is None:
+            self._fail(record, FailureKind.parse(msg.kind), f"decode rank {rank}: {msg.message}",
+                       notify=True)
+        self._settle(record)
 
-    def _fail(self, req: RequestState, kind: str, message: str, *, notify: bool,
+    def _fail(self, record: Record, kind: FailureKind, message: str, *, notify: bool,
               lost_node: str = "") -> None:
-        if not self._mark_failed(req, kind, message):
+        if record.phase is Phase.DONE or not self.fail_on_ranks(record, kind, message, lost_node):
             return
-        future = self.futures.pop((req.request_id, req.generation), None)
-        if future is not None and not future.done():
-            future.set_exception(transfer_error(kind, message, request_id=req.request_id,
-                                                peer=str(req.peer)))
-        self.cancel_on_ranks(req, kind, message, lost_node)
-        peer = self.prefills.get(str(req.peer))
+        peer = record.peer
         if notify and peer is not None and peer.state == "ready":
-            c.send_dealer(peer.sock, m.Abort(request_id=req.request_id,
-                                             generation=req.generation, reason=message))
-        self._settle(req)
+            c.send_dealer(peer.sock, m.Abort(request_id=record.request_id,
+                                             generation=record.generation, reason=message))
+        self._report(record, None, error_for(kind, message, request_id=record.request_id,
+                                             peer=record.peer_node or None))
+        self._settle(record)
 
-    def _settle(self, req: RequestState) -> None:
-        """Finish ``req`` once no decode rank can still write into its page."""
-        if req.ranks_pending(self):
+    def _settle(self, record: Record) -> None:
+        """A failed request's page is freed once no decode rank can still write into it; a
+        request every rank received becomes DONE (its page is the caller's until freed)."""
+        if not self.ledger.quiet(record) or record.result is not None:
             return
-        key = (req.request_id, req.generation)
-        if self.requests.get(key) is not req:
-            return                                   # settled already (_fail settles too)
-        del self.requests[key]
-        if req.failure is not None:
-            self.pool.free(req.page)
-            if self.current.get(req.request_id) == req.generation:
-                del self.current[req.request_id]
+        if record.phase is Phase.FAILED:
+            if self.ledger.free(record) and self.current.get(record.request_id) == record.key:
+                del self.current[record.request_id]
             return
-        done = [req.done[r] for r in range(self.tp_size)]
-        result = TransferResult(
-            request_id=req.request_id, generation=req.generation, page=req.page,
-            prefill_node=str(req.peer), seconds=time.perf_counter() - req.started,
+        if record.phase is not Phase.DONE:
+            return
+        done = [record.done[r] for r in range(self.tp_size)]
+        result = record.result = TransferResult(
+            request_id=record.request_id, generation=record.generation, page=record.page,
+            prefill_node=record.peer_node, seconds=time.perf_counter() - record.started,
             nbytes=sum(d.nbytes for d in done), messages=sum(d.messages for d in done),
             checksums=tuple(d.checksum for d in done),
             rank_seconds=tuple(d.seconds for d in done),
             rank_staging_bytes=tuple(d.staging_bytes for d in done))
-        self.results[req.request_id] = result
         self.counters.add("transfers_ok")
         self.counters.add("bytes", result.nbytes)
-        peer = self.prefills.get(str(req.peer))
+        peer = record.peer
         if peer is not None and peer.state == "ready":
-            c.send_dealer(peer.sock, m.TransferComplete(request_id=req.request_id,
-                                                        generation=req.generation))
-        future = self.futures.pop(key, None)
-        if future is not None and not future.done():
-            future.set_result(result)
+            c.send_dealer(peer.sock, m.TransferComplete(request_id=record.request_id,
+                                                        generation=record.generation))
+        self._report(record, result, None)
+
+    def _report(self, record: Record, result: "TransferResult | None",
+                error: "TransferError | None") -> None:
+        on_done = self._callbacks.pop(record.key, None)
+        if on_done is None:
+            return
+        try:
+            on_done(result, error)
+        except Exception:  # noqa: BLE001 -- the caller's callback must not break the ledger
+            log.exception("%s: on_done of %s failed", self.node_id, record.key)
+
+    def _in_flight(self) -> int:
+        return sum(1 for r in self.ledger if r.phase is not Phase.DONE)
 
     # -- liveness ------------------------------------------------------------------------------
     def _on_tick(self) -> None:
-        hb = m.Heartbeat(node_id=self.node_id, seq=0)
+        hb = m.Heartbeat(node_id=self.node_id, seq=self._heartbeats)
         for peer in list(self.prefills.values()):
             if peer.state == "ready":
                 c.send_dealer(peer.sock, hb)
@@ -546,21 +618,22 @@ class DecodeCoordinator(RankGroup):
                 self._prefill_lost(peer, f"silent for {self.config.peer_timeout} s")
         self._redial()
         now = time.monotonic()
-        for req in list(self.requests.values()):
-            if req.failure is None and now > req.deadline + self.config.peer_timeout:
+        for record in self.ledger:
+            if record.phase is Phase.ACTIVE and now > record.deadline + self.config.peer_timeout:
                 # The ranks enforce transfer_timeout themselves; this catches a rank that never
                 # answers at all.
-                self._fail(req, "timeout", f"no answer within {self.config.transfer_timeout} s",
-                           notify=True)
+                self._fail(record, FailureKind.TIMEOUT,
+                           f"no answer within {self.config.transfer_timeout} s", notify=True)
 
     def _on_rank_lost(self, rank: int) -> None:
-        for req in list(self.requests.values()):
-            self._fail(req, "peer_lost", f"decode rank {rank} of {self.node_id} died",
-                       notify=True)
+        for record in self.ledger:
+            self._fail(record, FailureKind.PEER_LOST,
+                       f"decode rank {rank} of {self.node_id} died", notify=True)
+            self._settle(record)
 
     def _on_close(self) -> None:
-        for req in list(self.requests.values()):
-            self._fail(req, "aborted", f"{self.node_id} closing", notify=True)
+        for record in self.ledger:
+            self._fail(record, FailureKind.ABORTED, f"{self.node_id} closing", notify=True)
         for peer in list(self.prefills.values()):
             if peer.state == "ready":
                 c.send_dealer(peer.sock, m.Goodbye(node_id=self.node_id))
@@ -571,9 +644,21 @@ class DecodeCoordinator(RankGroup):
     def stats(self) -> dict:
         def collect():
             return {**self._page_stats(),
-                    "completed_unreleased": len(self.results),
+                    "completed_unreleased": sum(1 for r in self.ledger
+                                                if r.phase is Phase.DONE),
                     "prefills": sorted(n for n, p in self.prefills.items()
                                        if p.state == "ready"),
                     "healthy": self.healthy, **self.counters.snapshot()}
         return self.loop.call(collect)
 
+
+
+def _resolver(future: concurrent.futures.Future) -> OnDone:
+    def on_done(result: "TransferResult | None", error: "TransferError | None") -> None:
+        if future.done():
+            return
+        if error is not None:
+            future.set_exception(error)
+        else:
+            future.set_result(result)
+    return on_done

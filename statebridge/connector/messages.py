@@ -20,7 +20,13 @@ may use different layouts (the transfer plan stages those); they travel in ``Gro
 
 Per request (N-1 protocol, see DESIGN.md): ``TransferRequest`` decode -> prefill,
 ``TransferComplete`` / ``TransferFailed`` / ``Abort`` either way; ``Heartbeat`` both ways.
-Inside a group, the coordinator and its rank processes use the ``Rank*`` messages.
+Inside a group, the coordinator and its rank processes use the ``Rank*`` messages. A request
+attempt is named on every process by its :class:`~statebridge.connector.ledger.RequestKey`:
+the node on the other side of the transfer (``peer_node``), the request id, and the generation
+the decode node gave the attempt.
+
+Layers above the connector (the decode node's stepping and front door) declare their own
+messages with :func:`message`; they travel through the same codec.
 """
 
 from __future__ import annotations
@@ -36,16 +42,15 @@ import msgpack
 from statebridge.errors import IncompatiblePeerError, ProtocolError
 
 __all__ = [
-    "PROTOCOL_VERSION", "MAX_MESSAGE_BYTES", "Message", "encode", "decode", "compat_hash",
-    "MESSAGE_TYPES",
+    "PROTOCOL_VERSION", "MAX_MESSAGE_BYTES", "Message", "message", "encode", "decode",
+    "compat_hash", "MESSAGE_TYPES",
     "Hello", "Reject", "GroupInfo", "TransferRequest", "TransferComplete", "TransferFailed",
     "Abort", "Heartbeat", "Error", "Goodbye",
     "RankHello", "RankConnect", "RankPrefill", "RankRecv", "RankDone", "RankCancel",
-    "RankShutdown", "RankLocalPrefill", "RankStep", "RankStepResult",
-    "GenerateRequest", "GenerateTokens",
+    "RankShutdown", "RankLocalPrefill", "RankFailed",
 ]
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2
 #: Default largest message accepted by :func:`decode` (a prompt of 1M tokens fits).
 MAX_MESSAGE_BYTES = 16 * 1024 * 1024
 
@@ -62,7 +67,11 @@ MESSAGE_TYPES: dict[str, type] = {}
 _FIELDS: dict[type, dict[str, Any]] = {}
 
 
-def _message(cls):
+def message(cls):
+    """Class decorator: ``cls`` (fields of primitives and tuples of them) becomes a frozen,
+    slotted, keyword-only wire message registered under its class name."""
+    if cls.__name__ in MESSAGE_TYPES:
+        raise TypeError(f"message type {cls.__name__!r} is already registered")
     if "__post_init__" in cls.__dict__:
         raise TypeError(f"{cls.__name__}: messages are built by decode() without __init__; "
                         f"a __post_init__ would not run")
@@ -119,7 +128,7 @@ _INT_MIN, _INT_END = -(1 << 63), 1 << 64
 
 # -- between groups ----------------------------------------------------------------------------
 
-@_message
+@message
 class Hello(Message):
     """Phase 1 of the handshake, both directions."""
     compat_hash: str
@@ -127,14 +136,14 @@ class Hello(Message):
     role: str                      # "prefill" | "decode"
 
 
-@_message
+@message
 class Reject(Message):
     """The handshake was refused (incompatible peer, bad message, limits)."""
     code: str
     reason: str
 
 
-@_message
+@message
 class GroupInfo(Message):
     """Phase 2: everything a peer needs to plan and connect (one entry per TP rank)."""
     node_id: str
@@ -148,23 +157,23 @@ class GroupInfo(Message):
     rank_addresses: tuple[bytes, ...]
 
 
-@_message
+@message
 class TransferRequest(Message):
-    """Decode -> prefill: compute ``prompt`` and send the state into ``dst_page``."""
+    """Decode -> prefill: compute ``prompt`` and send its state to the decode ranks (which
+    posted their receives under this generation's tags)."""
     request_id: str
     generation: int
     prompt: tuple[int, ...]
-    dst_page: int
 
 
-@_message
+@message
 class TransferComplete(Message):
     """Decode -> prefill: every decode rank holds the state; the lease can end."""
     request_id: str
     generation: int
 
 
-@_message
+@message
 class TransferFailed(Message):
     """Either way: the request's transfer failed; ``kind`` is a TransferError kind."""
     request_id: str
@@ -173,7 +182,7 @@ class TransferFailed(Message):
     message: str
 
 
-@_message
+@message
 class Abort(Message):
     """Either way: stop working on the request and release what it holds."""
     request_id: str
@@ -181,20 +190,22 @@ class Abort(Message):
     reason: str
 
 
-@_message
+@message
 class Heartbeat(Message):
+    """Every connection, both ways, every ``heartbeat_interval``: the sender is alive.
+    ``seq`` counts the sender's heartbeats on that connection (informational)."""
     node_id: str
     seq: int
 
 
-@_message
+@message
 class Error(Message):
     """Reply to a message that could not be accepted (the sender keeps its connection)."""
     kind: str
     message: str
 
 
-@_message
+@message
 class Goodbye(Message):
     """Clean shutdown of a node: its peers fail what is in flight without waiting."""
     node_id: str
@@ -202,7 +213,7 @@ class Goodbye(Message):
 
 # -- inside a group (coordinator <-> rank processes) -------------------------------------------
 
-@_message
+@message
 class RankHello(Message):
     """Rank -> its coordinator at start: who it is and its UCX worker address."""
     tp_rank: int
@@ -210,7 +221,7 @@ class RankHello(Message):
     pid: int
 
 
-@_message
+@message
 class RankConnect(Message):
     """Coordinator -> rank: open UCX endpoints to a peer group and plan transfers with it."""
     peer_node: str
@@ -222,31 +233,34 @@ class RankConnect(Message):
     peer_addresses: tuple[bytes, ...]
 
 
-@_message
+@message
 class RankPrefill(Message):
     """Prefill coordinator -> rank: compute the state of ``prompt`` into ``src_page`` and send
-    it to ``dst_page`` of ``peer_node``."""
+    it to the ranks of decode node ``peer_node``."""
     request_id: str
     generation: int
     prompt: tuple[int, ...]
     src_page: int
-    dst_page: int
     peer_node: str
 
 
-@_message
+@message
 class RankRecv(Message):
-    """Decode coordinator -> rank: post the receives of a request into ``dst_page``."""
+    """Decode coordinator -> rank: post the receives of a request from prefill node
+    ``peer_node`` into ``page``."""
     request_id: str
     generation: int
-    dst_page: int
+    page: int
     peer_node: str
 
 
-@_message
+@message
 class RankDone(Message):
-    """Rank -> coordinator: this rank finished its part (``kind`` empty) or failed it."""
+    """Rank -> coordinator: this rank finished its part (``kind`` empty) or failed it (``kind``
+    a :class:`~statebridge.errors.FailureKind` name). Sent once per request, only when nothing
+    of it can still touch the page."""
     tp_rank: int
+    peer_node: str
     request_id: str
     generation: int
     kind: str
@@ -258,11 +272,12 @@ class RankDone(Message):
     staging_bytes: int
 
 
-@_message
+@message
 class RankCancel(Message):
     """Coordinator -> rank: cancel the request's transfers; reply RankDone once nothing of it
     can still touch the page. ``lost_node`` (may be empty) names a dead peer node whose
     endpoints the rank must fail."""
+    peer_node: str
     request_id: str
     generation: int
     kind: str
@@ -270,12 +285,12 @@ class RankCancel(Message):
     lost_node: str
 
 
-@_message
+@message
 class RankShutdown(Message):
     reason: str
 
 
-@_message
+@message
 class RankLocalPrefill(Message):
     """Decode coordinator -> rank: compute the state of ``prompt`` into ``page`` locally (the
     ``recompute`` failure policy); answered with RankDone."""
@@ -285,55 +300,12 @@ class RankLocalPrefill(Message):
     page: int
 
 
-@_message
-class RankStep(Message):
-    """Decode node -> every decode rank: one decode step of a batch (one token per request,
-    each against its page's state). Rank 0 samples and answers with RankStepResult."""
-    step: int
-    request_ids: tuple[str, ...]
-    pages: tuple[int, ...]
-    tokens: tuple[int, ...]
-    positions: tuple[int, ...]
-    temperatures: tuple[float, ...]
-    top_ps: tuple[float, ...]
-    seeds: tuple[int, ...]
-
-
-@_message
-class RankStepResult(Message):
-    step: int
+@message
+class RankFailed(Message):
+    """Rank -> coordinator: the rank could not start (its model, checkpoint or UCX failed);
+    ``message`` is the error. The rank process exits after sending it."""
     tp_rank: int
-    tokens: tuple[int, ...]
-    kind: str
     message: str
-
-
-# -- client <-> decode node (the front door) ----------------------------------------------------
-
-@_message
-class GenerateRequest(Message):
-    """Client -> decode node. ``temperature`` 0 means greedy."""
-    request_id: str
-    prompt: tuple[int, ...]
-    max_new_tokens: int
-    temperature: float
-    top_p: float
-    seed: int
-
-
-@_message
-class GenerateTokens(Message):
-    """Decode node -> client: newly generated tokens; the last one has ``done`` set. ``kind``
-    is empty on success, else a TransferError kind and ``message`` says why."""
-    request_id: str
-    tokens: tuple[int, ...]
-    done: bool
-    kind: str
-    message: str
-    ttft: float
-    transfer_seconds: float
-    transfer_bytes: int
-    recomputed: bool
 
 
 # -- codec -------------------------------------------------------------------------------------

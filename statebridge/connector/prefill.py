@@ -26,8 +26,9 @@ import time
 
 from statebridge.connector import control as c
 from statebridge.connector import messages as m
-from statebridge.connector._group import RankGroup, RequestState
-from statebridge.errors import CacheFullError, IncompatiblePeerError
+from statebridge.connector._group import RankGroup
+from statebridge.connector.ledger import Phase, Record, RequestKey
+from statebridge.errors import CacheFullError, FailureKind, IncompatiblePeerError
 
 log = logging.getLogger(__name__)
 
@@ -35,26 +36,29 @@ __all__ = ["PrefillServer"]
 
 
 class _Peer:
+    """One decode node's connection (a ROUTER identity)."""
+
     def __init__(self, identity: bytes, node_id: str) -> None:
         self.identity = identity
         self.node_id = node_id
         self.hello = False
         self.connected = False
         self.inflight = 0
+        self.heartbeats = 0
 
 
 class PrefillServer(RankGroup):
-    """The prefill group's coordinator: handshake, requests, leases, liveness."""
+    """The prefill group's coordinator: handshake, requests, leases, liveness.
+
+    Requests live in ``self.ledger`` keyed by ``RequestKey(decode node id, request id,
+    generation)``; a record's ``peer`` is the :class:`_Peer` connection it came from.
+    """
 
     role = "prefill"
 
     def _init_state(self) -> None:
         self.peers: dict[bytes, _Peer] = {}
-        self.requests: dict[tuple[bytes, str, int], RequestState] = {}
-        # (request id, generation) -> its requests, oldest first: how a RankDone (which names
-        # no peer) finds its request without scanning all of them.
-        self._attempts: dict[tuple[str, int], list[RequestState]] = {}
-        self.waiting: collections.deque[tuple[bytes, m.TransferRequest]] = collections.deque()
+        self.waiting: collections.deque[tuple[_Peer, m.TransferRequest]] = collections.deque()
         self._pending_info: list[tuple[bytes, m.GroupInfo]] = []
         self.peer_watch = c.PeerWatch(self.config.peer_timeout)
         self.rank_staging_bytes = [0] * self.tp_size
@@ -81,14 +85,15 @@ class PrefillServer(RankGroup):
         elif isinstance(msg, m.TransferRequest):
             self._on_transfer_request(peer, msg)
         elif isinstance(msg, m.TransferComplete):
-            self._on_complete(identity, msg)
+            self._on_complete(peer, msg)
         elif isinstance(msg, m.Abort):
-            req = self.requests.get((identity, msg.request_id, msg.generation))
-            if req is not None:
+            record = self._record(peer, msg.request_id, msg.generation)
+            if record is not None:
                 self.counters.add("aborted_by_peer")
-                self._fail(req, "aborted", f"aborted by decode: {msg.reason}", notify=False)
+                self._fail(record, FailureKind.ABORTED, f"aborted by decode: {msg.reason}",
+                           notify=False)
             else:
-                self._drop_waiting(identity, msg.request_id, msg.generation)
+                self._drop_waiting(peer, msg.request_id, msg.generation)
         elif isinstance(msg, m.Goodbye):
             self._peer_lost(identity, "said goodbye")
         elif isinstance(msg, m.Heartbeat):
@@ -151,133 +156,130 @@ class PrefillServer(RankGroup):
         c.send_router(self.router, identity, self.group_info())
 
     # -- requests ----------------------------------------------------------------------------------
+    def _record(self, peer: _Peer, request_id: str, generation: int) -> Record | None:
+        record = self.ledger.get(RequestKey(peer.node_id, request_id, generation))
+        return record if record is not None and record.peer is peer else None
+
     def _on_transfer_request(self, peer: _Peer, msg: m.TransferRequest) -> None:
-        key = (peer.identity, msg.request_id, msg.generation)
         if not peer.connected:
-            self._reject(peer, msg, "transfer_error", "TransferRequest before GroupInfo")
+            self._reject(peer, msg, FailureKind.TRANSFER_ERROR, "TransferRequest before GroupInfo")
             return
         if not self.healthy:
-            self._reject(peer, msg, "peer_lost", f"prefill group {self.node_id} lost a rank")
+            self._reject(peer, msg, FailureKind.PEER_LOST,
+                         f"prefill group {self.node_id} lost a rank")
             return
-        if key in self.requests:
+        if RequestKey(peer.node_id, msg.request_id, msg.generation) in self.ledger:
             self.counters.add("duplicate_requests")
             return
-        if peer.inflight >= self.config.max_inflight_per_peer:
-            self._reject(peer, msg, "busy", f"{peer.inflight} requests in flight from "
-                                            f"{peer.node_id} (limit "
-                                            f"{self.config.max_inflight_per_peer})")
+        limit = self.config.max_inflight_per_peer
+        if peer.inflight >= limit:
+            self._reject(peer, msg, FailureKind.BUSY, f"{peer.inflight} requests in flight from "
+                                                      f"{peer.node_id} (limit {limit})")
             return
-        try:
-            page = self.pool.allocate()
-        except CacheFullError:
+        if not self.pool.num_free:
             # Queued requests count against the peer's limit too: the queue stays bounded.
-            queued = sum(1 for i, _ in self.waiting if i == peer.identity)
-            if peer.inflight + queued >= self.config.max_inflight_per_peer:
-                self._reject(peer, msg, "busy", f"{peer.inflight} requests in flight and "
-                                                f"{queued} queued from {peer.node_id} (limit "
-                                                f"{self.config.max_inflight_per_peer})")
+            queued = sum(1 for p, _ in self.waiting if p is peer)
+            if peer.inflight + queued >= limit:
+                self._reject(peer, msg, FailureKind.BUSY,
+                             f"{peer.inflight} requests in flight and {queued} queued from "
+                             f"{peer.node_id} (limit {limit})")
                 return
             self.counters.add("waiting_for_pages")
-            self.waiting.append((peer.identity, msg))        # back-pressure, not a failure
+            self.waiting.append((peer, msg))               # back-pressure, not a failure
             return
-        self._start(peer, msg, page)
+        self._start(peer, msg)
 
-    def _start(self, peer: _Peer, msg: m.TransferRequest, page: int) -> None:
-        req = RequestState(msg.request_id, msg.generation, page, peer.identity,
-                           deadline=time.monotonic() + self.config.lease_timeout)
-        self.requests[(peer.identity, msg.request_id, msg.generation)] = req
-        self._attempts.setdefault((msg.request_id, msg.generation), []).append(req)
+    def _start(self, peer: _Peer, msg: m.TransferRequest) -> None:
+        key = RequestKey(peer.node_id, msg.request_id, msg.generation)
+        try:
+            record = self.ledger.open(key, time.monotonic() + self.config.lease_timeout, peer)
+        except CacheFullError:                    # callers checked; never lose the request
+            self.waiting.appendleft((peer, msg))
+            return
         peer.inflight += 1
         self.counters.add("requests")
         self.to_ranks(m.RankPrefill(request_id=msg.request_id, generation=msg.generation,
-                                    prompt=msg.prompt, src_page=page, dst_page=msg.dst_page,
+                                    prompt=msg.prompt, src_page=record.page,
                                     peer_node=peer.node_id))
 
-    def _reject(self, peer: _Peer, msg: m.TransferRequest, kind: str, reason: str) -> None:
+    def _reject(self, peer: _Peer, msg: m.TransferRequest, kind: FailureKind,
+                reason: str) -> None:
         self.counters.add(f"rejected_{kind}")
         c.send_router(self.router, peer.identity, m.TransferFailed(
-            request_id=msg.request_id, generation=msg.generation, kind=kind, message=reason))
+            request_id=msg.request_id, generation=msg.generation, kind=kind.value,
+            message=reason))
 
-    def _drop_waiting(self, identity: bytes, request_id: str, generation: int) -> None:
+    def _drop_waiting(self, peer: _Peer, request_id: str, generation: int) -> None:
         self.waiting = collections.deque(
-            (i, w) for i, w in self.waiting
-            if not (i == identity and w.request_id == request_id and w.generation == generation))
+            (p, w) for p, w in self.waiting
+            if not (p is peer and w.request_id == request_id and w.generation == generation))
 
     def _on_rank_done(self, rank: int, msg: m.RankDone) -> None:
-        reqs = self._attempts.get((msg.request_id, msg.generation))
-        req = reqs[0] if reqs else None
-        if req is None:
+        record = self.ledger.answer(rank, msg)
+        if record is None:
             self.counters.add("stale_rank_done")
             return
-        req.done[rank] = msg
         self.rank_staging_bytes[rank] = msg.staging_bytes
-        if msg.kind and req.failure is None:
-            self._fail(req, msg.kind, f"prefill rank {rank}: {msg.message}", notify=True)
-        self._maybe_free(req)
+        if msg.kind and record.failure is None:
+            self._fail(record, FailureKind.parse(msg.kind),
+                       f"prefill rank {rank}: {msg.message}", notify=True)
+        self._maybe_free(record)
 
-    def _on_complete(self, identity: bytes, msg: m.TransferComplete) -> None:
-        req = self.requests.get((identity, msg.request_id, msg.generation))
-        if req is None:
+    def _on_complete(self, peer: _Peer, msg: m.TransferComplete) -> None:
+        record = self._record(peer, msg.request_id, msg.generation)
+        if record is None:
             self.counters.add("stale_completions")
             return
-        req.complete = True
-        self._maybe_free(req)
+        record.confirmed = True
+        self._maybe_free(record)
 
-    def _fail(self, req: RequestState, kind: str, message: str, *, notify: bool,
+    def _fail(self, record: Record, kind: FailureKind, message: str, *, notify: bool,
               lost_node: str = "") -> None:
-        """Cancel ``req`` on every rank still working on it; tell the decode peer."""
-        if not self._mark_failed(req, kind, message):
+        """Cancel ``record`` on every rank still working on it; tell the decode peer."""
+        if not self.fail_on_ranks(record, kind, message, lost_node):
             return
-        self.cancel_on_ranks(req, kind, message, lost_node)
-        if notify and req.peer in self.peers:
-            c.send_router(self.router, req.peer, m.TransferFailed(
-                request_id=req.request_id, generation=req.generation, kind=kind,
+        peer = record.peer
+        if notify and self.peers.get(peer.identity) is peer:
+            c.send_router(self.router, peer.identity, m.TransferFailed(
+                request_id=record.request_id, generation=record.generation, kind=kind.value,
                 message=message))
-        self._maybe_free(req)
+        self._maybe_free(record)
 
-    def _maybe_free(self, req: RequestState) -> None:
-        """Free the page once no rank can still send from it and the lease is over."""
-        if req.ranks_pending(self):
+    def _maybe_free(self, record: Record) -> None:
+        """Free the page once no rank can still send from it and the lease is over (the decode
+        side confirmed, or the request failed)."""
+        if not self.ledger.quiet(record):
             return
-        if req.failure is None and not req.complete:
+        if record.phase is not Phase.FAILED and not record.confirmed:
             return
-        key = (req.peer, req.request_id, req.generation)
-        if self.requests.get(key) is not req:
+        if not self.ledger.free(record):
             return                                   # freed already (callers may re-check)
-        del self.requests[key]
-        attempt = (req.request_id, req.generation)
-        reqs = self._attempts[attempt]
-        reqs[:] = [r for r in reqs if r is not req]        # by identity: states compare by value
-        if not reqs:
-            del self._attempts[attempt]
-        self.pool.free(req.page)
-        peer = self.peers.get(req.peer)
-        if peer is not None:
-            peer.inflight -= 1
+        record.peer.inflight -= 1
         self._start_waiting()
 
     def _start_waiting(self) -> None:
         while self.healthy and self.waiting and self.pool.num_free:   # broken: rejected instead
-            identity, msg = self.waiting.popleft()
-            peer = self.peers.get(identity)
-            if peer is None:
-                continue
-            self._start(peer, msg, self.pool.allocate())
+            peer, msg = self.waiting.popleft()
+            if self.peers.get(peer.identity) is peer:
+                self._start(peer, msg)
 
     # -- liveness ----------------------------------------------------------------------------------
     def _on_tick(self) -> None:
-        hb = m.Heartbeat(node_id=self.node_id, seq=0)
         for identity, peer in list(self.peers.items()):
             if peer.hello:
-                c.send_router(self.router, identity, hb)
+                peer.heartbeats += 1
+                c.send_router(self.router, identity,
+                              m.Heartbeat(node_id=self.node_id, seq=peer.heartbeats))
         for identity in self.peer_watch.expired():
             self._peer_lost(identity, f"silent for {self.config.peer_timeout} s")
         now = time.monotonic()
-        for req in list(self.requests.values()):
-            if req.failure is None and not req.complete and now > req.deadline:
+        for record in self.ledger:
+            if record.phase is not Phase.FAILED and not record.confirmed \
+                    and now > record.deadline:
                 self.counters.add("leases_expired")
-                self._fail(req, "timeout", f"lease of {self.config.lease_timeout} s expired "
-                                           f"without confirmation", notify=True)
+                self._fail(record, FailureKind.TIMEOUT, f"lease of {self.config.lease_timeout} "
+                                                        f"s expired without confirmation",
+                           notify=True)
 
     def _peer_lost(self, identity: bytes, why: str) -> None:
         peer = self.peers.pop(identity, None)
@@ -286,26 +288,24 @@ class PrefillServer(RankGroup):
             return
         self.counters.add("peers_lost")
         log.warning("%s: decode peer %s lost (%s)", self.node_id, peer.node_id, why)
-        self._drop_waiting_all(identity)
-        for req in [r for r in self.requests.values() if r.peer == identity]:
-            self._fail(req, "peer_lost", f"decode peer {peer.node_id} lost ({why})",
-                       notify=False, lost_node=peer.node_id)
-            if req.failure is not None:
+        self.waiting = collections.deque((p, w) for p, w in self.waiting if p is not peer)
+        for record in self.ledger:
+            if record.peer is peer:
+                self._fail(record, FailureKind.PEER_LOST,
+                           f"decode peer {peer.node_id} lost ({why})", notify=False,
+                           lost_node=peer.node_id)
                 # The peer cannot complete it any more; free once the ranks confirmed.
-                self._maybe_free(req)
-
-    def _drop_waiting_all(self, identity: bytes) -> None:
-        self.waiting = collections.deque((i, w) for i, w in self.waiting if i != identity)
+                self._maybe_free(record)
 
     def _on_rank_lost(self, rank: int) -> None:
-        for req in list(self.requests.values()):
-            self._fail(req, "peer_lost", f"prefill rank {rank} of {self.node_id} died",
-                       notify=True)
-            self._maybe_free(req)
-        for identity, msg in list(self.waiting):
-            peer = self.peers.get(identity)
-            if peer is not None:
-                self._reject(peer, msg, "peer_lost", f"prefill group {self.node_id} lost a rank")
+        for record in self.ledger:
+            self._fail(record, FailureKind.PEER_LOST,
+                       f"prefill rank {rank} of {self.node_id} died", notify=True)
+            self._maybe_free(record)
+        for peer, msg in list(self.waiting):
+            if self.peers.get(peer.identity) is peer:
+                self._reject(peer, msg, FailureKind.PEER_LOST,
+                             f"prefill group {self.node_id} lost a rank")
         self.waiting.clear()
 
     def _on_close(self) -> None:

@@ -10,6 +10,7 @@ import numpy as np
 
 from statebridge.config import ConnectorConfig
 from statebridge.connector._rank import SyntheticModel
+from statebridge.node import messages as nm
 from statebridge.state.layout import PageGeometry
 from statebridge.state.spec import StateSpec
 from statebridge.state.synthetic import global_state, request_seed
@@ -56,9 +57,13 @@ class SlowModel(SyntheticModel):
 class SlowStepModel(SyntheticModel):
     """Cheap prefills and decode steps that take 0.3 s (each answers token 7)."""
 
+    def handlers(self):
+        return {nm.RankStep: self.step}
+
     def step(self, msg):
         time.sleep(0.3)
-        return (7,) * len(msg.request_ids)
+        return nm.RankStepResult(step=msg.step, tp_rank=self.setup.tp_rank,
+                                 tokens=(7,) * len(msg.request_ids), kind="", message="")
 
 
 def wait_until(predicate, timeout: float, what: str) -> float:
@@ -73,3 +78,21 @@ def wait_until(predicate, timeout: float, what: str) -> float:
 
 def random_prompt(rng: np.random.Generator) -> tuple[int, ...]:
     return tuple(int(x) for x in rng.integers(0, 1000, size=int(rng.integers(1, 9))))
+
+
+class FailingModel(SyntheticModel):
+    """Rank 1 cannot load its model (rank 0 starts normally)."""
+
+    def __init__(self, setup, cache) -> None:
+        if setup.tp_rank == 1:
+            raise RuntimeError("no such weight file /nowhere/model.safetensors")
+        super().__init__(setup, cache)
+
+
+class ExitingModel(SyntheticModel):
+    """Rank 1's process dies while starting, saying nothing (rank 0 starts normally)."""
+
+    def __init__(self, setup, cache) -> None:
+        if setup.tp_rank == 1:
+            os._exit(3)
+        super().__init__(setup, cache)

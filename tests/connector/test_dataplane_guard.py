@@ -87,7 +87,7 @@ class Bench:
 
     def announce(self, generation: int, page: int) -> None:
         self.worker._on_recv(m.RankRecv(request_id=f"r{generation}", generation=generation,
-                                        dst_page=page, peer_node="pf"))
+                                        page=page, peer_node="pf"))
 
     def send_legit(self, generation: int, src_page: int, dst_page: int, *,
                    lands: bool = True) -> list:

@@ -196,7 +196,7 @@ def test_bad_messages_get_typed_errors_and_the_server_keeps_serving(prefill_host
             (msgpack.packb({"v": 99, "t": "Hello", "b": {}}), "IncompatiblePeerError",
              "version 99"),
             (b"\x00" * (FAST.max_message_bytes + 1), "ProtocolError", "exceeds the limit"),
-            (m.encode(m.TransferRequest(request_id="x", generation=1, prompt=(1,), dst_page=0)),
+            (m.encode(m.TransferRequest(request_id="x", generation=1, prompt=(1,))),
              "ProtocolError", "before Hello"),
         ]
         for data, kind, needle in bad:
@@ -239,7 +239,7 @@ def test_stale_generation_messages_are_ignored(prefill_hosts, decode_hosts, monk
         first = decode.submit(rid, [1])
         check_ok(decode, first, rid)
         future = decode.submit(rid, [2])                      # same id, new generation
-        generation = decode.loop.call(lambda: decode.current[rid])
+        generation = decode.loop.call(lambda: decode.current[rid].generation)
         peer = decode.loop.call(lambda: decode.prefills[node])
         # A completion and a failure for the OLD generation arrive while the new one runs.
         decode.loop.call(lambda: c.send_dealer(peer.sock, m.TransferComplete(

@@ -139,7 +139,7 @@ def _server_with_requests(started: int, waiting: int) -> tuple[PrefillServer, _P
         server.peers[peer.identity] = peer
         for i in range(started + waiting):
             server._on_transfer_request(peer, m.TransferRequest(
-                request_id=f"r{i}", generation=i + 1, prompt=(1, 2), dst_page=i))
+                request_id=f"r{i}", generation=i + 1, prompt=(1, 2)))
         return peer
     return server, server.loop.call(setup)
 
@@ -172,8 +172,8 @@ def test_decode_rank_failure_settles_the_request_once():
     decode = DecodeCoordinator(SPEC, 1, "DLS", num_pages=2, config=FAST, launcher=None)
     try:
         future = decode.submit_local("r0", [1, 2])
-        generation = decode.loop.call(lambda: decode.current["r0"])
-        done = m.RankDone(tp_rank=0, request_id="r0", generation=generation, kind="timeout",
+        generation = decode.loop.call(lambda: decode.current["r0"].generation)
+        done = m.RankDone(tp_rank=0, peer_node="", request_id="r0", generation=generation, kind="timeout",
                           message="transfer not done after 1 s", checksum="", seconds=1.0,
                           nbytes=0, messages=0, staging_bytes=0)
         decode.loop.call(decode._on_rank_done, 0, done)      # raised DoubleFreeError before
