@@ -84,20 +84,24 @@ def _cmd_plan(args: argparse.Namespace) -> int:
 
 
 def _config_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--host", default="127.0.0.1",
-                   help="address to bind (default 127.0.0.1; 0.0.0.0 only if you mean it)")
-    p.add_argument("--layout", default="DLS",
+    # Every default is None: an unset flag leaves the value to STATEBRIDGE_* variables
+    # (ConnectorConfig.from_env) and then to the dataclass defaults, never shadowing either.
+    p.add_argument("--host", default=None,
+                   help="address to bind (default $STATEBRIDGE_BIND_HOST or 127.0.0.1; 0.0.0.0 "
+                        "only if you mean it)")
+    p.add_argument("--layout", default=None,
                    help=f"page layout: {', '.join(LAYOUT_PRESETS)} or CONV+SSM (default DLS)")
-    p.add_argument("--num-pages", type=_positive_int, default=64,
+    p.add_argument("--num-pages", type=_positive_int, default=None,
                    help="state pages per rank = requests in flight (default 64)")
     p.add_argument("--peer-timeout", type=float, default=None,
                    help="seconds of silence before a peer is declared lost (default 3)")
-    p.add_argument("--ucx-error-handling", action="store_true",
+    p.add_argument("--ucx-error-handling", action=argparse.BooleanOptionalAction, default=None,
                    help="UCX endpoint error handling (detects dead peers in UCX, but forces TCP "
-                        "lanes: ~10x slower on one host)")
-    p.add_argument("--rank-model", default="statebridge.node.rank_model:ModelRankModel",
-                   metavar="MODULE:CLASS",
-                   help="the RankModel class each rank runs (swap in your own implementation)")
+                        "lanes: ~10x slower on one host; default $STATEBRIDGE_UCX_ERROR_HANDLING "
+                        "or off)")
+    p.add_argument("--rank-model", default=None, metavar="MODULE:CLASS",
+                   help="the RankModel class each rank runs (swap in your own implementation; "
+                        "default statebridge.node.rank_model:ModelRankModel)")
     _keys_args(p, "node")
 
 
@@ -112,14 +116,24 @@ def _keys_args(p: argparse.ArgumentParser, default_name: str) -> None:
 def _config(args: argparse.Namespace):
     from statebridge.config import ConnectorConfig
 
-    overrides = {"bind_host": args.host, "ucx_error_handling": args.ucx_error_handling}
-    if args.peer_timeout is not None:
-        overrides["peer_timeout"] = args.peer_timeout
+    overrides = {name: value for name, value in (("bind_host", args.host),
+                                                  ("ucx_error_handling", args.ucx_error_handling),
+                                                  ("peer_timeout", args.peer_timeout))
+                 if value is not None}
     if args.keys is not None:
         overrides["keys_dir"] = os.path.abspath(args.keys) if args.keys else ""
     if args.key_name is not None:
         overrides["key_name"] = args.key_name
     return ConnectorConfig.from_env(**overrides)
+
+
+def _node_config(args: argparse.Namespace):
+    """The node's settings: its flags where given, else the NodeConfig defaults."""
+    from statebridge.config import NodeConfig
+
+    return NodeConfig().replace(**{name: getattr(args, name, None) for name in (
+        "layout", "num_pages", "max_batch", "max_prompt_len", "max_new_tokens", "policy",
+        "rank_model")})
 
 
 def _stop_on_signal() -> threading.Event:
@@ -140,10 +154,11 @@ def _cmd_prefill(args: argparse.Namespace) -> int:
     from statebridge.node.prefill_node import start_prefill_node
 
     stop = _stop_on_signal()
-    server = start_prefill_node(args.model, args.tp, port=args.port, layout=args.layout,
-                                num_pages=args.num_pages, config=_config(args),
-                                rank_model=args.rank_model)
-    print(f"prefill node ready on {server.address} (TP {args.tp}, {args.layout})", flush=True)
+    node = _node_config(args)
+    server = start_prefill_node(args.model, args.tp, port=args.port, layout=node.layout,
+                                num_pages=node.num_pages, config=_config(args),
+                                rank_model=node.rank_model)
+    print(f"prefill node ready on {server.address} (TP {args.tp}, {node.layout})", flush=True)
     try:
         _wait(stop)
     finally:
@@ -155,12 +170,14 @@ def _cmd_decode(args: argparse.Namespace) -> int:
     from statebridge.node.decode_node import DecodeNode
 
     stop = _stop_on_signal()
-    node = DecodeNode(args.model, args.tp, args.prefill, port=args.port, layout=args.layout,
-                      num_pages=args.num_pages, max_batch=args.max_batch, policy=args.policy,
-                      max_prompt_len=args.max_prompt_len, config=_config(args),
-                      rank_model=args.rank_model)
-    print(f"decode node ready on {node.address} (TP {args.tp}, {args.layout}, "
-          f"prefill {', '.join(args.prefill)})", flush=True)
+    node = DecodeNode(args.model, args.tp, args.prefill, port=args.port,
+                      node=_node_config(args), config=_config(args))
+    # Up now; it serves once a prefill node answers (it keeps dialling them meanwhile, and
+    # clients asking get not_ready with the reason).
+    ready, why = node.status()
+    state = f"prefill {', '.join(args.prefill)}" if ready else f"not serving yet: {why}"
+    print(f"decode node {'ready' if ready else 'up'} on {node.address} (TP {args.tp}, "
+          f"{node.node_config.layout}, {state})", flush=True)
     try:
         _wait(stop)
     finally:
@@ -265,9 +282,11 @@ def _add_nodes(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--prefill", action="append", required=True, metavar="HOST:PORT",
                    help="a prefill node (repeat for several: used round robin)")
     p.add_argument("--port", type=int, required=True, help="port clients connect to")
-    p.add_argument("--max-batch", type=_positive_int, default=32, help="requests per decode step")
-    p.add_argument("--max-prompt-len", type=_positive_int, default=8192)
-    p.add_argument("--policy", choices=("fail", "recompute"), default="fail",
+    p.add_argument("--max-batch", type=_positive_int, default=None,
+                   help="requests per decode step (default 32)")
+    p.add_argument("--max-prompt-len", type=_positive_int, default=None,
+                   help="longest prompt accepted (default 8192)")
+    p.add_argument("--policy", choices=("fail", "recompute"), default=None,
                    help="when a transfer fails: error to the client, or prefill locally")
     _config_args(p)
     p.set_defaults(func=_cmd_decode)

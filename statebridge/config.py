@@ -10,7 +10,7 @@ from typing import Mapping
 
 from statebridge.errors import ConfigError
 
-__all__ = ["ConnectorConfig"]
+__all__ = ["ConnectorConfig", "NodeConfig"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -89,6 +89,48 @@ class ConnectorConfig:
 
     def replace(self, **changes) -> "ConnectorConfig":
         return dataclasses.replace(self, **changes)
+
+
+@dataclass(frozen=True, slots=True)
+class NodeConfig:
+    """What a node serves with, beside its connector settings (the CLI's node flags).
+
+    - ``layout``: the page layout of the node's ranks; ``num_pages``: pages per rank (requests
+      in flight).
+    - ``max_batch``: requests per decode step; ``max_prompt_len`` / ``max_new_tokens``: the
+      largest request the decode node accepts (larger: ``invalid_request``).
+    - ``policy``: what the decode node does when a transfer fails: ``fail`` (the client gets the
+      typed error) or ``recompute`` (the decode ranks prefill the prompt themselves).
+    - ``rank_model``: ``module:Class`` of the RankModel every rank runs.
+    """
+
+    POLICIES = ("fail", "recompute")
+
+    layout: str = "DLS"
+    num_pages: int = 64
+    max_batch: int = 32
+    max_prompt_len: int = 8192
+    max_new_tokens: int = 4096
+    policy: str = "fail"
+    rank_model: str = "statebridge.node.rank_model:ModelRankModel"
+
+    def __post_init__(self) -> None:
+        for name in ("num_pages", "max_batch", "max_prompt_len", "max_new_tokens"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ConfigError(f"{name} must be a positive integer, got {value!r}")
+        if self.policy not in self.POLICIES:
+            raise ConfigError(f"unknown failure policy {self.policy!r}; expected one of "
+                              f"{self.POLICIES}")
+        if not isinstance(self.rank_model, str) or ":" not in self.rank_model:
+            raise ConfigError(f"rank_model must be MODULE:CLASS, got {self.rank_model!r}")
+        from statebridge.state.layout import Layout
+
+        Layout.parse(self.layout)                  # LayoutError names a bad layout
+
+    def replace(self, **changes) -> "NodeConfig":
+        """A copy with the given fields changed; None leaves a field as it is (unset flags)."""
+        return dataclasses.replace(self, **{k: v for k, v in changes.items() if v is not None})
 
 
 def _check_keys(keys_dir: str, key_name: str) -> None:

@@ -93,3 +93,24 @@ def test_generate_names_a_missing_keys_dir(tmp_path):
     missing = tmp_path / "nowhere"
     out = run("generate", "--decode", "127.0.0.1:1", "--prompt-ids", "1", "--keys", str(missing))
     assert out.returncode == 2 and str(missing) in out.stderr and "Traceback" not in out.stderr
+
+
+@pytest.mark.parametrize("command", ["prefill", "decode"])
+def test_unset_flags_leave_the_environment_in_charge(command, monkeypatch):
+    from statebridge.cli import _config, _node_config, build_parser
+
+    base = [command, "--model", "m", "--tp", "1", "--port", "1"]
+    if command == "decode":
+        base += ["--prefill", "127.0.0.1:2"]
+    monkeypatch.setenv("STATEBRIDGE_BIND_HOST", "127.0.0.2")
+    monkeypatch.setenv("STATEBRIDGE_UCX_ERROR_HANDLING", "1")
+    monkeypatch.setenv("STATEBRIDGE_PEER_TIMEOUT", "7")
+    config = _config(build_parser().parse_args(base))
+    assert (config.bind_host, config.ucx_error_handling, config.peer_timeout) == \
+        ("127.0.0.2", True, 7.0)
+    flags = base + ["--host", "127.0.0.3", "--no-ucx-error-handling", "--peer-timeout", "2"]
+    config = _config(build_parser().parse_args(flags))
+    assert (config.bind_host, config.ucx_error_handling, config.peer_timeout) == \
+        ("127.0.0.3", False, 2.0)
+    node = _node_config(build_parser().parse_args(base + ["--num-pages", "5"]))
+    assert (node.layout, node.num_pages, node.policy) == ("DLS", 5, "fail")

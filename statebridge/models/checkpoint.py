@@ -244,6 +244,14 @@ class Checkpoint:
     def __exit__(self, *exc: Any) -> None:
         self.close()
 
+    def files(self) -> list[str]:
+        """The weight files the checkpoint's weights live in."""
+        return sorted(set(self._file_of.values()))
+
+    def open_file(self, filename: str) -> None:
+        """Open ``filename`` (ConfigError when it is missing or not safetensors)."""
+        self._open(filename)
+
     # -- metadata ------------------------------------------------------------------------------
     def names(self) -> list[str]:
         return sorted(self._file_of)

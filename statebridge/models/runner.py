@@ -38,7 +38,7 @@ from statebridge.models.hf_config import ModelConfig
 from statebridge.state.cache import StateCache
 from statebridge.state.spec import DTYPES, StateSpec, dtype_from_name
 
-__all__ = ["ModelRunner", "AllReduce"]
+__all__ = ["ModelRunner", "AllReduce", "check_tp_size"]
 
 log = logging.getLogger(__name__)
 
@@ -77,6 +77,15 @@ class _Layer:
     w1: torch.Tensor | None = None     # [F/t, H]
     w3: torch.Tensor | None = None     # [F/t, H]
     w2: torch.Tensor | None = None     # [H, F/t]
+
+
+def check_tp_size(config: ModelConfig, tp_size: int) -> None:
+    """ConfigError unless ``tp_size`` splits the model's weights (the state's split is checked
+    by the state spec's geometry)."""
+    if config.model_type == "lfm2" and config.ff_dim % tp_size:
+        raise ConfigError(f"lfm2: MLP width {config.ff_dim} (from intermediate_size="
+                          f"{config.hf['intermediate_size']}) is not divisible by "
+                          f"tp_size={tp_size}")
 
 
 class ModelRunner:
@@ -137,10 +146,7 @@ class ModelRunner:
                 self.dtype = dtype
             else:
                 self.dtype = DTYPES[dtype_from_name(dtype)]
-            if config.model_type == "lfm2" and config.ff_dim % tp_size:
-                raise ConfigError(f"lfm2: MLP width {config.ff_dim} (from intermediate_size="
-                                  f"{config.hf['intermediate_size']}) is not divisible by "
-                                  f"tp_size={tp_size}")
+            check_tp_size(config, tp_size)
             expected = config.weight_shapes()
             ckpt.check(expected)
             stored = {ckpt.resolve(name) for name in expected}

@@ -11,7 +11,8 @@ import zmq
 
 from statebridge.connector import control as c
 from statebridge.connector import messages as m
-from statebridge.errors import ConfigError, TransferTimeoutError, transfer_error
+from statebridge.errors import ProtocolError, TransferTimeoutError, error_for
+from statebridge.node import messages as nm
 from statebridge.security import CurveKeys
 
 __all__ = ["Client", "Generation"]
@@ -43,27 +44,45 @@ class Client:
         self._ctx = zmq.Context.instance()
         self._sock, self._watch = c.dial_dealer(self._ctx, address, keys=keys)
 
-    def wait_ready(self, timeout: float = 120.0) -> None:
-        """Block until the decode node answers that it serves."""
+    def status(self, timeout: float | None = None) -> nm.NodeStatus:
+        """The node's answer to a status query: ``ready``, and ``reason`` when it is not."""
+        timeout = self.timeout if timeout is None else timeout
+        self._send(nm.StatusQuery(client="client"), timeout)
         deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            self._send(m.Heartbeat(node_id="client", seq=0), max(0.0, deadline - time.monotonic()))
-            if c.poll_dealer(self._sock, self._watch, 0.5):
-                msg = m.decode(self._sock.recv())
-                if isinstance(msg, m.Heartbeat) and msg.seq == 1:
+        while c.poll_dealer(self._sock, self._watch, max(0.0, deadline - time.monotonic())):
+            msg = m.decode(self._sock.recv())
+            if isinstance(msg, nm.NodeStatus):
+                return msg
+        raise TransferTimeoutError(f"no status from decode node {self.address} within "
+                                   f"{timeout} s (down, unreachable, or refusing us because "
+                                   f"of authentication -- check the keys on both sides)")
+
+    def wait_ready(self, timeout: float = 120.0) -> None:
+        """Block until the decode node answers that it serves; TransferTimeoutError with its
+        last reason otherwise."""
+        deadline = time.monotonic() + timeout
+        why = "no answer"
+        while True:
+            left = deadline - time.monotonic()
+            try:
+                status = self.status(max(0.05, min(1.0, left)))
+                if status.ready:
                     return
+                why = status.reason
+            except TransferTimeoutError as e:
+                why = str(e)
+            if time.monotonic() >= deadline:
+                raise TransferTimeoutError(f"decode node {self.address} not ready within "
+                                           f"{timeout} s: {why}")
             time.sleep(0.1)
-        raise TransferTimeoutError(f"decode node {self.address} not ready within {timeout} s (no "
-                                   f"answer: down, unreachable, or refusing us because of "
-                                   f"authentication -- check the keys on both sides)")
 
     def stream(self, prompt: Sequence[int], *, max_new_tokens: int = 16,
                temperature: float = 0.0, top_p: float = 1.0, seed: int = 0,
-               request_id: str | None = None) -> Iterator[m.GenerateTokens]:
+               request_id: str | None = None) -> Iterator[nm.GenerateTokens]:
         """Yield the node's GenerateTokens messages for one request, as they arrive."""
         request_id = request_id or uuid.uuid4().hex
         prompt = tuple(int(t) for t in prompt)
-        self._send(m.GenerateRequest(
+        self._send(nm.GenerateRequest(
             request_id=request_id, prompt=prompt, max_new_tokens=int(max_new_tokens),
             temperature=float(temperature), top_p=float(top_p), seed=int(seed)), self.timeout)
         while True:
@@ -72,14 +91,13 @@ class Client:
                                            f"{self.timeout} s", request_id=request_id)
             msg = m.decode(self._sock.recv())
             if isinstance(msg, m.Error):
-                raise ConfigError(f"decode node refused the request: {msg.kind}: {msg.message}")
-            if not isinstance(msg, m.GenerateTokens) or msg.request_id != request_id:
+                raise ProtocolError(f"decode node refused the request: {msg.kind}: "
+                                    f"{msg.message}")
+            if not isinstance(msg, nm.GenerateTokens) or msg.request_id != request_id:
                 continue
             if msg.kind:
-                if msg.kind == "invalid_request":
-                    raise ConfigError(f"request {request_id}: {msg.message}")
-                raise transfer_error(msg.kind, msg.message, request_id=request_id,
-                                     peer=self.address)
+                raise error_for(msg.kind, f"request {request_id}: {msg.message}",
+                                request_id=request_id, peer=self.address)
             yield msg
             if msg.done:
                 return

@@ -2,15 +2,22 @@
 
 ::
 
-    client --GenerateRequest--> front door (ROUTER, this process)
-        DecodeCoordinator.submit(prompt[:-1])  -> prefill node computes, state lands in a page
+    client --GenerateRequest--> front door (ROUTER)
+        DecodeCoordinator.start(prompt[:-1])  -> prefill node computes, state lands in a page
         running batch += (page, last token = prompt[-1])
         every step: RankStep(batch) -> all decode ranks; rank 0 samples -> RankStepResult
     client <--GenerateTokens-- one message per step per request; the last has done=True
+    client --StatusQuery-->  <--NodeStatus-- ready?  (ranks up, a prefill node connected)
+
+One event loop per process: the front door, the scheduler and the coordinator (prefill
+connections, rank sockets, the request ledger) all run on the coordinator's loop thread, so a
+request and its tokens cross no thread boundary (``EventLoop.handoffs`` stays 0 while serving).
 
 When a transfer fails the request follows the node's policy: ``fail`` (a typed error to the
-client) or ``recompute`` (the decode ranks prefill the prompt locally, then decode as usual).
-Requests that find no free page wait (back-pressure) instead of failing.
+client) or ``recompute`` (the decode ranks prefill the prompt locally under a new generation of
+the same request id, then decode as usual). Requests that find no free page wait
+(back-pressure) instead of failing. A node started before its prefill nodes keeps dialling them
+(with backoff) and answers ``not_ready`` meanwhile.
 """
 
 from __future__ import annotations
@@ -21,23 +28,36 @@ import logging
 import time
 from dataclasses import dataclass, field
 
-from statebridge.config import ConnectorConfig
+from statebridge.config import ConnectorConfig, NodeConfig
 from statebridge.connector import control as c
 from statebridge.connector import messages as m
 from statebridge.connector._group import Launcher, spawn_launcher
 from statebridge.connector.decode import DecodeCoordinator, TransferResult
-from statebridge.errors import CacheFullError, ConfigError, StatebridgeError, TransferError
+from statebridge.errors import (
+    CacheFullError,
+    FailureKind,
+    StatebridgeError,
+    TransferError,
+    TransferTimeoutError,
+    kind_of,
+)
+from statebridge.net import free_port
+from statebridge.node import messages as nm
+from statebridge.node.checks import check_checkpoint
 from statebridge.security import CurveKeys
-from statebridge.state.spec import StateSpec
 
 log = logging.getLogger(__name__)
 
 __all__ = ["DecodeNode", "POLICIES"]
 
-POLICIES = ("fail", "recompute")
+POLICIES = NodeConfig.POLICIES
+
+#: How often requests waiting for a page retry (a failed request's page frees only once every
+#: decode rank confirmed, which the node does not otherwise hear about).
+_RETRY_WAITING_S = 0.05
 
 
-@dataclass
+@dataclass(eq=False)
 class _Gen:
     """One client request inside the decode node."""
 
@@ -55,60 +75,119 @@ class _Gen:
     ttft: float = 0.0
     transfer: TransferResult | None = None
     recomputed: bool = False
+    local: bool = False               # the current attempt is a local recompute
 
 
 class DecodeNode:
     """Decode coordinator + front door + scheduler, in the decode node's main process."""
 
     def __init__(self, model_dir: str, tp_size: int, prefill: list[str], *, port: int = 0,
-                 layout: str = "DLS", num_pages: int = 64, max_batch: int = 32,
-                 policy: str = "fail", max_prompt_len: int = 8192, max_new_tokens: int = 4096,
-                 config: ConnectorConfig | None = None, launcher: Launcher | None = spawn_launcher,
-                 dist_init: str = "",
-                 rank_model: str = "statebridge.node.rank_model:ModelRankModel") -> None:
-        if policy not in POLICIES:
-            raise ConfigError(f"unknown failure policy {policy!r}; expected one of {POLICIES}")
+                 layout: str | None = None, num_pages: int | None = None,
+                 max_batch: int | None = None, policy: str | None = None,
+                 max_prompt_len: int | None = None, max_new_tokens: int | None = None,
+                 node: NodeConfig | None = None, config: ConnectorConfig | None = None,
+                 launcher: Launcher | None = spawn_launcher, dist_init: str = "",
+                 rank_model: str | None = None, wait_prefill: float | None = None) -> None:
+        """Validates the checkpoint here (before any rank starts), starts the decode ranks and
+        waits for them (:class:`~statebridge.errors.StartupError` at once if one fails to
+        start, with its error), then dials ``prefill`` in the background: the node serves as
+        soon as one answers, and answers ``not_ready`` until then. The constructor waits up
+        to ``wait_prefill`` seconds (default ``handshake_timeout``) for every prefill node to
+        answer, and returns either way (see :meth:`status`)."""
+        self.node_config = (node or NodeConfig()).replace(
+            layout=layout, num_pages=num_pages, max_batch=max_batch, policy=policy,
+            max_prompt_len=max_prompt_len, max_new_tokens=max_new_tokens,
+            rank_model=rank_model)
+        nc = self.node_config
         self.config = config or ConnectorConfig()
-        self.policy = policy
-        self.max_batch = max_batch
-        self.max_prompt_len = max_prompt_len
-        self.max_new_tokens = max_new_tokens
-        spec = StateSpec.from_pretrained(model_dir)
+        spec = check_checkpoint(model_dir, tp_size, nc.rank_model)
         self.coordinator = DecodeCoordinator(
-            spec, tp_size, layout, num_pages, config=self.config, launcher=launcher,
-            model=rank_model, model_dir=model_dir,
+            spec, tp_size, nc.layout, nc.num_pages, config=self.config, launcher=launcher,
+            model=nc.rank_model, model_dir=model_dir,
             dist_init=dist_init or f"tcp://127.0.0.1:{free_port()}")
-        self.coordinator.rank_message_hook = self._on_rank_message
-        self.loop = c.EventLoop("decode-front")
+        self.loop = self.coordinator.loop
         self.counters = c.Counters()
-        self.router, self.port = c.bind_router(
-            self.loop.context, self.config.bind_host, port, counters=self.counters,
-            keys=CurveKeys.from_config(self.config, listen=True), name="decode front door",
-            max_message_bytes=self.config.max_message_bytes)
-        self.loop.add_reader(self.router, self._on_client)
         self.gens: dict[str, _Gen] = {}
         self.waiting: collections.deque[_Gen] = collections.deque()   # no free page yet
         self.running: list[_Gen] = []
         self.step_in_flight: tuple[int, list[_Gen]] | None = None
         self._steps = itertools.count(1)
-        self.ready = False
-        self.loop.start()
-        self.coordinator.wait_ready()
-        for address in prefill:
-            self.coordinator.connect(address)
-        self.ready = True
-        log.info("decode node ready on %s:%d (TP %d, %s, prefill %s)", self.config.bind_host,
-                 self.port, tp_size, layout, ", ".join(prefill))
+        self._closed = False
+        try:
+            self.router, self.port = c.bind_router(
+                self.loop.context, self.config.bind_host, port, counters=self.counters,
+                keys=CurveKeys.from_config(self.config, listen=True), name="decode front door",
+                max_message_bytes=self.config.max_message_bytes)
+        except BaseException:
+            self.coordinator.close()
+            raise
+        self.coordinator.on_rank_message(nm.RankStepResult, self._on_step_result)
+        self.coordinator.on_rank_lost(self._on_rank_lost)
+
+        def attach() -> None:
+            self.loop.add_reader(self.router, self._on_client)
+            self.loop.call_every(_RETRY_WAITING_S, self._start_waiting)
+        try:
+            self.loop.call(attach)
+            self.coordinator.wait_ready()
+            for address in prefill:
+                self.coordinator.connect(address, wait=False)
+            self._wait_prefill(self.config.handshake_timeout if wait_prefill is None
+                               else wait_prefill)
+        except BaseException:
+            self.close()
+            raise
+        ready, why = self.status()
+        if ready:
+            log.info("decode node ready on %s (TP %d, %s), prefill %s", self.address, tp_size,
+                     nc.layout, ", ".join(prefill))
+        else:
+            log.warning("decode node up on %s (TP %d, %s) but not serving yet: %s",
+                        self.address, tp_size, nc.layout, why)
+
+    def _wait_prefill(self, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.loop.call(lambda: all(d.connected for d in self.coordinator._dials.values())):
+                return
+            time.sleep(0.02)
 
     @property
     def address(self) -> str:
         return f"{self.config.bind_host}:{self.port}"
 
-    def add_prefill(self, address: str) -> str:
+    @property
+    def policy(self) -> str:
+        return self.node_config.policy
+
+    def status(self) -> tuple[bool, str]:
+        """(ready, why not): ready once the decode ranks are up and a prefill node is
+        connected."""
+        return self.loop.call(self._status)
+
+    def _status(self) -> tuple[bool, str]:
+        if self._closed:
+            return False, "decode node is closing"
+        return self.coordinator.status()
+
+    def wait_ready(self, timeout: float = 60.0) -> None:
+        """Block until the node serves (a prefill node connected); TransferTimeoutError with
+        the reason otherwise."""
+        deadline = time.monotonic() + timeout
+        while True:
+            ready, why = self.status()
+            if ready:
+                return
+            if time.monotonic() >= deadline:
+                raise TransferTimeoutError(f"decode node {self.address} not ready within "
+                                           f"{timeout} s: {why}")
+            time.sleep(0.05)
+
+    def add_prefill(self, address: str) -> str | None:
         """Connect one more prefill node (e.g. a replacement for a dead one); returns its id."""
         return self.coordinator.connect(address)
 
-    # -- clients -----------------------------------------------------------------------------
+    # -- clients (loop thread) ---------------------------------------------------------------
     def _on_client(self) -> None:
         while True:
             got = c.recv_router(self.router, self.config.max_message_bytes)
@@ -119,11 +198,17 @@ class DecodeNode:
                 self.counters.add("protocol_errors")
                 c.send_router(self.router, identity,
                               m.Error(kind=type(msg).__name__, message=str(msg)))
+            elif isinstance(msg, nm.GenerateRequest):
+                self._on_generate(identity, msg)
+            elif isinstance(msg, nm.StatusQuery):
+                ready, why = self._status()
+                c.send_router(self.router, identity, nm.NodeStatus(
+                    node_id=self.coordinator.node_id, ready=ready, reason=why,
+                    prefill_nodes=tuple(sorted(n for n, p in self.coordinator.prefills.items()
+                                               if p.state == "ready"))))
             elif isinstance(msg, m.Heartbeat):
                 c.send_router(self.router, identity, m.Heartbeat(
-                    node_id=self.coordinator.node_id, seq=int(self.ready)))
-            elif isinstance(msg, m.GenerateRequest):
-                self._on_generate(identity, msg)
+                    node_id=self.coordinator.node_id, seq=msg.seq))
             else:
                 self.counters.add("unexpected_messages")
                 c.send_router(self.router, identity, m.Error(
@@ -132,69 +217,84 @@ class DecodeNode:
     def _reply(self, gen: _Gen, tokens: tuple[int, ...], done: bool, kind: str = "",
                message: str = "") -> None:
         t = gen.transfer
-        c.send_router(self.router, gen.client, m.GenerateTokens(
-            request_id=gen.request_id, tokens=tokens, done=done, kind=kind, message=message,
-            ttft=gen.ttft, transfer_seconds=t.seconds if t else 0.0,
+        c.send_router(self.router, gen.client, nm.GenerateTokens(
+            request_id=gen.request_id, tokens=tokens, done=done, kind=str(kind),
+            message=message, ttft=gen.ttft, transfer_seconds=t.seconds if t else 0.0,
             transfer_bytes=t.nbytes if t else 0, recomputed=gen.recomputed))
 
-    def _on_generate(self, identity: bytes, msg: m.GenerateRequest) -> None:
-        problem = None
+    def _problem(self, msg: nm.GenerateRequest) -> str | None:
+        nc = self.node_config
+        if not msg.request_id:
+            return "request_id is empty"
         if not msg.prompt:
-            problem = "prompt is empty"
-        elif len(msg.prompt) > self.max_prompt_len:
-            problem = f"prompt of {len(msg.prompt)} tokens exceeds the limit of {self.max_prompt_len}"
-        elif not 1 <= msg.max_new_tokens <= self.max_new_tokens:
-            problem = f"max_new_tokens {msg.max_new_tokens} not in [1, {self.max_new_tokens}]"
-        elif msg.temperature < 0 or not 0 < msg.top_p <= 1:
-            problem = f"temperature {msg.temperature} / top_p {msg.top_p} out of range"
-        elif msg.request_id in self.gens:
-            problem = f"request id {msg.request_id!r} is already in flight"
-        elif not self.ready or not self.coordinator.healthy:
-            problem = "decode node is not serving (a decode rank was lost)"
+            return "prompt is empty"
+        if len(msg.prompt) > nc.max_prompt_len:
+            return f"prompt of {len(msg.prompt)} tokens exceeds the limit of {nc.max_prompt_len}"
+        if not 1 <= msg.max_new_tokens <= nc.max_new_tokens:
+            return f"max_new_tokens {msg.max_new_tokens} not in [1, {nc.max_new_tokens}]"
+        if not msg.temperature >= 0 or not 0 < msg.top_p <= 1:
+            return f"temperature {msg.temperature} / top_p {msg.top_p} out of range"
+        if msg.request_id in self.gens:
+            return f"request id {msg.request_id!r} is already in flight"
+        return None
+
+    def _on_generate(self, identity: bytes, msg: nm.GenerateRequest) -> None:
         gen = _Gen(msg.request_id, identity, msg.prompt, msg.max_new_tokens, msg.temperature,
                    msg.top_p, msg.seed)
+        problem = self._problem(msg)
         if problem is not None:
-            self.counters.add("rejected")
-            self._reply(gen, (), True, "invalid_request", problem)
+            self.counters.add(f"rejected_{FailureKind.INVALID_REQUEST}")
+            self._reply(gen, (), True, FailureKind.INVALID_REQUEST, problem)
+            return
+        ready, why = self._status()
+        if not ready and self.policy != "recompute":
+            self.counters.add(f"rejected_{FailureKind.NOT_READY}")
+            self._reply(gen, (), True, FailureKind.NOT_READY, f"decode node is not ready: {why}")
             return
         self.gens[gen.request_id] = gen
         self.counters.add("requests")
-        self._start_transfer(gen)
+        self._start_transfer(gen, local=not ready)
 
     # -- the prompt's state ------------------------------------------------------------------
     def _start_transfer(self, gen: _Gen, local: bool = False) -> None:
-        submit = self.coordinator.submit_local if local else self.coordinator.submit
-        # A recompute is a new attempt under its own id: the failed transfer's page is freed
-        # only once every decode rank confirmed nothing can still land in it.
-        attempt = f"{gen.request_id}#recompute" if local else gen.request_id
+        gen.local = local
         try:
-            future = submit(attempt, gen.prompt[:-1])
+            self.coordinator.start(gen.request_id, gen.prompt[:-1],
+                                   lambda result, error: self._transfer_done(gen, result, error),
+                                   local=local)
         except CacheFullError:
             self.waiting.append(gen)              # back-pressure: retried when a page frees
-            gen.recomputed = local
             return
         except TransferError as e:
-            self._transfer_failed(gen, e, local)
+            self._transfer_failed(gen, e)
             return
         gen.recomputed = local
-        future.add_done_callback(lambda f: self.loop.call_soon(self._transfer_done, gen, f, local))
 
-    def _transfer_done(self, gen: _Gen, future, local: bool) -> None:
-        error = future.exception()
-        if error is not None:
-            self._transfer_failed(gen, error, local)
+    def _start_waiting(self) -> None:
+        while self.waiting and self.coordinator.pool.num_free:
+            gen = self.waiting.popleft()
+            if self.gens.get(gen.request_id) is gen:
+                self._start_transfer(gen, local=gen.local)
+
+    def _transfer_done(self, gen: _Gen, result: TransferResult | None,
+                       error: TransferError | None) -> None:
+        if self.gens.get(gen.request_id) is not gen:          # finished meanwhile (closing)
+            if result is not None:
+                self.coordinator.free(gen.request_id)
             return
-        result: TransferResult = future.result()
+        if error is not None:
+            self._transfer_failed(gen, error)
+            return
         gen.transfer = result
         gen.page = result.page
         gen.next_token = gen.prompt[-1]
         self.running.append(gen)
         self._maybe_step()
 
-    def _transfer_failed(self, gen: _Gen, error: BaseException, local: bool) -> None:
-        kind = error.kind if isinstance(error, TransferError) else "transfer_error"
+    def _transfer_failed(self, gen: _Gen, error: BaseException) -> None:
+        kind = kind_of(error)
         self.counters.add(f"transfer_failed_{kind}")
-        if self.policy == "recompute" and not local:
+        if self.policy == "recompute" and not gen.local and kind is not FailureKind.INVALID_REQUEST:
             log.warning("%s: transfer failed (%s), recomputing locally", gen.request_id, error)
             self._start_transfer(gen, local=True)
             return
@@ -202,12 +302,12 @@ class DecodeNode:
 
     # -- decode steps -------------------------------------------------------------------------
     def _maybe_step(self) -> None:
-        if self.step_in_flight is not None or not self.running:
+        if self.step_in_flight is not None or not self.running or self._closed:
             return
-        batch = self.running[:self.max_batch]
+        batch = self.running[:self.node_config.max_batch]
         step = next(self._steps)
         self.step_in_flight = (step, batch)
-        self.coordinator.send_to_ranks(m.RankStep(
+        self.coordinator.to_ranks(nm.RankStep(
             step=step, request_ids=tuple(g.request_id for g in batch),
             pages=tuple(g.page for g in batch), tokens=tuple(g.next_token for g in batch),
             positions=tuple(len(g.prompt) + len(g.generated) - 1 for g in batch),
@@ -215,17 +315,13 @@ class DecodeNode:
             top_ps=tuple(float(g.top_p) for g in batch),
             seeds=tuple(int(g.seed) for g in batch)))
 
-    def _on_rank_message(self, rank: int, msg: m.Message | None) -> None:
-        # Called on the coordinator's loop thread: hand over to the front-door loop.
-        self.loop.call_soon(self._on_rank_event, rank, msg)
+    def _on_rank_lost(self, rank: int) -> None:
+        for gen in list(self.running):
+            self._finish(gen, FailureKind.PEER_LOST, f"decode rank {rank} died", release=False)
+        self.step_in_flight = None
 
-    def _on_rank_event(self, rank: int, msg: m.Message | None) -> None:
-        if msg is None:                                   # a decode rank died
-            for gen in list(self.running):
-                self._finish(gen, "peer_lost", f"decode rank {rank} died", release=False)
-            self.step_in_flight = None
-            return
-        if not isinstance(msg, m.RankStepResult) or self.step_in_flight is None:
+    def _on_step_result(self, rank: int, msg: nm.RankStepResult) -> None:
+        if self.step_in_flight is None:
             return
         step, batch = self.step_in_flight
         if msg.step != step:
@@ -234,7 +330,8 @@ class DecodeNode:
         self.step_in_flight = None
         if msg.kind:
             for gen in batch:
-                self._finish(gen, msg.kind, f"decode step failed: {msg.message}")
+                self._finish(gen, FailureKind.parse(msg.kind),
+                             f"decode step failed: {msg.message}")
             self._maybe_step()
             return
         now = time.perf_counter()
@@ -249,56 +346,51 @@ class DecodeNode:
                 self._finish(gen, "", "", last=(token,))
             else:
                 self._reply(gen, (token,), False)
-        served = [g for g in batch if g in self.running]
-        self.running = [g for g in self.running if g not in served] + served
+        served = set(map(id, batch))
+        kept = [g for g in batch if g in self.running]
+        self.running = [g for g in self.running if id(g) not in served] + kept
         self._maybe_step()
 
-    def _finish(self, gen: _Gen, kind: str, message: str, *, last: tuple[int, ...] = (),
-                release: bool = True) -> None:
+    def _finish(self, gen: _Gen, kind: "FailureKind | str", message: str, *,
+                last: tuple[int, ...] = (), release: bool = True) -> None:
         if gen in self.running:
             self.running.remove(gen)
-        self.gens.pop(gen.request_id, None)
-        if gen.transfer is not None and release:
-            try:
-                self.coordinator.release(gen.transfer)
-            except StatebridgeError as e:
-                log.warning("%s: release failed: %s", gen.request_id, e)
+        if self.gens.get(gen.request_id) is gen:
+            del self.gens[gen.request_id]
+        if gen.transfer is not None and release and not self.coordinator.free(gen.request_id):
+            log.warning("%s: its page was not held any more", gen.request_id)
         self.counters.add("finished_ok" if not kind else f"finished_{kind}")
         self._reply(gen, last, True, kind, message)
-        while self.waiting and self.coordinator.pool.num_free:
-            waiting = self.waiting.popleft()
-            self._start_transfer(waiting, local=waiting.recomputed)
+        self._start_waiting()
 
     # -- lifecycle ----------------------------------------------------------------------------
     def stats(self) -> dict:
-        return {"running": len(self.running), "waiting": len(self.waiting),
-                **self.counters.snapshot(), "coordinator": self.coordinator.stats()}
+        return {**self.loop.call(lambda: {"running": len(self.running),
+                                          "waiting": len(self.waiting),
+                                          "handoffs": self.loop.handoffs,
+                                          **self.counters.snapshot()}),
+                "coordinator": self.coordinator.stats()}
 
     def close(self) -> None:
+        """Fail what is in flight (clients hear ``aborted``), stop the ranks (idempotent)."""
+        if self._closed:
+            return
         try:
             self.loop.call(self._fail_all)
         except StatebridgeError:
             pass
-        self.loop.stop()
-        self.router.close(0)
         self.coordinator.close()
+        if hasattr(self, "router"):
+            self.router.close(0)
 
     def _fail_all(self) -> None:
+        self._closed = True
+        self.waiting.clear()
         for gen in list(self.gens.values()):
-            self._finish(gen, "aborted", "decode node shutting down", release=False)
+            self._finish(gen, FailureKind.ABORTED, "decode node shutting down", release=False)
 
     def __enter__(self):
         return self
 
     def __exit__(self, *exc) -> None:
         self.close()
-
-
-def free_port() -> int:
-    """A free TCP port on 127.0.0.1 (for the torch.distributed rendezvous of a group)."""
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-

@@ -26,7 +26,8 @@ __all__ = ["run_demo", "reference_greedy", "NodeProcess"]
 
 
 class NodeProcess:
-    """A node started as ``python -m statebridge.cli ...``; waits for its "ready" line."""
+    """A node started as ``python -m statebridge.cli ...``; waits for its "ready on" line (or
+    the decode node's "up on" line: listening, still dialling its prefill nodes)."""
 
     def __init__(self, args: list[str], name: str, timeout: float = 300.0) -> None:
         self.name = name
@@ -41,7 +42,7 @@ class NodeProcess:
             if not line:
                 break
             self.lines.append(line.rstrip())
-            if " ready on " in line:
+            if " ready on " in line or " up on " in line:
                 return
         self.stop()
         raise RuntimeError(f"{name} did not start:\n" + "\n".join(self.lines[-30:]))
@@ -88,7 +89,7 @@ def run_demo(*, arch: str = "lfm2", prefill_tp: int = 2, decode_tp: int = 4,
              layout: str = "DLS", prompts: int = 4, max_new_tokens: int = 8) -> int:
     from statebridge.models.checkpoint import make_checkpoint
     from statebridge.node.client import Client
-    from statebridge.node.decode_node import free_port
+    from statebridge.net import free_port
 
     rng = np.random.default_rng(0)
     with tempfile.TemporaryDirectory(prefix="statebridge-demo-") as tmp:

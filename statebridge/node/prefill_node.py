@@ -8,8 +8,8 @@ import logging
 from statebridge.config import ConnectorConfig
 from statebridge.connector._group import Launcher, spawn_launcher
 from statebridge.connector.prefill import PrefillServer
-from statebridge.node.decode_node import free_port
-from statebridge.state.spec import StateSpec
+from statebridge.net import free_port
+from statebridge.node.checks import check_checkpoint
 
 log = logging.getLogger(__name__)
 
@@ -21,8 +21,10 @@ def start_prefill_node(model_dir: str, tp_size: int, *, port: int = 0, layout: s
                        launcher: Launcher | None = spawn_launcher,
                        rank_model: str = "statebridge.node.rank_model:ModelRankModel"
                        ) -> PrefillServer:
-    """Start the server and its rank processes; returns once every rank is up."""
-    spec = StateSpec.from_pretrained(model_dir)
+    """Check the checkpoint (here, before any rank starts), start the server and its rank
+    processes; returns once every rank is up (StartupError at once, with the rank's error,
+    when one fails to start)."""
+    spec = check_checkpoint(model_dir, tp_size, rank_model)
     server = PrefillServer(spec, tp_size, layout, num_pages, config=config, port=port,
                            launcher=launcher, model=rank_model,
                            model_dir=model_dir, dist_init=f"tcp://127.0.0.1:{free_port()}")

@@ -11,8 +11,9 @@ import logging
 
 import torch
 
-from statebridge.connector import messages as m
 from statebridge.connector._rank import RankModel, RankSetup
+from statebridge.errors import FailureKind
+from statebridge.node import messages as nm
 from statebridge.state.cache import StateCache
 
 log = logging.getLogger(__name__)
@@ -20,7 +21,7 @@ log = logging.getLogger(__name__)
 __all__ = ["ModelRankModel", "sample_tokens"]
 
 
-def sample_tokens(logits: torch.Tensor, msg: m.RankStep) -> tuple[int, ...]:
+def sample_tokens(logits: torch.Tensor, msg: nm.RankStep) -> tuple[int, ...]:
     """One token per row: greedy at temperature 0, else temperature + top-p with a generator
     seeded by (request seed, position) so a request's tokens do not depend on its batch."""
     from statebridge.models.sampling import sample
@@ -65,12 +66,31 @@ class ModelRankModel(RankModel):
         with torch.inference_mode():
             self.runner.prefill([list(prompt)], [page])
 
-    def step(self, msg: m.RankStep) -> tuple[int, ...] | None:
-        with torch.inference_mode():
-            logits = self.runner.decode(list(msg.tokens), list(msg.pages))
-        if self.setup.tp_rank != 0:
-            return None
-        return sample_tokens(logits, msg)
+    @classmethod
+    def validate(cls, model_dir: str, tp_size: int) -> None:
+        from statebridge.node.checks import check_weights
+
+        check_weights(model_dir, tp_size)
+
+    def handlers(self) -> dict:
+        return {nm.RankStep: self.step}
+
+    def step(self, msg: nm.RankStep) -> nm.RankStepResult | None:
+        """One decode step of the batch on this rank; rank 0 samples and answers (a failure
+        is answered by every rank: the node fails the batch on the first)."""
+        try:
+            with torch.inference_mode():
+                logits = self.runner.decode(list(msg.tokens), list(msg.pages))
+            if self.setup.tp_rank != 0:
+                return None
+            tokens = sample_tokens(logits, msg)
+        except Exception as e:  # noqa: BLE001 -- the step fails, the rank serves on
+            log.exception("rank %d: decode step %d failed", self.setup.tp_rank, msg.step)
+            return nm.RankStepResult(step=msg.step, tp_rank=self.setup.tp_rank, tokens=(),
+                                     kind=FailureKind.TRANSFER_ERROR.value,
+                                     message=f"{type(e).__name__}: {e}")
+        return nm.RankStepResult(step=msg.step, tp_rank=self.setup.tp_rank, tokens=tokens,
+                                 kind="", message="")
 
     def close(self) -> None:
         self.process_group = None

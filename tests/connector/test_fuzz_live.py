@@ -26,6 +26,7 @@ from hypothesis import strategies as st
 
 from statebridge.connector import control as c
 from statebridge.connector import messages as m
+from statebridge.node import messages as nm
 from statebridge.connector.decode import DecodeCoordinator
 from statebridge.connector.hosts import RankHostPool
 from statebridge.connector.prefill import PrefillServer
@@ -231,9 +232,9 @@ def test_decode_node_front_door(nodes, frames):
     """The client-facing ROUTER; the sentinel is a prompt over the node's max_prompt_len."""
     _, _, _, node = nodes
     Target(node.address, lambda: node.counters.get("protocol_errors"),
-           m.GenerateRequest(request_id="sentinel", prompt=tuple(range(17)), max_new_tokens=1,
+           nm.GenerateRequest(request_id="sentinel", prompt=tuple(range(17)), max_new_tokens=1,
                              temperature=0.0, top_p=1.0, seed=0),
-           lambda msg: isinstance(msg, m.GenerateTokens) and msg.request_id == "sentinel"
+           lambda msg: isinstance(msg, nm.GenerateTokens) and msg.request_id == "sentinel"
            and msg.kind == "invalid_request").fuzz(frames)
 
 
@@ -264,10 +265,10 @@ def test_every_node_still_serves_after_the_fuzzing(nodes):
     # (the synthetic rank model cannot decode: a typed failure, not a hang).
     peer = Peer(node.address)
     try:
-        peer.send([m.encode(m.GenerateRequest(request_id="gen-1", prompt=(1, 2, 3),
+        peer.send([m.encode(nm.GenerateRequest(request_id="gen-1", prompt=(1, 2, 3),
                                               max_new_tokens=2, temperature=0.0, top_p=1.0,
                                               seed=0))])
-        replies = peer.replies_until(lambda msg: isinstance(msg, m.GenerateTokens) and msg.done)
+        replies = peer.replies_until(lambda msg: isinstance(msg, nm.GenerateTokens) and msg.done)
         assert replies[-1].request_id == "gen-1" and replies[-1].transfer_bytes > 0, replies
     finally:
         peer.sock.close(0)

@@ -11,6 +11,7 @@ import pytest
 
 from statebridge.config import ConnectorConfig
 from statebridge.connector import messages as m
+from statebridge.node import messages as nm
 from statebridge.connector._rank import RankSetup, RankWorker
 
 from ._helpers import SPECS, wait_until
@@ -42,8 +43,8 @@ def worker():
     w.close()
 
 
-def _step(n: int) -> m.RankStep:
-    return m.RankStep(step=n, request_ids=("a",), pages=(0,), tokens=(1,), positions=(3,),
+def _step(n: int) -> nm.RankStep:
+    return nm.RankStep(step=n, request_ids=("a",), pages=(0,), tokens=(1,), positions=(3,),
                       temperatures=(0.0,), top_ps=(1.0,), seeds=(0,))
 
 
@@ -53,11 +54,11 @@ def test_cheap_result_is_not_held_behind_a_slow_step(worker):
     worker.loop.call_soon(lambda: (
         worker._on_local_prefill(m.RankLocalPrefill(request_id="p1", generation=5,
                                                     prompt=(1, 2, 3), page=1)),
-        worker._on_step(_step(1))))
+        worker._compute_q.put(_step(1))))
     wait_until(lambda: len(worker.sent) >= 2, 10.0, "prefill done and step result")
     (t_done, done), (t_step, step) = worker.sent[:2]
     assert isinstance(done, m.RankDone) and (done.request_id, done.kind) == ("p1", "")
-    assert isinstance(step, m.RankStepResult) and step.tokens == (7,)
+    assert isinstance(step, nm.RankStepResult) and step.tokens == (7,)
     assert t_done - started < 0.2, f"prefill answered after {t_done - started:.3f} s"
     assert t_step - started >= 0.3
 

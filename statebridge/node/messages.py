@@ -1,0 +1,85 @@
+"""The decode node's own messages: decode steps (node <-> its decode ranks) and the front door
+(client <-> decode node). They travel through the connector's one codec
+(:func:`statebridge.connector.messages.message`); the connector itself knows none of them.
+
+::
+
+    client --GenerateRequest--> decode node --RankStep--> every decode rank
+    client <--GenerateTokens--- decode node <--RankStepResult-- the sampling rank (rank 0)
+    client --StatusQuery------> decode node --NodeStatus--> client  (ready? which prefill peers)
+"""
+
+from __future__ import annotations
+
+from statebridge.connector.messages import Message, message
+
+__all__ = ["RankStep", "RankStepResult", "GenerateRequest", "GenerateTokens", "StatusQuery",
+           "NodeStatus"]
+
+
+@message
+class RankStep(Message):
+    """Decode node -> every decode rank: one decode step of a batch (one token per request,
+    each against its page's state). Rank 0 samples and answers with RankStepResult."""
+    step: int
+    request_ids: tuple[str, ...]
+    pages: tuple[int, ...]
+    tokens: tuple[int, ...]
+    positions: tuple[int, ...]
+    temperatures: tuple[float, ...]
+    top_ps: tuple[float, ...]
+    seeds: tuple[int, ...]
+
+
+@message
+class RankStepResult(Message):
+    """The sampling rank -> decode node: one token per request of the step (``kind`` empty),
+    or the step failed (``kind`` a FailureKind name, ``message`` why)."""
+    step: int
+    tp_rank: int
+    tokens: tuple[int, ...]
+    kind: str
+    message: str
+
+
+@message
+class GenerateRequest(Message):
+    """Client -> decode node. ``temperature`` 0 means greedy."""
+    request_id: str
+    prompt: tuple[int, ...]
+    max_new_tokens: int
+    temperature: float
+    top_p: float
+    seed: int
+
+
+@message
+class GenerateTokens(Message):
+    """Decode node -> client: newly generated tokens; the last one has ``done`` set. ``kind``
+    is empty on success, else a :class:`~statebridge.errors.FailureKind` name and ``message``
+    says why."""
+    request_id: str
+    tokens: tuple[int, ...]
+    done: bool
+    kind: str
+    message: str
+    ttft: float
+    transfer_seconds: float
+    transfer_bytes: int
+    recomputed: bool
+
+
+@message
+class StatusQuery(Message):
+    """Client -> decode node: is it serving?"""
+    client: str
+
+
+@message
+class NodeStatus(Message):
+    """Decode node -> client: ``ready`` once it can serve (ranks up and at least one prefill
+    node connected; or it can recompute); ``reason`` says what it waits for otherwise."""
+    node_id: str
+    ready: bool
+    reason: str
+    prefill_nodes: tuple[str, ...]
