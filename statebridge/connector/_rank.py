@@ -90,6 +90,17 @@ class RankModel:
 class SyntheticModel(RankModel):
     """The default "model": the request's deterministic synthetic state (tests, benchmarks)."""
 
+    def handlers(self) -> dict:
+        from statebridge.node import messages as nm
+
+        def cannot_decode(msg: "nm.RankStep") -> "nm.RankStepResult | None":
+            if self.setup.tp_rank != 0:
+                return None
+            return nm.RankStepResult(step=msg.step, tp_rank=0, tokens=(),
+                                     kind=FailureKind.TRANSFER_ERROR.value,
+                                     message=f"{type(self).__name__} cannot decode")
+        return {nm.RankStep: cannot_decode}
+
     def prefill(self, page: int, prompt: tuple[int, ...], request_id: str) -> None:
         fill_page(self.cache, page,
                   global_state(self.cache.geometry.spec, request_seed(request_id)),

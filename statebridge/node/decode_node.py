@@ -111,6 +111,7 @@ class DecodeNode:
         self.waiting: collections.deque[_Gen] = collections.deque()   # no free page yet
         self.running: list[_Gen] = []
         self.step_in_flight: tuple[int, list[_Gen]] | None = None
+        self._step_started = 0.0
         self._steps = itertools.count(1)
         self._closed = False
         try:
@@ -127,6 +128,7 @@ class DecodeNode:
         def attach() -> None:
             self.loop.add_reader(self.router, self._on_client)
             self.loop.call_every(_RETRY_WAITING_S, self._start_waiting)
+            self.loop.call_every(self.config.heartbeat_interval, self._check_step)
         try:
             self.loop.call(attach)
             self.coordinator.wait_ready()
@@ -243,11 +245,13 @@ class DecodeNode:
                    msg.top_p, msg.seed)
         problem = self._problem(msg)
         if problem is not None:
+            self.counters.add("rejected")
             self.counters.add(f"rejected_{FailureKind.INVALID_REQUEST}")
             self._reply(gen, (), True, FailureKind.INVALID_REQUEST, problem)
             return
         ready, why = self._status()
         if not ready and self.policy != "recompute":
+            self.counters.add("rejected")
             self.counters.add(f"rejected_{FailureKind.NOT_READY}")
             self._reply(gen, (), True, FailureKind.NOT_READY, f"decode node is not ready: {why}")
             return
@@ -307,6 +311,7 @@ class DecodeNode:
         batch = self.running[:self.node_config.max_batch]
         step = next(self._steps)
         self.step_in_flight = (step, batch)
+        self._step_started = time.monotonic()
         self.coordinator.to_ranks(nm.RankStep(
             step=step, request_ids=tuple(g.request_id for g in batch),
             pages=tuple(g.page for g in batch), tokens=tuple(g.next_token for g in batch),
@@ -314,6 +319,22 @@ class DecodeNode:
             temperatures=tuple(float(g.temperature) for g in batch),
             top_ps=tuple(float(g.top_p) for g in batch),
             seeds=tuple(int(g.seed) for g in batch)))
+
+    def _check_step(self) -> None:
+        """A step whose result does not come (a rank's model hangs while its loop still
+        heartbeats) fails its batch after ``transfer_timeout``; a late result is ignored."""
+        if self.step_in_flight is None:
+            return
+        took = time.monotonic() - self._step_started
+        if took <= self.config.transfer_timeout:
+            return
+        step, batch = self.step_in_flight
+        self.step_in_flight = None
+        self.counters.add("steps_timed_out")
+        for gen in batch:
+            self._finish(gen, FailureKind.TIMEOUT, f"decode step {step} got no result within "
+                                                   f"{self.config.transfer_timeout} s")
+        self._maybe_step()
 
     def _on_rank_lost(self, rank: int) -> None:
         for gen in list(self.running):

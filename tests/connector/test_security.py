@@ -296,7 +296,8 @@ def test_keyed_decode_node_refuses_a_keyless_client(tmp_path, keys_dir, hosts):
                 client.wait_ready(timeout=60)
             assert info.value.peer == node.address
         with Client(node.address, timeout=60, keys=CurveKeys.load(keys_dir, "client")) as client:
-            client.wait_ready(timeout=60)
+            status = client.status()                  # heard: the node has no prefill peer
+            assert not status.ready and "no prefill server connected" in status.reason
         wait_until(lambda: node.stats().get("auth_refused", 0) >= 1, 20, "refusal counted")
     finally:
         node.close()
