@@ -107,10 +107,11 @@ Staging
 -------
 :meth:`post_send_staged` gathers a pair's source pieces into a pooled staging buffer and sends it
 as one message; :meth:`post_recv_staged` receives into a pooled buffer and scatters it into the
-page before the handle reports done. On the host the gather/scatter is :func:`_copy_runs`: one
-vectorised numpy copy per distinct run length below 64 KiB, one slice copy per larger run (2-5
-GB/s here; 300 000 two-byte runs take ~12 ms). ``statebridge.kernels.pack.pack_ref``, the pure
-torch reference, ran at 0.02-0.09 GB/s on the same runs, and the Triton ``pack`` needs CUDA.
+page before the handle reports done. On the host the gather/scatter is
+:func:`statebridge.kernels.pack.copy_runs_host`: one vectorised numpy copy per distinct run
+length below 64 KiB, one slice copy per larger run (2-5 GB/s here; 300 000 two-byte runs take
+~12 ms). ``statebridge.kernels.pack.pack_ref``, the pure torch reference, ran at 0.02-0.09 GB/s
+on the same runs, and the Triton ``pack`` needs CUDA.
 End to end a staged pair moved 0.6-1.8 GB/s (two host copies plus one message). Page buffers on
 CUDA are not supported yet (ConfigError).
 
@@ -132,7 +133,6 @@ from typing import Any, Callable, Iterable, Mapping
 
 import numpy as np
 import torch
-from numpy.lib.stride_tricks import as_strided
 
 from statebridge.errors import (
     AbortedError,
@@ -311,55 +311,13 @@ class RunTemplate:
         return f"{what} runs at offset {base} lie outside the {side} ({size} bytes)"
 
 
-_DIRECT_COPY_BYTES = 64 * 1024
-_WORD_DTYPES = {8: np.uint64, 4: np.uint32, 2: np.uint16}
-
-
 def _copy_runs(frm: np.ndarray, runs: np.ndarray, to: np.ndarray) -> None:
     """``to[b:b+n] = frm[a:a+n]`` for every run ``(a, b, n)``; runs must already be checked
-    against both buffers (numpy would wrap negative offsets).
+    against both buffers. The one host copy is :func:`statebridge.kernels.pack.copy_runs_host`
+    (imported on first use: statebridge.kernels imports triton)."""
+    from statebridge.kernels.pack import copy_runs_host
 
-    Runs shorter than 64 KiB -- a plan can have hundreds of thousands, e.g. 2-byte pieces of an
-    LSD -> DLS pair -- are copied with one vectorised fancy-index assignment per distinct
-    length (a plan has a handful): both buffers are viewed as overlapping rows
-    ``[size - L + 1, L]`` with strides (1, 1) -- in 8/4/2-byte words when the offsets and the
-    length allow -- and the selected rows copied at once. Runs of
-    64 KiB and more are copied one slice each: there are at most ``bytes / 64 KiB`` of them, a
-    slice copy runs at memcpy speed without the row gather's temporary, and the per-call cost
-    (~2 us) is under 5% of moving 64 KiB.
-    """
-    lengths = runs[:, 2]
-    big = lengths >= _DIRECT_COPY_BYTES
-    if big.any():
-        for a, b, n in runs[big].tolist():
-            to[b:b + n] = frm[a:a + n]
-        runs, lengths = runs[~big], lengths[~big]
-    keep = lengths > 0
-    if not keep.all():
-        runs, lengths = runs[keep], lengths[keep]
-    if len(runs) == 0:
-        return
-    lo, hi = int(lengths.min()), int(lengths.max())
-    distinct = [lo] if lo == hi else np.unique(lengths).tolist()
-    for length in distinct:
-        sel = runs if len(distinct) == 1 else runs[lengths == length]
-        offsets = sel[:, :2]
-        # Move 8/4/2-byte words when every offset and the length are multiples of the word.
-        align = int(np.bitwise_or.reduce(offsets, axis=None)) | length
-        word = next(w for w in (8, 4, 2, 1) if align % w == 0)
-        src, dst = frm, to
-        if word > 1:
-            dtype = _WORD_DTYPES[word]
-            src = frm[:frm.size - frm.size % word].view(dtype)
-            dst = to[:to.size - to.size % word].view(dtype)
-            offsets = offsets >> (word.bit_length() - 1)
-        n = length // word
-        if n == 1:
-            dst[offsets[:, 1]] = src[offsets[:, 0]]
-            continue
-        src_rows = as_strided(src, (src.size - n + 1, n), (word, word), writeable=False)
-        dst_rows = as_strided(dst, (dst.size - n + 1, n), (word, word))
-        dst_rows[offsets[:, 1]] = src_rows[offsets[:, 0]]
+    copy_runs_host(frm, runs, to)
 
 
 # -- UCX status classification ---------------------------------------------------------------
