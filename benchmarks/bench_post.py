@@ -89,7 +89,7 @@ def main(argv=None) -> dict:
     p.add_argument("--json", help="write the results here")
     a = p.parse_args(argv)
 
-    from statebridge.connector.transport import Transport, alloc_buffer, configure_ucx_env
+    from statebridge.connector.data import Transport, alloc_buffer, configure_ucx_env
 
     configure_ucx_env()
     need = 2 * max(a.bytes) * a.messages

@@ -1,14 +1,16 @@
-"""Throughput of the UCX data plane (``statebridge.connector.transport``) against UCX's line rate.
+"""Throughput of the UCX data plane (``statebridge.connector.data``) against UCX's line rate.
 
-A sender and a receiver process on 127.0.0.1 each own a :class:`Transport`; per cell the
+A sender and a receiver process on 127.0.0.1 each own a :class:`ModeTransport` (the library's
+Transport plus the progress modes and the ``send_multi`` path compared here); per cell the
 receiver posts N receives of ``size`` bytes, the sender N sends, and both wait. GB/s is
 ``N * size / (receiver done - sender start)`` (CLOCK_MONOTONIC is shared by the processes),
 median of ``--rounds`` after one warm-up round. Variants:
 
 - ``zero-copy``: ``post_send``/``post_recv``, one tagged message per run, for every progress mode
-  and endpoint error handling on/off;
+  (``blocking`` is the library's only one; see :class:`ModeTransport`) and endpoint error
+  handling on/off;
 - ``seq``: one message per handle, posted and waited one after the other (per-message latency);
-- ``multi``: ucxx ``tag_send_multi``/``tag_recv_multi`` (``Transport._post_*_multi``);
+- ``multi``: ucxx ``tag_send_multi``/``tag_recv_multi`` (``ModeTransport.post_*_multi``);
 - ``staged``: ``post_send_staged``/``post_recv_staged`` of the N runs as one message;
 - ``no-thp``: zero-copy out of page buffers without transparent huge pages (``THP=off`` rows);
 - ``untouched``: zero-copy out of buffers never written. The sender's pages are then the
@@ -37,18 +39,26 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import logging
 import multiprocessing as mp
 import os
 import platform
+import select
 import statistics
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
 import numpy as np
 
 from statebridge.bench._perftest import PERFTEST_ENV, UCXX_ENV, perftest
+from statebridge.connector import data as tr
+from statebridge.connector.data.runs import as_runs, check_span, copy_runs
+from statebridge.errors import ConfigError, TransferError
+
+log = logging.getLogger(__name__)
 
 KIB, MIB = 1024, 1024 * 1024
 SIZES = (8 * KIB, 64 * KIB, 1 * MIB, 16 * MIB, 64 * MIB)
@@ -84,6 +94,220 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return a
 
 
+# -- the Transport with the compared alternatives -----------------------------------------------
+
+class ModeTransport(tr.Transport):
+    """:class:`~statebridge.connector.data.Transport` with the progress modes and the
+    ``send_multi`` path this benchmark compares; the connector uses neither.
+
+    ``progress_mode``:
+
+    - ``"blocking"``: the library's Transport as it is (the owner progresses and sleeps in
+      ``poll()`` on the worker's epoll fd);
+    - ``"polling"``: the same, spinning (``sched_yield``) instead of sleeping;
+    - ``"background"``: a Python thread of the transport sleeps on the epoll fd (plus a wake-up
+      pipe written after each post) and progresses on every event; the owner only looks at
+      completion flags and waits for the thread's next round;
+    - ``"thread"``: ucxx's C++ progress thread (it needs delayed submission: without it, posts
+      from another thread lose wake-ups and stall).
+
+    :meth:`post_send_multi` / :meth:`post_recv_multi`: all runs in one ucxx ``tag_send_multi``
+    (header + one message per run, same tag); the receive lands in buffers ucxx allocates and
+    is copied into the runs. Posting stays on the owner thread in every mode.
+    """
+
+    _DONE_COUNTERS = {**tr.Transport._DONE_COUNTERS,
+                      ("send", "multi"): ("messages_sent", "bytes_sent", "multi_messages_sent"),
+                      ("recv", "multi"): ("messages_received", "bytes_received",
+                                          "multi_messages_received")}
+
+    def __init__(self, buffer, *, progress_mode: str = "blocking", **kwargs) -> None:
+        if progress_mode not in MODES:
+            raise ConfigError(f"unknown progress_mode {progress_mode!r}; expected one of {MODES}")
+        self.progress_mode = progress_mode
+        self._wake_r = self._wake_w = -1
+        self._posts = 0                  # bumped after each post (background wake-ups)
+        self._sleeping = False           # the background thread is in poll()
+        self._round = threading.Condition(threading.Lock())   # background progress rounds
+        self._progress_thread: threading.Thread | None = None
+        super().__init__(buffer, **kwargs)
+        if progress_mode == "background":
+            self._progress_thread = threading.Thread(
+                target=self._progress_loop, name=f"bench-{self.name}-progress", daemon=True)
+            self._progress_thread.start()
+
+    def _start_worker(self) -> None:
+        if self.progress_mode == "thread":
+            self._worker = self._ucx.UCXWorker(self._context, enable_delayed_submission=True)
+            self._worker.start_progress_thread(polling_mode=False, epoll_timeout=10)
+            return
+        super()._start_worker()
+        if self.progress_mode == "background":
+            self._wake_r, self._wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
+            self._poller.register(self._wake_r, select.POLLIN)
+
+    def _shutdown(self, peers) -> None:
+        if self._progress_thread is not None:
+            self._wake(force=True)
+            self._progress_thread.join(5.0)
+        for peer in peers:                        # while ucxx's thread still progresses
+            self._close_endpoint(peer)
+        if self.progress_mode == "thread":
+            self._worker.stop_progress_thread()
+        super()._shutdown([])
+        for fd in (self._wake_r, self._wake_w):
+            if fd >= 0:
+                os.close(fd)
+        self._wake_r = self._wake_w = -1
+
+    # -- progress -------------------------------------------------------------------------------
+    def fileno(self) -> int:
+        if self.progress_mode not in ("blocking", "polling"):
+            raise ConfigError(f"fileno() is for caller-driven progress, not "
+                              f"{self.progress_mode!r}")
+        return super().fileno()
+
+    def arm(self) -> bool:
+        if self.progress_mode not in ("blocking", "polling"):
+            raise ConfigError(f"arm() is for caller-driven progress, not {self.progress_mode!r}")
+        return super().arm()
+
+    def _drive(self, block_s: float, ready) -> None:
+        mode = self.progress_mode
+        if mode == "blocking":
+            super()._drive(block_s, ready)
+            return
+        if self._ep_events:
+            self._process_endpoint_events()
+        if self._closed:
+            return
+        if mode == "polling":
+            self._worker.progress()
+            if block_s > 0 and (ready is None or not ready()):
+                os.sched_yield()
+        elif mode == "thread":
+            if block_s > 0:
+                time.sleep(min(block_s, 50e-6))
+        elif block_s > 0:                       # background: wait for the thread's next round
+            with self._round:                   # it notifies under this lock: no lost wake-up
+                if ready is None or not ready():
+                    self._round.wait(min(block_s, 0.05))
+        if self._ep_events:
+            self._process_endpoint_events()
+
+    def _progress_loop(self) -> None:
+        """``background``: progress whenever UCX (or a post) has something to do."""
+        while not self._closed:
+            try:
+                worker = self._worker
+                worker.progress()
+                # A post after ``seen`` either sees ``_sleeping`` and writes to the wake-up
+                # pipe, or bumps ``_posts`` before the check below: no lost wake-ups.
+                seen = self._posts
+                self._sleeping = True
+                try:
+                    if worker.arm() and self._posts == seen:
+                        events = self._poller.poll(500)
+                        if any(fd == self._wake_r for fd, _ in events):
+                            self._drain_wake()
+                finally:
+                    self._sleeping = False
+                worker.progress()
+                with self._round:
+                    self._round.notify_all()
+            except Exception:  # noqa: BLE001 -- keep progressing; log once per failure
+                if self._closed:
+                    break
+                log.exception("%s: progress thread", self.name)
+                time.sleep(0.01)
+
+    def _wake(self, force: bool = False) -> None:
+        """After a post: make the background thread sleeping in ``poll()`` progress it now."""
+        self._posts += 1
+        if (force or self._sleeping) and self._wake_w >= 0:
+            try:
+                os.write(self._wake_w, b"x")
+            except OSError:
+                pass
+
+    def _drain_wake(self) -> None:
+        try:
+            while os.read(self._wake_r, 4096):
+                pass
+        except OSError:
+            pass
+
+    def post_runs(self, *args, **kwargs):
+        handle = super().post_runs(*args, **kwargs)
+        self._wake()
+        return handle
+
+    def post_send_staged(self, *args, **kwargs):
+        handle = super().post_send_staged(*args, **kwargs)
+        self._wake()
+        return handle
+
+    def post_recv_staged(self, *args, **kwargs):
+        handle = super().post_recv_staged(*args, **kwargs)
+        self._wake()
+        return handle
+
+    # -- send_multi -----------------------------------------------------------------------------
+    def post_send_multi(self, peer_id: str, generation: int, src_rank: int, runs: object, *,
+                        request_id: str | None = None) -> tr.TransferHandle:
+        """All runs in one ucxx ``tag_send_multi`` (header + one message per run, same tag)."""
+        runs = as_runs(runs, "runs")
+        check_span(runs, 0, self._size, "send", "page buffer")
+        tag = tr.make_tag(generation, src_rank, 0)
+        endpoint = self._endpoint(peer_id)
+        mv, Array = self._mv, self._Array
+        arrays = tuple(Array(mv[o:o + n]) for o, n in runs[:, [0, 2]].tolist())
+        requests = self._post_one(lambda _, t: endpoint.tag_send_multi(arrays, t), None, tag,
+                                  peer_id)
+        return self._multi_handle("send", peer_id, generation, src_rank, runs, request_id,
+                                  requests, None)
+
+    def post_recv_multi(self, peer_id: str, generation: int, src_rank: int, runs: object, *,
+                        request_id: str | None = None) -> tr.TransferHandle:
+        """Receive a :meth:`post_send_multi` (into ucxx's buffers, then copied into the runs)."""
+        runs = as_runs(runs, "runs")
+        check_span(runs, 1, self._size, "receive", "page buffer")
+        tag = tr.make_tag(generation, src_rank, 0)
+        starts = np.concatenate([[0], np.cumsum(runs[:, 2])[:-1]]).astype(np.int64)
+        stage_runs = np.stack([starts, runs[:, 1], runs[:, 2]], axis=1)
+        total = int(runs[:, 2].sum())
+        page = self._np
+        endpoint = self._endpoint(peer_id)
+        (request,) = self._post_one(lambda _, t: endpoint.tag_recv_multi(t), None, tag, peer_id)
+
+        def land() -> None:
+            frames = [np.asarray(b, dtype=np.uint8).reshape(-1) for b in request.py_buffers]
+            data = frames[0] if len(frames) == 1 else np.concatenate(frames)
+            if data.size != total:
+                raise TransferError(f"multi receive got {data.size} bytes, expected {total}")
+            copy_runs(data, stage_runs, page)
+
+        return self._multi_handle("recv", peer_id, generation, src_rank, runs, request_id,
+                                  [request], land)
+
+    def _multi_handle(self, direction, peer_id, generation, src_rank, runs, request_id,
+                      requests, on_success) -> tr.TransferHandle:
+        handle = tr.TransferHandle(self, direction=direction, kind="multi", peer_id=peer_id,
+                                   generation=generation, src_rank=src_rank,
+                                   nbytes=int(runs[:, 2].sum()), messages=len(runs),
+                                   request_id=request_id, requests=requests,
+                                   on_success=on_success)
+        self._outstanding[id(handle)] = handle
+        self._wake()
+        return handle
+
+    def stats(self) -> dict:
+        c = self._counters
+        return {**super().stats(), "progress_mode": self.progress_mode,
+                "multi_messages_sent": c["multi_messages_sent"],
+                "multi_messages_received": c["multi_messages_received"]}
+
+
 # -- the two Transport processes -----------------------------------------------------------------
 
 def _slots(nbytes: int, size: int, count: int) -> np.ndarray:
@@ -94,8 +318,6 @@ def _slots(nbytes: int, size: int, count: int) -> np.ndarray:
 
 def _worker(conn) -> None:
     """Serve ``open`` / ``connect`` / ``run`` / ``stats`` commands until ``exit`` or EOF."""
-    from statebridge.connector import transport as tr
-
     tr.configure_ucx_env()
     transport = None
     peer = "peer"
@@ -116,9 +338,9 @@ def _worker(conn) -> None:
                     buf = tr.alloc_buffer(kw["nbytes"], huge_pages=kw["huge_pages"])
                     if kw["touch"]:       # real pages hold data; see the "untouched" variant
                         buf.numpy()[:] = 1
-                    transport = tr.Transport(buf, error_handling=kw["error_handling"],
-                                             progress_mode=kw["progress_mode"],
-                                             staging_pool_bytes=2 * STAGED_CAP + MIB)
+                    transport = ModeTransport(buf, error_handling=kw["error_handling"],
+                                              progress_mode=kw["progress_mode"],
+                                              staging_pool_bytes=2 * STAGED_CAP + MIB)
                     conn.send(("ok", transport.address))
                 elif cmd == "connect":
                     transport.connect(peer, kw["address"])
@@ -162,7 +384,7 @@ def _run(transport, conn, peer: str, generation: int, *, role: str, variant: str
         else:
             h = transport.post_recv_staged(peer, gen, 0, count * size, staging[:, [1, 0, 2]])
     elif variant == "multi":
-        post = transport._post_send_multi if role == "send" else transport._post_recv_multi
+        post = transport.post_send_multi if role == "send" else transport.post_recv_multi
         h = post(peer, gen, 0, runs)
     else:
         post = transport.post_send if role == "send" else transport.post_recv

@@ -1,7 +1,7 @@
 """NIXL (UCX backend) reading the benchmark's runs, in separate source and destination processes.
 
 Each worker process owns one page buffer from
-:func:`~statebridge.connector.transport.alloc_buffer` (transparent huge pages, like statebridge's
+:func:`~statebridge.connector.data.alloc_buffer` (transparent huge pages, like statebridge's
 page buffers), written before use so its pages are real, registered with its own NIXL agent.
 Destination workers READ: per request, for every source rank they receive from, one transfer
 whose descriptors are exactly the plan's runs of that (source, destination) pair, one
@@ -197,7 +197,7 @@ def _worker_main(conn, role: str, index: int) -> None:
 def _open(state: dict, role: str, nixl_agent, nixl_agent_config, *, name: str, nbytes: int,
           options: dict, seed: int) -> tuple[bytes, int, dict]:
     """A fresh agent and page buffer in ``state``: (agent metadata, buffer address, UCX env)."""
-    from statebridge.connector.transport import alloc_buffer
+    from statebridge.connector.data import alloc_buffer
 
     opts = NixlOptions(**options)
     cfg = nixl_agent_config(enable_prog_thread=role == "src" and opts.progress_thread,

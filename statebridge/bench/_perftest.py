@@ -8,7 +8,7 @@ Settings, so the line rate moves bytes the way statebridge's transport does:
 
 - ucxx's UCX settings (:data:`UCXX_ENV`: ``UCX_RNDV_THRESH=8192``, ``UCX_MAX_RNDV_RAILS=1``);
 - buffers from transparent huge pages (:data:`PERFTEST_ENV`), like
-  :func:`~statebridge.connector.transport.alloc_buffer`'s;
+  :func:`~statebridge.connector.data.alloc_buffer`'s;
 - ``UCX_TLS`` and endpoint error handling (``-e``) as the caller says: error handling makes UCX
   drop shared memory, so error-handling cells compare with ``tcp -e`` and the others with ``sm``.
 """

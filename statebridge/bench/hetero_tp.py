@@ -368,7 +368,7 @@ def run(a: argparse.Namespace) -> dict:
     """Every cell; returns the JSON object (also written to ``a.json`` / ``a.plot``)."""
     from statebridge.bench._nixl import NixlPool, nixl_available
     from statebridge.connector.hosts import RankHostPool
-    from statebridge.connector.transport import configure_ucx_env
+    from statebridge.connector.data import configure_ucx_env
 
     configure_ucx_env()
     cells, skipped = plan_cells(a)

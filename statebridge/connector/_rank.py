@@ -46,7 +46,7 @@ from statebridge.state.spec import StateSpec
 from statebridge.state.synthetic import fill_page, global_state, page_checksum, request_seed
 
 if TYPE_CHECKING:
-    from statebridge.connector.transport import RunTemplate
+    from statebridge.connector.data import RunTemplate
 
 log = logging.getLogger(__name__)
 
@@ -164,7 +164,7 @@ class RankWorker:
     """One rank's connector: cache + transport + a loop serving its coordinator."""
 
     def __init__(self, setup: RankSetup) -> None:
-        from statebridge.connector.transport import Transport, alloc_buffer  # imports ucxx
+        from statebridge.connector.data import Transport, alloc_buffer  # imports ucxx
 
         self.setup = setup
         self.config = setup.config

@@ -42,7 +42,7 @@ def sha256(data: np.ndarray | bytes) -> str:
 
 class _Server:
     def __init__(self, name: str) -> None:
-        from statebridge.connector import transport as tr
+        from statebridge.connector import data as tr
 
         tr.configure_ucx_env()
         self.tr = tr
@@ -123,15 +123,11 @@ class _Server:
 
 def _idle(conn, transport, deadline: float) -> bool:
     """Wait for the next command; like a rank loop, keep the transport progressing meanwhile
-    (in blocking mode by sleeping on its file descriptor). True when a command is waiting."""
+    (by sleeping on its file descriptor). True when a command is waiting."""
     if conn.poll(0):
         return True
-    if transport is None or transport.closed \
-            or transport.progress_mode not in ("blocking", "polling"):
+    if transport is None or transport.closed:
         return conn.poll(min(1.0, max(0.0, deadline - time.monotonic())))
-    if transport.progress_mode == "polling":
-        transport.progress()
-        return conn.poll(0.0002)
     if transport.arm():
         select.select([conn, transport.fileno()], [], [], 0.1)
     transport.progress()

@@ -24,7 +24,7 @@ import pytest
 from statebridge.config import ConnectorConfig
 from statebridge.connector import messages as m
 from statebridge.connector._rank import RankSetup, RankWorker, _generation_after
-from statebridge.connector.transport import STAGED_INDEX, Transport, alloc_buffer, make_tag
+from statebridge.connector.data import STAGED_INDEX, Transport, alloc_buffer, make_tag
 from statebridge.errors import ConfigError
 from statebridge.state.layout import PageGeometry
 from statebridge.state.plan import TransferPlan
@@ -118,10 +118,9 @@ class Bench:
 
     def rogue_send(self, generation: int, index: int, nbytes: int):
         """One raw tagged message (a UCX request; ``.completed`` once the rank took it)."""
-        with self.rogue._lock:
-            (request,) = self.rogue._post_one(self.rogue._endpoint("dec").tag_send,
-                                              self.rogue._np[:nbytes],
-                                              make_tag(generation, 0, index), "dec")
+        (request,) = self.rogue._post_one(self.rogue._endpoint("dec").tag_send,
+                                          self.rogue._np[:nbytes],
+                                          make_tag(generation, 0, index), "dec")
         return request
 
     def sweep(self, grace: float = GRACE) -> int:

@@ -130,10 +130,10 @@ def agents():
         agent.stop()
 
 
-# -- tags and copies (no UCX) -----------------------------------------------------------------
+# -- tags (no UCX) ----------------------------------------------------------------------------
 
 def test_make_tag_bit_layout():
-    from statebridge.connector.transport import make_tag, split_tag
+    from statebridge.connector.data import make_tag, split_tag
 
     assert make_tag(0, 0, 0) == 0
     assert make_tag(1, 0, 0) == 1 << 32
@@ -159,33 +159,10 @@ def test_make_tag_bit_layout():
     pytest.param((1.0, 0, 0), "generation .* got 1.0", id="float-generation"),
 ])
 def test_make_tag_rejects_out_of_range(fields, message):
-    from statebridge.connector.transport import make_tag
+    from statebridge.connector.data import make_tag
 
     with pytest.raises(ConfigError, match=message):
         make_tag(*fields)
-
-
-@pytest.mark.parametrize("lengths", [
-    pytest.param([1], id="one-byte"),
-    pytest.param([2, 2, 2, 2], id="uniform"),
-    pytest.param([3, 7, 1, 4096, 7, 0, 5], id="mixed-with-empty"),
-    pytest.param([65536, 2, 65536], id="large-and-tiny"),
-])
-def test_copy_runs_matches_loop(lengths):
-    from statebridge.connector.transport import _copy_runs
-
-    rng = np.random.default_rng(len(lengths))
-    src = rng.integers(0, 256, 300_000, dtype=np.uint8)
-    # Disjoint destination slots in shuffled order, arbitrary (overlapping) source offsets.
-    order = rng.permutation(len(lengths))
-    dst_off = np.cumsum([0] + [lengths[i] + 3 for i in order])[:-1]
-    runs = np.array([[rng.integers(0, src.size - n + 1), 0, n] for n in lengths], dtype=np.int64)
-    runs[order, 1] = dst_off
-    got = np.full(200_000, 0xEE, dtype=np.uint8)
-    want = got.copy()
-    _copy_runs(src, runs, got)
-    oracle_copy(src, want, runs)
-    np.testing.assert_array_equal(got, want)
 
 
 # -- in-process API checks (one Transport, no peer process) -------------------------------------
@@ -194,14 +171,12 @@ def test_copy_runs_matches_loop(lengths):
 def test_api_rejects_bad_input_and_closes_cleanly():
     import torch
 
-    from statebridge.connector.transport import Transport, alloc_buffer, configure_ucx_env
+    from statebridge.connector.data import Transport, alloc_buffer, configure_ucx_env
     from statebridge.errors import ClosedError, PeerLostError
 
     configure_ucx_env()
     with pytest.raises(ConfigError, match="uint8"):
         Transport(torch.zeros(16, dtype=torch.float32))
-    with pytest.raises(ConfigError, match="progress_mode 'spin'"):
-        Transport(alloc_buffer(16), progress_mode="spin")
 
     t = Transport(alloc_buffer(4096), name="solo")
     try:
@@ -388,26 +363,6 @@ def test_wait_timeout_then_cancel_cleanly(agents):
     stats = b.call("stats")
     assert stats["failures"] == {"timeout": 1, "aborted": 1}
     assert stats["handles_outstanding"] == 0 and stats["stale_messages_discarded"] == len(pair.runs)
-
-
-@pytest.mark.ucx
-@pytest.mark.timeout(60)
-@pytest.mark.parametrize("mode", ["polling", "background", "thread"])
-def test_other_progress_modes_move_the_same_bytes(agents, mode):
-    # The agents progress a transport between commands only in the caller-driven modes; in
-    # "background" and "thread" the transport's own thread must move the rendezvous runs.
-    a, b, c = agents
-    zero_copy = TransferPlan.build(SPEC, 2, "LDS", 4, "LDS")
-    cluster = Cluster(zero_copy, {0: a}, {0: b, 1: c}, progress_mode=mode)
-    wait_ok(cluster.post_recvs(40, SRC_PAGE, DST_PAGE) + cluster.post_sends(40, SRC_PAGE, DST_PAGE))
-    cluster.expect(SRC_PAGE, DST_PAGE)
-    cluster.assert_destinations()
-    staged = TransferPlan.build(SPEC, 2, "LSD", 4, "DLS")
-    cluster = Cluster(staged, {0: a}, {1: b}, progress_mode=mode)
-    wait_ok(cluster.post_recvs(41, SRC_PAGE, DST_PAGE) + cluster.post_sends(41, SRC_PAGE, DST_PAGE))
-    cluster.expect(SRC_PAGE, DST_PAGE)
-    cluster.assert_destinations()
-    assert b.call("stats")["progress_mode"] == mode
 
 
 # -- a peer dies ----------------------------------------------------------------------------------

@@ -17,7 +17,7 @@ PAGES = 6
 
 @pytest.fixture()
 def loop_transport():
-    from statebridge.connector.transport import Transport, alloc_buffer, configure_ucx_env
+    from statebridge.connector.data import Transport, alloc_buffer, configure_ucx_env
 
     configure_ucx_env()
     t = Transport(alloc_buffer(PAGE * PAGES), name="loop")

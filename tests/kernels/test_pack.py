@@ -1,4 +1,5 @@
-"""pack / unpack: Triton == reference == a per-run slice copy; layout change through staging."""
+"""pack / unpack: Triton == reference == a per-run slice copy; layout change through staging;
+the data plane's host copy (``copy_runs_host``) == the same slice copy."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from statebridge.errors import ShapeError
-from statebridge.kernels.pack import pack, pack_ref, unpack, unpack_ref
+from statebridge.kernels.pack import copy_runs_host, pack, pack_ref, unpack, unpack_ref
 
 from .helpers import conv_region
 
@@ -172,3 +173,25 @@ def test_rejects_bad_runs_and_buffers(op):
     with pytest.raises(ShapeError, match="contiguous"):
         op(torch.zeros(200, dtype=torch.uint8)[::2], np.array([[0, 0, 1]]), staging)
     assert torch.equal(staging, torch.zeros(50, dtype=torch.uint8))  # nothing copied on error
+
+
+@pytest.mark.parametrize("lengths", [
+    pytest.param([1], id="one-byte"),
+    pytest.param([2, 2, 2, 2], id="uniform"),
+    pytest.param([3, 7, 1, 4096, 7, 0, 5], id="mixed-with-empty"),
+    pytest.param([65536, 2, 65536], id="large-and-tiny"),
+])
+def test_copy_runs_host_matches_loop_and_ref(lengths):
+    rng = np.random.default_rng(len(lengths))
+    src = rng.integers(0, 256, 300_000, dtype=np.uint8)
+    # Disjoint destination slots in shuffled order, arbitrary (overlapping) source offsets.
+    order = rng.permutation(len(lengths))
+    dst_off = np.cumsum([0] + [lengths[i] + 3 for i in order])[:-1]
+    runs = np.array([[rng.integers(0, src.size - n + 1), 0, n] for n in lengths], dtype=np.int64)
+    runs[order, 1] = dst_off
+    got = np.full(200_000, 0xEE, dtype=np.uint8)
+    want = naive_copy(torch.from_numpy(src), runs, torch.from_numpy(got)).numpy()
+    ref = pack_ref(torch.from_numpy(src), runs, torch.from_numpy(got.copy())).numpy()
+    copy_runs_host(src, runs, got)
+    np.testing.assert_array_equal(got, want)
+    np.testing.assert_array_equal(ref, want)

@@ -1,0 +1,698 @@
+"""The Transport: one rank's UCX worker over its page buffer, its endpoints, posts and progress.
+
+This is the one module of statebridge that imports ``ucxx``, and only in
+:meth:`Transport.__init__` (see the package docstring).
+
+Why the low-level request API and not ucxx's asyncio API
+--------------------------------------------------------
+The owner is a plain thread (a connector rank loop), so the transport offers a synchronous API
+with pollable handles, built on ``ucxx._lib.libucxx`` requests (``UCXEndpoint.tag_send`` /
+``tag_recv``, ``UCXRequest.completed`` / ``status``): no event loop, no futures, no notifier
+thread. ucxx's asyncio API costs 150-800 us per awaited message in its default ``thread`` mode
+(reference/transport-limits.md) and cannot be awaited from a plain thread.
+
+Progress
+--------
+One mode: blocking progress driven by the owner thread. :meth:`TransferHandle.done` progresses
+once and never sleeps; :meth:`TransferHandle.wait` progresses, arms the worker and sleeps in
+``poll()`` on its epoll fd until UCX has an event; the rank loop does the same with its own
+poller through :meth:`Transport.fileno` / :meth:`Transport.arm` (sleeping on the zmq socket and
+UCX together) and :meth:`Transport.progress`.
+
+Caveat measured here: a rendezvous transfer (>= 8 KiB with ucxx's ``UCX_RNDV_THRESH=8192``;
+"zero-copy read from remote" over cma) moves only while BOTH sides progress -- a receiver
+progressing alone completed none of four 64 KiB messages in 2 s. A rank that computes while its
+sends are in flight must keep calling :meth:`TransferHandle.done` / :meth:`Transport.progress`
+(the connector computes in another thread and keeps its loop progressing).
+
+``benchmarks/results/transport-2026-12-02.json`` (2 shared cores, load average 1.3 at the start;
+one sender and one receiver process, N messages in flight, shared memory, THP buffers), GB/s;
+the other progress modes live in ``benchmarks/bench_transport.py`` (``ModeTransport``):
+
+=============  ======  ======  ======  ======  ======
+progress       8 KiB   64 KiB  1 MiB   16 MiB  64 MiB
+=============  ======  ======  ======  ======  ======
+blocking       0.67    3.02    4.61    5.51    6.21
+polling        0.85    3.63    5.74    5.55    5.23
+background     0.44    2.70    4.29    5.02    5.39
+thread         0.31    1.96    4.35    5.33    5.45
+perftest sm    1.15    7.06    16.97   7.53    7.51
+=============  ======  ======  ======  ======  ======
+
+``blocking`` is within 10-20% of ``polling`` below 1 MiB and as fast above, without burning a
+core that the model needs on 2 cores; ``background`` and ``thread`` pay their hand-offs on small
+messages. One message per handle, posted and waited in turn, costs 190-280 us per 8 KiB message
+under that load (85 us on an idle machine): per-handle Python overhead, so a pair should be one
+handle with all its runs. The ``ucx_perftest`` line rate never writes its buffers (the sender's
+pages are the kernel's zero page, which cma reads fastest); out of such untouched buffers the
+transport reaches 0.90 of it at 64 MiB, out of filled page buffers 0.73-0.83 at >= 16 MiB.
+
+Error handling and transports
+-----------------------------
+``error_handling=False`` (default): endpoints from worker addresses without UCX error handling,
+so UCX picks shared memory (sysv eager below 8 KiB, cma rendezvous above; ``UCX_TLS`` left at
+UCX's default); UCX never reports a dead peer -- its requests just stay pending -- so the control
+plane's heartbeats must call :meth:`Transport.fail_peer`. ``error_handling=True``: UCX notices a
+SIGKILLed peer by itself (4-8 ms on loopback, ~30 ms through the test harness) and the affected
+handles fail with :class:`PeerLostError`, but UCX then drops shared memory for TCP: 0.19 / 0.39 /
+0.81 / 0.84 / 0.80 GB/s at 8 KiB / 64 KiB / 1 MiB / 16 MiB / 64 MiB, 3.5-7.8x slower from 64 KiB
+up (``ucx_perftest tcp -e``: 0.30-1.11 GB/s). UCX options are passed explicitly as
+``ucx_options`` or set by the process entry point with :func:`configure_ucx_env`.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import select
+from typing import Any, Callable, Mapping
+
+import numpy as np
+import torch
+
+from statebridge.connector.data.guard import UnexpectedGuard
+from statebridge.connector.data.handle import TransferHandle, failure_kind
+from statebridge.connector.data.runs import RunTemplate, as_runs, check_span, copy_runs
+from statebridge.connector.data.staging import StagingPool
+from statebridge.connector.data.tags import (
+    MAX_GENERATION,
+    MAX_SRC_RANK,
+    STAGED_INDEX,
+    make_tag,
+)
+from statebridge.errors import (
+    AbortedError,
+    ClosedError,
+    ConfigError,
+    PeerLostError,
+    TransferError,
+)
+
+log = logging.getLogger(__name__)
+
+__all__ = ["Transport"]
+
+# -- UCX status classification (ucs/type/status.h) ---------------------------------------------
+
+_UCS_ERR_CANCELED = -16
+_UCS_ERR_MESSAGE_TRUNCATED = -9     # a message longer than the posted receive
+# The peer or the network is gone: unreachable, not connected, connection reset, link and
+# endpoint failures.
+_PEER_STATUSES = frozenset([-6, -24, -25, *range(-89, -39)])
+
+#: Most cached buffer views of a transport (see Transport._post_runs); ~200 B each.
+_MAX_CACHED_ARRAYS = 1 << 16
+
+
+def _done_counters(kinds: tuple[str, ...]) -> dict[tuple[str, str], tuple[str, str, str]]:
+    """(direction, handle kind) -> the counters a completed handle adds to."""
+    return {(d, k): (f"messages_{side}", f"bytes_{side}", f"{k}_messages_{side}")
+            for d, side in (("send", "sent"), ("recv", "received")) for k in kinds}
+
+
+class _Peer:
+    __slots__ = ("peer_id", "address", "endpoint", "serial", "closing")
+
+    def __init__(self, peer_id: str, address: bytes, endpoint: Any, serial: int) -> None:
+        self.peer_id = peer_id
+        self.address = address
+        self.endpoint = endpoint
+        self.serial = serial
+        self.closing = False
+
+
+class Transport:
+    """One rank's UCX worker over its page ``buffer`` (a 1-D contiguous uint8 CPU tensor).
+
+    Args:
+        buffer: the :class:`~statebridge.state.cache.StateCache` buffer; every run offset is an
+            absolute byte offset into it (``PairPlan.runs_at(src_base, dst_base)``).
+        error_handling: UCX endpoint error handling (see the module docstring: detects dead
+            peers in milliseconds, but forces TCP, 3.5-8x slower on one host).
+        ucx_options: UCX configuration for this worker's context, without the ``UCX_`` prefix
+            (e.g. ``{"TLS": "sm,self"}``); environment variables still apply to unset keys.
+        staging_pool_bytes: most bytes of free staging buffers kept for reuse.
+        name: label used in logs and errors.
+
+    One thread owns a Transport: it posts, progresses (:meth:`progress`, :meth:`arm`, the
+    handles' :meth:`~TransferHandle.done` / :meth:`~TransferHandle.wait`), fails peers and closes;
+    nothing in here locks. Other threads may only read :meth:`stats` and :attr:`staging_bytes`
+    (plain counters, a moment stale). UCX's own callbacks (endpoint errors) run inside the
+    owner's progress calls.
+    """
+
+    #: Handle kinds a completed handle is counted under (see :meth:`stats`).
+    _DONE_COUNTERS = _done_counters(("zero_copy", "staged"))
+
+    def __init__(self, buffer: torch.Tensor, *, error_handling: bool = False,
+                 ucx_options: Mapping[str, str] | None = None,
+                 staging_pool_bytes: int = 256 * 1024 * 1024, name: str = "transport") -> None:
+        if not isinstance(buffer, torch.Tensor) or buffer.dtype != torch.uint8 \
+                or buffer.dim() != 1 or not buffer.is_contiguous():
+            raise ConfigError(f"buffer must be a contiguous 1-D uint8 tensor, got "
+                              f"{getattr(buffer, 'dtype', type(buffer).__name__)} "
+                              f"{list(getattr(buffer, 'shape', []))}")
+        if buffer.device.type != "cpu":
+            raise ConfigError(f"page buffers on {buffer.device} are not supported yet (CPU only)")
+        if not isinstance(error_handling, bool):
+            raise ConfigError(f"error_handling must be a bool, got {error_handling!r}")
+        if isinstance(staging_pool_bytes, bool) or not isinstance(staging_pool_bytes, int) \
+                or staging_pool_bytes < 0:
+            raise ConfigError(f"staging_pool_bytes must be a non-negative integer, got "
+                              f"{staging_pool_bytes!r}")
+
+        # Imported here, not at module level: importing ucxx edits os.environ (package docs).
+        import ucxx._lib.libucxx as ucx_api
+        from ucxx._lib.arr import Array
+
+        self._ucx = ucx_api
+        self._Array = Array
+        self._Tag = ucx_api.UCXXTag
+        self.name = name
+        self.error_handling = error_handling
+        self._buffer = buffer
+        self._np = buffer.numpy()
+        self._mv = memoryview(self._np)
+        self._arrays: dict[tuple[int, int], Any] = {}     # see _post_runs
+        self._size = buffer.numel()
+
+        options = {str(k): str(v) for k, v in (ucx_options or {}).items()}
+        self._context = ucx_api.UCXContext(
+            options, feature_flags=(ucx_api.Feature.TAG, ucx_api.Feature.WAKEUP))
+        self._worker: Any = None
+        self._poller: Any = None
+        self._start_worker()
+        self._address = self._worker.address.tobytes()
+
+        self._closed = False
+        self._peers: dict[str, _Peer] = {}
+        self._lost: dict[str, str] = {}              # peer id -> why it was declared lost
+        self._serial = 0
+        self._ep_events: collections.deque = collections.deque()   # from UCX callbacks
+        self._outstanding: dict[int, TransferHandle] = {}
+        self._pool = StagingPool(staging_pool_bytes)
+        self._counters: collections.Counter = collections.Counter()
+        self._failures: collections.Counter = collections.Counter()
+        self._abandoned: list[_Peer] = []     # endpoints of lost peers, closed without waiting
+        self._guard = UnexpectedGuard(self._worker, ucx_api, Array, name)
+        log.info("%s: UCX worker ready (%d-byte buffer, error_handling=%s)", name, self._size,
+                 error_handling)
+
+    def _start_worker(self) -> None:
+        """The UCX worker, in blocking progress mode, and a poller on its epoll fd."""
+        self._worker = self._ucx.UCXWorker(self._context, enable_delayed_submission=False)
+        self._worker.init_blocking_progress_mode()
+        self._poller = select.poll()
+        self._poller.register(self._worker.epoll_file_descriptor, select.POLLIN)
+
+    # -- lifecycle -----------------------------------------------------------------------------
+    @property
+    def address(self) -> bytes:
+        """This worker's UCX address, for the control-plane handshake."""
+        return self._address
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    @property
+    def peers(self) -> tuple[str, ...]:
+        return tuple(self._peers)
+
+    def connect(self, peer_id: str, address: bytes) -> None:
+        """Endpoint to the peer worker at ``address`` (idempotent for the same address).
+
+        A peer declared lost (:meth:`fail_peer`) may be connected again, e.g. after a restart;
+        a live peer id with a different address is a :class:`ConfigError`.
+        """
+        if not isinstance(peer_id, str) or not peer_id:
+            raise ConfigError(f"peer_id must be a non-empty string, got {peer_id!r}")
+        if not isinstance(address, (bytes, bytearray, memoryview)) or len(address) == 0:
+            raise ConfigError(f"address of peer {peer_id!r} must be non-empty bytes, got "
+                              f"{type(address).__name__}")
+        address = bytes(address)
+        self._check_open()
+        peer = self._peers.get(peer_id)
+        if peer is not None:
+            if peer.address == address:
+                return
+            raise ConfigError(f"peer {peer_id!r} is already connected with another address; "
+                              f"disconnect() or fail_peer() it first")
+        try:
+            ucx_address = self._ucx.UCXAddress.create_from_buffer(address)
+            endpoint = self._worker.create_endpoint_from_worker_address(
+                ucx_address, self.error_handling)
+        except Exception as e:  # noqa: BLE001 -- ucxx raises its own exception types
+            raise TransferError(f"{self.name}: cannot create an endpoint to {peer_id!r}: {e}",
+                                peer=peer_id) from e
+        self._serial += 1
+        peer = _Peer(peer_id, address, endpoint, self._serial)
+        if self.error_handling:
+            endpoint.set_close_callback(self._on_endpoint_closed,
+                                        cb_args=(peer_id, peer.serial))
+        self._peers[peer_id] = peer
+        self._lost.pop(peer_id, None)
+        log.info("%s: connected to %s", self.name, peer_id)
+
+    def disconnect(self, peer_id: str) -> None:
+        """Close the endpoint to ``peer_id`` (idempotent); its outstanding handles fail with
+        :class:`ClosedError`."""
+        peer = self._peers.pop(peer_id, None)
+        if peer is None:
+            return
+        for h in [h for h in self._outstanding.values() if h.peer_id == peer_id]:
+            h._fail(ClosedError(f"{self.name}: peer {peer_id!r} disconnected while "
+                                f"{h._describe()} was in flight"))
+        self._close_endpoint(peer)
+
+    def fail_peer(self, peer_id: str, reason: str) -> int:
+        """The control plane declared ``peer_id`` dead: cancel every outstanding request
+        involving it; those handles raise :class:`PeerLostError` (with ``peer`` set). Later
+        posts to it raise at once until it is connected again. Receives posted with peer None
+        belong to no peer and are not touched (cancel or time them out). Returns how many
+        handles failed."""
+        self._lost[peer_id] = str(reason)
+        peer = self._peers.pop(peer_id, None)
+        handles = [h for h in self._outstanding.values() if h.peer_id == peer_id]
+        self._counters["peers_failed"] += 1
+        if peer is not None:
+            # Closing the endpoint cancels the requests registered on it (status CANCELED). The
+            # peer is dead or unreachable: a blocking close would wait for a flush that never
+            # completes (seconds behind a cut link, stalling this rank's heartbeats), so the
+            # close is only started here and the endpoint kept until the transport closes.
+            self._close_endpoint(peer, blocking=False)
+        for h in handles:
+            h._fail(PeerLostError(f"{self.name}: peer {peer_id!r} lost ({reason}) during "
+                                  f"{h._describe()}", request_id=h.request_id, peer=peer_id))
+        if handles:
+            log.warning("%s: peer %s lost (%s): %d transfers failed", self.name, peer_id, reason,
+                        len(handles))
+        return len(handles)
+
+    def close(self) -> None:
+        """Cancel everything outstanding (handles raise :class:`ClosedError`), close every
+        endpoint and the worker. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        peers = list(self._peers.values())
+        self._peers.clear()
+        for h in list(self._outstanding.values()):
+            h._fail(ClosedError(f"{self.name}: transport closed while {h._describe()} was in "
+                                f"flight"))
+        self._shutdown(peers)
+        self._pool.clear()
+        log.info("%s: closed", self.name)
+
+    def _shutdown(self, peers: list[_Peer]) -> None:
+        """Close the endpoints of ``peers``, then drop the worker and the context."""
+        for peer in peers:
+            self._close_endpoint(peer)
+        self._guard.close()
+        self._abandoned.clear()
+        self._poller = None
+        # Destroying the worker cancels what is left and drains unexpected messages.
+        self._worker = None
+        self._context = None
+
+    def __enter__(self) -> "Transport":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return (f"Transport({self.name!r}, {self._size} B, peers={len(self._peers)}, "
+                f"outstanding={len(self._outstanding)}, error_handling={self.error_handling}"
+                f"{', closed' if self._closed else ''})")
+
+    # -- posting ----------------------------------------------------------------------------------
+    def post_send(self, peer_id: str, generation: int, src_rank: int, runs: object, *,
+                  request_id: str | None = None) -> TransferHandle:
+        """Send every run zero-copy, one tagged message per run, straight from the buffer.
+
+        ``runs``: int ``[R, 3]`` (local src offset, dst offset, length), absolute offsets; run
+        ``i`` travels with tag ``make_tag(generation, src_rank, i)``.
+        """
+        return self.post_runs("send", peer_id, generation, src_rank, 0, RunTemplate(runs, 0),
+                              request_id=request_id)
+
+    def post_recv(self, peer_id: str | None, generation: int, src_rank: int, runs: object, *,
+                  request_id: str | None = None) -> TransferHandle:
+        """Receive every run zero-copy, straight into the buffer (``runs[:, 1]`` absolute dst
+        offsets). With ``peer_id`` the receives belong to that peer (:meth:`fail_peer` and UCX
+        errors fail them); with None they match the tags from any peer."""
+        return self.post_runs("recv", peer_id, generation, src_rank, 0, RunTemplate(runs, 1),
+                              request_id=request_id)
+
+    def template(self, runs: object, direction: str) -> RunTemplate:
+        """``runs`` (``[R, 3]``: src offset, dst offset, length; relative to a page) as a
+        checked :class:`RunTemplate` for :meth:`post_runs` in ``direction`` ("send" takes the
+        source offsets, "recv" the destination offsets)."""
+        if direction not in ("send", "recv"):
+            raise ConfigError(f"direction must be 'send' or 'recv', got {direction!r}")
+        return RunTemplate(runs, 0 if direction == "send" else 1)
+
+    def post_runs(self, direction: str, peer_id: str | None, generation: int, src_rank: int,
+                  base: int, template: RunTemplate, *,
+                  request_id: str | None = None) -> TransferHandle:
+        """:meth:`post_send` / :meth:`post_recv` of a :class:`RunTemplate` at byte offset
+        ``base`` of the buffer (a page's start): the rank's per-request post."""
+        send = direction == "send"
+        if not send and direction != "recv":
+            raise ConfigError(f"direction must be 'send' or 'recv', got {direction!r}")
+        if type(base) is not int or base < 0 or base + template.extent > self._size:
+            raise ConfigError(template.outside(base, self._size, "send" if send else "receive",
+                                               "page buffer")
+                              if type(base) is int else f"base must be an int, got {base!r}")
+        if type(generation) is not int or type(src_rank) is not int \
+                or not 0 <= generation <= MAX_GENERATION or not 0 <= src_rank <= MAX_SRC_RANK:
+            make_tag(generation, src_rank, 0)          # raises with the offending field
+            generation, src_rank = int(generation), int(src_rank)
+        tag0 = (generation << 32) | (src_rank << 24)
+        if send:
+            op = self._endpoint(peer_id).tag_send
+        elif peer_id is None:                      # a receive matching any peer
+            self._check_open()
+            op = self._worker.tag_recv
+        else:
+            op = self._endpoint(peer_id).tag_recv
+        requests = self._post_runs(op, base, template, tag0, peer_id)
+        handle = TransferHandle(self, direction=direction, kind="zero_copy",
+                                peer_id=peer_id, generation=generation, src_rank=src_rank,
+                                nbytes=template.nbytes, messages=len(template.offsets),
+                                request_id=request_id, requests=requests)
+        self._outstanding[id(handle)] = handle
+        return handle
+
+    def post_send_staged(self, peer_id: str, generation: int, src_rank: int, pack_runs: object,
+                         *, request_id: str | None = None) -> TransferHandle:
+        """Gather ``pack_runs`` (absolute src offset, staging offset, length) into a pooled
+        staging buffer and send it as ONE message (index :data:`STAGED_INDEX`). The staging
+        size is ``max(staging offset + length)``."""
+        pack_runs = as_runs(pack_runs, "pack_runs")
+        check_span(pack_runs, 0, self._size, "pack", "page buffer")
+        nbytes = int((pack_runs[:, 1] + pack_runs[:, 2]).max()) if len(pack_runs) else 0
+        check_span(pack_runs, 1, nbytes, "pack", "staging buffer")
+        tag = make_tag(generation, src_rank, STAGED_INDEX)
+        staging = self._pool.acquire(nbytes)
+        try:
+            copy_runs(self._np, pack_runs, staging.numpy())
+            endpoint = self._endpoint(peer_id)
+            requests = self._post_one(endpoint.tag_send, staging.numpy()[:nbytes], tag, peer_id)
+        except BaseException:
+            self._pool.release(staging)
+            raise
+        return self._staged_handle("send", peer_id, generation, src_rank, nbytes, request_id,
+                                   requests, staging, None)
+
+    def post_recv_staged(self, peer_id: str | None, generation: int, src_rank: int, nbytes: int,
+                         unpack_runs: object, *, request_id: str | None = None) -> TransferHandle:
+        """Receive one ``nbytes`` staged message into a pooled staging buffer; when it arrives,
+        scatter ``unpack_runs`` (staging offset, absolute dst offset, length) into the page.
+        The handle is done only after the scatter."""
+        if isinstance(nbytes, bool) or not isinstance(nbytes, (int, np.integer)) or nbytes < 0:
+            raise ConfigError(f"nbytes must be a non-negative integer, got {nbytes!r}")
+        nbytes = int(nbytes)
+        unpack_runs = as_runs(unpack_runs, "unpack_runs")
+        check_span(unpack_runs, 0, nbytes, "unpack", "staging message")
+        check_span(unpack_runs, 1, self._size, "unpack", "page buffer")
+        tag = make_tag(generation, src_rank, STAGED_INDEX)
+        staging = self._pool.acquire(nbytes)
+        try:
+            if peer_id is None:
+                self._check_open()
+            target = self._worker if peer_id is None else self._endpoint(peer_id)
+            requests = self._post_one(target.tag_recv, staging.numpy()[:nbytes], tag, peer_id)
+        except BaseException:
+            self._pool.release(staging)
+            raise
+        page = self._np
+        return self._staged_handle("recv", peer_id, generation, src_rank, nbytes, request_id,
+                                   requests, staging,
+                                   lambda: copy_runs(staging.numpy(), unpack_runs, page))
+
+    def _staged_handle(self, direction: str, peer_id: str | None, generation: int,
+                       src_rank: int, nbytes: int, request_id: str | None, requests: list,
+                       staging: torch.Tensor, on_success) -> TransferHandle:
+        handle = TransferHandle(self, direction=direction, kind="staged", peer_id=peer_id,
+                                generation=generation, src_rank=src_rank, nbytes=nbytes,
+                                messages=1, request_id=request_id, requests=requests,
+                                staging=staging, on_success=on_success)
+        self._counters["staging_buffers_used"] += 1
+        self._counters["staging_bytes"] += nbytes
+        self._outstanding[id(handle)] = handle
+        return handle
+
+    # -- progress ---------------------------------------------------------------------------------
+    def progress(self, timeout: float = 0.0) -> None:
+        """Drive UCX progress once; with ``timeout`` > 0 sleep up to that long for an event
+        first. Senders that do not wait on their handles should call this (or
+        :meth:`TransferHandle.done`) from their loop so rendezvous sends complete."""
+        self._drive(max(0.0, float(timeout)), None)
+
+    def fileno(self) -> int:
+        """A file descriptor that becomes readable when UCX has work, for the owner's poller
+        (the rank loop); call :meth:`arm` before sleeping on it."""
+        self._check_open()
+        return self._worker.epoll_file_descriptor
+
+    def arm(self) -> bool:
+        """Progress, then arm the worker: True when nothing is pending and it is safe to sleep
+        on :meth:`fileno`; False means progress again first."""
+        self._check_open()
+        self._worker.progress()
+        return bool(self._worker.arm())
+
+    def _drive(self, block_s: float, ready: Callable[[], bool] | None) -> None:
+        """One progress round, sleeping up to ``block_s`` in ``poll()`` on the worker's epoll fd
+        for UCX events. ``ready()`` (optional) says whether the caller's wait is over, so a
+        round never sleeps past a completion."""
+        if self._ep_events:
+            self._process_endpoint_events()
+        if self._closed:
+            return
+        worker = self._worker
+        worker.progress()
+        if block_s > 0 and (ready is None or not ready()):
+            if worker.arm():
+                self._poller.poll(max(1, int(block_s * 1000)))
+            worker.progress()
+        if self._ep_events:
+            self._process_endpoint_events()
+
+    # -- messages nobody announced ---------------------------------------------------------------
+    def discard_unexpected(self, generation: int, src_rank: int | None = None, *,
+                           timeout: float = 1.0) -> int:
+        """Receive and drop messages of ``generation`` (and ``src_rank``) that arrived with no
+        matching receive, e.g. of an aborted attempt. Returns how many were dropped."""
+        self._check_open()
+        return self._guard.discard(generation, src_rank, timeout=timeout, drive=self._drive)
+
+    def reject_unannounced(self, may_arrive: Callable[[int, int], bool], *, grace: float,
+                           max_messages: int = 64) -> int:
+        """Drop messages in UCX's unexpected queue that no announced receive will take.
+
+        The data plane accepts only transfers the control plane announced: a receive is posted
+        (into page memory) only for a request the rank was told about, so a message whose tag
+        matches no posted receive sits in UCX's unexpected queue. This sweep looks at the head
+        of that queue (``tag_probe`` with mask 0, any tag) and asks
+        ``may_arrive(generation, src_rank)`` whether a receive for it may still be posted:
+
+        - False (a finished or cancelled attempt, or a generation never announced and older
+          than the announced ones): rejected now;
+        - True (e.g. the rank has not yet processed the announcement that is on its way): left
+          in place, but rejected once it has been the head for ``grace`` seconds.
+
+        A rejected message is received into scratch memory, never the page buffer: its first
+        64 KiB at most, the rest truncated by UCX (a rendezvous payload is then never fetched).
+        The receive is not waited for here (a rogue sender may never progress); it completes
+        in a later progress round and is reaped by the next sweep. Counted in :meth:`stats`
+        as ``rejected_unannounced`` (messages) and ``rejected_unannounced_bytes`` (their
+        announced lengths). Only the head of the queue is visible to a probe, so one sweep
+        stops at a head it leaves in place; at most ``max_messages`` are rejected per call.
+        Cheap when the queue is empty: one probe. Returns how many messages this call
+        rejected (0 once closed).
+        """
+        if isinstance(grace, bool) or not isinstance(grace, (int, float)) or grace < 0:
+            raise ConfigError(f"grace must be a non-negative number of seconds, got {grace!r}")
+        if self._closed:
+            return 0
+        return self._guard.reject_unannounced(may_arrive, grace=grace, max_messages=max_messages)
+
+    # -- counters -------------------------------------------------------------------------------
+    @property
+    def staging_bytes(self) -> int:
+        """Bytes that went through staging buffers so far (cheap: one counter)."""
+        return int(self._counters["staging_bytes"])
+
+    def stats(self) -> dict[str, Any]:
+        """Counters since creation (plain data). Messages and bytes count completed transfers;
+        ``staging_*`` stay 0 as long as only zero-copy runs were posted; ``failures`` counts
+        failed handles by kind (``timeout`` counts waits that timed out)."""
+        c = dict(self._counters)            # one C-level copy: safe to read from a monitor
+        guard, pool = self._guard, self._pool
+        return {
+            "messages_sent": c.get("messages_sent", 0),
+            "bytes_sent": c.get("bytes_sent", 0),
+            "messages_received": c.get("messages_received", 0),
+            "bytes_received": c.get("bytes_received", 0),
+            "zero_copy_messages": c.get("zero_copy_messages_sent", 0)
+            + c.get("zero_copy_messages_received", 0),
+            "zero_copy_messages_sent": c.get("zero_copy_messages_sent", 0),
+            "zero_copy_messages_received": c.get("zero_copy_messages_received", 0),
+            "staged_messages_sent": c.get("staged_messages_sent", 0),
+            "staged_messages_received": c.get("staged_messages_received", 0),
+            "staging_buffers_used": c.get("staging_buffers_used", 0),
+            "staging_bytes": c.get("staging_bytes", 0),
+            "staging_buffers_allocated": pool.allocations,
+            "staging_pool_bytes": pool.cached_bytes,
+            "staging_quarantined_bytes": pool.quarantined_bytes,
+            "handles_completed": c.get("handles_completed", 0),
+            "handles_outstanding": len(self._outstanding),
+            "failures": dict(self._failures),
+            "peers": len(self._peers),
+            "peers_failed": c.get("peers_failed", 0),
+            "ucx_peer_errors": c.get("ucx_peer_errors", 0),
+            "stale_messages_discarded": guard.discarded,
+            "rejected_unannounced": guard.rejected,
+            "rejected_unannounced_bytes": guard.rejected_bytes,
+            "rejected_wrong_size": c.get("rejected_wrong_size", 0),
+        }
+
+    # -- internals ------------------------------------------------------------------------------
+    def _check_open(self) -> None:
+        if self._closed:
+            raise ClosedError(f"{self.name}: transport is closed")
+
+    def _endpoint(self, peer_id: str):
+        """The live endpoint of ``peer_id``."""
+        self._check_open()
+        peer = self._peers.get(peer_id)
+        if peer is not None:
+            return peer.endpoint
+        if peer_id in self._lost:
+            raise PeerLostError(f"{self.name}: peer {peer_id!r} was declared lost "
+                                f"({self._lost[peer_id]})", peer=peer_id)
+        raise ConfigError(f"{self.name}: unknown peer {peer_id!r}; connect() it first "
+                          f"(known: {sorted(self._peers)})")
+
+    def _post_runs(self, op, base: int, template: RunTemplate, tag0: int,
+                   peer_id: str | None) -> list:
+        """One UCX request per run of the page buffer, straight from/into its memory. The
+        buffer views (ucxx ``Array``, ~3 us each to build) are cached per (offset, length):
+        a rank posts the same few page slices over and over."""
+        Tag, arrays = self._Tag, self._arrays
+        if len(arrays) > _MAX_CACHED_ARRAYS:
+            arrays.clear()
+        requests: list = []
+        try:
+            tag = tag0
+            for off, n in zip(template.offsets, template.lengths):
+                key = (base + off, n)
+                array = arrays.get(key)
+                if array is None:
+                    start = base + off
+                    array = arrays[key] = self._Array(self._mv[start:start + n])
+                requests.append(op(array, Tag(tag)))
+                tag += 1
+        except Exception as e:  # noqa: BLE001 -- ucxx raises its own exception types
+            requests.clear()      # dropping ucxx's requests cancels what was posted
+            raise TransferError(f"{self.name}: posting to {peer_id!r} failed: {e}",
+                                peer=peer_id) from e
+        return requests
+
+    def _post_one(self, op, array: np.ndarray | None, tag: int, peer_id: str | None) -> list:
+        """One UCX request for a staging buffer (``array`` None: ``op`` needs no buffer)."""
+        try:
+            return [op(None if array is None else self._Array(array), self._Tag(tag))]
+        except Exception as e:  # noqa: BLE001
+            raise TransferError(f"{self.name}: posting to {peer_id!r} failed: {e}",
+                                peer=peer_id) from e
+
+    def _finished(self, handle: TransferHandle, staging: torch.Tensor | None,
+                  quiescent: bool) -> None:
+        """Bookkeeping when a handle leaves flight."""
+        if staging is not None:
+            self._pool.release(staging, quiescent=quiescent)
+        self._outstanding.pop(id(handle), None)
+        c = self._counters
+        if handle.ok:
+            c["handles_completed"] += 1
+            messages, nbytes, kind_messages = self._DONE_COUNTERS[handle.direction, handle.kind]
+            c[messages] += handle.messages
+            c[nbytes] += handle.nbytes
+            c[kind_messages] += handle.messages
+        else:
+            self._failures[failure_kind(handle.error)] += 1
+
+    def _count_failure(self, kind: str) -> None:
+        self._failures[kind] += 1
+
+    def _classify(self, handle: TransferHandle, request) -> BaseException:
+        """The error of a request that completed with a non-OK status."""
+        status = int(request.status)
+        try:
+            request.check_error()
+            detail = f"UCX status {status}"
+        except Exception as e:  # noqa: BLE001 -- ucxx's exception types
+            detail = f"{type(e).__name__}: {e}"
+        peer_id = handle.peer_id
+        lost = self._lost.get(peer_id) if peer_id is not None else None
+        peer = self._peers.get(peer_id) if peer_id is not None else None
+        if lost is None and peer is not None and self.error_handling \
+                and not peer.endpoint.alive:
+            lost = "UCX endpoint error"
+            self._ep_events.append((peer_id, peer.serial))
+        if lost is not None or status in _PEER_STATUSES:
+            return PeerLostError(f"{self.name}: peer {peer_id!r} lost ({lost or detail}) during "
+                                 f"{handle._describe()}", request_id=handle.request_id,
+                                 peer=peer_id)
+        if status == _UCS_ERR_MESSAGE_TRUNCATED:
+            self._counters["rejected_wrong_size"] += 1
+            return TransferError(f"{self.name}: {handle._describe()}: message {handle._checked} "
+                                 f"of {handle.messages} is longer than its posted receive "
+                                 f"({handle.nbytes} bytes posted in all; {detail})",
+                                 request_id=handle.request_id, peer=peer_id)
+        if status == _UCS_ERR_CANCELED:
+            return AbortedError(f"{self.name}: {handle._describe()} was cancelled ({detail})",
+                                request_id=handle.request_id, peer=peer_id)
+        return TransferError(f"{self.name}: {handle._describe()} failed: {detail}",
+                             request_id=handle.request_id, peer=peer_id)
+
+    def _on_endpoint_closed(self, peer_id: str, serial: int) -> None:
+        # Called by ucxx from inside progress: only record it.
+        self._ep_events.append((peer_id, serial))
+
+    def _process_endpoint_events(self) -> None:
+        while self._ep_events:
+            peer_id, serial = self._ep_events.popleft()
+            peer = self._peers.get(peer_id)
+            if peer is None or peer.serial != serial or peer.closing:
+                continue
+            self._counters["ucx_peer_errors"] += 1
+            try:
+                peer.endpoint.raise_on_error()
+                detail = "endpoint closed by UCX"
+            except Exception as e:  # noqa: BLE001
+                detail = f"{type(e).__name__}: {e}"
+            self.fail_peer(peer_id, f"UCX endpoint error: {detail}")
+
+    def _close_endpoint(self, peer: _Peer, *, blocking: bool = True) -> None:
+        if peer.closing:
+            return
+        peer.closing = True
+        try:
+            if self.error_handling:
+                peer.endpoint.remove_close_callback()
+            if not blocking and not self.error_handling:
+                # Without error handling a close flushes first, which never ends behind a cut
+                # link. (With it UCX closes in force mode at once; and a non-blocking close of
+                # an endpoint UCX already failed crashes ucxx 0.52.)
+                self._abandoned.append(peer)
+                peer.endpoint.close()
+                return
+            # period/attempts bound the close only in ucxx's thread progress mode.
+            peer.endpoint.close_blocking(period=1_000_000_000, max_attempts=3)
+        except Exception as e:  # noqa: BLE001 -- closing a dead peer's endpoint may complain
+            log.debug("%s: closing endpoint to %s: %s", self.name, peer.peer_id, e)
