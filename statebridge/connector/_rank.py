@@ -30,18 +30,17 @@ from statebridge.connector import control as c
 from statebridge.connector import messages as m
 from statebridge.errors import ProtocolError, StatebridgeError, TransferError
 from statebridge.security import CurveKeys
-from statebridge.state.cache import StateCache
+from statebridge.state.cache import StateCache, page_checksum
 from statebridge.state.layout import PageGeometry
 from statebridge.state.plan import PairPlan, TransferPlan
 from statebridge.state.spec import StateSpec
-from statebridge.state.synthetic import fill_page, global_state, page_checksum, request_seed
 
 if TYPE_CHECKING:
     from statebridge.connector.transport import RunTemplate
 
 log = logging.getLogger(__name__)
 
-__all__ = ["RankSetup", "RankWorker", "RankModel", "SyntheticModel", "rank_main",
+__all__ = ["RankSetup", "RankWorker", "RankModel", "rank_main",
            "load_callable"]
 
 
@@ -71,15 +70,6 @@ class RankModel:
         pass
 
 
-class SyntheticModel(RankModel):
-    """The default "model": the request's deterministic synthetic state (tests, benchmarks)."""
-
-    def prefill(self, page: int, prompt: tuple[int, ...], request_id: str) -> None:
-        fill_page(self.cache, page,
-                  global_state(self.cache.geometry.spec, request_seed(request_id)),
-                  self.setup.tp_rank)
-
-
 @dataclass(frozen=True)
 class RankSetup:
     """Everything a rank process needs to start (picklable: it crosses a process spawn)."""
@@ -94,7 +84,7 @@ class RankSetup:
     node_id: str
     config: ConnectorConfig = field(default_factory=ConnectorConfig)
     region_align: int = 16
-    model: str = "statebridge.connector._rank:SyntheticModel"   # RankModel factory
+    model: str = "statebridge.testing.models:SyntheticModel"    # RankModel factory
     model_dir: str = ""                                         # checkpoint, for real models
     dist_init: str = ""                                         # torch.distributed rendezvous
     checksums: bool = False

@@ -9,10 +9,10 @@ import time
 import numpy as np
 
 from statebridge.config import ConnectorConfig
-from statebridge.connector._rank import SyntheticModel
 from statebridge.state.layout import PageGeometry
 from statebridge.state.spec import StateSpec
-from statebridge.state.synthetic import global_state, request_seed
+from statebridge.testing.models import SyntheticModel
+from statebridge.testing.synthetic import global_state, request_seed
 
 from tests.state._oracle import page_of_rank
 

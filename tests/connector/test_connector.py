@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 
 from statebridge.connector.decode import DecodeCoordinator
-from statebridge.connector.hosts import RankHostPool
 from statebridge.connector.prefill import PrefillServer
+from statebridge.testing.hosts import RankHostPool
 
 from ._helpers import FAST, SPECS, expected_checksum, random_prompt, wait_until
 

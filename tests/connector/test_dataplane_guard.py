@@ -239,7 +239,7 @@ def test_decode_rank_processes_sweep_rogue_messages_and_keep_serving():
     """Real rank processes: a rogue worker's rendezvous send to a decode rank completes only
     because the rank's heartbeat sweep received it (into scratch); transfers stay exact."""
     from statebridge.connector.decode import DecodeCoordinator
-    from statebridge.connector.hosts import RankHostPool
+    from statebridge.testing.hosts import RankHostPool
     from statebridge.connector.prefill import PrefillServer
 
     with RankHostPool(1) as hosts, \

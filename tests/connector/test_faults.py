@@ -14,10 +14,10 @@ import zmq
 from statebridge.connector import control as c
 from statebridge.connector import messages as m
 from statebridge.connector.decode import DecodeCoordinator
-from statebridge.connector.hosts import RankHostPool
 from statebridge.connector.prefill import PrefillServer
 from statebridge.errors import AbortedError, IncompatiblePeerError, PeerLostError
 from statebridge.state.spec import StateSpec
+from statebridge.testing.hosts import RankHostPool
 
 from ._helpers import FAST, SPECS, expected_checksum, wait_until
 

@@ -27,11 +27,11 @@ from hypothesis import strategies as st
 from statebridge.connector import control as c
 from statebridge.connector import messages as m
 from statebridge.connector.decode import DecodeCoordinator
-from statebridge.connector.hosts import RankHostPool
 from statebridge.connector.prefill import PrefillServer
 from statebridge.errors import ProtocolError
 from statebridge.node.decode_node import DecodeNode
 from statebridge.state.spec import StateSpec
+from statebridge.testing.hosts import RankHostPool
 
 from ._helpers import FAST, expected_checksum
 from .test_messages import ALL_TYPES, example
@@ -64,7 +64,7 @@ def nodes(tmp_path_factory):
         decode.connect(server.address)
         node = DecodeNode(str(model_dir), 1, [server.address], num_pages=4, config=CONFIG,
                           launcher=hosts.launcher(), max_prompt_len=16,
-                          rank_model="statebridge.connector._rank:SyntheticModel")
+                          rank_model="statebridge.testing.models:SyntheticModel")
         try:
             yield spec, server, decode, node
         finally:

@@ -16,12 +16,12 @@ import pytest
 
 from statebridge.config import ConnectorConfig
 from statebridge.connector import messages as m
-from statebridge.connector.hosts import RankHostPool
 from statebridge.connector.prefill import PrefillServer
 from statebridge.errors import CacheFullError, ConfigError, ProtocolError, TransferError
 from statebridge.node.client import Client
 from statebridge.node.decode_node import DecodeNode
 from statebridge.state.spec import StateSpec
+from statebridge.testing.hosts import RankHostPool
 
 from ._helpers import FAST, wait_until
 
@@ -47,7 +47,7 @@ def nodes(tmp_path_factory):
         server.wait_ready()
         node = DecodeNode(str(model_dir), 1, [server.address], num_pages=DECODE_PAGES,
                           config=config, launcher=hosts.launcher(), max_prompt_len=MAX_PROMPT,
-                          rank_model="statebridge.connector._rank:SyntheticModel")
+                          rank_model="statebridge.testing.models:SyntheticModel")
         try:
             yield server, node.coordinator, node
         finally:

@@ -11,9 +11,9 @@ import pytest
 import zmq
 
 from statebridge.connector.decode import DecodeCoordinator
-from statebridge.connector.hosts import RankHostPool
 from statebridge.connector.prefill import PrefillServer
 from statebridge.errors import PeerLostError
+from statebridge.testing.hosts import RankHostPool
 
 from ._helpers import FAST, SPECS, expected_checksum, wait_until
 

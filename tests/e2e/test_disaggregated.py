@@ -11,12 +11,12 @@ import time
 
 import pytest
 
-from statebridge.connector.hosts import RankHostPool
 from statebridge.errors import ConfigError, PeerLostError
 from statebridge.node.client import Client
 from statebridge.node.decode_node import DecodeNode, free_port
 from statebridge.node.demo import NodeProcess
 from statebridge.node.prefill_node import start_prefill_node
+from statebridge.testing.hosts import RankHostPool
 
 from tests.models._helpers import NEW_TOKENS, PROMPTS
 

@@ -29,9 +29,9 @@ import pytest
 from statebridge.connector import messages as m
 from statebridge.connector._group import RankHandle
 from statebridge.connector.decode import DecodeCoordinator
-from statebridge.connector.hosts import RankHostPool
 from statebridge.connector.prefill import PrefillServer, _Peer
 from statebridge.errors import TransferTimeoutError
+from statebridge.testing.hosts import RankHostPool
 
 from tests.connector._helpers import FAST, SPECS
 
