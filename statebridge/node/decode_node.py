@@ -27,6 +27,7 @@ from statebridge.connector import messages as m
 from statebridge.connector._group import Launcher, spawn_launcher
 from statebridge.connector.decode import DecodeCoordinator, TransferResult
 from statebridge.errors import CacheFullError, ConfigError, StatebridgeError, TransferError
+from statebridge.net import free_port
 from statebridge.security import CurveKeys
 from statebridge.state.spec import StateSpec
 
@@ -292,13 +293,4 @@ class DecodeNode:
 
     def __exit__(self, *exc) -> None:
         self.close()
-
-
-def free_port() -> int:
-    """A free TCP port on 127.0.0.1 (for the torch.distributed rendezvous of a group)."""
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 

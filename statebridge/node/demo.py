@@ -88,7 +88,7 @@ def run_demo(*, arch: str = "lfm2", prefill_tp: int = 2, decode_tp: int = 4,
              layout: str = "DLS", prompts: int = 4, max_new_tokens: int = 8) -> int:
     from statebridge.models.checkpoint import make_checkpoint
     from statebridge.node.client import Client
-    from statebridge.node.decode_node import free_port
+    from statebridge.net import free_port
 
     rng = np.random.default_rng(0)
     with tempfile.TemporaryDirectory(prefix="statebridge-demo-") as tmp:

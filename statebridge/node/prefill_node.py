@@ -8,7 +8,7 @@ import logging
 from statebridge.config import ConnectorConfig
 from statebridge.connector._group import Launcher, spawn_launcher
 from statebridge.connector.prefill import PrefillServer
-from statebridge.node.decode_node import free_port
+from statebridge.net import free_port
 from statebridge.state.spec import StateSpec
 
 log = logging.getLogger(__name__)

@@ -13,7 +13,8 @@ import pytest
 
 from statebridge.errors import ConfigError, PeerLostError
 from statebridge.node.client import Client
-from statebridge.node.decode_node import DecodeNode, free_port
+from statebridge.net import free_port
+from statebridge.node.decode_node import DecodeNode
 from statebridge.node.demo import NodeProcess
 from statebridge.node.prefill_node import start_prefill_node
 from statebridge.testing.hosts import RankHostPool
