@@ -35,6 +35,7 @@ from __future__ import annotations
 import argparse
 import collections
 import concurrent.futures
+import functools
 import heapq
 import json
 import logging
@@ -339,7 +340,9 @@ class Soak:
         self.dead_servers: list = []
         self._oracle_cache = None
         self.schedule_left: list[str] = []
-        self.prefill_hosts = RankHostPool(a.src_tp)    # prefill ranks, kept over restarts
+        # prefill ranks, kept over restarts; they log like this process (see main)
+        self.prefill_hosts = RankHostPool(a.src_tp, initializer=functools.partial(
+            logging.basicConfig, level=os.environ.get("STATEBRIDGE_LOG_LEVEL", "WARNING")))
 
     # -- groups -----------------------------------------------------------------------------
     def _start_server(self, generation: int):

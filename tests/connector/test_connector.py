@@ -13,7 +13,14 @@ from statebridge.connector.decode import DecodeCoordinator
 from statebridge.connector.prefill import PrefillServer
 from statebridge.testing.hosts import RankHostPool
 
-from ._helpers import FAST, SPECS, expected_checksum, random_prompt, wait_until
+from ._helpers import (
+    FAST,
+    SPECS,
+    expected_checksum,
+    log_to_stderr,
+    random_prompt,
+    wait_until,
+)
 
 pytestmark = [pytest.mark.ucx, pytest.mark.multiprocess]
 
@@ -24,7 +31,8 @@ REQUESTS = 16
 
 @pytest.fixture(scope="module")
 def pools():
-    with RankHostPool(4) as prefill_hosts, RankHostPool(8) as decode_hosts:
+    with RankHostPool(4, initializer=log_to_stderr) as prefill_hosts, \
+            RankHostPool(8, initializer=log_to_stderr) as decode_hosts:
         yield prefill_hosts, decode_hosts
 
 

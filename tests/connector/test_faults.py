@@ -19,7 +19,7 @@ from statebridge.errors import AbortedError, IncompatiblePeerError, PeerLostErro
 from statebridge.state.spec import StateSpec
 from statebridge.testing.hosts import RankHostPool
 
-from ._helpers import FAST, SPECS, expected_checksum, wait_until
+from ._helpers import FAST, SPECS, expected_checksum, log_to_stderr, wait_until
 
 pytestmark = [pytest.mark.ucx, pytest.mark.multiprocess]
 
@@ -29,13 +29,13 @@ SLOW = "tests.connector._helpers:SlowModel"
 
 @pytest.fixture(scope="module")
 def decode_hosts():
-    with RankHostPool(2) as pool:
+    with RankHostPool(2, initializer=log_to_stderr) as pool:
         yield pool
 
 
 @pytest.fixture(scope="module")
 def prefill_hosts():
-    with RankHostPool(2) as pool:
+    with RankHostPool(2, initializer=log_to_stderr) as pool:
         yield pool
 
 

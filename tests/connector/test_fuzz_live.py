@@ -33,7 +33,7 @@ from statebridge.node.decode_node import DecodeNode
 from statebridge.state.spec import StateSpec
 from statebridge.testing.hosts import RankHostPool
 
-from ._helpers import FAST, expected_checksum
+from ._helpers import FAST, expected_checksum, log_to_stderr
 from .test_messages import ALL_TYPES, example
 
 pytestmark = [pytest.mark.ucx, pytest.mark.multiprocess]
@@ -55,7 +55,7 @@ def nodes(tmp_path_factory):
     model_dir = tmp_path_factory.mktemp("model")
     (model_dir / "config.json").write_text(json.dumps(CONFIG_JSON))
     spec = StateSpec.from_pretrained(str(model_dir))
-    with RankHostPool(1) as hosts, \
+    with RankHostPool(1, initializer=log_to_stderr) as hosts, \
             PrefillServer(spec, 1, "DLS", num_pages=4, config=CONFIG,
                           launcher=hosts.launcher()) as server, \
             DecodeCoordinator(spec, 1, "LDS", num_pages=4, config=CONFIG, checksums=True,

@@ -23,7 +23,7 @@ from statebridge.node.decode_node import DecodeNode
 from statebridge.state.spec import StateSpec
 from statebridge.testing.hosts import RankHostPool
 
-from ._helpers import FAST, wait_until
+from ._helpers import FAST, log_to_stderr, wait_until
 
 pytestmark = [pytest.mark.ucx, pytest.mark.multiprocess]
 
@@ -41,7 +41,7 @@ def nodes(tmp_path_factory):
     (model_dir / "config.json").write_text(json.dumps(CONFIG_JSON))
     spec = StateSpec.from_pretrained(str(model_dir))
     config = FAST.replace(peer_timeout=3.0, max_inflight_per_peer=MAX_INFLIGHT)
-    with RankHostPool(1) as hosts, \
+    with RankHostPool(1, initializer=log_to_stderr) as hosts, \
             PrefillServer(spec, 1, "DLS", num_pages=1, config=config, model=SLOW,
                           launcher=hosts.launcher()) as server:
         server.wait_ready()

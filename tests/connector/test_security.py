@@ -19,7 +19,7 @@ from statebridge.connector import messages as m
 from statebridge.errors import AuthenticationError, ConfigError
 from statebridge.security import CurveKeys, authorized_keys, generate_keys, key_files
 
-from ._helpers import FAST, SPECS, expected_checksum, wait_until
+from ._helpers import FAST, SPECS, expected_checksum, log_to_stderr, wait_until
 
 # Handshakes get a generous bound: a refusal must come from the monitor (AuthenticationError),
 # never from this timeout (TransferTimeoutError), so the test cannot pass by waiting.
@@ -224,7 +224,7 @@ def hosts():
     """Two rank hosts shared by every group here (host r runs rank r of each group)."""
     from statebridge.testing.hosts import RankHostPool
 
-    with RankHostPool(2) as pool:
+    with RankHostPool(2, initializer=log_to_stderr) as pool:
         yield pool
 
 

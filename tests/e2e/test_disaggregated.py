@@ -21,7 +21,7 @@ from statebridge.testing.hosts import RankHostPool
 
 from tests.models._helpers import NEW_TOKENS, PROMPTS
 
-from tests.connector._helpers import wait_until
+from tests.connector._helpers import log_to_stderr, wait_until
 
 from ._helpers import FAST
 
@@ -30,7 +30,8 @@ pytestmark = [pytest.mark.ucx, pytest.mark.multiprocess]
 
 @pytest.fixture(scope="module")
 def pools():
-    with RankHostPool(4) as prefill_hosts, RankHostPool(4) as decode_hosts:
+    with RankHostPool(4, initializer=log_to_stderr) as prefill_hosts, \
+            RankHostPool(4, initializer=log_to_stderr) as decode_hosts:
         yield prefill_hosts, decode_hosts
 
 
