@@ -11,6 +11,7 @@ import pytest
 
 from statebridge.connector.decode import DecodeCoordinator
 from statebridge.connector.prefill import PrefillServer
+from statebridge.testing import stable_seed
 from statebridge.testing.hosts import RankHostPool
 
 from ._helpers import (
@@ -39,7 +40,7 @@ def pools():
 def transfer_round(pools, spec_name, src_tp, dst_tp, src_layout, dst_layout, config=FAST):
     prefill_hosts, decode_hosts = pools
     spec = SPECS[spec_name]
-    rng = np.random.default_rng(abs(hash((spec_name, src_tp, dst_tp, src_layout, dst_layout))))
+    rng = np.random.default_rng(stable_seed(spec_name, src_tp, dst_tp, src_layout, dst_layout))
     with PrefillServer(spec, src_tp, src_layout, num_pages=REQUESTS + 2, config=config,
                        launcher=prefill_hosts.launcher()) as server, \
             DecodeCoordinator(spec, dst_tp, dst_layout, num_pages=REQUESTS + 2, config=config,
