@@ -9,7 +9,7 @@ scopes:
   pair's descriptor lists (rank pair 0 -> 0 of the cell), nothing else running;
 - ``cell``: every pair of the cell, one process per rank, as ``statebridge bench`` runs it. With
   ``--bench-like`` the benchmark's idle statebridge rank hosts
-  (:class:`~statebridge.connector.hosts.RankHostPool`) are alive too.
+  (:class:`~statebridge.testing.hosts.RankHostPool`) are alive too.
 
 Per scope, the variants (:class:`~statebridge.bench._nixl.NixlOptions`) run interleaved for
 ``--rounds`` rounds (the machine may be shared; the median is reported), each reporting GB/s,
@@ -131,7 +131,7 @@ def main(argv: list[str] | None = None) -> int:
     rows: list[dict] = []
     hosts = []
     if a.bench_like:
-        from statebridge.connector.hosts import RankHostPool
+        from statebridge.testing.hosts import RankHostPool
         hosts = [RankHostPool(src_tp), RankHostPool(dst_tp)]
         _statebridge_round(spec, src_tp, dst_tp, a.layouts[0], hosts, a.timeout)
     try:

@@ -35,6 +35,7 @@ from __future__ import annotations
 import argparse
 import collections
 import concurrent.futures
+import functools
 import heapq
 import json
 import logging
@@ -54,13 +55,13 @@ import numpy as np
 
 from statebridge.config import ConnectorConfig
 from statebridge.connector import messages as m
-from statebridge.connector._rank import SyntheticModel
 from statebridge.errors import (
     CacheFullError,
     PeerLostError,
     TransferError,
 )
 from statebridge.state.spec import StateSpec
+from statebridge.testing.models import SyntheticModel
 
 log = logging.getLogger("statebridge.soak")
 
@@ -268,7 +269,8 @@ class _Outcome:
 
 def expected_checksums(geometry, request_id: str, cache) -> tuple[str, ...]:
     """What every decode rank must hold for ``request_id`` (the synthetic-state oracle)."""
-    from statebridge.state.synthetic import fill_page, global_state, page_checksum, request_seed
+    from statebridge.state.cache import page_checksum
+    from statebridge.testing.synthetic import fill_page, global_state, request_seed
 
     state = global_state(geometry.spec, request_seed(request_id))
     out = []
@@ -296,7 +298,7 @@ class Soak:
     """The groups, the requests in flight, the faults, and what came of them."""
 
     def __init__(self, a: argparse.Namespace, trap: ErrorTrap) -> None:
-        from statebridge.connector.hosts import RankHostPool
+        from statebridge.testing.hosts import RankHostPool
 
         self.a = a
         self.trap = trap
@@ -338,7 +340,9 @@ class Soak:
         self.dead_servers: list = []
         self._oracle_cache = None
         self.schedule_left: list[str] = []
-        self.prefill_hosts = RankHostPool(a.src_tp)    # prefill ranks, kept over restarts
+        # prefill ranks, kept over restarts; they log like this process (see main)
+        self.prefill_hosts = RankHostPool(a.src_tp, initializer=functools.partial(
+            logging.basicConfig, level=os.environ.get("STATEBRIDGE_LOG_LEVEL", "WARNING")))
 
     # -- groups -----------------------------------------------------------------------------
     def _start_server(self, generation: int):

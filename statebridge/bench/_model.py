@@ -1,6 +1,6 @@
 """The prefill "model" of the transfer benchmark: synthetic state that costs (almost) nothing.
 
-:class:`~statebridge.connector._rank.SyntheticModel` draws and shards a request's whole global
+:class:`~statebridge.testing.models.SyntheticModel` draws and shards a request's whole global
 state on every prefill (~0.5 s for Mamba2-2.7B): the benchmark would time the stand-in model,
 not the transfer. :class:`PageOnceModel` fills a page with the full synthetic state of the first
 request that uses it and afterwards only stamps the request's 8-byte seed into the page's first
@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from statebridge.connector._rank import SyntheticModel
+from statebridge.testing.models import SyntheticModel
 
 __all__ = ["PageOnceModel", "CHECK_PREFIX"]
 

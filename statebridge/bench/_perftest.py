@@ -17,10 +17,11 @@ from __future__ import annotations
 
 import os
 import re
-import socket
 import subprocess
 import time
 from pathlib import Path
+
+from statebridge.net import free_port
 
 __all__ = ["PERFTEST_ENV", "UCXX_ENV", "WAIT_MODES", "perftest", "perftest_path"]
 
@@ -53,12 +54,6 @@ def perftest_path() -> Path:
     return exe
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def perftest(size: int, tls: str, error_handling: bool, iters: int, timeout: float,
              wait_mode: str = "poll") -> dict:
     """``ucx_perftest -t tag_bw`` of ``iters`` messages of ``size`` bytes over ``UCX_TLS=tls``.
@@ -75,7 +70,7 @@ def perftest(size: int, tls: str, error_handling: bool, iters: int, timeout: flo
     exe = str(perftest_path())
     env = dict(os.environ, LD_LIBRARY_PATH=str(_libucx() / "lib"), UCX_TLS=tls, **UCXX_ENV,
                **PERFTEST_ENV)
-    port = _free_port()
+    port = free_port()
     warmup = max(2, iters // 10)
     server = subprocess.Popen([exe, "-p", str(port)], env=env, stdout=subprocess.DEVNULL,
                               stderr=subprocess.DEVNULL)

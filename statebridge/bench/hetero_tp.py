@@ -4,7 +4,7 @@ For every (preset, prefill TP x decode TP, layout) cell, in one run on this mach
 
 - statebridge: a :class:`~statebridge.connector.prefill.PrefillServer` and a
   :class:`~statebridge.connector.decode.DecodeCoordinator`, every rank its own process
-  (:class:`~statebridge.connector.hosts.RankHostPool`), move ``--requests`` requests with
+  (:class:`~statebridge.testing.hosts.RankHostPool`), move ``--requests`` requests with
   ``--concurrency`` in flight. Byte-exactness is checked first on a few requests (decode-rank
   checksums against the synthetic-state oracle), then the timed round runs without checksums.
   The prefill "model" (:class:`~statebridge.bench._model.PageOnceModel`) fills each page once,
@@ -228,8 +228,8 @@ def _cpu_snapshot(groups: dict[str, list[int]]) -> dict[str, float]:
 
 
 def _expected_checksums(geometry, request_id: str) -> tuple[str, ...]:
-    from statebridge.state.cache import StateCache
-    from statebridge.state.synthetic import fill_page, global_state, page_checksum, request_seed
+    from statebridge.state.cache import StateCache, page_checksum
+    from statebridge.testing.synthetic import fill_page, global_state, request_seed
 
     state = global_state(geometry.spec, request_seed(request_id))
     cache = StateCache(geometry, 1)
@@ -367,8 +367,8 @@ def plan_cells(a: argparse.Namespace) -> tuple[list[tuple[str, StateSpec, int, i
 def run(a: argparse.Namespace) -> dict:
     """Every cell; returns the JSON object (also written to ``a.json`` / ``a.plot``)."""
     from statebridge.bench._nixl import NixlPool, nixl_available
-    from statebridge.connector.hosts import RankHostPool
     from statebridge.connector.data import configure_ucx_env
+    from statebridge.testing.hosts import RankHostPool
 
     configure_ucx_env()
     cells, skipped = plan_cells(a)

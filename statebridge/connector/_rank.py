@@ -1,7 +1,7 @@
 """The part of the connector that lives in each TP rank process (both sides).
 
 A rank owns its :class:`~statebridge.state.cache.StateCache` (page memory) and its
-:class:`~statebridge.connector.transport.Transport` (UCX worker). It talks only to its group's
+:class:`~statebridge.connector.data.Transport` (UCX worker). It talks only to its group's
 coordinator over one DEALER socket: it announces itself (``RankHello`` with its UCX address),
 heartbeats, and executes ``RankConnect`` / ``RankPrefill`` / ``RankRecv`` / ``RankCancel``,
 answering each request with exactly one ``RankDone`` -- sent only once nothing of the request
@@ -39,18 +39,17 @@ from statebridge.connector import messages as m
 from statebridge.connector.ledger import RequestKey
 from statebridge.errors import FailureKind, ProtocolError, StatebridgeError, kind_of
 from statebridge.security import CurveKeys
-from statebridge.state.cache import StateCache
+from statebridge.state.cache import StateCache, page_checksum
 from statebridge.state.layout import PageGeometry
 from statebridge.state.plan import PairPlan, TransferPlan
 from statebridge.state.spec import StateSpec
-from statebridge.state.synthetic import fill_page, global_state, page_checksum, request_seed
 
 if TYPE_CHECKING:
     from statebridge.connector.data import RunTemplate
 
 log = logging.getLogger(__name__)
 
-__all__ = ["RankSetup", "RankWorker", "RankModel", "SyntheticModel", "rank_main",
+__all__ = ["RankSetup", "RankWorker", "RankModel", "rank_main",
            "load_callable"]
 
 
@@ -87,26 +86,6 @@ class RankModel:
         pass
 
 
-class SyntheticModel(RankModel):
-    """The default "model": the request's deterministic synthetic state (tests, benchmarks)."""
-
-    def handlers(self) -> dict:
-        from statebridge.node import messages as nm
-
-        def cannot_decode(msg: "nm.RankStep") -> "nm.RankStepResult | None":
-            if self.setup.tp_rank != 0:
-                return None
-            return nm.RankStepResult(step=msg.step, tp_rank=0, tokens=(),
-                                     kind=FailureKind.TRANSFER_ERROR.value,
-                                     message=f"{type(self).__name__} cannot decode")
-        return {nm.RankStep: cannot_decode}
-
-    def prefill(self, page: int, prompt: tuple[int, ...], request_id: str) -> None:
-        fill_page(self.cache, page,
-                  global_state(self.cache.geometry.spec, request_seed(request_id)),
-                  self.setup.tp_rank)
-
-
 @dataclass(frozen=True)
 class RankSetup:
     """Everything a rank process needs to start (picklable: it crosses a process spawn)."""
@@ -121,7 +100,7 @@ class RankSetup:
     node_id: str
     config: ConnectorConfig = field(default_factory=ConnectorConfig)
     region_align: int = 16
-    model: str = "statebridge.connector._rank:SyntheticModel"   # RankModel factory
+    model: str = "statebridge.testing.models:SyntheticModel"    # RankModel factory
     model_dir: str = ""                                         # checkpoint, for real models
     dist_init: str = ""                                         # torch.distributed rendezvous
     checksums: bool = False
@@ -299,7 +278,7 @@ class RankWorker:
     def _routes(self, node: str, peer_geo: PageGeometry) -> list["_Route"]:
         """This rank's pairs with ``node`` (whose ranks have ``peer_geo``), each with its UCX
         peer and, for zero-copy pairs, the runs checked once as a
-        :class:`~statebridge.connector.transport.RunTemplate`."""
+        :class:`~statebridge.connector.data.RunTemplate`."""
         routes = []
         if self.setup.role == "prefill":
             plan = TransferPlan(self.geometry, peer_geo)

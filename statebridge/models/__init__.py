@@ -13,7 +13,6 @@ from statebridge.models.checkpoint import PRESETS, Checkpoint, LazyTensor, make_
 from statebridge.models.distributed import (
     ThreadGroup,
     TPGroup,
-    free_port,
     init_tp_group,
     make_all_reduce,
 )
@@ -32,7 +31,6 @@ __all__ = [
     "TPGroup",
     "init_tp_group",
     "make_all_reduce",
-    "free_port",
     "ThreadGroup",
     "sample",
     "greedy",

@@ -17,7 +17,6 @@ bits.
 from __future__ import annotations
 
 import datetime
-import socket
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -27,18 +26,11 @@ import torch
 
 from statebridge.errors import ConfigError
 
-__all__ = ["TPGroup", "init_tp_group", "make_all_reduce", "free_port", "ThreadGroup",
+__all__ = ["TPGroup", "init_tp_group", "make_all_reduce", "ThreadGroup",
            "AllReduce"]
 
 AllReduce = Callable[[torch.Tensor], torch.Tensor]
 T = TypeVar("T")
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port that was free on ``host`` a moment ago (for a ``tcp://`` init method)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
 
 
 def make_all_reduce(group: Any = None) -> AllReduce:

@@ -13,14 +13,16 @@ the back of the queue, so a page a late transfer might still address is reused l
 from __future__ import annotations
 
 import collections
+import hashlib
 import threading
 
+import numpy as np
 import torch
 
 from statebridge.errors import CacheFullError, ConfigError, DoubleFreeError, UnknownPageError
 from statebridge.state.layout import PageGeometry
 
-__all__ = ["PagePool", "StateCache"]
+__all__ = ["PagePool", "StateCache", "page_checksum"]
 
 
 class PagePool:
@@ -168,3 +170,15 @@ class StateCache:
         return (f"StateCache(pages={self.num_pages}, page_size={self.page_size}, "
                 f"layout={self.geometry.layout.name}, tp={self.geometry.tp_size}, "
                 f"used={self.num_used})")
+
+
+def page_checksum(geometry: PageGeometry, page_bytes: torch.Tensor | np.ndarray) -> str:
+    """blake2b of the state bytes of one page (regions in page order; padding excluded).
+
+    A decode rank reports it per request when its group computes checksums, so tests and
+    benchmarks can compare what arrived with what was sent."""
+    raw = page_bytes.numpy() if isinstance(page_bytes, torch.Tensor) else page_bytes
+    h = hashlib.blake2b(digest_size=16)
+    for region in sorted(geometry.regions, key=lambda r: r.offset):
+        h.update(raw[region.offset:region.end].tobytes())
+    return h.hexdigest()

@@ -3,17 +3,18 @@
 from __future__ import annotations
 
 import hashlib
+import logging
 import os
 import time
 
 import numpy as np
 
 from statebridge.config import ConnectorConfig
-from statebridge.connector._rank import SyntheticModel
 from statebridge.node import messages as nm
 from statebridge.state.layout import PageGeometry
 from statebridge.state.spec import StateSpec
-from statebridge.state.synthetic import global_state, request_seed
+from statebridge.testing.models import SyntheticModel
+from statebridge.testing.synthetic import global_state, request_seed
 
 from tests.state._oracle import page_of_rank
 
@@ -33,6 +34,13 @@ SPECS = {
         {"model_type": "mamba2", "hidden_size": 16, "expand": 2, "head_dim": 4, "state_size": 5,
          "n_groups": 8, "conv_kernel": 3, "num_hidden_layers": 2, "torch_dtype": "float16"}),
 }
+
+
+def log_to_stderr() -> None:
+    """Rank host initializer (``RankHostPool(n, initializer=log_to_stderr)``): the hosts' log
+    records go to stderr, where pytest shows them with a failure."""
+    logging.basicConfig(level=os.environ.get("STATEBRIDGE_LOG_LEVEL", "WARNING"),
+                        format="%(asctime)s host %(levelname)s %(name)s: %(message)s")
 
 
 def expected_checksum(geometry: PageGeometry, request_id: str, tp_rank: int) -> str:

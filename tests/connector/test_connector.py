@@ -10,10 +10,18 @@ import numpy as np
 import pytest
 
 from statebridge.connector.decode import DecodeCoordinator
-from statebridge.connector.hosts import RankHostPool
 from statebridge.connector.prefill import PrefillServer
+from statebridge.testing import stable_seed
+from statebridge.testing.hosts import RankHostPool
 
-from ._helpers import FAST, SPECS, expected_checksum, random_prompt, wait_until
+from ._helpers import (
+    FAST,
+    SPECS,
+    expected_checksum,
+    log_to_stderr,
+    random_prompt,
+    wait_until,
+)
 
 pytestmark = [pytest.mark.ucx, pytest.mark.multiprocess]
 
@@ -24,14 +32,15 @@ REQUESTS = 16
 
 @pytest.fixture(scope="module")
 def pools():
-    with RankHostPool(4) as prefill_hosts, RankHostPool(8) as decode_hosts:
+    with RankHostPool(4, initializer=log_to_stderr) as prefill_hosts, \
+            RankHostPool(8, initializer=log_to_stderr) as decode_hosts:
         yield prefill_hosts, decode_hosts
 
 
 def transfer_round(pools, spec_name, src_tp, dst_tp, src_layout, dst_layout, config=FAST):
     prefill_hosts, decode_hosts = pools
     spec = SPECS[spec_name]
-    rng = np.random.default_rng(abs(hash((spec_name, src_tp, dst_tp, src_layout, dst_layout))))
+    rng = np.random.default_rng(stable_seed(spec_name, src_tp, dst_tp, src_layout, dst_layout))
     with PrefillServer(spec, src_tp, src_layout, num_pages=REQUESTS + 2, config=config,
                        launcher=prefill_hosts.launcher()) as server, \
             DecodeCoordinator(spec, dst_tp, dst_layout, num_pages=REQUESTS + 2, config=config,

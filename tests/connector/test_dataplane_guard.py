@@ -29,7 +29,7 @@ from statebridge.errors import ConfigError
 from statebridge.state.layout import PageGeometry
 from statebridge.state.plan import TransferPlan
 
-from ._helpers import FAST, SPECS, expected_checksum, wait_until
+from ._helpers import FAST, SPECS, expected_checksum, log_to_stderr, wait_until
 
 pytestmark = [pytest.mark.ucx]
 
@@ -238,10 +238,10 @@ def test_decode_rank_processes_sweep_rogue_messages_and_keep_serving():
     """Real rank processes: a rogue worker's rendezvous send to a decode rank completes only
     because the rank's heartbeat sweep received it (into scratch); transfers stay exact."""
     from statebridge.connector.decode import DecodeCoordinator
-    from statebridge.connector.hosts import RankHostPool
+    from statebridge.testing.hosts import RankHostPool
     from statebridge.connector.prefill import PrefillServer
 
-    with RankHostPool(1) as hosts, \
+    with RankHostPool(1, initializer=log_to_stderr) as hosts, \
             PrefillServer(SPEC, 1, "DLS", num_pages=4, config=FAST,
                           launcher=hosts.launcher()) as server, \
             DecodeCoordinator(SPEC, 1, "LDS", num_pages=4, config=FAST, checksums=True,

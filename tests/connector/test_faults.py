@@ -14,12 +14,12 @@ import zmq
 from statebridge.connector import control as c
 from statebridge.connector import messages as m
 from statebridge.connector.decode import DecodeCoordinator
-from statebridge.connector.hosts import RankHostPool
 from statebridge.connector.prefill import PrefillServer
 from statebridge.errors import AbortedError, IncompatiblePeerError, PeerLostError
 from statebridge.state.spec import StateSpec
+from statebridge.testing.hosts import RankHostPool
 
-from ._helpers import FAST, SPECS, expected_checksum, wait_until
+from ._helpers import FAST, SPECS, expected_checksum, log_to_stderr, wait_until
 
 pytestmark = [pytest.mark.ucx, pytest.mark.multiprocess]
 
@@ -29,13 +29,13 @@ SLOW = "tests.connector._helpers:SlowModel"
 
 @pytest.fixture(scope="module")
 def decode_hosts():
-    with RankHostPool(2) as pool:
+    with RankHostPool(2, initializer=log_to_stderr) as pool:
         yield pool
 
 
 @pytest.fixture(scope="module")
 def prefill_hosts():
-    with RankHostPool(2) as pool:
+    with RankHostPool(2, initializer=log_to_stderr) as pool:
         yield pool
 
 

@@ -28,13 +28,13 @@ from statebridge.connector import control as c
 from statebridge.connector import messages as m
 from statebridge.node import messages as nm
 from statebridge.connector.decode import DecodeCoordinator
-from statebridge.connector.hosts import RankHostPool
 from statebridge.connector.prefill import PrefillServer
 from statebridge.errors import ProtocolError
 from statebridge.node.decode_node import DecodeNode
 from statebridge.state.spec import StateSpec
+from statebridge.testing.hosts import RankHostPool
 
-from ._helpers import FAST, expected_checksum
+from ._helpers import FAST, expected_checksum, log_to_stderr
 from .test_messages import ALL_TYPES, example
 
 pytestmark = [pytest.mark.ucx, pytest.mark.multiprocess]
@@ -56,7 +56,7 @@ def nodes(tmp_path_factory):
     model_dir = tmp_path_factory.mktemp("model")
     (model_dir / "config.json").write_text(json.dumps(CONFIG_JSON))
     spec = StateSpec.from_pretrained(str(model_dir))
-    with RankHostPool(1) as hosts, \
+    with RankHostPool(1, initializer=log_to_stderr) as hosts, \
             PrefillServer(spec, 1, "DLS", num_pages=4, config=CONFIG,
                           launcher=hosts.launcher()) as server, \
             DecodeCoordinator(spec, 1, "LDS", num_pages=4, config=CONFIG, checksums=True,
@@ -65,7 +65,7 @@ def nodes(tmp_path_factory):
         decode.connect(server.address)
         node = DecodeNode(str(model_dir), 1, [server.address], num_pages=4, config=CONFIG,
                           launcher=hosts.launcher(), max_prompt_len=16,
-                          rank_model="statebridge.connector._rank:SyntheticModel")
+                          rank_model="statebridge.testing.models:SyntheticModel")
         try:
             yield spec, server, decode, node
         finally:

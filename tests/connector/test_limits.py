@@ -16,14 +16,14 @@ import pytest
 
 from statebridge.config import ConnectorConfig
 from statebridge.connector import messages as m
-from statebridge.connector.hosts import RankHostPool
 from statebridge.connector.prefill import PrefillServer
 from statebridge.errors import CacheFullError, ConfigError, ProtocolError, TransferError
 from statebridge.node.client import Client
 from statebridge.node.decode_node import DecodeNode
 from statebridge.state.spec import StateSpec
+from statebridge.testing.hosts import RankHostPool
 
-from ._helpers import FAST, wait_until
+from ._helpers import FAST, log_to_stderr, wait_until
 
 pytestmark = [pytest.mark.ucx, pytest.mark.multiprocess]
 
@@ -41,13 +41,13 @@ def nodes(tmp_path_factory):
     (model_dir / "config.json").write_text(json.dumps(CONFIG_JSON))
     spec = StateSpec.from_pretrained(str(model_dir))
     config = FAST.replace(peer_timeout=3.0, max_inflight_per_peer=MAX_INFLIGHT)
-    with RankHostPool(1) as hosts, \
+    with RankHostPool(1, initializer=log_to_stderr) as hosts, \
             PrefillServer(spec, 1, "DLS", num_pages=1, config=config, model=SLOW,
                           launcher=hosts.launcher()) as server:
         server.wait_ready()
         node = DecodeNode(str(model_dir), 1, [server.address], num_pages=DECODE_PAGES,
                           config=config, launcher=hosts.launcher(), max_prompt_len=MAX_PROMPT,
-                          rank_model="statebridge.connector._rank:SyntheticModel")
+                          rank_model="statebridge.testing.models:SyntheticModel")
         try:
             yield server, node.coordinator, node
         finally:

@@ -11,11 +11,11 @@ import pytest
 import zmq
 
 from statebridge.connector.decode import DecodeCoordinator
-from statebridge.connector.hosts import RankHostPool
 from statebridge.connector.prefill import PrefillServer
 from statebridge.errors import PeerLostError
+from statebridge.testing.hosts import RankHostPool
 
-from ._helpers import FAST, SPECS, expected_checksum, wait_until
+from ._helpers import FAST, SPECS, expected_checksum, log_to_stderr, wait_until
 
 pytestmark = [pytest.mark.ucx, pytest.mark.multiprocess]
 
@@ -34,7 +34,8 @@ BOUND = DECODE.peer_timeout * 3 + 5                 # a lost peer fails its requ
 def hosts():
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("STATEBRIDGE_TEST_PREFILL_DELAY", str(SLOW_S))   # read by the host processes
-        with RankHostPool(2) as prefill_hosts, RankHostPool(2) as decode_hosts:
+        with RankHostPool(2, initializer=log_to_stderr) as prefill_hosts, \
+                RankHostPool(2, initializer=log_to_stderr) as decode_hosts:
             yield prefill_hosts, decode_hosts
 
 

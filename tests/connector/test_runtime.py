@@ -12,7 +12,7 @@ import pytest
 from statebridge.connector import control as c
 from statebridge.connector._group import spawn_launcher
 from statebridge.connector.decode import DecodeCoordinator
-from statebridge.connector.hosts import RankHostPool
+from statebridge.testing.hosts import RankHostPool
 from statebridge.connector.prefill import PrefillServer
 from statebridge.errors import (
     AbortedError,
@@ -32,7 +32,7 @@ from statebridge.errors import (
 )
 from statebridge.net import free_port
 
-from ._helpers import FAST, SPECS, expected_checksum, wait_until
+from ._helpers import FAST, SPECS, expected_checksum, log_to_stderr, wait_until
 
 pytestmark = [pytest.mark.ucx, pytest.mark.multiprocess]
 
@@ -41,8 +41,9 @@ SPEC = SPECS["mamba2-g1"]
 
 @pytest.fixture(scope="module")
 def pools():
-    with RankHostPool(2) as prefill_hosts, RankHostPool(2) as decode_hosts, \
-            RankHostPool(2) as other_hosts:
+    with RankHostPool(2, initializer=log_to_stderr) as prefill_hosts, \
+            RankHostPool(2, initializer=log_to_stderr) as decode_hosts, \
+            RankHostPool(2, initializer=log_to_stderr) as other_hosts:
         yield prefill_hosts, decode_hosts, other_hosts
 
 

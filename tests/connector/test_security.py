@@ -19,7 +19,7 @@ from statebridge.connector import messages as m
 from statebridge.errors import AuthenticationError, ConfigError
 from statebridge.security import CurveKeys, authorized_keys, generate_keys, key_files
 
-from ._helpers import FAST, SPECS, expected_checksum, wait_until
+from ._helpers import FAST, SPECS, expected_checksum, log_to_stderr, wait_until
 
 # Handshakes get a generous bound: a refusal must come from the monitor (AuthenticationError),
 # never from this timeout (TransferTimeoutError), so the test cannot pass by waiting.
@@ -222,9 +222,9 @@ def test_public_key_added_to_dir_is_admitted_without_restart(tmp_path, keys_dir,
 @pytest.fixture(scope="module")
 def hosts():
     """Two rank hosts shared by every group here (host r runs rank r of each group)."""
-    from statebridge.connector.hosts import RankHostPool
+    from statebridge.testing.hosts import RankHostPool
 
-    with RankHostPool(2) as pool:
+    with RankHostPool(2, initializer=log_to_stderr) as pool:
         yield pool
 
 
@@ -289,7 +289,7 @@ def test_keyed_decode_node_refuses_a_keyless_client(tmp_path, keys_dir, hosts):
          "layer_types": ["conv"]}))
     node = DecodeNode(str(model), 1, [], config=KEYED.replace(keys_dir=keys_dir),
                       launcher=hosts.launcher(),
-                      rank_model="statebridge.connector._rank:SyntheticModel")
+                      rank_model="statebridge.testing.models:SyntheticModel")
     try:
         with Client(node.address, timeout=60) as client:
             with pytest.raises(AuthenticationError, match="requires CURVE keys and we have none") as info:

@@ -11,16 +11,17 @@ import time
 
 import pytest
 
-from statebridge.connector.hosts import RankHostPool
 from statebridge.errors import ConfigError, PeerLostError
 from statebridge.node.client import Client
-from statebridge.node.decode_node import DecodeNode, free_port
+from statebridge.net import free_port
+from statebridge.node.decode_node import DecodeNode
 from statebridge.node.demo import NodeProcess
 from statebridge.node.prefill_node import start_prefill_node
+from statebridge.testing.hosts import RankHostPool
 
 from tests.models._helpers import NEW_TOKENS, PROMPTS
 
-from tests.connector._helpers import wait_until
+from tests.connector._helpers import log_to_stderr, wait_until
 
 from ._helpers import FAST
 
@@ -29,7 +30,8 @@ pytestmark = [pytest.mark.ucx, pytest.mark.multiprocess]
 
 @pytest.fixture(scope="module")
 def pools():
-    with RankHostPool(4) as prefill_hosts, RankHostPool(4) as decode_hosts:
+    with RankHostPool(4, initializer=log_to_stderr) as prefill_hosts, \
+            RankHostPool(4, initializer=log_to_stderr) as decode_hosts:
         yield prefill_hosts, decode_hosts
 
 

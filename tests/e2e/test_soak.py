@@ -29,11 +29,11 @@ import pytest
 from statebridge.connector import messages as m
 from statebridge.connector._group import RankHandle
 from statebridge.connector.decode import DecodeCoordinator
-from statebridge.connector.hosts import RankHostPool
 from statebridge.connector.prefill import PrefillServer, _Peer
 from statebridge.errors import TransferTimeoutError
+from statebridge.testing.hosts import RankHostPool
 
-from tests.connector._helpers import FAST, SPECS
+from tests.connector._helpers import FAST, SPECS, log_to_stderr
 
 ROOT = Path(__file__).resolve().parents[2]
 SPEC = SPECS["mamba2-g1"]
@@ -207,7 +207,7 @@ class _SlowStop(RankHandle):
 @pytest.mark.multiprocess
 @pytest.mark.timeout(120)
 def test_closing_prefill_server_refuses_a_redial():
-    with RankHostPool(1) as pool:
+    with RankHostPool(1, initializer=log_to_stderr) as pool:
         def slow(setups):
             return [_SlowStop(h, 2.0) for h in pool.launcher()(setups)]
 

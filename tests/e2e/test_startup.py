@@ -10,7 +10,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from statebridge.connector.hosts import RankHostPool
+from statebridge.testing.hosts import RankHostPool
 from statebridge.errors import ConfigError, NotReadyError, ShapeError
 from statebridge.net import free_port
 from statebridge.node.client import Client
@@ -19,6 +19,8 @@ from statebridge.node.prefill_node import start_prefill_node
 
 from tests.models._helpers import NEW_TOKENS, PROMPTS
 
+from tests.connector._helpers import log_to_stderr
+
 from ._helpers import FAST
 
 pytestmark = [pytest.mark.ucx, pytest.mark.multiprocess]
@@ -26,7 +28,8 @@ pytestmark = [pytest.mark.ucx, pytest.mark.multiprocess]
 
 @pytest.fixture(scope="module")
 def pools():
-    with RankHostPool(2) as prefill_hosts, RankHostPool(2) as decode_hosts:
+    with RankHostPool(2, initializer=log_to_stderr) as prefill_hosts, \
+            RankHostPool(2, initializer=log_to_stderr) as decode_hosts:
         yield prefill_hosts, decode_hosts
 
 

@@ -12,7 +12,8 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from statebridge.models import ModelRunner, free_port, init_tp_group
+from statebridge.models import ModelRunner, init_tp_group
+from statebridge.net import free_port
 from statebridge.state import PageGeometry, StateCache, StateSpec, TransferPlan
 
 #: Prompts of lengths 1 (N-1 prefills nothing), 2, 5, 12 and 21 (> two Mamba2 chunks of 8).

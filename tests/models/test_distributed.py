@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 
 from statebridge.errors import ConfigError
-from statebridge.models import ThreadGroup, free_port, init_tp_group
+from statebridge.models import ThreadGroup, init_tp_group
 
 
 def test_tp1_needs_no_torch_distributed():
@@ -34,14 +34,6 @@ def test_tp1_needs_no_torch_distributed():
 def test_bad_group_arguments(args, kwargs, match):
     with pytest.raises(ConfigError, match=match):
         init_tp_group(*args, **kwargs)
-
-
-def test_free_port_is_bindable():
-    import socket
-
-    port = free_port()
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", port))
 
 
 def test_thread_group_sums_identically_on_every_rank():

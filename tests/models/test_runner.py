@@ -184,7 +184,7 @@ def test_page_holds_the_transformers_state(hf_models, transformers_module, asser
     """After prefill, page p of rank r holds rank r's channels of transformers' state of every
     layer, at the region the spec gives that layer -- the contract a transfer relies on."""
     from statebridge.models import ThreadGroup
-    from statebridge.state.synthetic import rank_channels
+    from statebridge.testing.synthetic import rank_channels
 
     path = hf_models[name].path
     model = transformers_module.AutoModelForCausalLM.from_pretrained(path).eval()

@@ -3,6 +3,8 @@ benchmarks, and what every decode rank must then hold.
 
 The global state of a request is random bits seeded by the request id; a rank's page holds its
 shard of it (:mod:`statebridge.state.sharding`), written through the page views.
+The checksum a decode rank reports of its page is :func:`statebridge.state.cache.page_checksum`
+(library code: the rank computes it).
 """
 
 from __future__ import annotations
@@ -13,11 +15,10 @@ import numpy as np
 import torch
 
 from statebridge.state.cache import StateCache
-from statebridge.state.layout import PageGeometry
 from statebridge.state.sharding import shard_segments
 from statebridge.state.spec import StateSpec
 
-__all__ = ["request_seed", "global_state", "rank_channels", "fill_page", "page_checksum"]
+__all__ = ["request_seed", "global_state", "rank_channels", "fill_page"]
 
 _INT_DTYPES = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
@@ -56,11 +57,3 @@ def fill_page(cache: StateCache, page: int, state: dict[tuple[int, str], torch.T
             :, rank_channels(geo.spec, region.group, name, geo.tp_size, tp_rank)]
         cache.view(region.group, name)[page].copy_(local)
 
-
-def page_checksum(geometry: PageGeometry, page_bytes: torch.Tensor | np.ndarray) -> str:
-    """blake2b of the state bytes of one page (regions in page order; padding excluded)."""
-    raw = page_bytes.numpy() if isinstance(page_bytes, torch.Tensor) else page_bytes
-    h = hashlib.blake2b(digest_size=16)
-    for region in sorted(geometry.regions, key=lambda r: r.offset):
-        h.update(raw[region.offset:region.end].tobytes())
-    return h.hexdigest()

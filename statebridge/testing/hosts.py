@@ -13,7 +13,7 @@ import logging
 import multiprocessing
 import os
 import threading
-from typing import Sequence
+from typing import Any, Callable, Sequence
 
 from statebridge.connector._group import Launcher, RankHandle, _ProcessHandle
 from statebridge.connector._rank import RankSetup, RankWorker
@@ -24,9 +24,9 @@ __all__ = ["RankHostPool"]
 log = logging.getLogger(__name__)
 
 
-def _host_main(conn) -> None:
-    logging.basicConfig(level=os.environ.get("STATEBRIDGE_LOG_LEVEL", "WARNING"),
-                        format="%(asctime)s host %(levelname)s %(name)s: %(message)s")
+def _host_main(conn, initializer: Callable[..., Any] | None, initargs: tuple) -> None:
+    if initializer is not None:
+        initializer(*initargs)
     threads: list[threading.Thread] = []
     while True:
         try:
@@ -58,9 +58,16 @@ class _HostHandle(_ProcessHandle):
 
 
 class RankHostPool:
-    """``size`` spawned host processes; :meth:`launcher` places rank r of a group on host r."""
+    """``size`` spawned host processes; :meth:`launcher` places rank r of a group on host r.
 
-    def __init__(self, size: int) -> None:
+    ``initializer(*initargs)`` runs first in every host process, as in
+    :class:`multiprocessing.pool.Pool`: the place for the caller to configure logging there (the
+    pool never does; without one, the hosts log nothing). It crosses a process
+    spawn, so it must be picklable: a module-level function or a :func:`functools.partial` of one.
+    """
+
+    def __init__(self, size: int, *, initializer: Callable[..., Any] | None = None,
+                 initargs: tuple = ()) -> None:
         if size < 1:
             raise ConfigError(f"pool size must be >= 1, got {size}")
         ctx = multiprocessing.get_context("spawn")
@@ -68,8 +75,8 @@ class RankHostPool:
         self.hosts = []
         for i in range(size):
             parent, child = ctx.Pipe()
-            proc = ctx.Process(target=_host_main, args=(child,), daemon=True,
-                               name=f"statebridge-host{i}")
+            proc = ctx.Process(target=_host_main, args=(child, initializer, tuple(initargs)),
+                               daemon=True, name=f"statebridge-host{i}")
             proc.start()
             self.hosts.append((proc, parent))
 
