@@ -23,9 +23,10 @@ every rank process did not grow past ``max(--rss-growth-mib, --rss-growth-frac x
 between its warm-up and the end. Prints a progress line every ``--progress-seconds``, a summary
 at the end; exits 1 if a check fails. ``--json FILE`` writes everything.
 
-Ranks report through the one extension point they have, the rank model: a ``RankStep`` sent
-to every rank is answered by :class:`SoakModel` with its process's counters (see
-:func:`query_ranks`), so nothing in the connector exists only for this script.
+Ranks report through the extension points they have: the rank model serves a message of this
+script's own (:class:`RankReportQuery`, answered by :class:`SoakModel` with its process's
+counters as a :class:`RankReport`), and the coordinator routes the answers here
+(``RankGroup.on_rank_message``), so nothing in the connector exists only for this script.
 
     python benchmarks/soak.py --requests 5000 --seconds 300 --json soak.json
 """
@@ -37,6 +38,7 @@ import collections
 import concurrent.futures
 import functools
 import heapq
+import itertools
 import json
 import logging
 import os
@@ -83,18 +85,32 @@ SPECS = {
 FAULTS = ("close", "kill", "storm")
 # What a request may legitimately end with under the injected faults.
 EXPECTED_KINDS = ("aborted", "peer_lost")
-# RankStep.step of a rank report (decode steps of a real node count from 0 upwards).
-_REPORT_STEP_BASE = 1 << 40
 _REPORT_FIELDS = ("pid", "rss_kb", "pending", "computing", "handles_outstanding",
                   "staging_pool_bytes", "staging_quarantined_bytes", "transport_peers",
                   "num_pages")
+
+
+# -- this script's rank messages -----------------------------------------------------------------
+
+@m.message
+class RankReportQuery(m.Message):
+    """Soak -> every rank: report your counters under ``query``."""
+    query: int
+
+
+@m.message
+class RankReport(m.Message):
+    """A rank's counters (:data:`_REPORT_FIELDS`, in order)."""
+    query: int
+    tp_rank: int
+    values: tuple[int, ...]
 
 
 # -- in the rank processes ---------------------------------------------------------------------
 
 class SoakModel(SyntheticModel):
     """The synthetic state, after a short per-request sleep (so an abort can land before the
-    transfer starts); a ``RankStep`` is answered with the rank's counters, not a token."""
+    transfer starts); a :class:`RankReportQuery` is answered with the rank's counters."""
 
     def __init__(self, setup, cache) -> None:
         super().__init__(setup, cache)
@@ -106,7 +122,10 @@ class SoakModel(SyntheticModel):
             time.sleep(self.max_delay * (zlib.crc32(request_id.encode()) % 1000) / 1000)
         super().prefill(page, prompt, request_id)
 
-    def step(self, msg: m.RankStep) -> tuple[int, ...]:
+    def handlers(self) -> dict:
+        return {**super().handlers(), RankReportQuery: self.report}
+
+    def report(self, msg: RankReportQuery) -> RankReport:
         worker = self.worker
         stats = worker.transport.stats()
         values = {
@@ -118,7 +137,8 @@ class SoakModel(SyntheticModel):
             "staging_quarantined_bytes": stats["staging_quarantined_bytes"],
             "transport_peers": stats["peers"], "num_pages": self.setup.num_pages,
         }
-        return tuple(int(values[k]) for k in _REPORT_FIELDS)
+        return RankReport(query=msg.query, tp_rank=self.setup.tp_rank,
+                          values=tuple(int(values[k]) for k in _REPORT_FIELDS))
 
 
 def rss_kb(pid: int) -> int | None:
@@ -150,27 +170,25 @@ class ErrorTrap(logging.Handler):
 
 
 class RankReports:
-    """Collects rank reports (``RankStepResult``) of the groups it is installed on."""
+    """Collects rank reports (:class:`RankReport`) of the groups it is installed on."""
 
     def __init__(self) -> None:
         self._cond = threading.Condition()
         self._got: dict[tuple[str, int], dict[int, tuple[int, ...]]] = {}
-        self._steps = iter(range(_REPORT_STEP_BASE, 1 << 62))
+        self._queries = itertools.count(1)
 
     def install(self, group) -> None:
-        def hook(rank: int, msg) -> None:
-            if isinstance(msg, m.RankStepResult) and msg.step >= _REPORT_STEP_BASE:
-                with self._cond:
-                    self._got.setdefault((group.node_id, msg.step), {})[rank] = msg.tokens
-                    self._cond.notify_all()
-        group.rank_message_hook = hook
+        def on_report(rank: int, msg: RankReport) -> None:
+            with self._cond:
+                self._got.setdefault((group.node_id, msg.query), {})[rank] = msg.values
+                self._cond.notify_all()
+        group.on_rank_message(RankReport, on_report)
 
     def query(self, group, timeout: float) -> list[dict[str, int] | None]:
         """Every rank's counters (None for a rank that did not answer within ``timeout``)."""
-        step = next(self._steps)
-        group.send_to_ranks(m.RankStep(step=step, request_ids=(), pages=(), tokens=(),
-                                       positions=(), temperatures=(), top_ps=(), seeds=()))
-        key = (group.node_id, step)
+        query = next(self._queries)
+        group.loop.call_soon(group.to_ranks, RankReportQuery(query=query))
+        key = (group.node_id, query)
         deadline = time.monotonic() + timeout
         with self._cond:
             while len(self._got.get(key, {})) < group.tp_size:

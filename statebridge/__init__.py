@@ -4,12 +4,16 @@ The stable public names are re-exported here:
 
 - :class:`StateSpec` -- what a model's recurrent state is (from a Hugging Face config).
 - :class:`Client` -- submit requests to a decode node.
+- :class:`ConnectorConfig`, :class:`NodeConfig` -- the settings of the connector and a node.
+- the extension points: :class:`RankModel` (what a rank runs: prefill, messages of its own,
+  a check of the checkpoint before ranks start), :class:`RankSetup` (what it is given),
+  :data:`Launcher` (how rank processes start).
 - the error tree of :mod:`statebridge.errors`, rooted at :class:`StatebridgeError`.
 - ``__version__``.
 
 Everything else (the connector, the nodes, kernels, models) is reached through its module.
-``import statebridge`` stays light: it imports :mod:`statebridge.errors` only, and
-``StateSpec`` (torch) and ``Client`` (zmq) are imported on first use. Nothing here imports ucxx.
+``import statebridge`` stays light: it imports :mod:`statebridge.errors` only; the other names
+(torch, zmq behind them) are imported on first use. Nothing here imports ucxx.
 
 statebridge logs through ``logging.getLogger("statebridge.<module>")`` and never configures
 logging: the package logger gets a :class:`logging.NullHandler`, and the application (the
@@ -23,27 +27,13 @@ import logging
 from importlib.metadata import PackageNotFoundError, version
 from typing import TYPE_CHECKING, Any
 
-from statebridge.errors import (
-    AbortedError,
-    AuthenticationError,
-    CacheError,
-    CacheFullError,
-    ClosedError,
-    ConfigError,
-    DoubleFreeError,
-    IncompatiblePeerError,
-    LayoutError,
-    PeerLostError,
-    ProtocolError,
-    ShapeError,
-    StatebridgeError,
-    TransferError,
-    TransferTimeoutError,
-    UnknownPageError,
-    UnsupportedModelError,
-)
+from statebridge import errors as _errors
+from statebridge.errors import *  # noqa: F401,F403 -- the error tree is public as a whole
 
 if TYPE_CHECKING:
+    from statebridge.config import ConnectorConfig, NodeConfig
+    from statebridge.connector._group import Launcher
+    from statebridge.connector._rank import RankModel, RankSetup
     from statebridge.node.client import Client
     from statebridge.state.spec import StateSpec
 
@@ -58,30 +48,14 @@ except PackageNotFoundError:  # running from a source tree that is not installed
 _LAZY = {
     "StateSpec": "statebridge.state.spec",
     "Client": "statebridge.node.client",
+    "ConnectorConfig": "statebridge.config",
+    "NodeConfig": "statebridge.config",
+    "RankModel": "statebridge.connector._rank",
+    "RankSetup": "statebridge.connector._rank",
+    "Launcher": "statebridge.connector._group",
 }
 
-__all__ = [
-    "__version__",
-    "StateSpec",
-    "Client",
-    "StatebridgeError",
-    "ConfigError",
-    "UnsupportedModelError",
-    "LayoutError",
-    "CacheError",
-    "CacheFullError",
-    "DoubleFreeError",
-    "UnknownPageError",
-    "ShapeError",
-    "ProtocolError",
-    "IncompatiblePeerError",
-    "TransferError",
-    "PeerLostError",
-    "TransferTimeoutError",
-    "AbortedError",
-    "ClosedError",
-    "AuthenticationError",
-]
+__all__ = ["__version__", *_LAZY, *_errors.__all__]
 
 
 def __getattr__(name: str) -> Any:

@@ -199,7 +199,8 @@ class DecodeCoordinator(RankGroup):
             return False, f"decode ranks of {self.node_id} are starting"
         if any(p.state == "ready" for p in self.prefills.values()):
             return True, ""
-        dialling = [f"{d.address} (attempt {d.attempts}{': ' + d.last_why if d.last_why else ''})"
+        dialling = [f"{d.address} ({d.attempts} attempts" +
+                    (f", last: {d.last_why})" if d.last_why else ")")
                     for d in self._dials.values()]
         return False, ("no prefill server connected" +
                        (f"; dialling {', '.join(dialling)}" if dialling else ""))

@@ -17,7 +17,7 @@ import pytest
 from statebridge.config import ConnectorConfig
 from statebridge.connector import messages as m
 from statebridge.connector.prefill import PrefillServer
-from statebridge.errors import CacheFullError, ConfigError, ProtocolError, TransferError
+from statebridge.errors import BusyError, CacheFullError, ConfigError, ProtocolError
 from statebridge.node.client import Client
 from statebridge.node.decode_node import DecodeNode
 from statebridge.state.spec import StateSpec
@@ -108,7 +108,8 @@ def test_inflight_limit_per_peer_counts_queued_requests(nodes):
     server, decode, _ = nodes
     ids = [rid() for _ in range(MAX_INFLIGHT + 1)]
     futures = [decode.submit(i, [4, 5]) for i in ids]   # 1 computing + 1 queued = the limit
-    with pytest.raises(TransferError, match=f"1 requests in flight and 1 queued from "
+    # The prefill peer's refusal reaches the caller as its own kind: back-pressure, retry.
+    with pytest.raises(BusyError, match=f"1 requests in flight and 1 queued from "
                                             f"{decode.node_id} \\(limit {MAX_INFLIGHT}\\)"):
         futures[-1].result(timeout=30)
     assert server.stats()["rejected_busy"] >= 1

@@ -254,7 +254,7 @@ def test_cut_link_fails_in_flight_requests_then_decode_redials(net, tmp_path):
             assert at - cut_at < BOUND, f"{job} failed {at - cut_at:.1f} s after the cut"
         # The decode node serves on while the link is down: a new request fails at once.
         result, at = driver.result(driver.submit(PROMPTS[0]), BOUND)
-        assert result["kind"] == "peer_lost" and "no prefill server" in result["message"], result
+        assert result["kind"] == "not_ready" and "no prefill server" in result["message"], result
         time.sleep(max(0.0, cut_at + 4.0 - time.monotonic()))     # re-dials fail meanwhile
         assert decode.proc.poll() is None and prefill.proc.poll() is None
 
