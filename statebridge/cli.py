@@ -53,7 +53,7 @@ def _add_plan(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--decode-layout", default=None,
                    help="page layout of the decode side when it differs (default: --layout)")
     p.add_argument("--dtype", default=None,
-                   help="state dtype (default: the config's torch_dtype)")
+                   help="state dtype (default: the config's dtype, else torch_dtype)")
     p.add_argument("--ssm-dtype", default=None,
                    help="SSM state dtype alone, e.g. float32 (default: --dtype)")
     p.add_argument("--json", action="store_true", help="print one JSON object")

@@ -39,7 +39,7 @@ from statebridge.bench._nixl import _cpu_seconds
 from statebridge.errors import CacheFullError, ConfigError
 from statebridge.state.layout import Layout
 from statebridge.state.plan import TransferPlan
-from statebridge.state.spec import StateSpec, load_config
+from statebridge.state.spec import StateSpec
 
 log = logging.getLogger(__name__)
 
@@ -346,8 +346,7 @@ def plan_cells(a: argparse.Namespace) -> tuple[list[tuple[str, StateSpec, int, i
     for name in a.presets:
         specs[name] = preset_spec(name)
     if a.config:
-        specs[Path(a.config).parent.name or a.config] = StateSpec.from_config(
-            load_config(a.config))
+        specs[Path(a.config).parent.name or a.config] = StateSpec.from_pretrained(a.config)
     budget = a.memory_fraction * _mem_available()
     cells, skipped = [], []
     for name, spec in specs.items():

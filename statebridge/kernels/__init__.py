@@ -15,7 +15,6 @@ from statebridge.kernels.causal_conv1d import (
 from statebridge.kernels.layers import Mamba2Mixer, ShortConvMixer
 from statebridge.kernels.pack import pack, pack_ref, unpack, unpack_ref
 from statebridge.kernels.ssm import mamba_chunk_scan_ref, selective_state_update, selective_state_update_ref
-from statebridge.kernels.tp_shard import mamba2_bc_replicated, shard_segments
 
 __all__ = [
     "Mamba2Mixer",
@@ -24,14 +23,12 @@ __all__ = [
     "causal_conv1d_fn_ref",
     "causal_conv1d_update",
     "causal_conv1d_update_ref",
-    "mamba2_bc_replicated",
     "mamba_chunk_scan_ref",
     "pack",
     "pack_ref",
     "registry",
     "selective_state_update",
     "selective_state_update_ref",
-    "shard_segments",
     "unpack",
     "unpack_ref",
 ]

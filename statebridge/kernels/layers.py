@@ -9,6 +9,10 @@ them, ``slots [B]`` names each one's state slot and ``has_initial_state [B]`` sa
 slot already holds a state to continue from. The final states are written into the slots in
 place. Decode takes one new token per request, ``hidden [B, hidden]``.
 
+The mixers take this rank's LOCAL weights and read no model config: cutting them from a Hugging
+Face checkpoint (and reading its ``config.json``) is :mod:`statebridge.models.tp`'s job, e.g.
+``models.tp.mamba2_from_hf(ModelConfig.load(path), state_dict, tp_size, tp_rank)``.
+
 Kernels: ``provider="auto"`` uses the Triton kernels for CUDA tensors and the torch references
 elsewhere; ``"ref"`` / ``"triton"`` force one (Triton on CPU needs ``TRITON_INTERPRET=1``). The
 Mamba2 prefill scan always uses :func:`mamba_chunk_scan_ref`.
@@ -16,8 +20,7 @@ Mamba2 prefill scan always uses :func:`mamba_chunk_scan_ref`.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
-from typing import Any
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -31,35 +34,11 @@ from statebridge.kernels.causal_conv1d import (
     causal_conv1d_update_ref,
 )
 from statebridge.kernels.ssm import mamba_chunk_scan_ref, selective_state_update, selective_state_update_ref
-from statebridge.kernels.tp_shard import mamba2_bc_replicated, shard_segments
 
 __all__ = ["ShortConvMixer", "Mamba2Mixer", "AllReduce"]
 
 AllReduce = Callable[[torch.Tensor], torch.Tensor]
 """Returns the elementwise sum of its argument over the TP group (e.g. wraps dist.all_reduce)."""
-
-
-def _cfg(config: Any, name: str, default: Any = ...) -> Any:
-    """Read ``name`` from an HF config object or a ``config.json`` mapping."""
-    if isinstance(config, Mapping):
-        if name in config:
-            return config[name]
-    elif hasattr(config, name):
-        return getattr(config, name)
-    if default is ...:
-        raise ConfigError(f"model config has no {name!r}")
-    return default
-
-
-def _weight(
-    state_dict: Mapping[str, torch.Tensor], prefix: str, name: str, required: bool = True
-) -> torch.Tensor | None:
-    key = prefix + name
-    if key in state_dict:
-        return state_dict[key].detach()
-    if required:
-        raise ConfigError(f"state dict has no {key!r} (keys: {sorted(state_dict)[:8]}...)")
-    return None
 
 
 def _conv_ops(provider: str, device: torch.device) -> tuple[Callable[..., torch.Tensor], Callable[..., torch.Tensor]]:
@@ -126,47 +105,6 @@ class ShortConvMixer(torch.nn.Module):
         """S = K - 1 columns of conv state per channel."""
         return self.width - 1
 
-    @classmethod
-    def from_hf_state_dict(
-        cls,
-        config: Any,
-        state_dict: Mapping[str, torch.Tensor],
-        tp_size: int = 1,
-        tp_rank: int = 0,
-        *,
-        prefix: str = "",
-        provider: str = "auto",
-    ) -> ShortConvMixer:
-        """Shard the HF ``Lfm2ShortConv`` weights (``in_proj``, ``conv``, ``out_proj``) for one rank.
-
-        ``config`` is an ``Lfm2Config`` or its ``config.json`` dict (``hidden_size``,
-        ``conv_L_cache``, ``conv_bias``); ``prefix`` is prepended to the weight names.
-        """
-        dim = int(_cfg(config, "hidden_size"))
-        width = int(_cfg(config, "conv_L_cache"))
-        conv_dim = int(_cfg(config, "conv_dim", dim))  # in some config.json files; HF convs over hidden_size
-        if conv_dim != dim:
-            raise ConfigError(f"LFM2 conv_dim={conv_dim} differs from hidden_size={dim}; ShortConv needs them equal")
-        in_w = _weight(state_dict, prefix, "in_proj.weight")
-        conv_w = _weight(state_dict, prefix, "conv.weight")
-        if conv_w.shape != (dim, 1, width):
-            raise ShapeError(f"conv.weight must be [{dim}, 1, {width}], got {list(conv_w.shape)}")
-        split3 = [(dim, False)] * 3
-        in_b = _weight(state_dict, prefix, "in_proj.bias", required=False)
-        conv_b = _weight(state_dict, prefix, "conv.bias", required=False)
-        out_b = _weight(state_dict, prefix, "out_proj.bias", required=False)
-        return cls(
-            in_proj_weight=shard_segments(in_w, split3, tp_size, tp_rank),
-            in_proj_bias=None if in_b is None else shard_segments(in_b, split3, tp_size, tp_rank),
-            conv_weight=shard_segments(conv_w[:, 0, :], [(dim, False)], tp_size, tp_rank),
-            conv_bias=None if conv_b is None else shard_segments(conv_b, [(dim, False)], tp_size, tp_rank),
-            out_proj_weight=shard_segments(
-                _weight(state_dict, prefix, "out_proj.weight"), [(dim, False)], tp_size, tp_rank, dim=1
-            ),
-            out_proj_bias=None if out_b is None or tp_rank != 0 else out_b.clone(),
-            provider=provider,
-        )
-
     def prefill(
         self,
         hidden: torch.Tensor,
@@ -207,8 +145,10 @@ class Mamba2Mixer(torch.nn.Module):
     ``[hidden, I_l]``. State views: conv ``[num_slots, conv_dim_l, S]``, SSM
     ``[num_slots, H_l, P, N]``.
 
-    The gated RMSNorm has groups of ``I/G`` channels. When ``G == 1 < t`` a group spans every
-    rank, so the sum of squares goes through ``all_reduce`` (required then).
+    The gated RMSNorm has groups of ``I/G`` channels and epsilon ``norm_eps`` (the config's
+    ``layer_norm_epsilon``; no default here, so it cannot drift from the config's). When
+    ``G == 1 < t`` a group spans every rank, so the sum of squares goes through ``all_reduce``
+    (required then).
     """
 
     def __init__(
@@ -226,7 +166,7 @@ class Mamba2Mixer(torch.nn.Module):
         n_groups_local: int,
         norm_group_size: int,
         chunk_size: int,
-        norm_eps: float = 1e-6,
+        norm_eps: float,
         in_proj_bias: torch.Tensor | None = None,
         conv_bias: torch.Tensor | None = None,
         out_proj_bias: torch.Tensor | None = None,
@@ -287,71 +227,6 @@ class Mamba2Mixer(torch.nn.Module):
     def state_len(self) -> int:
         """S = K - 1 columns of conv state per channel."""
         return self.width - 1
-
-    @classmethod
-    def from_hf_state_dict(
-        cls,
-        config: Any,
-        state_dict: Mapping[str, torch.Tensor],
-        tp_size: int = 1,
-        tp_rank: int = 0,
-        *,
-        all_reduce: AllReduce | None = None,
-        prefix: str = "",
-        provider: str = "auto",
-    ) -> Mamba2Mixer:
-        """Shard the HF ``Mamba2Mixer`` weights for one rank.
-
-        ``config`` is a ``Mamba2Config`` or its ``config.json`` dict. ``all_reduce`` sums over the
-        TP group; it is required when ``n_groups == 1 < tp_size``.
-        """
-        hidden = int(_cfg(config, "hidden_size"))
-        inner = int(_cfg(config, "expand") * hidden)
-        heads = int(_cfg(config, "num_heads"))
-        head_dim = int(_cfg(config, "head_dim"))
-        d_state = int(_cfg(config, "state_size"))
-        groups = int(_cfg(config, "n_groups"))
-        if heads * head_dim != inner:
-            raise ConfigError(f"Mamba2 num_heads*head_dim = {heads}*{head_dim} must equal intermediate size {inner}")
-        if heads % tp_size:
-            raise ConfigError(f"Mamba2 num_heads={heads} cannot be split over tp_size={tp_size}")
-        if _cfg(config, "hidden_act", "silu") not in ("silu", "swish"):
-            raise ConfigError(f"Mamba2 hidden_act must be silu, got {_cfg(config, 'hidden_act')!r}")
-        limit = tuple(float(v) for v in _cfg(config, "time_step_limit", (0.0, float("inf"))))
-        if limit[0] > 0.0 or limit[1] != float("inf"):
-            raise ConfigError(f"Mamba2 time_step_limit={limit} is not supported (only (0, inf))")
-        replicated = mamba2_bc_replicated(groups, tp_size)
-        bc = (groups * d_state, replicated)
-        in_segments = [(inner, False), (inner, False), bc, bc, (heads, False)]
-        conv_segments = [(inner, False), bc, bc]
-        head_split = [(heads, False)]
-
-        def shard(name: str, segments: list[tuple[int, bool]], required: bool = True, dim: int = 0):
-            t = _weight(state_dict, prefix, name, required)
-            return None if t is None else shard_segments(t, segments, tp_size, tp_rank, dim)
-
-        conv_w = _weight(state_dict, prefix, "conv1d.weight")
-        out_b = _weight(state_dict, prefix, "out_proj.bias", required=False)
-        return cls(
-            in_proj_weight=shard("in_proj.weight", in_segments),
-            in_proj_bias=shard("in_proj.bias", in_segments, required=False),
-            conv_weight=shard_segments(conv_w[:, 0, :], conv_segments, tp_size, tp_rank),
-            conv_bias=shard("conv1d.bias", conv_segments, required=False),
-            dt_bias=shard("dt_bias", head_split),
-            A_log=shard("A_log", head_split),
-            D=shard("D", head_split),
-            norm_weight=shard("norm.weight", [(inner, False)]),
-            out_proj_weight=shard("out_proj.weight", [(inner, False)], dim=1),
-            out_proj_bias=None if out_b is None or tp_rank != 0 else out_b.clone(),
-            head_dim=head_dim,
-            d_state=d_state,
-            n_groups_local=groups if replicated else groups // tp_size,
-            norm_group_size=inner // groups,
-            chunk_size=int(_cfg(config, "chunk_size")),
-            norm_eps=float(_cfg(config, "layer_norm_epsilon", 1e-6)),
-            all_reduce=all_reduce,
-            provider=provider,
-        )
 
     def _split_proj(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         proj = F.linear(hidden, self.in_proj_weight, self.in_proj_bias)

@@ -1,12 +1,13 @@
 """Mixer implementations by stable name, so a deployment can swap one without touching callers.
 
-A registered implementation is a class (or any object) with the constructor
-``from_hf_state_dict(config, state_dict, tp_size, tp_rank, **options)`` and the ``prefill`` /
-``decode`` methods of :class:`~statebridge.kernels.layers.ShortConvMixer` (``"short_conv"``) or
-:class:`~statebridge.kernels.layers.Mamba2Mixer` (``"mamba2"``)::
+A registered implementation is a class (or any callable) built from ONE rank's local weights with
+the keyword arguments of :class:`~statebridge.kernels.layers.ShortConvMixer` (``"short_conv"``)
+or :class:`~statebridge.kernels.layers.Mamba2Mixer` (``"mamba2"``), and their ``prefill`` /
+``decode`` methods. :mod:`statebridge.models.tp` cuts those weights from a checkpoint::
 
     impl = registry.get("mamba2")
-    mixer = impl.from_hf_state_dict(config, weights, tp_size=4, tp_rank=r, all_reduce=ar)
+    mixer = models.tp.mamba2_from_hf(config, weights, tp_size=4, tp_rank=r, all_reduce=ar,
+                                     cls=impl)
 """
 
 from __future__ import annotations

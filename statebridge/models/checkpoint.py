@@ -5,9 +5,9 @@ sharded ``model.safetensors.index.json`` (``{"weight_map": {name: file}}``) with
 :class:`Checkpoint` opens the files with safetensors' ``safe_open`` (memory-mapped; only the
 headers are parsed) and hands out :class:`LazyTensor` handles. A handle reads nothing until its
 rows are asked for: :meth:`LazyTensor.narrow` reads exactly the rows of one TP shard through
-``get_slice``, so a rank never materialises rows of another rank's shard. The kernels' weight
-sharding (:func:`statebridge.kernels.tp_shard.shard_segments`) narrows segment by segment, so
-handing it handles instead of tensors makes it read only what the rank keeps::
+``get_slice``, so a rank never materialises rows of another rank's shard. The weight sharding
+(:func:`statebridge.models.tp.shard_weight`) narrows segment by segment, so handing it handles
+instead of tensors makes it read only what the rank keeps::
 
     in_proj [ B | C | x ] rows on disk      rank 1 of 2 reads        local weight
     [B0 B1 | C0 C1 | x0 x1]           ->     B1, C1, x1 (3 reads)  -> [B1 | C1 | x1]
@@ -31,17 +31,18 @@ from typing import Any, Iterator, Mapping
 
 import torch
 
+from statebridge.dtypes import DTYPES, dtype_from_name
 from statebridge.errors import ConfigError, ShapeError
-from statebridge.models.hf_config import (
-    ARCHITECTURES,
-    WEIGHT_ALIASES,
-    ModelConfig,
-    encode_special_floats,
-)
-from statebridge.state.spec import DTYPES, dtype_from_name, load_config
+from statebridge.hf_config import ARCHITECTURES, ModelConfig, encode_special_floats
 
 __all__ = ["Checkpoint", "LazyTensor", "make_checkpoint", "PRESETS", "SAFE_WEIGHTS_NAME",
            "SAFE_WEIGHTS_INDEX_NAME"]
+
+#: Other names a checkpoint may use for a weight (mamba_ssm-style Mamba2 checkpoints name the
+#: embedding ``backbone.embedding``; transformers renames it on load).
+WEIGHT_ALIASES: dict[str, tuple[str, ...]] = {
+    "backbone.embeddings.weight": ("backbone.embedding.weight",),
+}
 
 SAFE_WEIGHTS_NAME = "model.safetensors"
 SAFE_WEIGHTS_INDEX_NAME = "model.safetensors.index.json"
@@ -57,7 +58,7 @@ class LazyTensor:
     """A read-on-demand view of one checkpoint tensor (``[:, 0, :]``-style basic indexing and
     :meth:`narrow` are free; data is read by :meth:`narrow` and :meth:`materialize`).
 
-    Quacks like the few ``torch.Tensor`` members the kernels' ``from_hf_state_dict`` use
+    Quacks like the few ``torch.Tensor`` members the weight sharding (:mod:`.tp`) uses
     (``shape``, ``dtype``, ``detach``, indexing, ``narrow``, ``clone``); any other torch
     function or attribute materialises the view first (correct, just not shard-frugal).
     Values come back cast to ``dtype`` on ``device``.
@@ -183,16 +184,15 @@ class LazyTensor:
 class Checkpoint:
     """A checkpoint directory opened for reading (``with Checkpoint(path) as ckpt: ...``).
 
-    ``config`` is the normalized :class:`ModelConfig`; ``raw_config`` the ``config.json`` dict.
-    Weight names are resolved through :data:`WEIGHT_ALIASES`.
+    ``config`` is its :class:`~statebridge.hf_config.ModelConfig` (``config.json`` read by the
+    one reader). Weight names are resolved through :data:`WEIGHT_ALIASES`.
     """
 
     def __init__(self, model_dir: str | os.PathLike) -> None:
         self.model_dir = Path(model_dir)
         if not self.model_dir.is_dir():
             raise ConfigError(f"checkpoint directory not found: {str(self.model_dir)!r}")
-        self.raw_config = load_config(self.model_dir)
-        self.config = ModelConfig.from_dict(self.raw_config)
+        self.config = ModelConfig.load(self.model_dir)
         self._handles: dict[str, Any] = {}
         self._file_of: dict[str, str] = {}
         self.bytes_read: dict[str, int] = defaultdict(int)
@@ -431,8 +431,7 @@ def make_checkpoint(arch: str, out_dir: str | os.PathLike, preset: str = "tiny",
 
     dtype_name = dtype_from_name(dtype)
     config = _preset_config(arch, preset, dtype_name, overrides)
-    model = ModelConfig.from_dict(config)  # validates (e.g. attention layers are refused)
-    shapes = model.weight_shapes()
+    shapes = ModelConfig.from_dict(config).weight_shapes()  # validates (refuses attention layers)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     if (out / "config.json").exists() and not overwrite:

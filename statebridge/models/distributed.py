@@ -1,5 +1,5 @@
-"""The TP group of a runner: ``torch.distributed`` across processes, threads in one process, or
-nothing at TP = 1.
+"""The TP group of a runner: a ``torch.distributed`` process group across processes, threads in
+one process, or nothing at TP = 1.
 
 Across processes (one per rank)::
 
@@ -7,6 +7,11 @@ Across processes (one per rank)::
     runner = ModelRunner(model_dir, tp_size, tp_rank, cache, all_reduce=group.all_reduce)
     ...
     group.close()
+
+:func:`init_tp_group` is the one builder of such a group (the rank processes of
+:mod:`statebridge.node` use it too). It builds a *private* process group (a ``TCPStore`` hosted
+by rank 0 and a ``ProcessGroupGloo`` / ``ProcessGroupNCCL`` on it), never torch's default group,
+so several TP groups can live in one process and nothing global is initialised.
 
 At TP = 1, ``init_tp_group(1, 0)`` touches no ``torch.distributed`` and its ``all_reduce`` is
 None. :class:`ThreadGroup` runs the ranks of a group as threads of one process (tests, a
@@ -33,14 +38,13 @@ AllReduce = Callable[[torch.Tensor], torch.Tensor]
 T = TypeVar("T")
 
 
-def make_all_reduce(group: Any = None) -> AllReduce:
-    """An :data:`AllReduce` summing over ``group`` (default: the world) with
-    ``torch.distributed.all_reduce``; it reduces its argument in place when contiguous."""
-    import torch.distributed as dist
+def make_all_reduce(process_group: Any) -> AllReduce:
+    """An :data:`AllReduce` summing over ``process_group`` (a c10d process group, e.g. the one
+    :func:`init_tp_group` builds); it reduces its argument in place when contiguous."""
 
     def all_reduce(tensor: torch.Tensor) -> torch.Tensor:
         tensor = tensor.contiguous()
-        dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group)
+        process_group.allreduce([tensor]).wait()
         return tensor
 
     return all_reduce
@@ -48,23 +52,21 @@ def make_all_reduce(group: Any = None) -> AllReduce:
 
 @dataclass
 class TPGroup:
-    """One rank's membership in a TP group. ``all_reduce`` is None at TP = 1."""
+    """One rank's membership in a TP group. ``all_reduce`` and ``process_group`` are None at
+    TP = 1."""
 
     tp_size: int
     tp_rank: int
     device: torch.device
     backend: str | None = None
     all_reduce: AllReduce | None = None
-    _owns_process_group: bool = field(default=False, repr=False)
+    process_group: Any = field(default=None, repr=False)
 
     def close(self) -> None:
-        """Destroy the process group this object created (idempotent)."""
-        if self._owns_process_group:
-            import torch.distributed as dist
-
-            self._owns_process_group = False
-            if dist.is_initialized():
-                dist.destroy_process_group()
+        """Drop this object's hold on the process group (idempotent); the group is freed once
+        no ``all_reduce`` handed out refers to it."""
+        self.process_group = None
+        self.all_reduce = None
 
     def __enter__(self) -> "TPGroup":
         return self
@@ -73,23 +75,35 @@ class TPGroup:
         self.close()
 
 
+def _parse_tcp(init_method: Any) -> tuple[str, int]:
+    if isinstance(init_method, str) and init_method.startswith("tcp://"):
+        host, _, port = init_method.removeprefix("tcp://").rpartition(":")
+        if host and port.isdigit() and 0 < int(port) < 65536:
+            return host, int(port)
+    raise ConfigError(f"init_method must be 'tcp://HOST:PORT', got {init_method!r}")
+
+
 def init_tp_group(tp_size: int, tp_rank: int, init_method: str | None = None, *,
                   backend: str | None = None, device: torch.device | str | None = None,
-                  timeout_s: float = 60.0, cpu_threads: int | None = None) -> TPGroup:
+                  timeout_s: float = 60.0, collective_timeout_s: float | None = None,
+                  cpu_threads: int | None = None) -> TPGroup:
     """Join a TP group of ``tp_size`` processes as rank ``tp_rank``.
 
     Args:
-        init_method: ``"tcp://HOST:PORT"`` where rank 0 listens (explicit; never read from the
-            environment). Not needed at TP = 1.
+        init_method: ``"tcp://HOST:PORT"`` where rank 0 hosts the store (explicit; never read
+            from the environment). Not needed at TP = 1.
         backend: default ``"nccl"`` for a CUDA device, else ``"gloo"``.
         device: default ``cuda:<tp_rank % device count>`` when CUDA is available, else CPU.
-        timeout_s: bound on rendezvous and on every collective.
+        timeout_s: bound on the rendezvous, and on every collective unless
+            ``collective_timeout_s`` is given.
+        collective_timeout_s: bound on every collective (default: ``timeout_s``).
         cpu_threads: when set, ``torch.set_num_threads(cpu_threads)`` for this process (several
             CPU ranks on one machine should share its cores, e.g. ``cores // tp_size``: intra-op
             threads that wait for a busy core make small matmuls ~1000x slower).
 
     At ``tp_size == 1`` without ``init_method`` nothing is initialised and ``all_reduce`` is
-    None.
+    None. The group is private (see the module docstring): ``torch.distributed``'s default
+    group stays uninitialised.
     """
     if isinstance(tp_size, bool) or not isinstance(tp_size, int) or tp_size < 1:
         raise ConfigError(f"tp_size must be a positive integer, got {tp_size!r}")
@@ -105,23 +119,33 @@ def init_tp_group(tp_size: int, tp_rank: int, init_method: str | None = None, *,
         torch.set_num_threads(cpu_threads)
     if tp_size == 1 and init_method is None:
         return TPGroup(1, 0, device)
-    if not isinstance(init_method, str) or not init_method.startswith("tcp://"):
-        raise ConfigError(f"init_method must be 'tcp://HOST:PORT', got {init_method!r}")
+    host, port = _parse_tcp(init_method)
     if backend is None:
         backend = "nccl" if device.type == "cuda" else "gloo"
     if backend not in ("gloo", "nccl"):
         raise ConfigError(f"backend must be 'gloo' or 'nccl', got {backend!r}")
     if backend == "nccl" and device.type != "cuda":
         raise ConfigError(f"backend 'nccl' needs a CUDA device, got {device}")
+    for name, value in (("timeout_s", timeout_s), ("collective_timeout_s", collective_timeout_s)):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))
+                                  or not value > 0):
+            raise ConfigError(f"{name} must be a positive number of seconds, got {value!r}")
     import torch.distributed as dist
 
-    if dist.is_initialized():
-        raise ConfigError("torch.distributed is already initialised in this process")
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    dist.init_process_group(backend, init_method=init_method, world_size=tp_size, rank=tp_rank,
-                            timeout=datetime.timedelta(seconds=timeout_s))
-    return TPGroup(tp_size, tp_rank, device, backend, make_all_reduce(), True)
+    collective_timeout = datetime.timedelta(
+        seconds=timeout_s if collective_timeout_s is None else collective_timeout_s)
+    store = dist.TCPStore(host, port, tp_size, tp_rank == 0,
+                          timeout=datetime.timedelta(seconds=timeout_s))
+    if backend == "nccl":
+        options = dist.ProcessGroupNCCL.Options()
+        options._timeout = collective_timeout
+        process_group = dist.ProcessGroupNCCL(store, tp_rank, tp_size, options)
+    else:
+        process_group = dist.ProcessGroupGloo(store, tp_rank, tp_size, collective_timeout)
+    return TPGroup(tp_size, tp_rank, device, backend, make_all_reduce(process_group),
+                   process_group)
 
 
 class ThreadGroup:

@@ -11,11 +11,12 @@ the same arguments in the same order (each call runs collectives through ``all_r
            -> final norm -> lm_head (replicated) -> fp32 logits of the last token
 
 Weights are read from the HF checkpoint per rank (:class:`~statebridge.models.checkpoint.
-Checkpoint`): sharded weights through lazy handles, so a rank reads only its rows; embedding,
-norms and lm_head whole. Decoder layer ``i`` keeps its state in the cache region of the layer
-group ``g`` that lists it, at index ``j = spec.groups[g].layer_ids.index(i)``; the kernels read
-and write those strided views (``cache.view(g, tensor, j)``, any layout), so a page filled by a
-transfer from another TP degree or layout is all a decode needs.
+Checkpoint`) and cut by :mod:`statebridge.models.tp`: sharded weights through lazy handles, so a
+rank reads only its rows; embedding, norms and lm_head whole. Decoder layer ``i`` keeps its state
+in the cache region of the layer group ``g`` that lists it, at index
+``j = spec.groups[g].layer_ids.index(i)``; the kernels read and write those strided views
+(``cache.view(g, tensor, j)``, any layout), so a page filled by a transfer from another TP degree
+or layout is all a decode needs.
 
 Not thread-safe: one thread drives a runner.
 """
@@ -30,13 +31,14 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from statebridge.dtypes import DTYPES, dtype_from_name
 from statebridge.errors import CacheError, ConfigError, ShapeError
-from statebridge.kernels.layers import Mamba2Mixer, ShortConvMixer
-from statebridge.kernels.tp_shard import shard_segments
+from statebridge.hf_config import ModelConfig
+from statebridge.kernels.layers import ShortConvMixer
+from statebridge.models import tp
 from statebridge.models.checkpoint import Checkpoint
-from statebridge.models.hf_config import ModelConfig
 from statebridge.state.cache import StateCache
-from statebridge.state.spec import DTYPES, StateSpec, dtype_from_name
+from statebridge.state.spec import StateSpec
 
 __all__ = ["ModelRunner", "AllReduce", "check_tp_size"]
 
@@ -84,7 +86,7 @@ def check_tp_size(config: ModelConfig, tp_size: int) -> None:
     by the state spec's geometry)."""
     if config.model_type == "lfm2" and config.ff_dim % tp_size:
         raise ConfigError(f"lfm2: MLP width {config.ff_dim} (from intermediate_size="
-                          f"{config.hf['intermediate_size']}) is not divisible by "
+                          f"{config.intermediate_size}) is not divisible by "
                           f"tp_size={tp_size}")
 
 
@@ -133,8 +135,9 @@ class ModelRunner:
         with Checkpoint(model_dir) as ckpt:
             config = ckpt.config
             self.config: ModelConfig = config
+            expected = config.weight_shapes()  # refuses what the runtime cannot load
             self.spec = cache.geometry.spec
-            model_spec = StateSpec.from_config(config.hf)
+            model_spec = StateSpec.from_config(config)  # the same ModelConfig: same values
             if _spec_shape(model_spec) != _spec_shape(self.spec):
                 raise ConfigError(
                     f"cache state spec {self.spec.fingerprint()} does not describe {model_dir!s} "
@@ -147,7 +150,6 @@ class ModelRunner:
             else:
                 self.dtype = DTYPES[dtype_from_name(dtype)]
             check_tp_size(config, tp_size)
-            expected = config.weight_shapes()
             ckpt.check(expected)
             stored = {ckpt.resolve(name) for name in expected}
             unused = [name for name in ckpt.names() if name not in stored]
@@ -192,22 +194,17 @@ class ModelRunner:
             weights = {name[len(prefix):]: lazy(name) for name in shapes
                        if name.startswith(prefix)}
             if config.model_type == "lfm2":
-                mixer = ShortConvMixer.from_hf_state_dict(config.hf, weights, t, r,
-                                                          provider=self._provider)
+                mixer = tp.short_conv_from_hf(config, weights, t, r, provider=self._provider)
                 states = (self.cache.view(g, "conv", j),)
                 p = f"model.layers.{i}."
-                ff = config.ff_dim
+                mlp = {name: lazy(name) for name in shapes if name.startswith(p + "feed_forward.")}
+                w1, w3, w2 = tp.lfm2_mlp_from_hf(config, mlp, t, r, prefix=p + "feed_forward.")
                 layer = _Layer(
                     i, g, j, mixer, states, norm=whole(p + "operator_norm.weight"),
-                    ffn_norm=whole(p + "ffn_norm.weight"),
-                    w1=shard_segments(lazy(p + "feed_forward.w1.weight"), [(ff, False)], t, r),
-                    w3=shard_segments(lazy(p + "feed_forward.w3.weight"), [(ff, False)], t, r),
-                    w2=shard_segments(lazy(p + "feed_forward.w2.weight"), [(ff, False)], t, r,
-                                      dim=1))
+                    ffn_norm=whole(p + "ffn_norm.weight"), w1=w1, w3=w3, w2=w2)
             else:
-                mixer = Mamba2Mixer.from_hf_state_dict(config.hf, weights, t, r,
-                                                       all_reduce=self._all_reduce,
-                                                       provider=self._provider)
+                mixer = tp.mamba2_from_hf(config, weights, t, r, all_reduce=self._all_reduce,
+                                          provider=self._provider)
                 states = (self.cache.view(g, "conv", j), self.cache.view(g, "ssm", j))
                 layer = _Layer(i, g, j, mixer, states,
                                norm=whole(f"backbone.layers.{i}.norm.weight"))

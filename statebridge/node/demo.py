@@ -87,6 +87,7 @@ def reference_greedy(model_dir: str, prompts: list[list[int]], max_new_tokens: i
 
 def run_demo(*, arch: str = "lfm2", prefill_tp: int = 2, decode_tp: int = 4,
              layout: str = "DLS", prompts: int = 4, max_new_tokens: int = 8) -> int:
+    from statebridge.hf_config import ModelConfig
     from statebridge.models.checkpoint import make_checkpoint
     from statebridge.node.client import Client
     from statebridge.net import free_port
@@ -96,8 +97,7 @@ def run_demo(*, arch: str = "lfm2", prefill_tp: int = 2, decode_tp: int = 4,
         model = os.path.join(tmp, f"{arch}-tiny")
         make_checkpoint(arch, model, preset="tiny", seed=0)
         print(f"[1/4] tiny {arch} checkpoint in {model}", flush=True)
-        import json
-        vocab = json.load(open(os.path.join(model, "config.json")))["vocab_size"]
+        vocab = ModelConfig.load(model).vocab_size
         lengths = [1, 2, 5, 9, 13, 17, 3, 7][:prompts] + [6] * max(0, prompts - 8)
         batch = [[int(t) for t in rng.integers(0, vocab, size=n)] for n in lengths]
 

@@ -52,12 +52,15 @@ class ModelRankModel(RankModel):
         self.process_group = None
         all_reduce = None
         if setup.tp_size > 1:
-            self.process_group = _tp_group(setup)
-            pg = self.process_group
+            from statebridge.models.distributed import init_tp_group
 
-            def all_reduce(t: torch.Tensor) -> torch.Tensor:
-                pg.allreduce([t]).wait()
-                return t
+            # A private group rendezvousing at setup.dist_init (rank 0 hosts the store), so several
+            # TP groups can live in one process (rank hosts in tests/benchmarks). Collectives keep
+            # torch's 30 min bound: a rank's first kernel compile may hold one for minutes.
+            self.process_group = init_tp_group(
+                setup.tp_size, setup.tp_rank, setup.dist_init, device=cache.buffer.device,
+                timeout_s=setup.config.handshake_timeout * 6, collective_timeout_s=30 * 60.0)
+            all_reduce = self.process_group.all_reduce
         self.runner = ModelRunner(setup.model_dir, setup.tp_size, setup.tp_rank, cache,
                                   all_reduce=all_reduce)
         log.info("%s rank %d: model %s loaded", setup.role, setup.tp_rank, setup.model_dir)
@@ -95,23 +98,3 @@ class ModelRankModel(RankModel):
     def close(self) -> None:
         self.process_group = None
 
-
-def _tp_group(setup: RankSetup):
-    """A private process group for this TP group (gloo on CPU, nccl on CUDA) rendezvousing at
-    ``setup.dist_init`` (``tcp://host:port``; rank 0 hosts the store). It is not torch's default
-    group, so several TP groups can live in one process (rank hosts in tests/benchmarks)."""
-    import datetime
-
-    import torch.distributed as dist
-
-    from statebridge.errors import ConfigError
-
-    address = setup.dist_init.removeprefix("tcp://")
-    host, _, port = address.rpartition(":")
-    if not host or not port.isdigit():
-        raise ConfigError(f"dist_init must be tcp://HOST:PORT, got {setup.dist_init!r}")
-    store = dist.TCPStore(host, int(port), setup.tp_size, setup.tp_rank == 0,
-                          timeout=datetime.timedelta(seconds=setup.config.handshake_timeout * 6))
-    if torch.cuda.is_available():
-        return dist.ProcessGroupNCCL(store, setup.tp_rank, setup.tp_size)
-    return dist.ProcessGroupGloo(store, setup.tp_rank, setup.tp_size)

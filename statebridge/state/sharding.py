@@ -1,4 +1,5 @@
-"""Which global channels (or heads) a TP rank holds: all state shard math lives here.
+"""Which global channels (or heads) a TP rank holds: all shard math lives here (the weight
+sharding in :mod:`statebridge.models.tp` applies the same :func:`shard_segments`).
 
 For a state tensor whose channel axis is ``[seg_0 | seg_1 | ...]`` (see
 :mod:`statebridge.state.spec`), rank ``r`` of ``t`` holds, per segment::
@@ -13,6 +14,7 @@ and its local channel axis is the concatenation of those pieces in segment order
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from statebridge.errors import ConfigError
@@ -67,16 +69,26 @@ def segment_is_replicated(segment: Segment, tp_size: int, *, tensor: str = "?") 
     return False
 
 
-def shard_segments(tensor: StateTensorSpec, tp_size: int, tp_rank: int) -> tuple[SegmentShard, ...]:
-    """The pieces of every segment of ``tensor`` that rank ``tp_rank`` of ``tp_size`` holds."""
+def shard_segments(tensor: StateTensorSpec | Sequence[Segment], tp_size: int, tp_rank: int, *,
+                   name: str = "weight") -> tuple[SegmentShard, ...]:
+    """The pieces of every segment of ``tensor`` that rank ``tp_rank`` of ``tp_size`` holds.
+
+    ``tensor`` is a state tensor, or the segments of any fused axis: the weight sharding
+    (:mod:`statebridge.models.tp`) cuts weights with this same rule, so weights and state never
+    disagree. ``name`` names such a bare axis in errors.
+    """
     _check_tp_size(tp_size)
     if isinstance(tp_rank, bool) or not isinstance(tp_rank, int) or not 0 <= tp_rank < tp_size:
         raise ConfigError(f"TP rank must be in [0, {tp_size}), got {tp_rank!r}")
+    if isinstance(tensor, StateTensorSpec):
+        segments, name = tensor.segments, tensor.name
+    else:
+        segments = tuple(tensor)
     shards = []
     seg_offset = 0
     local = 0
-    for i, seg in enumerate(tensor.segments):
-        if segment_is_replicated(seg, tp_size, tensor=tensor.name):
+    for i, seg in enumerate(segments):
+        if segment_is_replicated(seg, tp_size, tensor=name):
             start, size, repl = 0, seg.size, True
         else:
             size = seg.size // tp_size

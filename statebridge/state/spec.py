@@ -1,6 +1,7 @@
 """The recurrent state of a model, declared once as data.
 
-A :class:`StateSpec` is built from a Hugging Face ``config.json`` (LFM2 or Mamba2). It says, for
+A :class:`StateSpec` is built from a Hugging Face ``config.json`` (LFM2 or Mamba2) as read by
+:class:`~statebridge.hf_config.ModelConfig`, the one reader the model runtime uses too. It says, for
 every layer that carries recurrent state, which state tensors it owns, how their channel axis is
 made of segments, and how each segment is sharded across tensor-parallel ranks::
 
@@ -32,7 +33,9 @@ from typing import Any, Mapping
 
 import torch
 
+from statebridge.dtypes import DTYPES, dtype_from_name
 from statebridge.errors import ConfigError, UnsupportedModelError
+from statebridge.hf_config import Lfm2ModelConfig, Mamba2ModelConfig, ModelConfig
 
 __all__ = [
     "Sharding",
@@ -40,33 +43,7 @@ __all__ = [
     "StateTensorSpec",
     "LayerGroup",
     "StateSpec",
-    "DTYPES",
-    "dtype_from_name",
-    "load_config",
 ]
-
-#: dtype names accepted in configs and on the wire -> torch dtype.
-DTYPES: dict[str, torch.dtype] = {
-    "float32": torch.float32,
-    "float16": torch.float16,
-    "bfloat16": torch.bfloat16,
-}
-_DTYPE_ALIASES = {"fp32": "float32", "float": "float32", "fp16": "float16", "half": "float16",
-                  "bf16": "bfloat16"}
-
-
-def dtype_from_name(name: str | torch.dtype) -> str:
-    """Canonical dtype name (``"float32"``, ``"float16"``, ``"bfloat16"``) of ``name``."""
-    if isinstance(name, torch.dtype):
-        for key, value in DTYPES.items():
-            if value == name:
-                return key
-        raise ConfigError(f"unsupported state dtype {name!r}; expected one of {sorted(DTYPES)}")
-    key = str(name).removeprefix("torch.")
-    key = _DTYPE_ALIASES.get(key, key)
-    if key not in DTYPES:
-        raise ConfigError(f"unsupported state dtype {name!r}; expected one of {sorted(DTYPES)}")
-    return key
 
 
 class Sharding(enum.Enum):
@@ -182,27 +159,30 @@ class StateSpec:
 
     # -- construction -----------------------------------------------------------------------
     @classmethod
-    def from_config(cls, config: Mapping[str, Any], *, dtype: str | torch.dtype | None = None,
+    def from_config(cls, config: ModelConfig | Mapping[str, Any], *,
+                    dtype: str | torch.dtype | None = None,
                     ssm_dtype: str | torch.dtype | None = None) -> "StateSpec":
-        """Build the spec from a Hugging Face config dict.
+        """Build the spec from a :class:`~statebridge.hf_config.ModelConfig` or a Hugging Face
+        ``config.json`` dict (read by :meth:`ModelConfig.from_dict
+        <statebridge.hf_config.ModelConfig.from_dict>`, the one reader).
 
         ``dtype`` overrides the model dtype for every state tensor (default: the config's
-        ``torch_dtype``/``dtype``, else float32). ``ssm_dtype`` sets the SSM state dtype alone
-        (e.g. ``"float32"`` for an fp32 SSM state beside a bf16 conv state).
+        ``dtype``, else ``torch_dtype``, else float32). ``ssm_dtype`` sets the SSM state dtype
+        alone (e.g. ``"float32"`` for an fp32 SSM state beside a bf16 conv state).
         """
-        model_type = config.get("model_type")
-        builder = _BUILDERS.get(model_type)
-        if builder is None:
-            raise UnsupportedModelError(
-                f"unsupported model_type {model_type!r}; supported: {sorted(_BUILDERS)}")
-        conv_dtype = dtype_from_name(dtype) if dtype is not None else _config_dtype(config)
+        model = config if isinstance(config, ModelConfig) else ModelConfig.from_dict(config)
+        conv_dtype = dtype_from_name(dtype) if dtype is not None else model.dtype
         ssm = dtype_from_name(ssm_dtype) if ssm_dtype is not None else conv_dtype
-        return builder(config, conv_dtype, ssm)
+        if isinstance(model, Lfm2ModelConfig):
+            return _lfm2(model, conv_dtype)
+        if isinstance(model, Mamba2ModelConfig):
+            return _mamba2(model, conv_dtype, ssm)
+        raise UnsupportedModelError(f"no state spec for model_type {model.model_type!r}")
 
     @classmethod
     def from_pretrained(cls, path: str | os.PathLike, **kwargs: Any) -> "StateSpec":
         """Build the spec from a checkpoint directory or a ``config.json`` path."""
-        return cls.from_config(load_config(path), **kwargs)
+        return cls.from_config(ModelConfig.load(path), **kwargs)
 
     # -- derived ----------------------------------------------------------------------------
     @property
@@ -280,44 +260,7 @@ class StateSpec:
         return hashlib.sha256(self.to_json().encode()).hexdigest()[:16]
 
 
-# -- config readers ---------------------------------------------------------------------------
-
-def load_config(path: str | os.PathLike) -> dict[str, Any]:
-    """Read ``config.json`` from a checkpoint directory, or a JSON file given directly."""
-    path = os.fspath(path)
-    if os.path.isdir(path):
-        path = os.path.join(path, "config.json")
-    try:
-        with open(path, encoding="utf-8") as f:
-            config = json.load(f)
-    except FileNotFoundError:
-        raise ConfigError(f"model config not found: {path!r}") from None
-    except json.JSONDecodeError as e:
-        raise ConfigError(f"model config {path!r} is not valid JSON: {e}") from None
-    if not isinstance(config, dict):
-        raise ConfigError(f"model config {path!r} is not a JSON object")
-    return config
-
-
-def _config_dtype(config: Mapping[str, Any]) -> str:
-    name = config.get("torch_dtype") or config.get("dtype") or "float32"
-    return dtype_from_name(name)
-
-
-def _int(config: Mapping[str, Any], *keys: str, default: int | None = None) -> int:
-    """The first of ``keys`` present in ``config`` as a positive int."""
-    for key in keys:
-        if key in config and config[key] is not None:
-            value = config[key]
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or value != int(value):
-                raise ConfigError(f"config field {key!r} must be an integer, got {value!r}")
-            if int(value) <= 0:
-                raise ConfigError(f"config field {key!r} must be > 0, got {value!r}")
-            return int(value)
-    if default is not None:
-        return default
-    raise ConfigError(f"config lacks {' / '.join(repr(k) for k in keys)}")
-
+# -- builders ----------------------------------------------------------------------------------
 
 def _group_layers(layers: list[tuple[int, tuple[StateTensorSpec, ...]]]) -> tuple[LayerGroup, ...]:
     """Group layers with identical tensor specs, in order of first appearance."""
@@ -331,69 +274,34 @@ def _group_layers(layers: list[tuple[int, tuple[StateTensorSpec, ...]]]) -> tupl
     return tuple(LayerGroup(tuple(members[t]), t) for t in order)
 
 
-def _lfm2(config: Mapping[str, Any], conv_dtype: str, ssm_dtype: str) -> StateSpec:
-    hidden = _int(config, "hidden_size")
-    channels = _int(config, "conv_dim", default=hidden)
-    kernel = _int(config, "conv_L_cache", default=3)
+def _lfm2(config: Lfm2ModelConfig, conv_dtype: str) -> StateSpec:
+    kernel = config.conv_L_cache
     if kernel < 2:
-        raise ConfigError(f"conv_L_cache must be >= 2 to carry state, got {kernel}")
-    layer_types = config.get("layer_types")
-    if layer_types is None:
-        # As transformers' Lfm2Config: without layer_types, full_attn_idxs (default: every
-        # layer) names the attention layers.
-        num_layers = _int(config, "num_hidden_layers")
-        idxs = config.get("full_attn_idxs")
-        attn = set(range(num_layers) if idxs is None else idxs)
-        layer_types = ["full_attention" if i in attn else "conv" for i in range(num_layers)]
-    layer_types = [str(t) for t in layer_types]
-    unknown = sorted({t for t in layer_types} - {"conv", "full_attention"})
-    if unknown:
-        raise UnsupportedModelError(f"lfm2: unknown layer type(s) {unknown} in layer_types")
+        raise ConfigError(f"lfm2: conv_L_cache must be >= 2 to carry state, got {kernel}")
     conv = StateTensorSpec(
         name="conv", channel_axis="D",
-        segments=(Segment("Bx", channels, Sharding.SPLIT),),
+        segments=(Segment("Bx", config.hidden_size, Sharding.SPLIT),),
         inner_axes=("S",), inner_shape=(kernel - 1,), dtype=conv_dtype)
-    layers = [(i, (conv,)) for i, t in enumerate(layer_types) if t == "conv"]
+    layers = [(i, (conv,)) for i in config.conv_layers]
     if not layers:
         raise UnsupportedModelError("lfm2: config has no conv layers (layer_types are all attention)")
-    return StateSpec("lfm2", _group_layers(layers), tuple(layer_types), kernel)
+    return StateSpec("lfm2", _group_layers(layers), config.layer_types, kernel)
 
 
-def _mamba2(config: Mapping[str, Any], conv_dtype: str, ssm_dtype: str) -> StateSpec:
-    hidden = _int(config, "hidden_size", "d_model")
-    expand = config.get("expand", 2)
-    intermediate = int(expand * hidden)
-    if intermediate != expand * hidden:
-        raise ConfigError(f"mamba2: expand * hidden_size = {expand} * {hidden} is not an integer")
-    head_dim = _int(config, "head_dim", "headdim", default=64)
-    d_state = _int(config, "state_size", "d_state", default=128)
-    n_groups = _int(config, "n_groups", "ngroups", default=8)      # transformers' default
-    kernel = _int(config, "conv_kernel", "d_conv", default=4)
-    num_layers = _int(config, "num_hidden_layers", "n_layer")
-    if intermediate % head_dim:
-        raise ConfigError(f"mamba2: intermediate size {intermediate} is not a multiple of "
-                          f"head_dim {head_dim}")
-    heads = intermediate // head_dim
-    if "num_heads" in config and config["num_heads"] is not None and config["num_heads"] != heads:
-        raise ConfigError(f"mamba2: num_heads {config['num_heads']!r} != expand * hidden_size / "
-                          f"head_dim = {heads}")
-    if heads % n_groups:
-        raise ConfigError(f"mamba2: num_heads {heads} is not a multiple of n_groups {n_groups}")
+def _mamba2(config: Mamba2ModelConfig, conv_dtype: str, ssm_dtype: str) -> StateSpec:
+    kernel = config.conv_kernel
     if kernel < 2:
         raise ConfigError(f"mamba2: conv_kernel must be >= 2 to carry state, got {kernel}")
-    bc = n_groups * d_state
+    bc = config.n_groups * config.state_size
     conv = StateTensorSpec(
         name="conv", channel_axis="D",
-        segments=(Segment("x", intermediate, Sharding.SPLIT),
-                  Segment("B", bc, Sharding.GROUPED, n_groups),
-                  Segment("C", bc, Sharding.GROUPED, n_groups)),
+        segments=(Segment("x", config.intermediate_size, Sharding.SPLIT),
+                  Segment("B", bc, Sharding.GROUPED, config.n_groups),
+                  Segment("C", bc, Sharding.GROUPED, config.n_groups)),
         inner_axes=("S",), inner_shape=(kernel - 1,), dtype=conv_dtype)
     ssm = StateTensorSpec(
         name="ssm", channel_axis="H",
-        segments=(Segment("heads", heads, Sharding.SPLIT),),
-        inner_axes=("P", "N"), inner_shape=(head_dim, d_state), dtype=ssm_dtype)
-    layers = [(i, (conv, ssm)) for i in range(num_layers)]
-    return StateSpec("mamba2", _group_layers(layers), ("mamba2",) * num_layers, kernel)
-
-
-_BUILDERS = {"lfm2": _lfm2, "mamba2": _mamba2}
+        segments=(Segment("heads", config.num_heads, Sharding.SPLIT),),
+        inner_axes=("P", "N"), inner_shape=(config.head_dim, config.state_size), dtype=ssm_dtype)
+    layers = [(i, (conv, ssm)) for i in range(config.num_layers)]
+    return StateSpec("mamba2", _group_layers(layers), config.layer_types, kernel)

@@ -15,8 +15,10 @@ from transformers.models.lfm2.modeling_lfm2 import Lfm2ShortConv
 from transformers.models.mamba2.modeling_mamba2 import Mamba2Mixer as HFMamba2Mixer
 
 from statebridge.errors import ConfigError
+from statebridge.hf_config import ModelConfig
 from statebridge.kernels import registry
 from statebridge.kernels.layers import Mamba2Mixer, ShortConvMixer
+from statebridge.models.tp import mamba2_from_hf, short_conv_from_hf
 
 from .helpers import ThreadGroup, conv_region, qsl_of, ssm_region
 
@@ -26,6 +28,11 @@ F32 = torch.float32
 NUM_PAGES, LAYERS, LAYER = 6, 2, 1
 LENS = [5, 1, 3]  # one sequence shorter than K - 1
 SLOTS = torch.tensor([3, 0, 5], dtype=torch.int32)
+
+
+def ours(config):
+    """transformers' config object as statebridge reads it (its config.json dict)."""
+    return ModelConfig.from_dict(config.to_dict())
 
 
 def hf_run(module, config, seqs, next_tokens):
@@ -83,7 +90,9 @@ def test_short_conv_matches_hf(case, assert_close):
     got_out = torch.zeros_like(want_out)
     got_dec = torch.zeros_like(want_dec)
     for rank in range(tp):
-        mixer = registry.get("short_conv").from_hf_state_dict(config, hf.state_dict(), tp, rank, provider=provider)
+        mixer = short_conv_from_hf(
+            ours(config), hf.state_dict(), tp, rank, provider=provider, cls=registry.get("short_conv")
+        )
         _, views = conv_region(layout, NUM_PAGES, LAYERS, d_local, width - 1, F32, seed=rank)
         conv = views[LAYER]
         conv[SLOTS.long()] = float("nan")  # fresh requests: the old contents must not be read
@@ -160,8 +169,8 @@ def test_mamba2_matches_hf(case, assert_close):
     h_local = heads // tp
 
     def rank_run(rank):
-        mixer = Mamba2Mixer.from_hf_state_dict(
-            config, hf.state_dict(), tp, rank, provider=provider,
+        mixer = mamba2_from_hf(
+            ours(config), hf.state_dict(), tp, rank, provider=provider,
             all_reduce=group.all_reduce(rank) if needs_all_reduce else None,
         )
         _, conv_views = conv_region(conv_layout, NUM_PAGES, LAYERS, mixer.conv_dim_local, width - 1, F32, seed=rank)
@@ -204,7 +213,7 @@ def test_mamba2_prefill_in_two_calls_matches_hf(provider, assert_close):
     prompt = torch.randn(11, 8, generator=gen)
     want_out, _, want_state, _ = hf_run(hf, config, [prompt], torch.zeros(1, 8))
 
-    mixer = Mamba2Mixer.from_hf_state_dict(config, hf.state_dict(), provider=provider)
+    mixer = mamba2_from_hf(ours(config), hf.state_dict(), provider=provider)
     _, conv_views = conv_region("LSD", NUM_PAGES, LAYERS, mixer.conv_dim_local, 3, F32)
     _, ssm_views = ssm_region("HLPN", NUM_PAGES, LAYERS, 4, 4, 3, F32)
     conv, ssm = conv_views[0], ssm_views[0]
@@ -224,13 +233,13 @@ def test_mamba2_rejects_unshardable_groups_and_missing_all_reduce():
     config = mamba2_config(8, 8, 2, 2, 3, 4, 4, False, True)
     hf = hf_mamba2(config, seed=40)
     with pytest.raises(ConfigError, match="n_groups 2 is neither divisible by TP size 4 nor 1"):
-        Mamba2Mixer.from_hf_state_dict(config, hf.state_dict(), 4, 0)
+        mamba2_from_hf(ours(config), hf.state_dict(), 4, 0)
     config1 = mamba2_config(8, 8, 2, 1, 3, 4, 4, False, True)
     hf1 = hf_mamba2(config1, seed=41)
     with pytest.raises(ConfigError, match="all_reduce"):
-        Mamba2Mixer.from_hf_state_dict(config1, hf1.state_dict(), 2, 1)
-    with pytest.raises(ConfigError, match="tp_rank=2 tp_size=2"):
-        Mamba2Mixer.from_hf_state_dict(config, hf.state_dict(), 2, 2)
+        mamba2_from_hf(ours(config1), hf1.state_dict(), 2, 1)
+    with pytest.raises(ConfigError, match=r"TP rank must be in \[0, 2\), got 2"):
+        mamba2_from_hf(ours(config), hf.state_dict(), 2, 2)
 
 
 def test_short_conv_rejects_unknown_provider():
@@ -238,11 +247,11 @@ def test_short_conv_rejects_unknown_provider():
                         num_attention_heads=2, num_key_value_heads=1, intermediate_size=16, vocab_size=32)
     hf = Lfm2ShortConv(config, layer_idx=0)
     with pytest.raises(ConfigError, match="'cuda-graph'"):
-        ShortConvMixer.from_hf_state_dict(config, hf.state_dict(), provider="cuda-graph")
-    with pytest.raises(ConfigError, match="cannot be split over tp_size=3"):
-        ShortConvMixer.from_hf_state_dict(config, hf.state_dict(), 3, 0)
-    with pytest.raises(ConfigError, match="conv_dim=16"):
-        ShortConvMixer.from_hf_state_dict({**config.to_dict(), "conv_dim": 16}, hf.state_dict())
+        short_conv_from_hf(ours(config), hf.state_dict(), provider="cuda-graph")
+    with pytest.raises(ConfigError, match="'B': size 8 is not divisible by TP size 3"):
+        short_conv_from_hf(ours(config), hf.state_dict(), 3, 0)
+    with pytest.raises(ConfigError, match="expected a Lfm2ModelConfig"):
+        short_conv_from_hf(config.to_dict(), hf.state_dict())
 
 
 def test_registry_names_swaps_and_rejects_unknown():
@@ -259,6 +268,9 @@ def test_registry_names_swaps_and_rejects_unknown():
     registry.register("short_conv", Custom, replace=True)
     try:
         assert registry.get("short_conv") is Custom
+        config = Lfm2Config(hidden_size=8, num_hidden_layers=1, layer_types=["conv"], vocab_size=32)
+        weights = Lfm2ShortConv(config, layer_idx=0).state_dict()
+        assert type(short_conv_from_hf(ours(config), weights, cls=registry.get("short_conv"))) is Custom
     finally:
         registry.register("short_conv", ShortConvMixer, replace=True)
     assert registry.get("short_conv") is ShortConvMixer

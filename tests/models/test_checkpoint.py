@@ -9,8 +9,8 @@ import torch
 from safetensors import safe_open
 
 from statebridge.errors import ConfigError, ShapeError, UnsupportedModelError
-from statebridge.models import Checkpoint, ModelRunner, lfm2_ff_dim, make_checkpoint
-from statebridge.models.hf_config import ModelConfig
+from statebridge.hf_config import ModelConfig
+from statebridge.models import Checkpoint, ModelRunner, make_checkpoint
 from tests.models._helpers import PROMPTS, generate, make_cache
 from tests.models.conftest import reference_greedy
 
@@ -74,7 +74,7 @@ def test_make_checkpoint_presets_overrides_and_dtype(tmp_path):
     path = make_checkpoint("mamba2", tmp_path / "m", "small", overrides={"n_groups": 2},
                            dtype="bfloat16")
     config = ModelConfig.from_dict(json.loads((path / "config.json").read_text()))
-    assert config.hf["n_groups"] == 2 and config.dtype == "bfloat16"
+    assert config.n_groups == 2 and config.dtype == "bfloat16"
     assert config.hidden_size == 256 and config.num_layers == 8
     with Checkpoint(path) as ckpt:
         ckpt.check(config.weight_shapes())
@@ -114,7 +114,7 @@ def test_lfm2_ff_dim_matches_transformers(transformers_module, fields):
     hf_width = tf.models.lfm2.modeling_lfm2.Lfm2MLP(config).w1.out_features
     raw = {"model_type": "lfm2", "vocab_size": 16, "hidden_size": 8, "num_hidden_layers": 1,
            "layer_types": ["conv"], **fields}
-    assert lfm2_ff_dim(ModelConfig.from_dict(raw).hf) == hf_width
+    assert ModelConfig.from_dict(raw).ff_dim == hf_width
 
 
 def test_lazy_tensor_reads_only_what_is_narrowed(tmp_path):
@@ -144,9 +144,9 @@ def test_special_floats_round_trip(tmp_path):
     path = make_checkpoint("mamba2", tmp_path / "m")
     raw = json.loads((path / "config.json").read_text())
     assert raw["time_step_limit"] == [0.0, {"__float__": "Infinity"}]  # transformers 5's form
-    assert ModelConfig.from_dict(raw).hf["time_step_limit"] == (0.0, float("inf"))
+    assert ModelConfig.from_dict(raw).time_step_limit == (0.0, float("inf"))
     raw["time_step_limit"] = [0.0, float("inf")]  # the bare form older writers use
-    assert ModelConfig.from_dict(raw).hf["time_step_limit"] == (0.0, float("inf"))
+    assert ModelConfig.from_dict(raw).time_step_limit == (0.0, float("inf"))
 
 
 @pytest.mark.parametrize("arch", ARCHS)

@@ -12,6 +12,7 @@ import torch.distributed as dist
 
 from statebridge.errors import ConfigError
 from statebridge.models import ThreadGroup, init_tp_group
+from statebridge.net import free_port
 
 
 def test_tp1_needs_no_torch_distributed():
@@ -30,10 +31,33 @@ def test_tp1_needs_no_torch_distributed():
     ((2, 0), {"init_method": "tcp://127.0.0.1:1", "backend": "mpi"}, "backend"),
     ((2, 0), {"init_method": "tcp://127.0.0.1:1", "backend": "nccl", "device": "cpu"}, "nccl"),
     ((1, 0), {"cpu_threads": 0}, "cpu_threads"),
+    ((2, 0), {"init_method": "tcp://127.0.0.1:1", "collective_timeout_s": 0}, "collective"),
 ])
 def test_bad_group_arguments(args, kwargs, match):
     with pytest.raises(ConfigError, match=match):
         init_tp_group(*args, **kwargs)
+
+
+def test_two_private_gloo_groups_in_one_process():
+    """init_tp_group builds private groups (what the rank hosts need): two TP=2 groups, their
+    ranks as threads of this process, reduce independently; torch's default group stays unset."""
+    inits = [f"tcp://127.0.0.1:{free_port()}" for _ in range(2)]
+    results: dict[tuple[int, int], torch.Tensor] = {}
+
+    def rank(group: int, r: int) -> None:
+        with init_tp_group(2, r, inits[group], device="cpu", timeout_s=30.0) as tp:
+            assert tp.backend == "gloo" and tp.process_group is not None
+            results[(group, r)] = tp.all_reduce(torch.full((3,), 10.0 * group + r))
+
+    threads = [threading.Thread(target=rank, args=(g, r)) for g in range(2) for r in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert sorted(results) == [(0, 0), (0, 1), (1, 0), (1, 1)]
+    for (group, _), total in results.items():
+        assert torch.equal(total, torch.full((3,), 20.0 * group + 1))
+    assert not dist.is_initialized()
 
 
 def test_thread_group_sums_identically_on_every_rank():

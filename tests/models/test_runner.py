@@ -122,7 +122,7 @@ def test_rank_reads_only_its_shard(hf_models, name, tp_size, rank):
                          all_reduce=ThreadGroup(tp_size).all_reduce(rank))
     with Checkpoint(path) as ckpt:
         shapes = ckpt.config.weight_shapes()
-        cfg = ckpt.config.hf
+        cfg = ckpt.config
     full = {n: 4 * torch.Size(s).numel() for n, s in shapes.items()}
     read = runner.bytes_read
     assert set(read) == set(shapes), "every weight is read, nothing else"
@@ -136,10 +136,10 @@ def test_rank_reads_only_its_shard(hf_models, name, tp_size, rank):
                  "backbone.layers.0.mixer.norm.weight"]
         whole = ["backbone.embeddings.weight", "lm_head.weight", "backbone.layers.0.norm.weight"]
         # in_proj rows [z I | x I | B GN | C GN | dt H]: B and C whole when G == 1 < t
-        inner, gn = cfg["num_heads"] * cfg["head_dim"], cfg["n_groups"] * cfg["state_size"]
-        bc = 2 * gn if cfg["n_groups"] == 1 else 2 * gn // tp_size
-        rows = 2 * inner // tp_size + bc + cfg["num_heads"] // tp_size
-        assert read["backbone.layers.0.mixer.in_proj.weight"] == 4 * rows * cfg["hidden_size"]
+        inner, gn = cfg.num_heads * cfg.head_dim, cfg.n_groups * cfg.state_size
+        bc = 2 * gn if cfg.n_groups == 1 else 2 * gn // tp_size
+        rows = 2 * inner // tp_size + bc + cfg.num_heads // tp_size
+        assert read["backbone.layers.0.mixer.in_proj.weight"] == 4 * rows * cfg.hidden_size
     for n in split:
         assert read[n] == full[n] // tp_size, n
     for n in whole:

@@ -60,3 +60,15 @@ def test_bad_rank_or_size(tp_size, tp_rank):
     conv, _ = mamba2(1).groups[0].tensors
     with pytest.raises(ConfigError, match=str(tp_rank if tp_size in (2,) else tp_size)):
         shard_segments(conv, tp_size, tp_rank)
+
+
+def test_bare_segments_shard_like_their_state_tensor():
+    """A fused weight axis given as bare segments (how models/tp.py cuts weights) is sharded by
+    the same rule as the state tensor made of those segments; errors name the axis."""
+    for n_groups, tp in ((1, 2), (4, 4), (8, 2)):
+        conv, _ = mamba2(n_groups).groups[0].tensors
+        for rank in range(tp):
+            assert shard_segments(list(conv.segments), tp, rank) == shard_segments(conv, tp, rank)
+    conv, _ = mamba2(4).groups[0].tensors
+    with pytest.raises(ConfigError, match="in_proj.weight segment 'B': n_groups 4"):
+        shard_segments(conv.segments, 8, 0, name="in_proj.weight")

@@ -93,7 +93,7 @@ def test_from_pretrained_reads_a_directory(tmp_path):
     ({"hidden_size": 8}, {}, UnsupportedModelError, "None"),
     ({**LFM2_1_2B, "layer_types": ["conv", "sliding_attention"]}, {}, UnsupportedModelError,
      "sliding_attention"),
-    ({**LFM2_1_2B, "layer_types": ["full_attention"]}, {}, UnsupportedModelError, "no conv"),
+    ({**LFM2_1_2B, "layer_types": ["full_attention"] * 16}, {}, UnsupportedModelError, "no conv"),
     ({**LFM2_1_2B, "conv_L_cache": 1}, {}, ConfigError, "1"),
     ({**LFM2_1_2B, "hidden_size": "big"}, {}, ConfigError, "'big'"),
     ({**MAMBA2_2_7B, "num_heads": 81}, {}, ConfigError, "81"),

@@ -1,0 +1,572 @@
+"""The Hugging Face ``config.json`` of an LFM2 or Mamba2 checkpoint, read once, the way
+transformers reads it.
+
+:meth:`ModelConfig.from_dict` and :meth:`ModelConfig.load` are the only readers of
+``config.json``. The state spec (:mod:`statebridge.state.spec`), the checkpoint loader and runner
+(:mod:`statebridge.models`) and the weight sharding (:mod:`statebridge.models.tp`) all take the
+:class:`ModelConfig` they return, so no two of them can read a value differently::
+
+    config.json --ModelConfig.from_dict--> Lfm2ModelConfig | Mamba2ModelConfig
+                                             |-> StateSpec.from_config   (page sizes)
+                                             |-> ModelRunner, Checkpoint (weight names, norms)
+                                             '-> models.tp               (weight shards)
+
+Rules, in the order they apply:
+
+- **Defaults** are those of transformers' ``Lfm2Config`` / ``Mamba2Config`` (transformers 5; see
+  :data:`LFM2_DEFAULTS`, :data:`MAMBA2_DEFAULTS`). ``tests/test_hf_config.py`` checks every one
+  against transformers itself. A ``null`` value counts as absent (except
+  ``block_ffn_dim_multiplier``, where ``null`` means "no multiplier", as in ``Lfm2MLP``).
+- **Derived, not defaulted**, only where transformers would refuse the config instead, so no
+  config that transformers accepts is read differently: an LFM2 ``num_hidden_layers`` absent
+  beside ``layer_types`` is ``len(layer_types)`` (transformers' 32 must equal it); an absent
+  Mamba2 ``num_heads`` is ``expand * hidden_size / head_dim`` (transformers' 128 must equal it).
+- **Aliases**: LFM2 ``block_ff_dim`` and ``tie_embedding`` win over ``intermediate_size`` and
+  ``tie_word_embeddings``, as ``Lfm2Config.__post_init__`` lets them; the original mamba_ssm
+  names ``d_model``, ``n_layer``, ``d_state``, ``headdim``, ``ngroups``, ``d_conv`` are read when
+  the transformers name is absent.
+- **dtype**: ``dtype`` first, then ``torch_dtype``, then ``float32``. transformers >= 4.56 writes
+  ``dtype`` and reads ``torch_dtype`` only as the legacy fallback
+  (``PreTrainedConfig.__init__``: ``self.dtype = self.dtype if self.dtype is not None else
+  torch_dtype``); most published configs still carry ``torch_dtype`` alone. With neither, the
+  weights are float32 (torch's default dtype).
+- **Special floats** written as ``{"__float__": "Infinity"}`` (transformers 5) or a bare
+  ``Infinity`` (older writers) are decoded.
+- **Errors**: a value of the wrong type or out of range raises
+  :class:`~statebridge.errors.ConfigError` naming the key and the value; a ``model_type`` or LFM2
+  layer type that statebridge cannot describe raises
+  :class:`~statebridge.errors.UnsupportedModelError`. Keys the runtime does not read are ignored.
+
+Nothing here imports transformers.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from dataclasses import dataclass
+from typing import Any, ClassVar, Mapping
+
+from statebridge.dtypes import DTYPES, dtype_from_name
+from statebridge.errors import ConfigError, UnsupportedModelError
+
+__all__ = ["ModelConfig", "Lfm2ModelConfig", "Mamba2ModelConfig", "LFM2_DEFAULTS",
+           "MAMBA2_DEFAULTS", "ARCHITECTURES", "LFM2_LAYER_TYPES", "DEFAULT_DTYPE",
+           "read_config_json", "decode_special_floats", "encode_special_floats"]
+
+#: model_type -> the HF class whose weight names the runtime reads.
+ARCHITECTURES = {"lfm2": "Lfm2ForCausalLM", "mamba2": "Mamba2ForCausalLM"}
+
+#: LFM2 decoder layer types statebridge can describe (transformers' names).
+LFM2_LAYER_TYPES = ("conv", "full_attention")
+
+#: ``Lfm2Config`` defaults (transformers 5) of every field the runtime reads. Without
+#: ``layer_types`` and ``full_attn_idxs`` EVERY layer is attention, as in transformers.
+LFM2_DEFAULTS: dict[str, Any] = {
+    "vocab_size": 65536,
+    "hidden_size": 2560,
+    "num_hidden_layers": 32,
+    "intermediate_size": 12288,
+    "norm_eps": 1e-5,
+    "tie_word_embeddings": True,
+    "conv_bias": False,
+    "conv_L_cache": 3,
+    "block_multiple_of": 256,
+    "block_ffn_dim_multiplier": 1.0,
+    "block_auto_adjust_ff_dim": True,
+}
+
+#: ``Mamba2Config`` defaults (transformers 5) of every field the runtime reads. ``num_heads`` is
+#: derived when absent (see the module docstring); at these defaults it is transformers' 128.
+MAMBA2_DEFAULTS: dict[str, Any] = {
+    "vocab_size": 32768,
+    "hidden_size": 4096,
+    "num_hidden_layers": 64,
+    "expand": 2,
+    "head_dim": 64,
+    "state_size": 128,
+    "n_groups": 8,
+    "conv_kernel": 4,
+    "chunk_size": 256,
+    "layer_norm_epsilon": 1e-5,
+    "use_bias": False,
+    "use_conv_bias": True,
+    "hidden_act": "silu",
+    "residual_in_fp32": True,
+    "time_step_limit": (0.0, math.inf),
+    "tie_word_embeddings": False,
+}
+
+#: The weights' dtype when the config names none.
+DEFAULT_DTYPE = "float32"
+
+_FLOAT_TAG = "__float__"
+_FLOAT_VALUES = {"Infinity": math.inf, "-Infinity": -math.inf, "NaN": math.nan}
+
+
+def decode_special_floats(obj: Any) -> Any:
+    """Replace ``{"__float__": "Infinity"}`` objects (transformers 5's JSON form) by floats."""
+    if isinstance(obj, dict):
+        if set(obj) == {_FLOAT_TAG} and obj[_FLOAT_TAG] in _FLOAT_VALUES:
+            return _FLOAT_VALUES[obj[_FLOAT_TAG]]
+        return {k: decode_special_floats(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [decode_special_floats(v) for v in obj]
+    return obj
+
+
+def encode_special_floats(obj: Any) -> Any:
+    """Inverse of :func:`decode_special_floats` (what transformers 5 writes to config.json)."""
+    if isinstance(obj, float) and not math.isfinite(obj):
+        tag = "NaN" if math.isnan(obj) else "Infinity" if obj > 0 else "-Infinity"
+        return {_FLOAT_TAG: tag}
+    if isinstance(obj, dict):
+        return {k: encode_special_floats(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [encode_special_floats(v) for v in obj]
+    return obj
+
+
+# -- field readers: each names the key and the value it refuses --------------------------------
+
+_ABSENT = object()
+
+
+def _lookup(config: Mapping[str, Any], keys: tuple[str, ...]) -> tuple[str, Any]:
+    """The first of ``keys`` whose value is not null, and that value (``_ABSENT`` if none)."""
+    for key in keys:
+        if config.get(key) is not None:
+            return key, config[key]
+    return keys[0], _ABSENT
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _int(config: Mapping[str, Any], *keys: str, default: int) -> int:
+    key, value = _lookup(config, keys)
+    if value is _ABSENT:
+        return default
+    if not _is_number(value) or not math.isfinite(value) or value != int(value) or value <= 0:
+        raise ConfigError(f"config field {key!r} must be a positive integer, got {value!r}")
+    return int(value)
+
+
+def _positive(config: Mapping[str, Any], key: str, *, default: float) -> float:
+    """A positive finite number, kept as given (``expand`` may be an int or a float)."""
+    _, value = _lookup(config, (key,))
+    if value is _ABSENT:
+        return default
+    if not _is_number(value) or not math.isfinite(value) or value <= 0:
+        raise ConfigError(f"config field {key!r} must be a positive number, got {value!r}")
+    return value
+
+
+def _typed(config: Mapping[str, Any], key: str, kind: type, what: str, *, default: Any) -> Any:
+    """A value of exactly ``kind`` (``bool`` or ``str``); ``what`` says which in errors."""
+    _, value = _lookup(config, (key,))
+    if value is _ABSENT:
+        return default
+    if not isinstance(value, kind):
+        raise ConfigError(f"config field {key!r} must be {what}, got {value!r}")
+    return value
+
+
+def _bool(config: Mapping[str, Any], key: str, *, default: bool) -> bool:
+    return _typed(config, key, bool, "true or false", default=default)
+
+
+def _dtype(config: Mapping[str, Any]) -> str:
+    """``dtype``, else the legacy ``torch_dtype``, else float32 (see the module docstring)."""
+    key, value = _lookup(config, ("dtype", "torch_dtype"))
+    if value is _ABSENT:
+        return DEFAULT_DTYPE
+    if not isinstance(value, str):
+        raise ConfigError(f"config field {key!r} must be a dtype name, got {value!r}")
+    try:
+        return dtype_from_name(value)
+    except ConfigError:
+        raise ConfigError(f"config field {key!r} is {value!r}; expected one of "
+                          f"{sorted(DTYPES)}") from None
+
+
+def _int_list(config: Mapping[str, Any], key: str) -> list[int] | None:
+    value = config.get(key)
+    if value is None:
+        return None
+    if not isinstance(value, (list, tuple)) or not all(
+            isinstance(v, int) and not isinstance(v, bool) for v in value):
+        raise ConfigError(f"config field {key!r} must be a list of integers, got {value!r}")
+    return list(value)
+
+
+def read_config_json(path: str | os.PathLike) -> dict[str, Any]:
+    """The raw ``config.json`` of a checkpoint directory, or a JSON file given directly."""
+    path = os.fspath(path)
+    if os.path.isdir(path):
+        path = os.path.join(path, "config.json")
+    try:
+        with open(path, encoding="utf-8") as f:
+            config = json.load(f)
+    except FileNotFoundError:
+        raise ConfigError(f"model config not found: {path!r}") from None
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"model config {path!r} is not valid JSON: {e}") from None
+    if not isinstance(config, dict):
+        raise ConfigError(f"model config {path!r} is not a JSON object")
+    return config
+
+
+# -- the typed config ---------------------------------------------------------------------------
+
+def _require_positive(config: "ModelConfig", *names: str) -> None:
+    for name in names:
+        value = getattr(config, name)
+        if not _is_number(value) or value <= 0:
+            raise ConfigError(f"{config.model_type}: {name} must be > 0, got {value!r}")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ModelConfig:
+    """What the runtime reads from ``config.json``; :meth:`from_dict` returns the subclass of the
+    config's ``model_type`` (:class:`Lfm2ModelConfig` or :class:`Mamba2ModelConfig`).
+
+    ``num_layers`` is ``num_hidden_layers``; ``norm_eps`` is the RMSNorm epsilon
+    (LFM2 ``norm_eps``, Mamba2 ``layer_norm_epsilon``); ``dtype`` a name of
+    :data:`~statebridge.dtypes.DTYPES`. ``layer_types`` uses the state spec's names
+    (``"conv"``, ``"full_attention"``, ``"mamba2"``).
+    """
+
+    model_type: ClassVar[str] = ""
+
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    layer_types: tuple[str, ...]
+    tie_word_embeddings: bool
+    dtype: str
+    norm_eps: float
+
+    def __post_init__(self) -> None:
+        if type(self) is ModelConfig:
+            raise ConfigError("ModelConfig is abstract: use ModelConfig.from_dict or a subclass")
+        _require_positive(self, "vocab_size", "hidden_size", "num_layers", "norm_eps")
+        if len(self.layer_types) != self.num_layers:
+            raise ConfigError(f"{self.model_type}: layer_types has {len(self.layer_types)} "
+                              f"entries but num_hidden_layers is {self.num_layers}")
+        dtype_from_name(self.dtype)
+
+    # -- reading ------------------------------------------------------------------------------
+    @classmethod
+    def from_dict(cls, raw: Mapping[str, Any]) -> "Lfm2ModelConfig | Mamba2ModelConfig":
+        """Read a ``config.json`` dict; raises ConfigError / UnsupportedModelError."""
+        if not isinstance(raw, Mapping):
+            raise ConfigError(f"model config must be a JSON object, got {type(raw).__name__}")
+        config = decode_special_floats(dict(raw))
+        model_type = config.get("model_type")
+        reader = _READERS.get(model_type) if isinstance(model_type, str) else None
+        if reader is None:
+            raise UnsupportedModelError(f"unsupported model_type {model_type!r}; supported: "
+                                        f"{sorted(_READERS)}")
+        return reader(config)
+
+    @classmethod
+    def load(cls, path: str | os.PathLike) -> "Lfm2ModelConfig | Mamba2ModelConfig":
+        """Read ``config.json`` from a checkpoint directory, or a JSON file given directly."""
+        return cls.from_dict(read_config_json(path))
+
+    # -- weights ------------------------------------------------------------------------------
+    @property
+    def architecture(self) -> str:
+        return ARCHITECTURES[self.model_type]
+
+    @property
+    def embedding_name(self) -> str:
+        raise NotImplementedError
+
+    def layer_prefix(self, layer: int) -> str:
+        """Weight-name prefix of decoder layer ``layer``'s mixer."""
+        raise NotImplementedError
+
+    def weight_shapes(self) -> dict[str, tuple[int, ...]]:
+        """Every weight of the ``*ForCausalLM`` checkpoint and its shape, in module order.
+
+        The one description of the HF format: the runner checks a checkpoint against it and
+        :func:`~statebridge.models.checkpoint.make_checkpoint` writes exactly it. A tied
+        ``lm_head`` is absent (transformers does not save it). Raises UnsupportedModelError for a
+        model the runtime cannot load (LFM2 attention layers).
+        """
+        raise NotImplementedError
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Lfm2ModelConfig(ModelConfig):
+    """An LFM2 config: ShortConv layers (``"conv"``) and attention layers
+    (``"full_attention"``). Field names are ``Lfm2Config``'s."""
+
+    model_type: ClassVar[str] = "lfm2"
+
+    intermediate_size: int
+    conv_L_cache: int
+    conv_bias: bool
+    block_multiple_of: int
+    block_ffn_dim_multiplier: float | None
+    block_auto_adjust_ff_dim: bool
+
+    def __post_init__(self) -> None:
+        unknown = sorted(set(self.layer_types) - set(LFM2_LAYER_TYPES))
+        if unknown:
+            raise UnsupportedModelError(f"lfm2: unknown layer type(s) {unknown} in layer_types; "
+                                        f"known: {list(LFM2_LAYER_TYPES)}")
+        ModelConfig.__post_init__(self)
+        _require_positive(self, "intermediate_size", "conv_L_cache", "block_multiple_of")
+        if self.ff_dim <= 0:
+            raise ConfigError(f"lfm2: MLP width computed from intermediate_size="
+                              f"{self.intermediate_size!r} is {self.ff_dim}; must be > 0")
+
+    @classmethod
+    def _read(cls, config: Mapping[str, Any]) -> "Lfm2ModelConfig":
+        config = dict(config)
+        # Lfm2Config.__post_init__ pops these aliases and lets them win over the field.
+        for alias, key in (("block_ff_dim", "intermediate_size"),
+                           ("tie_embedding", "tie_word_embeddings")):
+            if config.get(alias) is not None:
+                config[key] = config[alias]
+        d = LFM2_DEFAULTS
+        hidden = _int(config, "hidden_size", default=d["hidden_size"])
+        layer_types = config.get("layer_types")
+        if layer_types is None:
+            num_layers = _int(config, "num_hidden_layers", default=d["num_hidden_layers"])
+            attn = _int_list(config, "full_attn_idxs")
+            attn = set(range(num_layers)) if attn is None else set(attn)
+            layer_types = tuple("full_attention" if i in attn else "conv"
+                                for i in range(num_layers))
+        else:
+            if not isinstance(layer_types, (list, tuple)) or not all(
+                    isinstance(t, str) for t in layer_types):
+                raise ConfigError(f"config field 'layer_types' must be a list of strings, got "
+                                  f"{layer_types!r}")
+            layer_types = tuple(layer_types)
+            num_layers = _int(config, "num_hidden_layers", default=len(layer_types))
+        # conv_dim is no Lfm2Config field: transformers' ShortConv runs over hidden_size.
+        conv_dim = _int(config, "conv_dim", default=hidden)
+        if conv_dim != hidden:
+            raise ConfigError(f"lfm2: conv_dim={conv_dim!r} differs from hidden_size={hidden}; "
+                              f"the ShortConv runs over hidden_size")
+        multiplier = d["block_ffn_dim_multiplier"]
+        if "block_ffn_dim_multiplier" in config:  # an explicit null: no multiplier, no rounding
+            multiplier = config["block_ffn_dim_multiplier"]
+            if multiplier is not None and (not _is_number(multiplier) or multiplier <= 0):
+                raise ConfigError(f"config field 'block_ffn_dim_multiplier' must be a positive "
+                                  f"number or null, got {multiplier!r}")
+        return cls(
+            vocab_size=_int(config, "vocab_size", default=d["vocab_size"]),
+            hidden_size=hidden,
+            num_layers=num_layers,
+            layer_types=layer_types,
+            tie_word_embeddings=_bool(config, "tie_word_embeddings",
+                                      default=d["tie_word_embeddings"]),
+            dtype=_dtype(config),
+            norm_eps=float(_positive(config, "norm_eps", default=d["norm_eps"])),
+            intermediate_size=_int(config, "intermediate_size", default=d["intermediate_size"]),
+            conv_L_cache=_int(config, "conv_L_cache", default=d["conv_L_cache"]),
+            conv_bias=_bool(config, "conv_bias", default=d["conv_bias"]),
+            block_multiple_of=_int(config, "block_multiple_of", default=d["block_multiple_of"]),
+            block_ffn_dim_multiplier=multiplier,
+            block_auto_adjust_ff_dim=_bool(config, "block_auto_adjust_ff_dim",
+                                           default=d["block_auto_adjust_ff_dim"]),
+        )
+
+    @property
+    def conv_layers(self) -> tuple[int, ...]:
+        """Indices of the ShortConv layers (the ones with recurrent state)."""
+        return tuple(i for i, t in enumerate(self.layer_types) if t == "conv")
+
+    @property
+    def ff_dim(self) -> int:
+        """Width of the SwiGLU MLP, computed exactly as transformers' ``Lfm2MLP``::
+
+            ff = intermediate_size
+            if block_auto_adjust_ff_dim:
+                ff = int(2 * ff / 3)
+                if block_ffn_dim_multiplier is not None:
+                    ff = int(block_ffn_dim_multiplier * ff)
+                    ff = block_multiple_of * ceil(ff / block_multiple_of)
+        """
+        ff = self.intermediate_size
+        if self.block_auto_adjust_ff_dim:
+            ff = int(2 * ff / 3)
+            if self.block_ffn_dim_multiplier is not None:
+                ff = int(self.block_ffn_dim_multiplier * ff)
+                multiple = self.block_multiple_of
+                ff = multiple * ((ff + multiple - 1) // multiple)
+        return int(ff)
+
+    @property
+    def embedding_name(self) -> str:
+        return "model.embed_tokens.weight"
+
+    def layer_prefix(self, layer: int) -> str:
+        return f"model.layers.{layer}.conv."
+
+    def weight_shapes(self) -> dict[str, tuple[int, ...]]:
+        for i, kind in enumerate(self.layer_types):
+            if kind != "conv":
+                raise UnsupportedModelError(
+                    f"lfm2: layer {i} has type {kind!r}; only 'conv' (ShortConv) layers are "
+                    f"served until attention KV transfer exists "
+                    f"(layer_types={list(self.layer_types)})")
+        V, Hd, K, F = self.vocab_size, self.hidden_size, self.conv_L_cache, self.ff_dim
+        bias = self.conv_bias
+        out: dict[str, tuple[int, ...]] = {self.embedding_name: (V, Hd)}
+        for i in range(self.num_layers):
+            p = f"model.layers.{i}."
+            out[p + "operator_norm.weight"] = (Hd,)
+            out[p + "conv.in_proj.weight"] = (3 * Hd, Hd)
+            if bias:
+                out[p + "conv.in_proj.bias"] = (3 * Hd,)
+            out[p + "conv.conv.weight"] = (Hd, 1, K)
+            if bias:
+                out[p + "conv.conv.bias"] = (Hd,)
+            out[p + "conv.out_proj.weight"] = (Hd, Hd)
+            if bias:
+                out[p + "conv.out_proj.bias"] = (Hd,)
+            out[p + "ffn_norm.weight"] = (Hd,)
+            out[p + "feed_forward.w1.weight"] = (F, Hd)
+            out[p + "feed_forward.w3.weight"] = (F, Hd)
+            out[p + "feed_forward.w2.weight"] = (Hd, F)
+        out["model.embedding_norm.weight"] = (Hd,)
+        if not self.tie_word_embeddings:
+            out["lm_head.weight"] = (V, Hd)
+        return out
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Mamba2ModelConfig(ModelConfig):
+    """A Mamba2 config. Field names are ``Mamba2Config``'s (``norm_eps`` is
+    ``layer_norm_epsilon``: the eps of the block norms, the final norm and the gated norm)."""
+
+    model_type: ClassVar[str] = "mamba2"
+
+    expand: int | float
+    num_heads: int
+    head_dim: int
+    state_size: int
+    n_groups: int
+    conv_kernel: int
+    chunk_size: int
+    use_bias: bool
+    use_conv_bias: bool
+    hidden_act: str
+    residual_in_fp32: bool
+    time_step_limit: tuple[float, float]
+
+    def __post_init__(self) -> None:
+        ModelConfig.__post_init__(self)
+        _require_positive(self, "expand", "num_heads", "head_dim", "state_size", "n_groups",
+                          "conv_kernel", "chunk_size")
+        inner = self.expand * self.hidden_size
+        if inner != int(inner):
+            raise ConfigError(f"mamba2: expand * hidden_size = {self.expand} * "
+                              f"{self.hidden_size} is not an integer")
+        if self.num_heads * self.head_dim != inner:
+            raise ConfigError(f"mamba2: num_heads * head_dim = {self.num_heads} * "
+                              f"{self.head_dim} != expand * hidden_size = {int(inner)}")
+        if self.num_heads % self.n_groups:
+            raise ConfigError(f"mamba2: num_heads {self.num_heads} is not a multiple of "
+                              f"n_groups {self.n_groups}")
+        if len(self.time_step_limit) != 2:
+            raise ConfigError(f"mamba2: time_step_limit must be (min, max), got "
+                              f"{self.time_step_limit!r}")
+
+    @classmethod
+    def _read(cls, config: Mapping[str, Any]) -> "Mamba2ModelConfig":
+        d = MAMBA2_DEFAULTS
+        hidden = _int(config, "hidden_size", "d_model", default=d["hidden_size"])
+        expand = _positive(config, "expand", default=d["expand"])
+        head_dim = _int(config, "head_dim", "headdim", default=d["head_dim"])
+        inner = expand * hidden
+        if inner != int(inner):
+            raise ConfigError(f"mamba2: expand * hidden_size = {expand} * {hidden} is not an "
+                              f"integer")
+        if config.get("num_heads") is None and int(inner) % head_dim:
+            raise ConfigError(f"mamba2: intermediate size {int(inner)} (expand * hidden_size) "
+                              f"is not a multiple of head_dim {head_dim}")
+        num_layers = _int(config, "num_hidden_layers", "n_layer", default=d["num_hidden_layers"])
+        limit = config.get("time_step_limit")
+        if limit is None:
+            limit = d["time_step_limit"]
+        if not isinstance(limit, (list, tuple)) or len(limit) != 2 or not all(
+                _is_number(v) for v in limit):
+            raise ConfigError(f"config field 'time_step_limit' must be [min, max], got {limit!r}")
+        return cls(
+            vocab_size=_int(config, "vocab_size", default=d["vocab_size"]),
+            hidden_size=hidden,
+            num_layers=num_layers,
+            layer_types=("mamba2",) * num_layers,
+            tie_word_embeddings=_bool(config, "tie_word_embeddings",
+                                      default=d["tie_word_embeddings"]),
+            dtype=_dtype(config),
+            norm_eps=float(_positive(config, "layer_norm_epsilon",
+                                     default=d["layer_norm_epsilon"])),
+            expand=expand,
+            num_heads=_int(config, "num_heads", default=int(inner) // head_dim),
+            head_dim=head_dim,
+            state_size=_int(config, "state_size", "d_state", default=d["state_size"]),
+            n_groups=_int(config, "n_groups", "ngroups", default=d["n_groups"]),
+            conv_kernel=_int(config, "conv_kernel", "d_conv", default=d["conv_kernel"]),
+            chunk_size=_int(config, "chunk_size", default=d["chunk_size"]),
+            use_bias=_bool(config, "use_bias", default=d["use_bias"]),
+            use_conv_bias=_bool(config, "use_conv_bias", default=d["use_conv_bias"]),
+            hidden_act=_typed(config, "hidden_act", str, "a string", default=d["hidden_act"]),
+            residual_in_fp32=_bool(config, "residual_in_fp32", default=d["residual_in_fp32"]),
+            time_step_limit=(float(limit[0]), float(limit[1])),
+        )
+
+    @property
+    def intermediate_size(self) -> int:
+        """I = expand * hidden_size = num_heads * head_dim."""
+        return self.num_heads * self.head_dim
+
+    @property
+    def conv_dim(self) -> int:
+        """Channels of the depthwise conv: ``[x (I) | B (G*N) | C (G*N)]``."""
+        return self.intermediate_size + 2 * self.n_groups * self.state_size
+
+    @property
+    def embedding_name(self) -> str:
+        return "backbone.embeddings.weight"
+
+    def layer_prefix(self, layer: int) -> str:
+        return f"backbone.layers.{layer}.mixer."
+
+    def weight_shapes(self) -> dict[str, tuple[int, ...]]:
+        V, Hd, H, K = self.vocab_size, self.hidden_size, self.num_heads, self.conv_kernel
+        inner, conv_dim = self.intermediate_size, self.conv_dim
+        out: dict[str, tuple[int, ...]] = {self.embedding_name: (V, Hd)}
+        for i in range(self.num_layers):
+            p = f"backbone.layers.{i}."
+            m = p + "mixer."
+            out[p + "norm.weight"] = (Hd,)
+            out[m + "in_proj.weight"] = (inner + conv_dim + H, Hd)
+            if self.use_bias:
+                out[m + "in_proj.bias"] = (inner + conv_dim + H,)
+            out[m + "conv1d.weight"] = (conv_dim, 1, K)
+            if self.use_conv_bias:
+                out[m + "conv1d.bias"] = (conv_dim,)
+            out[m + "dt_bias"] = (H,)
+            out[m + "A_log"] = (H,)
+            out[m + "D"] = (H,)
+            out[m + "norm.weight"] = (inner,)
+            out[m + "out_proj.weight"] = (Hd, inner)
+            if self.use_bias:
+                out[m + "out_proj.bias"] = (Hd,)
+        out["backbone.norm_f.weight"] = (Hd,)
+        if not self.tie_word_embeddings:
+            out["lm_head.weight"] = (V, Hd)
+        return out
+
+
+_READERS = {"lfm2": Lfm2ModelConfig._read, "mamba2": Mamba2ModelConfig._read}

@@ -1,0 +1,210 @@
+"""The one config.json reader against transformers' own config classes (the oracle), and the
+state spec and the model runtime reading one config alike."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+
+from statebridge.errors import ConfigError, UnsupportedModelError
+from statebridge.hf_config import (
+    LFM2_DEFAULTS,
+    MAMBA2_DEFAULTS,
+    Lfm2ModelConfig,
+    Mamba2ModelConfig,
+    ModelConfig,
+)
+from statebridge.models import ModelRunner, make_checkpoint
+from statebridge.state import PageGeometry, StateCache, StateSpec
+
+tf = pytest.importorskip("transformers")
+
+# (model_type, our attribute, transformers' attribute): every default the reader applies.
+DEFAULT_CASES = [
+    ("lfm2", "vocab_size", "vocab_size"),
+    ("lfm2", "hidden_size", "hidden_size"),
+    ("lfm2", "num_layers", "num_hidden_layers"),
+    ("lfm2", "layer_types", "layer_types"),           # all attention without layer_types
+    ("lfm2", "intermediate_size", "intermediate_size"),
+    ("lfm2", "norm_eps", "norm_eps"),
+    ("lfm2", "tie_word_embeddings", "tie_word_embeddings"),
+    ("lfm2", "conv_bias", "conv_bias"),
+    ("lfm2", "conv_L_cache", "conv_L_cache"),
+    ("lfm2", "block_multiple_of", "block_multiple_of"),
+    ("lfm2", "block_ffn_dim_multiplier", "block_ffn_dim_multiplier"),
+    ("lfm2", "block_auto_adjust_ff_dim", "block_auto_adjust_ff_dim"),
+    ("mamba2", "vocab_size", "vocab_size"),
+    ("mamba2", "hidden_size", "hidden_size"),
+    ("mamba2", "num_layers", "num_hidden_layers"),
+    ("mamba2", "expand", "expand"),
+    ("mamba2", "num_heads", "num_heads"),              # derived; equal at the defaults
+    ("mamba2", "head_dim", "head_dim"),
+    ("mamba2", "state_size", "state_size"),
+    ("mamba2", "n_groups", "n_groups"),
+    ("mamba2", "conv_kernel", "conv_kernel"),
+    ("mamba2", "chunk_size", "chunk_size"),
+    ("mamba2", "norm_eps", "layer_norm_epsilon"),      # block norms, norm_f AND the gated norm
+    ("mamba2", "use_bias", "use_bias"),
+    ("mamba2", "use_conv_bias", "use_conv_bias"),
+    ("mamba2", "hidden_act", "hidden_act"),
+    ("mamba2", "residual_in_fp32", "residual_in_fp32"),
+    ("mamba2", "time_step_limit", "time_step_limit"),
+    ("mamba2", "tie_word_embeddings", "tie_word_embeddings"),
+]
+HF_CLASSES = {"lfm2": "Lfm2Config", "mamba2": "Mamba2Config"}
+
+
+def _plain(value):
+    return tuple(value) if isinstance(value, list) else value
+
+
+@pytest.mark.parametrize("arch,ours,theirs", DEFAULT_CASES,
+                         ids=[f"{a}-{t}" for a, _, t in DEFAULT_CASES])
+def test_defaults_are_transformers_defaults(arch, ours, theirs):
+    """A config.json holding only its model_type reads as transformers' default config."""
+    got = getattr(ModelConfig.from_dict({"model_type": arch}), ours)
+    want = getattr(getattr(tf, HF_CLASSES[arch])(), theirs)
+    assert _plain(got) == _plain(want)
+
+
+def test_every_default_is_checked_against_transformers():
+    for arch, table in (("lfm2", LFM2_DEFAULTS), ("mamba2", MAMBA2_DEFAULTS)):
+        checked = {theirs for a, _, theirs in DEFAULT_CASES if a == arch}
+        assert set(table) <= checked, set(table) - checked
+        hf = getattr(tf, HF_CLASSES[arch])()
+        for key, value in table.items():
+            assert _plain(getattr(hf, key)) == _plain(value), key
+
+
+#: the smallest configs both transformers and the state spec accept
+SMALLEST = {"lfm2": {"model_type": "lfm2", "layer_types": ["conv"] * 32},
+            "mamba2": {"model_type": "mamba2"}}
+
+# (id, dtype fields of config.json, what both read)
+DTYPE_CASES = [
+    ("dtype-only", {"dtype": "bfloat16"}, "bfloat16"),
+    ("torch_dtype-only", {"torch_dtype": "float16"}, "float16"),
+    ("dtype-wins", {"dtype": "float16", "torch_dtype": "bfloat16"}, "float16"),
+    ("null-dtype-falls-back", {"dtype": None, "torch_dtype": "bfloat16"}, "bfloat16"),
+    ("neither", {}, "float32"),
+]
+
+
+@pytest.mark.parametrize("arch", ["lfm2", "mamba2"])
+@pytest.mark.parametrize("fields,want", [c[1:] for c in DTYPE_CASES],
+                         ids=[c[0] for c in DTYPE_CASES])
+def test_dtype_precedence_is_transformers(arch, fields, want):
+    """``dtype`` first, then ``torch_dtype``, as PreTrainedConfig; float32 without either. The
+    state spec's dtype is the reader's."""
+    raw = {**SMALLEST[arch], **fields}
+    assert ModelConfig.from_dict(raw).dtype == want
+    spec = StateSpec.from_config(raw)
+    assert {t.dtype for g in spec.groups for t in g.tensors} == {want}
+    hf = getattr(tf, HF_CLASSES[arch]).from_dict(raw).dtype
+    assert hf == (None if want == "float32" else getattr(torch, want))
+
+
+def test_lfm2_aliases_win_as_in_transformers():
+    raw = {"model_type": "lfm2", "intermediate_size": 1000, "block_ff_dim": 2000,
+           "tie_word_embeddings": True, "tie_embedding": False, "layer_types": ["conv"] * 32}
+    ours, hf = ModelConfig.from_dict(raw), tf.Lfm2Config.from_dict(raw)
+    assert (ours.intermediate_size, ours.tie_word_embeddings) == (2000, False)
+    assert (hf.intermediate_size, hf.tie_word_embeddings) == (2000, False)
+
+
+def test_values_derived_only_where_transformers_refuses():
+    """layer_types without num_hidden_layers and Mamba2 without num_heads: transformers' fixed
+    defaults (32 layers, 128 heads) would make it refuse these configs; the reader derives."""
+    lfm2 = {"model_type": "lfm2", "layer_types": ["conv", "conv", "full_attention"]}
+    mamba2 = {"model_type": "mamba2", "hidden_size": 64, "head_dim": 16, "n_groups": 2}
+    assert ModelConfig.from_dict(lfm2).num_layers == 3
+    assert ModelConfig.from_dict(mamba2).num_heads == 8
+    for cls, raw in (("Lfm2Config", lfm2), ("Mamba2Config", mamba2)):
+        with pytest.raises(Exception, match="must (be )?equal"):
+            getattr(tf, cls).from_dict(raw)
+
+
+def test_mamba_ssm_names_and_special_floats():
+    ours = ModelConfig.from_dict({"model_type": "mamba2", "d_model": 256, "n_layer": 2,
+                                  "d_state": 16, "headdim": 32, "ngroups": 1, "d_conv": 3,
+                                  "time_step_limit": [0.0, {"__float__": "Infinity"}]})
+    assert isinstance(ours, Mamba2ModelConfig)
+    assert (ours.hidden_size, ours.num_layers, ours.state_size, ours.head_dim, ours.n_groups,
+            ours.conv_kernel, ours.num_heads) == (256, 2, 16, 32, 1, 3, 16)
+    assert ours.time_step_limit == (0.0, math.inf)
+
+
+LFM2 = {"model_type": "lfm2", "hidden_size": 64, "layer_types": ["conv"] * 2}
+MAMBA2 = {"model_type": "mamba2", "hidden_size": 64, "head_dim": 16, "n_groups": 2,
+          "num_hidden_layers": 2}
+
+
+@pytest.mark.parametrize("raw,error,words", [
+    ({"model_type": "gpt2"}, UnsupportedModelError, ["model_type", "'gpt2'"]),
+    ({**LFM2, "hidden_size": "big"}, ConfigError, ["'hidden_size'", "'big'"]),
+    ({**LFM2, "conv_L_cache": 2.5}, ConfigError, ["'conv_L_cache'", "2.5"]),
+    ({**LFM2, "conv_bias": "no"}, ConfigError, ["'conv_bias'", "'no'"]),
+    ({**LFM2, "norm_eps": -1}, ConfigError, ["'norm_eps'", "-1"]),
+    ({**LFM2, "dtype": "int8"}, ConfigError, ["'dtype'", "'int8'"]),
+    ({**LFM2, "dtype": None, "torch_dtype": "float64"}, ConfigError, ["'torch_dtype'",
+                                                                     "'float64'"]),
+    ({**LFM2, "conv_dim": 48}, ConfigError, ["conv_dim=48", "hidden_size=64"]),
+    ({**LFM2, "layer_types": ["conv", "mamba"]}, UnsupportedModelError, ["'mamba'"]),
+    ({**LFM2, "num_hidden_layers": 3}, ConfigError, ["layer_types", "3"]),
+    ({**LFM2, "full_attn_idxs": ["0"], "layer_types": None}, ConfigError, ["'full_attn_idxs'"]),
+    ({**LFM2, "block_ffn_dim_multiplier": "x"}, ConfigError, ["'block_ffn_dim_multiplier'"]),
+    ({**MAMBA2, "num_heads": 5}, ConfigError, ["num_heads", "5"]),
+    ({**MAMBA2, "n_groups": 3}, ConfigError, ["n_groups 3"]),
+    ({**MAMBA2, "head_dim": 48}, ConfigError, ["head_dim 48"]),
+    ({**MAMBA2, "expand": 1.01}, ConfigError, ["expand", "1.01"]),
+    ({**MAMBA2, "time_step_limit": [0.0]}, ConfigError, ["'time_step_limit'", "[0.0]"]),
+    ({**MAMBA2, "hidden_act": 7}, ConfigError, ["'hidden_act'", "7"]),
+], ids=["model-type", "not-int", "fraction", "not-bool", "negative-eps", "dtype",
+        "torch_dtype", "conv_dim", "layer-type", "layer-count", "attn-idxs", "multiplier",
+        "num-heads", "groups", "head-dim", "expand", "time-step-limit", "hidden-act"])
+def test_bad_values_raise_naming_key_and_value(raw, error, words):
+    with pytest.raises(error) as info:
+        ModelConfig.from_dict(raw)
+    for word in words:
+        assert word in str(info.value)
+
+
+def test_load_reads_a_directory_or_a_file(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps(LFM2))
+    assert ModelConfig.load(tmp_path) == ModelConfig.load(tmp_path / "config.json")
+    assert isinstance(ModelConfig.load(tmp_path), Lfm2ModelConfig)
+    with pytest.raises(ConfigError, match="not found"):
+        ModelConfig.load(tmp_path / "nope")
+
+
+def test_spec_and_model_read_one_config_alike(tmp_path):
+    """One config.json with both dtype keys and no layer_norm_epsilon: the state spec, the
+    runner and its mixers (and transformers) all read the same values from it."""
+    path = make_checkpoint("mamba2", tmp_path / "m", "tiny", dtype="bfloat16",
+                           overrides={"n_groups": 2, "torch_dtype": "float16"})
+    raw = json.loads((path / "config.json").read_text())
+    del raw["layer_norm_epsilon"]
+    (path / "config.json").write_text(json.dumps(raw))
+
+    spec = StateSpec.from_pretrained(path)
+    runner = ModelRunner(path, 1, 0, StateCache(PageGeometry(spec, 1, "DLS"), 2))
+    config = runner.config
+    conv, ssm = spec.groups[0].tensors
+    assert conv.dtype == ssm.dtype == config.dtype == "bfloat16"
+    assert runner.dtype == torch.bfloat16
+    assert conv.channels == config.conv_dim and conv.inner_shape == (config.conv_kernel - 1,)
+    assert [s.groups for s in conv.segments] == [1, config.n_groups, config.n_groups] == [1, 2, 2]
+    assert (ssm.channels, *ssm.inner_shape) == (config.num_heads, config.head_dim,
+                                                config.state_size)
+    mixer = runner.layers[0].mixer
+    assert (mixer.heads_local, mixer.head_dim, mixer.d_state) == (ssm.channels, *ssm.inner_shape)
+    assert mixer.conv_dim_local == conv.channels
+    assert mixer.norm_eps == config.norm_eps == 1e-5
+
+    hf = tf.AutoConfig.from_pretrained(path)
+    assert hf.dtype == torch.bfloat16 and hf.layer_norm_epsilon == mixer.norm_eps
+    assert (hf.num_heads, hf.head_dim, hf.state_size, hf.n_groups) == (
+        config.num_heads, config.head_dim, config.state_size, config.n_groups)
