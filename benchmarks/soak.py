@@ -364,7 +364,7 @@ class Soak:
 
     # -- groups -----------------------------------------------------------------------------
     def _start_server(self, generation: int):
-        from statebridge.connector._group import spawn_launcher
+        from statebridge.connector.group import spawn_launcher
         from statebridge.connector.prefill import PrefillServer
 
         spawned = generation in self.spawned_generations

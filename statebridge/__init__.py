@@ -32,8 +32,8 @@ from statebridge.errors import *  # noqa: F401,F403 -- the error tree is public 
 
 if TYPE_CHECKING:
     from statebridge.config import ConnectorConfig, NodeConfig
-    from statebridge.connector._group import Launcher
-    from statebridge.connector._rank import RankModel, RankSetup
+    from statebridge.connector.group import Launcher
+    from statebridge.connector.rank import RankModel, RankSetup
     from statebridge.node.client import Client
     from statebridge.state.spec import StateSpec
 
@@ -50,9 +50,9 @@ _LAZY = {
     "Client": "statebridge.node.client",
     "ConnectorConfig": "statebridge.config",
     "NodeConfig": "statebridge.config",
-    "RankModel": "statebridge.connector._rank",
-    "RankSetup": "statebridge.connector._rank",
-    "Launcher": "statebridge.connector._group",
+    "RankModel": "statebridge.connector.rank",
+    "RankSetup": "statebridge.connector.rank",
+    "Launcher": "statebridge.connector.group",
 }
 
 __all__ = ["__version__", *_LAZY, *_errors.__all__]

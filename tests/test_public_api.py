@@ -66,7 +66,7 @@ def test_package_logger_has_a_null_handler():
 def test_serving_modules_do_not_import_the_test_stand_ins():
     seen = run_python(
         "import json, sys\n"
-        "import statebridge.cli, statebridge.connector._rank, statebridge.node.decode_node\n"
+        "import statebridge.cli, statebridge.connector.rank, statebridge.node.decode_node\n"
         "import statebridge.node.prefill_node, statebridge.node.rank_model\n"
         "print(json.dumps(sorted(m for m in sys.modules if m.startswith('statebridge.testing'))))\n")
     assert seen == []

@@ -1,7 +1,7 @@
 """The decode side: the coordinator that connects to prefill servers, and its rank processes.
 
 Runs in the decode node's main process (:class:`DecodeCoordinator`) and in each decode rank
-process (:class:`~statebridge.connector._rank.RankWorker` with role ``"decode"``).
+process (:class:`~statebridge.connector.rank.RankWorker` with role ``"decode"``).
 
 Per request (N-1 protocol)::
 
@@ -49,7 +49,7 @@ import zmq
 
 from statebridge.connector import control as c
 from statebridge.connector import messages as m
-from statebridge.connector._group import RankGroup
+from statebridge.connector.group import RankGroup
 from statebridge.connector.ledger import Phase, Record, RequestKey
 from statebridge.security import CurveKeys
 from statebridge.errors import (

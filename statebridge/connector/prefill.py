@@ -1,7 +1,7 @@
 """The prefill side: a server that decode groups connect to, and its TP rank processes.
 
 Runs in the prefill node's main process (:class:`PrefillServer`) and in each prefill rank
-process (:class:`~statebridge.connector._rank.RankWorker` with role ``"prefill"``).
+process (:class:`~statebridge.connector.rank.RankWorker` with role ``"prefill"``).
 
 Per request (N-1 protocol)::
 
@@ -26,7 +26,7 @@ import time
 
 from statebridge.connector import control as c
 from statebridge.connector import messages as m
-from statebridge.connector._group import RankGroup
+from statebridge.connector.group import RankGroup
 from statebridge.connector.ledger import Phase, Record, RequestKey
 from statebridge.errors import CacheFullError, FailureKind, IncompatiblePeerError
 

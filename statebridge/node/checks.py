@@ -4,7 +4,7 @@ A missing weight file, a weight of the wrong shape, a config the model cannot be
 this TP size -- each is a typed error naming the value, raised in the node's process at once,
 instead of N rank processes failing one by one after seconds of start-up. What is checked
 depends on the rank model: :meth:`RankModel.validate
-<statebridge.connector._rank.RankModel.validate>` (the real model checks every weight; a
+<statebridge.connector.rank.RankModel.validate>` (the real model checks every weight; a
 stand-in checks nothing).
 """
 
@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import os
 
-from statebridge.connector._rank import load_callable
+from statebridge.connector.rank import load_callable
 from statebridge.state.spec import StateSpec
 
 __all__ = ["check_checkpoint", "check_weights"]

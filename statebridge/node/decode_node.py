@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 from statebridge.config import ConnectorConfig, NodeConfig
 from statebridge.connector import control as c
 from statebridge.connector import messages as m
-from statebridge.connector._group import Launcher, spawn_launcher
+from statebridge.connector.group import Launcher, spawn_launcher
 from statebridge.connector.decode import DecodeCoordinator, TransferResult
 from statebridge.errors import (
     CacheFullError,

@@ -6,7 +6,7 @@ from __future__ import annotations
 import logging
 
 from statebridge.config import ConnectorConfig
-from statebridge.connector._group import Launcher, spawn_launcher
+from statebridge.connector.group import Launcher, spawn_launcher
 from statebridge.connector.prefill import PrefillServer
 from statebridge.net import free_port
 from statebridge.node.checks import check_checkpoint

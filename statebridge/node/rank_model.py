@@ -1,5 +1,5 @@
 """The real model on a rank: a :class:`~statebridge.models.runner.ModelRunner` over the rank's
-page cache, behind the connector's :class:`~statebridge.connector._rank.RankModel` hook.
+page cache, behind the connector's :class:`~statebridge.connector.rank.RankModel` hook.
 
 Runs inside each rank process; TP > 1 joins a ``torch.distributed`` group (gloo on CPU, nccl on
 CUDA) at ``setup.dist_init`` so row-parallel outputs are all-reduced.
@@ -11,7 +11,7 @@ import logging
 
 import torch
 
-from statebridge.connector._rank import RankModel, RankSetup
+from statebridge.connector.rank import RankModel, RankSetup
 from statebridge.errors import FailureKind
 from statebridge.node import messages as nm
 from statebridge.state.cache import StateCache

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from statebridge.connector._rank import RankModel
+from statebridge.connector.rank import RankModel
 from statebridge.errors import FailureKind
 from statebridge.node import messages as nm
 from statebridge.testing.synthetic import fill_page, global_state, request_seed

@@ -12,7 +12,7 @@ import pytest
 from statebridge.config import ConnectorConfig
 from statebridge.connector import messages as m
 from statebridge.node import messages as nm
-from statebridge.connector._rank import RankSetup, RankWorker
+from statebridge.connector.rank import RankSetup, RankWorker
 
 from ._helpers import SPECS, wait_until
 

@@ -10,7 +10,7 @@ import time
 import pytest
 
 from statebridge.connector import control as c
-from statebridge.connector._group import spawn_launcher
+from statebridge.connector.group import spawn_launcher
 from statebridge.connector.decode import DecodeCoordinator
 from statebridge.testing.hosts import RankHostPool
 from statebridge.connector.prefill import PrefillServer

@@ -27,7 +27,7 @@ from pathlib import Path
 import pytest
 
 from statebridge.connector import messages as m
-from statebridge.connector._group import RankHandle
+from statebridge.connector.group import RankHandle
 from statebridge.connector.decode import DecodeCoordinator
 from statebridge.connector.prefill import PrefillServer, _Peer
 from statebridge.errors import TransferTimeoutError

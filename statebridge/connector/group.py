@@ -25,7 +25,7 @@ from typing import Callable, Sequence
 from statebridge.config import ConnectorConfig
 from statebridge.connector import control as c
 from statebridge.connector import messages as m
-from statebridge.connector._rank import RankSetup, rank_main
+from statebridge.connector.rank import RankSetup, rank_main
 from statebridge.connector.ledger import Ledger, Record
 from statebridge.errors import (
     ClosedError,
