@@ -4,6 +4,8 @@ The stable public names are re-exported here:
 
 - :class:`StateSpec` -- what a model's recurrent state is (from a Hugging Face config).
 - :class:`Client` -- submit requests to a decode node.
+- :class:`Layout` (a page layout), :class:`TransferPlan` (what moves between two TP groups).
+- :class:`PrefillServer`, :class:`DecodeCoordinator` -- the two sides of the connector.
 - :class:`ConnectorConfig`, :class:`NodeConfig` -- the settings of the connector and a node.
 - the extension points: :class:`RankModel` (what a rank runs: prefill, messages of its own,
   a check of the checkpoint before ranks start), :class:`RankSetup` (what it is given),
@@ -32,9 +34,13 @@ from statebridge.errors import *  # noqa: F401,F403 -- the error tree is public 
 
 if TYPE_CHECKING:
     from statebridge.config import ConnectorConfig, NodeConfig
+    from statebridge.connector.decode import DecodeCoordinator
     from statebridge.connector.group import Launcher
+    from statebridge.connector.prefill import PrefillServer
     from statebridge.connector.rank import RankModel, RankSetup
     from statebridge.node.client import Client
+    from statebridge.state.layout import Layout
+    from statebridge.state.plan import TransferPlan
     from statebridge.state.spec import StateSpec
 
 logging.getLogger(__name__).addHandler(logging.NullHandler())
@@ -53,6 +59,10 @@ _LAZY = {
     "RankModel": "statebridge.connector.rank",
     "RankSetup": "statebridge.connector.rank",
     "Launcher": "statebridge.connector.group",
+    "Layout": "statebridge.state.layout",
+    "TransferPlan": "statebridge.state.plan",
+    "PrefillServer": "statebridge.connector.prefill",
+    "DecodeCoordinator": "statebridge.connector.decode",
 }
 
 __all__ = ["__version__", *_LAZY, *_errors.__all__]

@@ -265,7 +265,7 @@ def test_cut_link_fails_in_flight_requests_then_decode_redials(net, tmp_path):
             result, _ = driver.result(driver.submit(PROMPTS[0]), 60)
             if not result["kind"]:
                 break
-            assert result["kind"] == "peer_lost", result
+            assert result["kind"] in ("peer_lost", "not_ready"), result
             assert time.monotonic() - up_at < 30, "no request succeeded 30 s after link up"
             time.sleep(0.5)
         assert result["tokens"] == expected[0]
