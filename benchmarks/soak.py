@@ -78,7 +78,8 @@ SPECS = {
                            "num_hidden_layers": 3, "torch_dtype": "bfloat16"},
                    kwargs={"ssm_dtype": "float32"}),
     "lfm2": dict(config={"model_type": "lfm2", "hidden_size": 40, "conv_L_cache": 3,
-                         "torch_dtype": "bfloat16",
+                         "torch_dtype": "bfloat16", "num_attention_heads": 4,
+                         "num_key_value_heads": 2,
                          "layer_types": ["conv", "full_attention", "conv", "conv"]},
                  kwargs={}),
 }

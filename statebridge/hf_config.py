@@ -60,6 +60,8 @@ ARCHITECTURES = {"lfm2": "Lfm2ForCausalLM", "mamba2": "Mamba2ForCausalLM"}
 
 #: LFM2 decoder layer types statebridge can describe (transformers' names).
 LFM2_LAYER_TYPES = ("conv", "full_attention")
+#: Other spellings of attention layers in published configs, read as ``"full_attention"``.
+ATTENTION_ALIASES = ("attention",)
 
 #: ``Lfm2Config`` defaults (transformers 5) of every field the runtime reads. Without
 #: ``layer_types`` and ``full_attn_idxs`` EVERY layer is attention, as in transformers.
@@ -75,6 +77,8 @@ LFM2_DEFAULTS: dict[str, Any] = {
     "block_multiple_of": 256,
     "block_ffn_dim_multiplier": 1.0,
     "block_auto_adjust_ff_dim": True,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 8,
 }
 
 #: ``Mamba2Config`` defaults (transformers 5) of every field the runtime reads. ``num_heads`` is
@@ -314,6 +318,8 @@ class Lfm2ModelConfig(ModelConfig):
     block_multiple_of: int
     block_ffn_dim_multiplier: float | None
     block_auto_adjust_ff_dim: bool
+    num_attention_heads: int
+    num_key_value_heads: int
 
     def __post_init__(self) -> None:
         unknown = sorted(set(self.layer_types) - set(LFM2_LAYER_TYPES))
@@ -321,7 +327,16 @@ class Lfm2ModelConfig(ModelConfig):
             raise UnsupportedModelError(f"lfm2: unknown layer type(s) {unknown} in layer_types; "
                                         f"known: {list(LFM2_LAYER_TYPES)}")
         ModelConfig.__post_init__(self)
-        _require_positive(self, "intermediate_size", "conv_L_cache", "block_multiple_of")
+        _require_positive(self, "intermediate_size", "conv_L_cache", "block_multiple_of",
+                          "num_attention_heads", "num_key_value_heads")
+        if self.attention_layers:       # (without them the attention geometry is never used)
+            if self.hidden_size % self.num_attention_heads:
+                raise ConfigError(f"lfm2: hidden_size={self.hidden_size} is not a multiple of "
+                                  f"num_attention_heads={self.num_attention_heads}")
+            if self.num_attention_heads % self.num_key_value_heads:
+                raise ConfigError(f"lfm2: num_attention_heads={self.num_attention_heads} is not "
+                                  f"a multiple of num_key_value_heads="
+                                  f"{self.num_key_value_heads}")
         if self.ff_dim <= 0:
             raise ConfigError(f"lfm2: MLP width computed from intermediate_size="
                               f"{self.intermediate_size!r} is {self.ff_dim}; must be > 0")
@@ -348,7 +363,8 @@ class Lfm2ModelConfig(ModelConfig):
                     isinstance(t, str) for t in layer_types):
                 raise ConfigError(f"config field 'layer_types' must be a list of strings, got "
                                   f"{layer_types!r}")
-            layer_types = tuple(layer_types)
+            layer_types = tuple("full_attention" if t in ATTENTION_ALIASES else t
+                                for t in layer_types)
             num_layers = _int(config, "num_hidden_layers", default=len(layer_types))
         # conv_dim is no Lfm2Config field: transformers' ShortConv runs over hidden_size.
         conv_dim = _int(config, "conv_dim", default=hidden)
@@ -377,12 +393,26 @@ class Lfm2ModelConfig(ModelConfig):
             block_ffn_dim_multiplier=multiplier,
             block_auto_adjust_ff_dim=_bool(config, "block_auto_adjust_ff_dim",
                                            default=d["block_auto_adjust_ff_dim"]),
+            num_attention_heads=_int(config, "num_attention_heads",
+                                     default=d["num_attention_heads"]),
+            num_key_value_heads=_int(config, "num_key_value_heads",
+                                     default=d["num_key_value_heads"]),
         )
 
     @property
     def conv_layers(self) -> tuple[int, ...]:
         """Indices of the ShortConv layers (the ones with recurrent state)."""
         return tuple(i for i, t in enumerate(self.layer_types) if t == "conv")
+
+    @property
+    def attention_layers(self) -> tuple[int, ...]:
+        """Indices of the full-attention layers (the ones with KV)."""
+        return tuple(i for i, t in enumerate(self.layer_types) if t == "full_attention")
+
+    @property
+    def head_dim(self) -> int:
+        """Per-head width of the attention layers (``hidden_size // num_attention_heads``)."""
+        return self.hidden_size // self.num_attention_heads
 
     @property
     def ff_dim(self) -> int:

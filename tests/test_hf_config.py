@@ -36,6 +36,8 @@ DEFAULT_CASES = [
     ("lfm2", "block_multiple_of", "block_multiple_of"),
     ("lfm2", "block_ffn_dim_multiplier", "block_ffn_dim_multiplier"),
     ("lfm2", "block_auto_adjust_ff_dim", "block_auto_adjust_ff_dim"),
+    ("lfm2", "num_attention_heads", "num_attention_heads"),
+    ("lfm2", "num_key_value_heads", "num_key_value_heads"),
     ("mamba2", "vocab_size", "vocab_size"),
     ("mamba2", "hidden_size", "hidden_size"),
     ("mamba2", "num_layers", "num_hidden_layers"),
@@ -118,7 +120,7 @@ def test_lfm2_aliases_win_as_in_transformers():
 def test_values_derived_only_where_transformers_refuses():
     """layer_types without num_hidden_layers and Mamba2 without num_heads: transformers' fixed
     defaults (32 layers, 128 heads) would make it refuse these configs; the reader derives."""
-    lfm2 = {"model_type": "lfm2", "layer_types": ["conv", "conv", "full_attention"]}
+    lfm2 = {"model_type": "lfm2", "layer_types": ["conv", "conv", "full_attention"]}  # 2560/32
     mamba2 = {"model_type": "mamba2", "hidden_size": 64, "head_dim": 16, "n_groups": 2}
     assert ModelConfig.from_dict(lfm2).num_layers == 3
     assert ModelConfig.from_dict(mamba2).num_heads == 8

@@ -18,9 +18,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from statebridge.errors import ConfigError
-from statebridge.state.spec import Segment, Sharding, StateSpec, StateTensorSpec
+from statebridge.state.spec import KVSpec, Segment, Sharding, StateSpec, StateTensorSpec
 
 __all__ = ["SegmentShard", "segment_is_replicated", "shard_segments", "local_channels",
+           "kv_heads", "kv_is_replicated",
            "check_tp"]
 
 
@@ -104,8 +105,34 @@ def local_channels(tensor: StateTensorSpec, tp_size: int) -> int:
     return sum(s.size for s in shard_segments(tensor, tp_size, 0))
 
 
+def kv_heads(kv: KVSpec, tp_size: int, tp_rank: int) -> tuple[int, int]:
+    """``(first global KV head, count)`` held by rank ``tp_rank`` of ``tp_size``: an equal split
+    when ``num_kv_heads % tp_size == 0``; one head per rank when ``tp_size`` is a multiple of
+    ``num_kv_heads`` (consecutive ranks share it: rank r holds head ``r * heads // tp_size``,
+    as vLLM's GQA weight partitioning does); anything else is a ConfigError naming both."""
+    _check_tp_size(tp_size)
+    if not 0 <= tp_rank < tp_size:
+        raise ConfigError(f"tp_rank must be in [0, {tp_size}), got {tp_rank!r}")
+    heads = kv.num_kv_heads
+    if heads % tp_size == 0:
+        per = heads // tp_size
+        return tp_rank * per, per
+    if tp_size % heads == 0:
+        return tp_rank * heads // tp_size, 1
+    raise ConfigError(f"num_kv_heads={heads} cannot be split over tp_size={tp_size} (needs "
+                      f"num_kv_heads % tp_size == 0, or tp_size a multiple of num_kv_heads)")
+
+
+def kv_is_replicated(kv: KVSpec, tp_size: int) -> bool:
+    """Whether ranks of ``tp_size`` share KV heads (tp_size > num_kv_heads)."""
+    kv_heads(kv, tp_size, 0)
+    return tp_size > kv.num_kv_heads
+
+
 def check_tp(spec: StateSpec, tp_size: int) -> None:
     """Raise ConfigError if any tensor of ``spec`` cannot be sharded over ``tp_size`` ranks."""
     for group in spec.groups:
         for tensor in group.tensors:
             shard_segments(tensor, tp_size, 0)
+    if spec.kv is not None:
+        kv_heads(spec.kv, tp_size, 0)

@@ -18,6 +18,12 @@ holds the one group) when ``G == 1``; anything else is a :class:`~statebridge.er
 Layers whose state tensors have identical shapes and dtypes form one :class:`LayerGroup`; a page
 stores each tensor of a group as one region (see :mod:`statebridge.state.layout`).
 
+Attention layers carry KV instead (:class:`KVSpec`): per token and layer, K and V of
+``num_kv_heads x head_dim``, growing with the request's tokens, kept in a per-rank block pool
+beside the pages (:mod:`statebridge.state.kv`). KV heads are split across TP when
+``num_kv_heads % tp == 0`` and replicated (consecutive ranks share a head) when ``tp`` is a
+multiple of ``num_kv_heads``.
+
 The spec carries no TP size: sharding is computed by :mod:`statebridge.state.sharding`.
 """
 
@@ -42,6 +48,7 @@ __all__ = [
     "Segment",
     "StateTensorSpec",
     "LayerGroup",
+    "KVSpec",
     "StateSpec",
 ]
 
@@ -141,17 +148,67 @@ class LayerGroup:
 
 
 @dataclass(frozen=True, slots=True)
+class KVSpec:
+    """The attention KV of a model: for every layer of ``layer_ids`` and every token, K and V of
+    ``num_kv_heads x head_dim`` elements of ``dtype`` (global sizes)."""
+
+    layer_ids: tuple[int, ...]
+    num_kv_heads: int
+    head_dim: int
+    dtype: str
+
+    def __post_init__(self) -> None:
+        if not self.layer_ids:
+            raise ConfigError("KV spec without attention layers")
+        if len(set(self.layer_ids)) != len(self.layer_ids) or min(self.layer_ids) < 0:
+            raise ConfigError(f"KV spec: layer ids {list(self.layer_ids)} must be distinct and "
+                              f">= 0")
+        for name in ("num_kv_heads", "head_dim"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise ConfigError(f"KV spec: {name} must be a positive integer, got {value!r}")
+        dtype_from_name(self.dtype)
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.layer_ids)
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return DTYPES[self.dtype]
+
+    @property
+    def itemsize(self) -> int:
+        return self.torch_dtype.itemsize
+
+    def bytes_per_token(self) -> int:
+        """Global (TP=1) K and V bytes of one token over every attention layer."""
+        return self.num_layers * 2 * self.num_kv_heads * self.head_dim * self.itemsize
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"layer_ids": list(self.layer_ids), "num_kv_heads": self.num_kv_heads,
+                "head_dim": self.head_dim, "dtype": self.dtype}
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> "KVSpec":
+        return cls(tuple(int(i) for i in data["layer_ids"]), int(data["num_kv_heads"]),
+                   int(data["head_dim"]), data["dtype"])
+
+
+@dataclass(frozen=True, slots=True)
 class StateSpec:
     """Every recurrent state tensor of a model, grouped by identical layer shapes.
 
     ``layer_types`` lists every decoder layer's type (``"conv"``, ``"mamba2"``,
-    ``"full_attention"``); only stateful layers appear in ``groups``.
+    ``"full_attention"``); only recurrent-state layers appear in ``groups``, attention layers
+    in ``kv`` (None for a model without attention).
     """
 
     model_type: str
     groups: tuple[LayerGroup, ...]
     layer_types: tuple[str, ...] = field(default=())
     conv_kernel: int = 0
+    kv: KVSpec | None = None
 
     def __post_init__(self) -> None:
         if not self.groups:
@@ -161,20 +218,23 @@ class StateSpec:
     @classmethod
     def from_config(cls, config: ModelConfig | Mapping[str, Any], *,
                     dtype: str | torch.dtype | None = None,
-                    ssm_dtype: str | torch.dtype | None = None) -> "StateSpec":
+                    ssm_dtype: str | torch.dtype | None = None,
+                    kv_dtype: str | torch.dtype | None = None) -> "StateSpec":
         """Build the spec from a :class:`~statebridge.hf_config.ModelConfig` or a Hugging Face
         ``config.json`` dict (read by :meth:`ModelConfig.from_dict
         <statebridge.hf_config.ModelConfig.from_dict>`, the one reader).
 
         ``dtype`` overrides the model dtype for every state tensor (default: the config's
         ``dtype``, else ``torch_dtype``, else float32). ``ssm_dtype`` sets the SSM state dtype
-        alone (e.g. ``"float32"`` for an fp32 SSM state beside a bf16 conv state).
+        alone (e.g. ``"float32"`` for an fp32 SSM state beside a bf16 conv state); ``kv_dtype``
+        the attention KV's (default: the model dtype, or ``dtype``).
         """
         model = config if isinstance(config, ModelConfig) else ModelConfig.from_dict(config)
         conv_dtype = dtype_from_name(dtype) if dtype is not None else model.dtype
         ssm = dtype_from_name(ssm_dtype) if ssm_dtype is not None else conv_dtype
+        kv = dtype_from_name(kv_dtype) if kv_dtype is not None else conv_dtype
         if isinstance(model, Lfm2ModelConfig):
-            return _lfm2(model, conv_dtype)
+            return _lfm2(model, conv_dtype, kv)
         if isinstance(model, Mamba2ModelConfig):
             return _mamba2(model, conv_dtype, ssm)
         raise UnsupportedModelError(f"no state spec for model_type {model.model_type!r}")
@@ -190,13 +250,18 @@ class StateSpec:
         return sum(g.num_layers for g in self.groups)
 
     def bytes_per_request(self) -> int:
-        """Global (TP=1, unpadded) state bytes of one request."""
+        """Global (TP=1, unpadded) recurrent-state bytes of one request (KV comes on top:
+        :meth:`kv_bytes`)."""
         return sum(g.num_layers * t.channels * t.inner_numel * t.itemsize
                    for g in self.groups for t in g.tensors)
 
+    def kv_bytes(self, tokens: int) -> int:
+        """Global (TP=1) KV bytes of ``tokens`` tokens (0 without attention layers)."""
+        return 0 if self.kv is None else tokens * self.kv.bytes_per_token()
+
     def to_dict(self) -> dict[str, Any]:
         """Plain-data description (stable; used for the compatibility hash and ``--json``)."""
-        return {
+        out = {
             "model_type": self.model_type,
             "conv_kernel": self.conv_kernel,
             "layer_types": list(self.layer_types),
@@ -219,6 +284,9 @@ class StateSpec:
                 for g in self.groups
             ],
         }
+        if self.kv is not None:                   # absent without attention: old hashes hold
+            out["kv"] = self.kv.to_dict()
+        return out
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> "StateSpec":
@@ -237,8 +305,9 @@ class StateSpec:
                             dtype=t["dtype"])
                         for t in g["tensors"]))
                 for g in data["groups"])
+            kv = KVSpec.from_dict(data["kv"]) if data.get("kv") is not None else None
             return cls(data["model_type"], groups, tuple(data["layer_types"]),
-                       int(data["conv_kernel"]))
+                       int(data["conv_kernel"]), kv)
         except (KeyError, TypeError, ValueError) as e:
             raise ConfigError(f"malformed state spec description: {type(e).__name__}: {e}") from None
 
@@ -274,7 +343,7 @@ def _group_layers(layers: list[tuple[int, tuple[StateTensorSpec, ...]]]) -> tupl
     return tuple(LayerGroup(tuple(members[t]), t) for t in order)
 
 
-def _lfm2(config: Lfm2ModelConfig, conv_dtype: str) -> StateSpec:
+def _lfm2(config: Lfm2ModelConfig, conv_dtype: str, kv_dtype: str) -> StateSpec:
     kernel = config.conv_L_cache
     if kernel < 2:
         raise ConfigError(f"lfm2: conv_L_cache must be >= 2 to carry state, got {kernel}")
@@ -285,7 +354,10 @@ def _lfm2(config: Lfm2ModelConfig, conv_dtype: str) -> StateSpec:
     layers = [(i, (conv,)) for i in config.conv_layers]
     if not layers:
         raise UnsupportedModelError("lfm2: config has no conv layers (layer_types are all attention)")
-    return StateSpec("lfm2", _group_layers(layers), config.layer_types, kernel)
+    attention = config.attention_layers
+    kv = KVSpec(attention, config.num_key_value_heads, config.head_dim, kv_dtype) \
+        if attention else None
+    return StateSpec("lfm2", _group_layers(layers), config.layer_types, kernel, kv)
 
 
 def _mamba2(config: Mamba2ModelConfig, conv_dtype: str, ssm_dtype: str) -> StateSpec:

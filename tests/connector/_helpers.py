@@ -25,6 +25,7 @@ FAST = ConnectorConfig(heartbeat_interval=0.1, peer_timeout=1.0, lease_timeout=3
 SPECS = {
     "shortconv": StateSpec.from_config(
         {"model_type": "lfm2", "hidden_size": 40, "conv_L_cache": 3, "torch_dtype": "bfloat16",
+         "num_attention_heads": 4, "num_key_value_heads": 2,
          "layer_types": ["conv", "full_attention", "conv", "conv"]}),
     "mamba2-g1": StateSpec.from_config(
         {"model_type": "mamba2", "hidden_size": 16, "expand": 2, "head_dim": 4, "state_size": 6,

@@ -13,6 +13,7 @@ from statebridge.state.layout import PageGeometry
 from statebridge.state.spec import StateSpec
 
 SPEC = StateSpec.from_config({"model_type": "lfm2", "hidden_size": 6, "conv_L_cache": 4,
+                              "num_attention_heads": 2, "num_key_value_heads": 1,
                               "layer_types": ["conv", "full_attention", "conv"]})
 
 

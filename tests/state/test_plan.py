@@ -22,6 +22,7 @@ LAYOUTS = ("LSD", "LDS", "DLS")
 # head_dim 3, d_state 5; n_groups 8 (split) or 1 (replicated B/C).
 SPEC_CONFIGS = {
     "shortconv": ({"model_type": "lfm2", "hidden_size": 40, "conv_L_cache": 3,
+                   "num_attention_heads": 4, "num_key_value_heads": 2,
                    "layer_types": ["conv", "conv", "full_attention", "conv"],
                    "torch_dtype": "bfloat16"}, {}),
     "mamba2-g8": ({"model_type": "mamba2", "hidden_size": 12, "expand": 2, "head_dim": 3,

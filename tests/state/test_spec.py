@@ -120,6 +120,6 @@ def test_defaults_agree_with_transformers():
     """Without layer_types or full_attn_idxs transformers' Lfm2Config makes every layer
     attention; Mamba2Config's n_groups defaults to 8."""
     with pytest.raises(UnsupportedModelError, match="no conv"):
-        StateSpec.from_config({"model_type": "lfm2", "hidden_size": 8, "num_hidden_layers": 2})
+        StateSpec.from_config({"model_type": "lfm2", "hidden_size": 64, "num_hidden_layers": 2})
     spec = StateSpec.from_config({k: v for k, v in MAMBA2_2_7B.items() if k != "n_groups"})
     assert spec.groups[0].tensors[0].segments[1].groups == 8

@@ -1,0 +1,401 @@
+"""Attention KV beside the recurrent state: the per-rank block pool, its layouts, and the KV part
+of the transfer plan.
+
+A rank keeps the KV of every request in ONE registrable buffer of ``num_blocks`` fixed-size
+token blocks (``block_size`` tokens each), separate from the recurrent-state pages, so neither
+is padded to the other. A block holds every attention layer's K and V for its tokens, of the
+rank's KV heads. The buffer is a 6-axis array whose physical axis order is data (carried in the
+handshake, like page layouts)::
+
+    B  block        H  KV head (local)   L  attention layer
+    C  K or V       T  token in block    E  head_dim (always innermost)
+
+    preset  order    a rank pair's head range of a request ...
+    "HB"    HBLCTE   heads outermost over the pool: one run per head for a contiguous
+                     block range -- independent of the layers and of the block count
+    "BH"    BHLCTE   heads outermost inside each block: ONE run per block for all layers;
+                     consecutive blocks coalesce where a side moves all its heads
+    "LH"    BLCHTE   per layer, K then V, head-major (what vLLM registers): runs grow
+                     with layers x 2 x blocks
+
+A request owns a block table: physical block ids, the same on every rank of a group (as page
+ids are). :class:`BlockPool` hands out contiguous ranges when it can, so a request's blocks
+coalesce into few runs.
+
+The plan (:class:`KVPlan`) is integer arithmetic computed once per (source group, destination
+group): per rank pair, the runs of one block at block id 0 on both sides
+(:attr:`KVPairPlan.block_runs`); per request only the block bases are added
+(:meth:`KVPairPlan.runs`) and adjacent runs coalesced. A replicated KV head (TP above the
+number of KV heads) is read from exactly one source rank. The last block of a prompt moves
+whole: its slots past the prompt carry bytes the decode side overwrites before it reads them
+(it reads positions below its sequence length only), so the runs do not depend on the prompt
+length inside a block.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Iterator, Sequence
+
+import numpy as np
+import torch
+
+from statebridge.errors import CacheFullError, ConfigError, DoubleFreeError, LayoutError, \
+    ShapeError, UnknownPageError
+from statebridge.state.sharding import kv_heads
+from statebridge.state.spec import KVSpec
+
+__all__ = ["KV_AXES", "KV_LAYOUT_PRESETS", "DEFAULT_KV_LAYOUT", "DEFAULT_BLOCK_SIZE", "KVLayout",
+           "BlockGeometry", "BlockPool", "KVPairPlan", "KVPlan", "blocks_for"]
+
+KV_AXES = "BHLCTE"
+KV_LAYOUT_PRESETS: dict[str, str] = {"HB": "HBLCTE", "BH": "BHLCTE", "LH": "BLCHTE"}
+DEFAULT_KV_LAYOUT = "HB"
+DEFAULT_BLOCK_SIZE = 16
+
+_EMPTY = np.zeros((0, 3), dtype=np.int64)
+
+
+def blocks_for(tokens: int, block_size: int) -> int:
+    """Blocks a request of ``tokens`` tokens needs."""
+    if tokens < 0:
+        raise ConfigError(f"token count must be >= 0, got {tokens}")
+    return -(-tokens // block_size)
+
+
+@dataclass(frozen=True, slots=True)
+class KVLayout:
+    """The physical axis order of a KV block pool (a permutation of ``BHLCTE``, ``E`` last)."""
+
+    order: str = KV_LAYOUT_PRESETS[DEFAULT_KV_LAYOUT]
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.order, str) or sorted(self.order) != sorted(KV_AXES) \
+                or not self.order.endswith("E"):
+            raise LayoutError(f"KV block order {self.order!r} is not a permutation of "
+                              f"{KV_AXES!r} ending in 'E'; presets: "
+                              f"{', '.join(f'{k}={v}' for k, v in KV_LAYOUT_PRESETS.items())}")
+
+    @classmethod
+    def parse(cls, name: "str | KVLayout") -> "KVLayout":
+        """A preset (``"HB"``, ``"BH"``, ``"LH"``) or an explicit order like ``"BHLCTE"``."""
+        if isinstance(name, KVLayout):
+            return name
+        if not isinstance(name, str):
+            raise LayoutError(f"KV layout must be a string, got {name!r}")
+        return cls(KV_LAYOUT_PRESETS.get(name, name))
+
+    @property
+    def name(self) -> str:
+        for preset, order in KV_LAYOUT_PRESETS.items():
+            if order == self.order:
+                return preset
+        return self.order
+
+    def __str__(self) -> str:
+        return self.name
+
+
+class BlockGeometry:
+    """Byte geometry of the KV block pool of every rank of one TP group (all ranks hold the
+    same number of heads)."""
+
+    def __init__(self, kv: KVSpec, tp_size: int, layout: "KVLayout | str", block_size: int,
+                 num_blocks: int) -> None:
+        for name, value in (("block_size", block_size), ("num_blocks", num_blocks)):
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ConfigError(f"{name} must be a positive integer, got {value!r}")
+        self.kv = kv
+        self.tp_size = tp_size
+        self.layout = KVLayout.parse(layout)
+        self.block_size = block_size
+        self.num_blocks = num_blocks
+        _, heads = kv_heads(kv, tp_size, 0)       # ConfigError for an impossible split
+        self.heads = heads
+        self.dim = {"B": num_blocks, "H": heads, "L": kv.num_layers, "C": 2, "T": block_size,
+                    "E": kv.head_dim}
+        self.itemsize = kv.itemsize
+        strides, step = {}, 1
+        for axis in reversed(self.layout.order):
+            strides[axis] = step
+            step *= self.dim[axis]
+        self.strides = strides                    # elements
+        self.nbytes = step * self.itemsize
+
+    def head_range(self, tp_rank: int) -> tuple[int, int]:
+        """(first global head, count) of rank ``tp_rank``."""
+        return kv_heads(self.kv, self.tp_size, tp_rank)
+
+    @property
+    def block_stride(self) -> int:
+        """Bytes between block b and b+1 of the same (head, layer, K/V, token)."""
+        return self.strides["B"] * self.itemsize
+
+    @property
+    def bytes_per_block(self) -> int:
+        """Data bytes of one block on one rank."""
+        return self.nbytes // self.num_blocks
+
+    def offset(self, block: int, head: int, layer: int, kv: int, token: int) -> int:
+        """Byte offset of element 0 of ``head_dim`` (local head; layer index among the
+        attention layers; kv 0 = K, 1 = V)."""
+        s = self.strides
+        return (block * s["B"] + head * s["H"] + layer * s["L"] + kv * s["C"] + token * s["T"]) \
+            * self.itemsize
+
+    def view(self, buffer: torch.Tensor, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V of attention layer ``layer`` (its index among the attention layers) as
+        strided views ``[blocks, heads, block_size, head_dim]`` of ``buffer`` (the pool's
+        bytes, uint8) -- whatever the layout."""
+        if buffer.dtype != torch.uint8 or buffer.dim() != 1 or buffer.numel() < self.nbytes:
+            raise ShapeError(f"KV pool buffer must be 1-D uint8 of >= {self.nbytes} bytes, got "
+                             f"{buffer.dtype} {tuple(buffer.shape)}")
+        if not 0 <= layer < self.kv.num_layers:
+            raise ShapeError(f"attention layer index {layer} not in [0, {self.kv.num_layers})")
+        typed = buffer[:self.nbytes].view(self.kv.torch_dtype)
+        s = self.strides
+        shape = (self.num_blocks, self.heads, self.block_size, self.kv.head_dim)
+        stride = (s["B"], s["H"], s["T"], s["E"])
+        base = layer * s["L"]
+        return (typed.as_strided(shape, stride, base),
+                typed.as_strided(shape, stride, base + s["C"]))
+
+    def describe(self) -> dict[str, Any]:
+        return {"layout": self.layout.name, "order": self.layout.order,
+                "block_size": self.block_size, "num_blocks": self.num_blocks,
+                "heads": self.heads, "nbytes": self.nbytes}
+
+
+class BlockPool:
+    """Which KV blocks of a group are in use; ids are the same on every rank. Allocation
+    prefers one contiguous range (first fit), else the fewest ranges (largest first)."""
+
+    def __init__(self, num_blocks: int) -> None:
+        if not isinstance(num_blocks, int) or isinstance(num_blocks, bool) or num_blocks < 1:
+            raise ConfigError(f"num_blocks must be a positive integer, got {num_blocks!r}")
+        self.num_blocks = num_blocks
+        self._used = np.zeros(num_blocks, dtype=bool)
+        self._num_used = 0
+
+    @property
+    def num_free(self) -> int:
+        return self.num_blocks - self._num_used
+
+    @property
+    def num_used(self) -> int:
+        return self._num_used
+
+    def _free_ranges(self) -> list[tuple[int, int]]:
+        """Maximal free ranges ``(start, length)`` in id order."""
+        free = ~self._used
+        if not free.any():
+            return []
+        edges = np.diff(np.concatenate([[0], free.view(np.int8), [0]]))
+        starts, stops = np.nonzero(edges == 1)[0], np.nonzero(edges == -1)[0]
+        return [(int(a), int(b - a)) for a, b in zip(starts, stops)]
+
+    def allocate(self, count: int, *, after: int | None = None) -> list[int]:
+        """``count`` block ids (CacheFullError naming wanted / free / total when fewer are
+        free; nothing is taken then). ``after``: a block the request already owns -- the
+        blocks right after it come first, so a growing table stays contiguous."""
+        if not isinstance(count, int) or isinstance(count, bool) or count < 0:
+            raise ConfigError(f"block count must be a non-negative integer, got {count!r}")
+        if count > self.num_free:
+            raise CacheFullError(f"{count} KV blocks wanted, {self.num_free} free of "
+                                 f"{self.num_blocks}")
+        out: list[int] = []
+        if count and after is not None and 0 <= after < self.num_blocks - 1:
+            b = after + 1
+            while len(out) < count and b < self.num_blocks and not self._used[b]:
+                out.append(b)
+                b += 1
+            self._used[out] = True
+        left = count - len(out)
+        if left:
+            ranges = self._free_ranges()
+            fit = [a for a, n in ranges if n >= left]
+            if fit:
+                out.extend(range(fit[0], fit[0] + left))        # first fit: one range
+            else:
+                for a, n in sorted(ranges, key=lambda r: (-r[1], r[0])):   # fewest ranges
+                    take = min(n, left)
+                    out.extend(range(a, a + take))
+                    left -= take
+                    if not left:
+                        break
+        self._used[np.array(out, dtype=np.int64)] = True
+        self._num_used += len(out)
+        return out
+
+    def free(self, blocks: Sequence[int]) -> None:
+        """Return ``blocks`` (DoubleFreeError / UnknownPageError naming the id; nothing is
+        freed then)."""
+        idx = np.asarray(list(blocks), dtype=np.int64)
+        if len(idx) == 0:
+            return
+        bad = idx[(idx < 0) | (idx >= self.num_blocks)]
+        if len(bad):
+            raise UnknownPageError(f"KV block {int(bad[0])} not in [0, {self.num_blocks})")
+        if len(np.unique(idx)) != len(idx) or not self._used[idx].all():
+            first = next(int(b) for b in idx if not self._used[b]) \
+                if not self._used[idx].all() else int(idx[0])
+            raise DoubleFreeError(f"KV block {first} is not allocated (or freed twice)")
+        self._used[idx] = False
+        self._num_used -= len(idx)
+
+    def is_allocated(self, block: int) -> bool:
+        return 0 <= block < self.num_blocks and bool(self._used[block])
+
+
+@dataclass(frozen=True, eq=False)
+class KVPairPlan:
+    """The KV one source rank sends to one destination rank, per block.
+
+    ``heads``: ``(src local head, dst local head, count)`` ranges. ``block_runs``: int64
+    ``[R, 3]`` (src offset, dst offset, length) of one block at block id 0 on both sides,
+    sorted by dst offset and coalesced.
+    """
+
+    src_rank: int
+    dst_rank: int
+    heads: tuple[tuple[int, int, int], ...]
+    block_runs: np.ndarray
+    src_block_stride: int
+    dst_block_stride: int
+    bytes_per_block: int
+
+    def runs(self, src_blocks: Sequence[int], dst_blocks: Sequence[int]) -> np.ndarray:
+        """Absolute runs (pool byte offsets) for a request whose logical blocks live at
+        ``src_blocks`` on the source and ``dst_blocks`` on the destination, coalesced where
+        both sides continue."""
+        if len(src_blocks) != len(dst_blocks):
+            raise ConfigError(f"block tables differ in length: {len(src_blocks)} source, "
+                              f"{len(dst_blocks)} destination")
+        if not len(src_blocks):
+            return _EMPTY
+        base = np.stack([np.asarray(src_blocks, dtype=np.int64) * self.src_block_stride,
+                         np.asarray(dst_blocks, dtype=np.int64) * self.dst_block_stride,
+                         np.zeros(len(src_blocks), dtype=np.int64)], axis=1)
+        runs = (self.block_runs[None, :, :] + base[:, None, :]).reshape(-1, 3)
+        return _coalesce(runs[np.argsort(runs[:, 1], kind="stable")])
+
+    def summary(self, blocks: int) -> dict[str, Any]:
+        runs = self.runs(range(blocks), range(blocks))
+        return {"src_rank": self.src_rank, "dst_rank": self.dst_rank, "kv_runs": len(runs),
+                "kv_bytes": int(runs[:, 2].sum()) if len(runs) else 0}
+
+
+class KVPlan:
+    """KV runs between every (source rank, destination rank) of two block geometries."""
+
+    def __init__(self, src: BlockGeometry, dst: BlockGeometry) -> None:
+        if src.kv != dst.kv:
+            raise ConfigError(f"source and destination KV specs differ: {src.kv} != {dst.kv}")
+        if src.block_size != dst.block_size:
+            raise ConfigError(f"KV block sizes differ: source {src.block_size}, destination "
+                              f"{dst.block_size} tokens")
+        self.src, self.dst, self.kv = src, dst, src.kv
+        pairs: dict[tuple[int, int], KVPairPlan] = {}
+        for d in range(dst.tp_size):
+            for s, heads in _sources(src, dst, d).items():
+                pairs[(s, d)] = _pair(src, dst, s, d, tuple(heads))
+        self.pairs = dict(sorted(pairs.items()))
+
+    def __iter__(self) -> Iterator[KVPairPlan]:
+        return iter(self.pairs.values())
+
+    def pair(self, src_rank: int, dst_rank: int) -> KVPairPlan | None:
+        return self.pairs.get((src_rank, dst_rank))
+
+    def for_source(self, src_rank: int) -> list[KVPairPlan]:
+        return [p for p in self if p.src_rank == src_rank]
+
+    def for_destination(self, dst_rank: int) -> list[KVPairPlan]:
+        return [p for p in self if p.dst_rank == dst_rank]
+
+    def blocks(self, tokens: int) -> int:
+        return blocks_for(tokens, self.src.block_size)
+
+    def summary(self, tokens: int) -> dict[str, Any]:
+        """Runs and bytes per rank pair and in total for a prompt of ``tokens`` KV tokens, with
+        contiguous block tables on both sides."""
+        n = self.blocks(tokens)
+        pairs = [p.summary(n) for p in self]
+        return {"tokens": tokens, "blocks": n, "block_size": self.src.block_size,
+                "src_layout": self.src.layout.name, "dst_layout": self.dst.layout.name,
+                "kv_runs": sum(p["kv_runs"] for p in pairs),
+                "kv_bytes": sum(p["kv_bytes"] for p in pairs), "pairs": pairs}
+
+
+def _sources(src: BlockGeometry, dst: BlockGeometry, d: int) -> dict[int, list]:
+    """Source rank -> ``[src local head, dst local head, count]`` ranges feeding rank ``d``.
+    A head several source ranks hold (replicated source) comes from the lowest of them."""
+    d_start, d_count = dst.head_range(d)
+    holders: dict[int, int] = {}
+    for s in range(src.tp_size):
+        s_start, s_count = src.head_range(s)
+        for h in range(s_start, s_start + s_count):
+            holders.setdefault(h, s)
+    out: dict[int, list] = {}
+    for i in range(d_count):
+        h = d_start + i
+        s = holders[h]
+        s_start, _ = src.head_range(s)
+        ranges = out.setdefault(s, [])
+        if ranges and ranges[-1][0] + ranges[-1][2] == h - s_start \
+                and ranges[-1][1] + ranges[-1][2] == i:
+            ranges[-1][2] += 1
+        else:
+            ranges.append([h - s_start, i, 1])
+    return {s: [tuple(r) for r in rs] for s, rs in out.items()}
+
+
+def _pair(src: BlockGeometry, dst: BlockGeometry, s: int, d: int,
+          heads: tuple[tuple[int, int, int], ...]) -> KVPairPlan:
+    units = [_units(src, dst, sh, dh, n) for sh, dh, n in heads]
+    runs = np.concatenate(units) if units else _EMPTY
+    runs = _coalesce(runs[np.argsort(runs[:, 1], kind="stable")])
+    nbytes = int(runs[:, 2].sum())
+    return KVPairPlan(s, d, heads, runs, src.block_stride, dst.block_stride, nbytes)
+
+
+def _units(src: BlockGeometry, dst: BlockGeometry, src_head: int, dst_head: int,
+           count: int) -> np.ndarray:
+    """Paired runs ``[U, 3]`` of ``count`` heads of block 0: the longest trailing axes that are
+    in the same order on both sides and full on both are one unit."""
+    ext = dict(dst.dim)
+    ext["B"], ext["H"] = 1, count
+    unit_axes: list[str] = []
+    for a_src, a_dst in zip(reversed(src.layout.order), reversed(dst.layout.order)):
+        if a_src != a_dst:
+            break
+        unit_axes.append(a_dst)
+        if ext[a_dst] != src.dim[a_dst] or ext[a_dst] != dst.dim[a_dst]:
+            break
+    item = src.itemsize
+    unit_bytes = math.prod(ext[a] for a in unit_axes) * item
+    src_off = np.array(src_head * src.strides["H"] * item, dtype=np.int64)
+    dst_off = np.array(dst_head * dst.strides["H"] * item, dtype=np.int64)
+    for axis in dst.layout.order:
+        if axis in unit_axes:
+            continue
+        idx = np.arange(ext[axis], dtype=np.int64)
+        src_off = src_off[..., None] + idx * (src.strides[axis] * item)
+        dst_off = dst_off[..., None] + idx * (dst.strides[axis] * item)
+    src_off, dst_off = src_off.reshape(-1), dst_off.reshape(-1)
+    return np.stack([src_off, dst_off, np.full_like(src_off, unit_bytes)], axis=1)
+
+
+def _coalesce(runs: np.ndarray) -> np.ndarray:
+    """Merge consecutive runs (sorted by dst offset) that continue on both sides."""
+    if len(runs) <= 1:
+        return runs
+    join = (runs[1:, 0] == runs[:-1, 0] + runs[:-1, 2]) & \
+        (runs[1:, 1] == runs[:-1, 1] + runs[:-1, 2])
+    starts = np.concatenate([[0], np.nonzero(~join)[0] + 1])
+    stops = np.concatenate([starts[1:], [len(runs)]])
+    merged = runs[starts].copy()
+    last = stops - 1
+    merged[:, 2] = runs[last, 0] + runs[last, 2] - runs[starts, 0]
+    return merged
