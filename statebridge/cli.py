@@ -22,6 +22,7 @@ import threading
 from typing import Sequence
 
 from statebridge.errors import StatebridgeError
+from statebridge.state.kv import DEFAULT_BLOCK_SIZE, DEFAULT_KV_LAYOUT, KV_LAYOUT_PRESETS
 from statebridge.state.layout import LAYOUT_PRESETS
 from statebridge.state.plan import TransferPlan
 from statebridge.state.spec import StateSpec
@@ -36,6 +37,17 @@ def _positive_int(text: str) -> int:
         raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
     if value < 1:
         raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+    return value
+
+
+def _non_negative_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a non-negative integer, got {text!r}") \
+            from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected a non-negative integer, got {text!r}")
     return value
 
 
@@ -56,20 +68,46 @@ def _add_plan(sub: argparse._SubParsersAction) -> None:
                    help="state dtype (default: the config's dtype, else torch_dtype)")
     p.add_argument("--ssm-dtype", default=None,
                    help="SSM state dtype alone, e.g. float32 (default: --dtype)")
+    p.add_argument("--kv-dtype", default=None,
+                   help="attention KV dtype (default: --dtype)")
+    p.add_argument("--prompt-len", type=_non_negative_int, default=None, metavar="N",
+                   help="tokens of KV a request carries (hybrid models: the KV part of the plan "
+                        "depends on it)")
+    p.add_argument("--kv-layout", default=DEFAULT_KV_LAYOUT,
+                   help=f"KV block layout of both sides: {', '.join(KV_LAYOUT_PRESETS)} or an "
+                        f"order of BHLCTE ending in E (default: {DEFAULT_KV_LAYOUT})")
+    p.add_argument("--decode-kv-layout", default=None,
+                   help="KV block layout of the decode side when it differs (default: "
+                        "--kv-layout)")
+    p.add_argument("--block-size", type=_positive_int, default=DEFAULT_BLOCK_SIZE,
+                   help=f"tokens per KV block (default {DEFAULT_BLOCK_SIZE})")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(func=_cmd_plan)
 
 
 def _cmd_plan(args: argparse.Namespace) -> int:
-    spec = StateSpec.from_pretrained(args.model, dtype=args.dtype, ssm_dtype=args.ssm_dtype)
+    spec = StateSpec.from_pretrained(args.model, dtype=args.dtype, ssm_dtype=args.ssm_dtype,
+                                     kv_dtype=args.kv_dtype)
     plan = TransferPlan.build(spec, args.prefill_tp, args.layout, args.decode_tp,
                               args.decode_layout)
     summary = plan.summary()
+    kv = None
+    if spec.kv is not None and args.prompt_len is not None:
+        kv = _kv_summary(spec, args)
+        summary["kv"] = kv
+        summary["total_messages_per_request"] = summary["messages_per_request"] + kv["kv_runs"]
+        summary["total_bytes_per_request"] = summary["bytes_per_request"] + kv["kv_bytes"]
+    elif spec.kv is not None:
+        summary["kv"] = None
+        summary["note"] = _KV_NOTE.format(layers=spec.kv.num_layers)
     if args.json:
         print(json.dumps(summary))
         return 0
-    print(f"model {spec.model_type}: {spec.num_state_layers} state layers, "
+    print(f"model {spec.model_type}: {spec.num_state_layers} recurrent-state layers, "
           f"{spec.bytes_per_request():,} state bytes per request at TP=1")
+    if spec.kv is not None and kv is None:
+        print(summary["note"])
+        print("recurrent state alone (without KV):")
     for name, side in (("prefill", summary["src"]), ("decode", summary["dst"])):
         print(f"{name}: TP={side['tp']} layout={side['layout']} page={side['page_size']:,} B "
               f"(state {side['data_bytes']:,} B)")
@@ -80,7 +118,35 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     print(f"total per request: {summary['messages_per_request']} messages, "
           f"{summary['bytes_per_request']:,} bytes, "
           f"{summary['staging_bytes_per_request']:,} staging bytes")
+    if kv is not None:
+        print(f"attention KV: {spec.kv.num_layers} layers x {spec.kv.num_kv_heads} KV heads x "
+              f"{spec.kv.head_dim}, {args.prompt_len} tokens = {kv['blocks']} blocks of "
+              f"{kv['block_size']} (layout {kv['src_layout']} -> {kv['dst_layout']}, contiguous "
+              f"block tables in larger pools)")
+        print(f"{'prefill':>7} {'decode':>6} {'KV runs':>8} {'KV bytes':>14}")
+        for pair in kv["pairs"]:
+            print(f"{pair['src_rank']:>7} {pair['dst_rank']:>6} {pair['kv_runs']:>8} "
+                  f"{pair['kv_bytes']:>14,}")
+        print(f"total KV per request: {kv['kv_runs']} runs, {kv['kv_bytes']:,} bytes; "
+              f"with the recurrent state: {summary['total_messages_per_request']} messages, "
+              f"{summary['total_bytes_per_request']:,} bytes")
     return 0
+
+
+_KV_NOTE = ("this model has {layers} attention layers: their KV depends on the prompt length; "
+            "give --prompt-len N for the KV runs and bytes")
+
+
+def _kv_summary(spec: StateSpec, args: argparse.Namespace) -> dict:
+    from statebridge.state.kv import BlockGeometry, KVPlan, blocks_for
+
+    # Pools larger than the request (as in serving): a table spanning a whole pool would
+    # coalesce further than any real one.
+    pool = 2 * blocks_for(args.prompt_len, args.block_size) + 1
+    src = BlockGeometry(spec.kv, args.prefill_tp, args.kv_layout, args.block_size, pool)
+    dst = BlockGeometry(spec.kv, args.decode_tp, args.decode_kv_layout or args.kv_layout,
+                        args.block_size, pool)
+    return KVPlan(src, dst).summary(args.prompt_len)
 
 
 def _config_args(p: argparse.ArgumentParser) -> None:

@@ -42,8 +42,51 @@ def test_plan_table_and_directory_model(tmp_path):
     (tmp_path / "config.json").write_text((CONFIGS / "lfm2-1.2b.json").read_text())
     out = run("plan", "--model", str(tmp_path), "--prefill-tp", "2", "--decode-tp", "1")
     assert out.returncode == 0, out.stderr
-    assert "10 state layers" in out.stdout
+    assert "10 recurrent-state layers" in out.stdout
     assert "total per request: 2 messages, 81,920 bytes" in out.stdout
+    # LFM2-1.2B has 6 attention layers: without --prompt-len the plan says KV is missing.
+    assert "6 attention layers: their KV depends on the prompt length" in out.stdout
+
+
+# LFM2-1.2B: 6 attention layers x 8 KV heads x 64 x bf16 = 12,288 KV bytes per token (TP=1).
+KV_BYTES_PER_TOKEN = 6 * 2 * 8 * 64 * 2
+
+
+@pytest.mark.parametrize("p,d,kv_layout,tokens,runs", [
+    (1, 4, "HB", 1024, 4 * 2),        # 4 pairs x 2 heads each: one run per head
+    (4, 1, "HB", 1024, 4 * 2),
+    (2, 4, "HB", 1024, 4 * 2),
+    (1, 4, "BH", 1024, 4 * 64),       # one run per block (the source holds more heads)
+    (2, 2, "BH", 1024, 2),            # equal TP: the whole table is one run per pair
+    (1, 4, "HB", 1, 4 * 2),           # a 1-token prompt moves one whole block
+    (1, 4, "HB", 17, 4 * 2),
+])
+def test_plan_prompt_len_adds_kv(p, d, kv_layout, tokens, runs):
+    out = run("plan", "--model", str(CONFIGS / "lfm2-1.2b.json"), "--prefill-tp", str(p),
+              "--decode-tp", str(d), "--prompt-len", str(tokens), "--kv-layout", kv_layout,
+              "--json")
+    assert out.returncode == 0, out.stderr
+    summary = json.loads(out.stdout)
+    kv = summary["kv"]
+    blocks = -(-tokens // 16)
+    assert kv["blocks"] == blocks and kv["block_size"] == 16
+    assert kv["kv_bytes"] == blocks * 16 * KV_BYTES_PER_TOKEN           # whole blocks move
+    assert kv["kv_runs"] == runs == sum(x["kv_runs"] for x in kv["pairs"])
+    assert summary["total_messages_per_request"] == summary["messages_per_request"] + runs
+    assert summary["total_bytes_per_request"] == summary["bytes_per_request"] + kv["kv_bytes"]
+
+
+def test_plan_kv_runs_do_not_grow_with_layers_in_the_heads_outermost_layout(tmp_path):
+    config = json.loads((CONFIGS / "lfm2-1.2b.json").read_text())
+    config["layer_types"] = ["conv", "full_attention"] * 8                # 8 attention layers
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    def kv_runs(model, layout):
+        out = run("plan", "--model", str(model), "--prefill-tp", "1", "--decode-tp", "4",
+                  "--prompt-len", "1024", "--kv-layout", layout, "--json")
+        assert out.returncode == 0, out.stderr
+        return json.loads(out.stdout)["kv"]["kv_runs"]
+    assert kv_runs(tmp_path, "HB") == kv_runs(CONFIGS / "lfm2-1.2b.json", "HB") == 8
+    assert kv_runs(tmp_path, "LH") > kv_runs(CONFIGS / "lfm2-1.2b.json", "LH")
 
 
 @pytest.mark.parametrize("args,needle", [
