@@ -147,17 +147,23 @@ class BlockGeometry:
     def view(self, buffer: torch.Tensor, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V of attention layer ``layer`` (its index among the attention layers) as
         strided views ``[blocks, heads, block_size, head_dim]`` of ``buffer`` (the pool's
-        bytes, uint8) -- whatever the layout."""
+        bytes, uint8, contiguous; it may start inside a larger allocation) -- whatever the
+        layout."""
         if buffer.dtype != torch.uint8 or buffer.dim() != 1 or buffer.numel() < self.nbytes:
             raise ShapeError(f"KV pool buffer must be 1-D uint8 of >= {self.nbytes} bytes, got "
                              f"{buffer.dtype} {tuple(buffer.shape)}")
+        if buffer.stride(0) != 1 or buffer.storage_offset() % self.itemsize:
+            raise ShapeError(f"KV pool buffer must be contiguous and start on a multiple of "
+                             f"{self.itemsize} bytes, got stride {buffer.stride(0)}, storage "
+                             f"offset {buffer.storage_offset()}")
         if not 0 <= layer < self.kv.num_layers:
             raise ShapeError(f"attention layer index {layer} not in [0, {self.kv.num_layers})")
         typed = buffer[:self.nbytes].view(self.kv.torch_dtype)
         s = self.strides
         shape = (self.num_blocks, self.heads, self.block_size, self.kv.head_dim)
         stride = (s["B"], s["H"], s["T"], s["E"])
-        base = layer * s["L"]
+        # as_strided's offset counts from the storage, not from ``typed``: add typed's own.
+        base = typed.storage_offset() + layer * s["L"]
         return (typed.as_strided(shape, stride, base),
                 typed.as_strided(shape, stride, base + s["C"]))
 
@@ -237,10 +243,11 @@ class BlockPool:
         bad = idx[(idx < 0) | (idx >= self.num_blocks)]
         if len(bad):
             raise UnknownPageError(f"KV block {int(bad[0])} not in [0, {self.num_blocks})")
-        if len(np.unique(idx)) != len(idx) or not self._used[idx].all():
-            first = next(int(b) for b in idx if not self._used[b]) \
-                if not self._used[idx].all() else int(idx[0])
-            raise DoubleFreeError(f"KV block {first} is not allocated (or freed twice)")
+        seen: set[int] = set()
+        for b in idx.tolist():                    # the first id not allocated or repeated
+            if not self._used[b] or b in seen:
+                raise DoubleFreeError(f"KV block {b} is not allocated (or freed twice)")
+            seen.add(b)
         self._used[idx] = False
         self._num_used -= len(idx)
 
