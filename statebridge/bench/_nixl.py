@@ -50,7 +50,7 @@ import numpy as np
 
 from statebridge.errors import ConfigError
 
-__all__ = ["NixlOptions", "NixlPool", "nixl_available", "pattern_block"]
+__all__ = ["NixlOptions", "NixlPool", "SlotPlan", "nixl_available", "pattern_block"]
 
 _MODULES = ("nixl_cu12", "nixl")
 _WAITS = ("spin", "yield")
@@ -226,10 +226,12 @@ def _read(state: dict, *, sources: Sequence[tuple[str, int, np.ndarray]], src_pa
     for name, src_ptr, runs in sources:
         r = len(runs)
         page_idx = np.repeat(np.arange(pages, dtype=np.int64), r)
-        tiled = np.tile(runs, (pages, 1))
+        tiled = np.tile(_with_strides(runs, src_page, dst_page), (pages, 1))
         zeros = np.zeros(len(tiled), dtype=np.int64)
-        remote = np.column_stack([src_ptr + page_idx * src_page + tiled[:, 0], tiled[:, 2], zeros])
-        local = np.column_stack([dst_ptr + page_idx * dst_page + tiled[:, 1], tiled[:, 2], zeros])
+        remote = np.column_stack([src_ptr + page_idx * tiled[:, 3] + tiled[:, 0], tiled[:, 2],
+                                  zeros])
+        local = np.column_stack([dst_ptr + page_idx * tiled[:, 4] + tiled[:, 1], tiled[:, 2],
+                                 zeros])
         rh = agent.prep_xfer_dlist(name, remote, "DRAM")
         lh = agent.prep_xfer_dlist("NIXL_INIT_AGENT", local, "DRAM")
         state["dlists"] += [rh, lh]
@@ -317,15 +319,28 @@ def _verify(state: dict, *, sources: Sequence[tuple[int, np.ndarray]], src_page:
     for seed, runs in sources:
         block = pattern_block(seed)
         for p in range(pages):
-            for src_off, dst_off, length in runs:
-                start = p * src_page + int(src_off)
+            for src_off, dst_off, length, src_stride, dst_stride in \
+                    _with_strides(runs, src_page, dst_page):
+                start = p * int(src_stride) + int(src_off)
                 expect = block[(start + np.arange(length, dtype=np.int64)) % PATTERN_PERIOD]
-                got = view[p * dst_page + int(dst_off):p * dst_page + int(dst_off) + int(length)]
+                at = p * int(dst_stride) + int(dst_off)
+                got = view[at:at + int(length)]
                 checked += int(length)
                 if not np.array_equal(got, expect) and len(bad) < 8:
                     bad.append({"source": seed, "page": p, "run": [int(src_off), int(dst_off),
                                                                    int(length)]})
     return {"bytes": checked, "bad_runs": bad}
+
+
+def _with_strides(runs, src_page: int, dst_page: int) -> np.ndarray:
+    """Runs as ``[R, 5]`` (src off, dst off, len, src slot stride, dst slot stride): a plain
+    ``[R, 3]`` table moves by one page per slot on both sides; a request's KV runs move by its
+    blocks' stride instead (slot ``s`` owns the ``s``-th range of blocks)."""
+    runs = np.asarray(runs, dtype=np.int64)
+    if runs.shape[1] == 5:
+        return runs
+    return np.column_stack([runs, np.full(len(runs), src_page, dtype=np.int64),
+                            np.full(len(runs), dst_page, dtype=np.int64)])
 
 
 def _cpu_seconds(pid: int) -> float:
@@ -362,6 +377,73 @@ class _Worker:
         return self.recv(timeout)
 
 
+class SlotPlan:
+    """A :class:`~statebridge.state.plan.TransferPlan` plus the KV of ``tokens`` prompt tokens,
+    shaped for :meth:`NixlPool.run_cell`: each buffer is ``pages`` recurrent pages followed by a
+    KV pool of ``pages x blocks`` blocks; slot ``s`` owns page ``s`` and blocks
+    ``[s*blocks, (s+1)*blocks)`` on both sides (contiguous tables), and reads exactly the runs
+    statebridge posts for it: the page's runs, then ``KVPairPlan.runs`` of its blocks."""
+
+    def __init__(self, plan, kv_layouts: tuple[str, str], block_size: int, tokens: int,
+                 pages: int) -> None:
+        from statebridge.state.kv import BlockGeometry, KVPlan, blocks_for
+
+        self.plan, self.src, self.dst, self.pages = plan, plan.src, plan.dst, pages
+        spec = plan.spec
+        self.blocks = max(1, blocks_for(tokens, block_size))
+        pool = pages * self.blocks
+        self.kv_src = BlockGeometry(spec.kv, plan.src.tp_size, kv_layouts[0], block_size, pool)
+        self.kv_dst = BlockGeometry(spec.kv, plan.dst.tp_size, kv_layouts[1], block_size, pool)
+        self.kv = KVPlan(self.kv_src, self.kv_dst)
+        self._src_base = _round64(pages * plan.src.page_size)
+        self._dst_base = _round64(pages * plan.dst.page_size)
+        table = range(self.blocks)
+        self._pairs = []
+        for d in range(plan.dst.tp_size):
+            for s in range(plan.src.tp_size):
+                page = plan.pair(s, d)
+                kv = self.kv.pair(s, d)
+                runs = []
+                if page is not None:
+                    runs.append(_with_strides(page.runs, plan.src.page_size,
+                                              plan.dst.page_size))
+                if kv is not None:
+                    r = kv.runs(table, table)
+                    runs.append(np.column_stack([
+                        r[:, 0] + self._src_base, r[:, 1] + self._dst_base, r[:, 2],
+                        np.full(len(r), self.blocks * kv.src_block_stride, dtype=np.int64),
+                        np.full(len(r), self.blocks * kv.dst_block_stride, dtype=np.int64)]))
+                if runs:
+                    self._pairs.append(_SlotPair(s, d, np.concatenate(runs)))
+
+    def src_bytes(self, pages: int) -> int:
+        return self._src_base + self.kv_src.nbytes
+
+    def dst_bytes(self, pages: int) -> int:
+        return self._dst_base + self.kv_dst.nbytes
+
+    def __iter__(self):
+        return iter(self._pairs)
+
+    def for_destination(self, d: int) -> list:
+        return [p for p in self._pairs if p.dst_rank == d]
+
+    @property
+    def bytes_per_request(self) -> int:
+        return int(sum(p.runs[:, 2].sum() for p in self._pairs))
+
+
+@dataclass(frozen=True)
+class _SlotPair:
+    src_rank: int
+    dst_rank: int
+    runs: np.ndarray
+
+
+def _round64(n: int) -> int:
+    return -(-n // 64) * 64
+
+
 class NixlPool:
     """``num_src`` source and ``num_dst`` destination worker processes, reused across cells."""
 
@@ -381,9 +463,10 @@ class NixlPool:
     def run_cell(self, plan, *, pages: int, requests: int, concurrency: int,
                  timeout: float = 300.0, verify: bool = False,
                  options: NixlOptions | None = None) -> dict:
-        """NIXL READ of every pair's runs of ``plan`` (a TransferPlan): GB/s, latencies, and
-        with ``verify`` the bytes compared with the sources' pattern (``verified_bytes``;
-        a mismatch raises). ``options`` overrides the pool's for this cell."""
+        """NIXL READ of every pair's runs of ``plan`` (a TransferPlan, or anything shaped like
+        one: :class:`SlotPlan` for state plus KV): GB/s, latencies, and with ``verify`` the
+        bytes compared with the sources' pattern (``verified_bytes``; a mismatch raises).
+        ``options`` overrides the pool's for this cell."""
         src_tp, dst_tp = plan.src.tp_size, plan.dst.tp_size
         if src_tp > len(self.src) or dst_tp > len(self.dst):
             raise ConfigError(f"plan {src_tp}x{dst_tp} needs more NIXL workers than the pool's "
@@ -398,15 +481,17 @@ class NixlPool:
         self._serial += 1
         tag = f"c{self._serial}-{os.getpid()}"
         src_size, dst_size = plan.src.page_size, plan.dst.page_size
+        src_bytes = getattr(plan, "src_bytes", lambda n: n * src_size)(pages)
+        dst_bytes = getattr(plan, "dst_bytes", lambda n: n * dst_size)(pages)
         options = opts.to_dict()
         opened = []
         try:
             for i in range(src_tp):
-                self.src[i].send("open", name=f"{tag}-src{i}", nbytes=pages * src_size,
+                self.src[i].send("open", name=f"{tag}-src{i}", nbytes=src_bytes,
                                  options=options, seed=i)
                 opened.append(self.src[i])
             for i in range(dst_tp):
-                self.dst[i].send("open", name=f"{tag}-dst{i}", nbytes=pages * dst_size,
+                self.dst[i].send("open", name=f"{tag}-dst{i}", nbytes=dst_bytes,
                                  options=options, seed=0)
                 opened.append(self.dst[i])
             src_info = [self.src[i].recv(120) for i in range(src_tp)]

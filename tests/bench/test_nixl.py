@@ -142,3 +142,28 @@ def test_run_cell_rejects_bad_arguments_naming_the_value(pool):
         pool.run_cell(big, pages=1, requests=1, concurrency=1)
     with pytest.raises(ConfigError, match="requests must be >= 1, got 0"):
         pool.run_cell(_plan(1, "DLS", 1), pages=1, requests=0, concurrency=1)
+
+
+HYBRID = {"model_type": "lfm2", "hidden_size": 40, "conv_L_cache": 3, "torch_dtype": "bfloat16",
+          "num_attention_heads": 4, "num_key_value_heads": 2,
+          "layer_types": ["conv", "full_attention", "conv", "full_attention"]}
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("src_tp, dst_tp, kv_layout, tokens", [
+    (1, 2, "HB", 9), (2, 1, "BH", 4), (2, 2, "LH", 1)])
+def test_slot_plan_reads_state_and_kv_exactly(pool, src_tp, dst_tp, kv_layout, tokens):
+    """State plus the KV of a prompt: every slot's page runs and its blocks' KV runs, each byte
+    compared with the sources' pattern."""
+    from statebridge.bench._nixl import SlotPlan
+    from statebridge.state.spec import StateSpec
+
+    spec = StateSpec.from_config(HYBRID)
+    plan = SlotPlan(TransferPlan.build(spec, src_tp, "DLS", dst_tp), (kv_layout, kv_layout),
+                    block_size=4, tokens=tokens, pages=3)
+    blocks = -(-tokens // 4)
+    # 2 attention layers x K,V x 2 KV heads x head_dim 10 x bf16 per token, whole blocks.
+    kv_bytes = blocks * 4 * 2 * 2 * 2 * 10 * 2
+    assert plan.bytes_per_request == spec.bytes_per_request() + kv_bytes
+    r = pool.run_cell(plan, pages=3, requests=5, concurrency=3, timeout=60, verify=True)
+    assert r["verified_bytes"] == 3 * plan.bytes_per_request          # 3 slots read
