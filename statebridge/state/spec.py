@@ -360,20 +360,32 @@ def _lfm2(config: Lfm2ModelConfig, conv_dtype: str, kv_dtype: str) -> StateSpec:
     return StateSpec("lfm2", _group_layers(layers), config.layer_types, kernel, kv)
 
 
-def _mamba2(config: Mamba2ModelConfig, conv_dtype: str, ssm_dtype: str) -> StateSpec:
-    kernel = config.conv_kernel
+def _mamba2_tensors(*, what: str, intermediate: int, n_groups: int, d_state: int,
+                    n_heads: int, d_head: int, kernel: int, conv_dtype: str,
+                    ssm_dtype: str) -> tuple[StateTensorSpec, StateTensorSpec]:
+    """The conv and SSM state tensors of one Mamba2 mixer; ``what`` names the kernel-width field
+    in errors."""
     if kernel < 2:
-        raise ConfigError(f"mamba2: conv_kernel must be >= 2 to carry state, got {kernel}")
-    bc = config.n_groups * config.state_size
+        raise ConfigError(f"{what} must be >= 2 to carry state, got {kernel}")
+    bc = n_groups * d_state
     conv = StateTensorSpec(
         name="conv", channel_axis="D",
-        segments=(Segment("x", config.intermediate_size, Sharding.SPLIT),
-                  Segment("B", bc, Sharding.GROUPED, config.n_groups),
-                  Segment("C", bc, Sharding.GROUPED, config.n_groups)),
+        segments=(Segment("x", intermediate, Sharding.SPLIT),
+                  Segment("B", bc, Sharding.GROUPED, n_groups),
+                  Segment("C", bc, Sharding.GROUPED, n_groups)),
         inner_axes=("S",), inner_shape=(kernel - 1,), dtype=conv_dtype)
     ssm = StateTensorSpec(
         name="ssm", channel_axis="H",
-        segments=(Segment("heads", config.num_heads, Sharding.SPLIT),),
-        inner_axes=("P", "N"), inner_shape=(config.head_dim, config.state_size), dtype=ssm_dtype)
-    layers = [(i, (conv, ssm)) for i in range(config.num_layers)]
-    return StateSpec("mamba2", _group_layers(layers), config.layer_types, kernel)
+        segments=(Segment("heads", n_heads, Sharding.SPLIT),),
+        inner_axes=("P", "N"), inner_shape=(d_head, d_state), dtype=ssm_dtype)
+    return conv, ssm
+
+
+def _mamba2(config: Mamba2ModelConfig, conv_dtype: str, ssm_dtype: str) -> StateSpec:
+    tensors = _mamba2_tensors(
+        what="mamba2: conv_kernel", intermediate=config.intermediate_size,
+        n_groups=config.n_groups, d_state=config.state_size, n_heads=config.num_heads,
+        d_head=config.head_dim, kernel=config.conv_kernel, conv_dtype=conv_dtype,
+        ssm_dtype=ssm_dtype)
+    layers = [(i, tensors) for i in range(config.num_layers)]
+    return StateSpec("mamba2", _group_layers(layers), config.layer_types, config.conv_kernel)
