@@ -1,5 +1,5 @@
-"""The Hugging Face ``config.json`` of an LFM2 or Mamba2 checkpoint, read once, the way
-transformers reads it.
+"""The Hugging Face ``config.json`` of an LFM2, Mamba2 or GraniteMoeHybrid (Granite-4.0-H)
+checkpoint, read once, the way transformers reads it.
 
 :meth:`ModelConfig.from_dict` and :meth:`ModelConfig.load` are the only readers of
 ``config.json``. The state spec (:mod:`statebridge.state.spec`), the checkpoint loader and runner
@@ -7,24 +7,35 @@ transformers reads it.
 :class:`ModelConfig` they return, so no two of them can read a value differently::
 
     config.json --ModelConfig.from_dict--> Lfm2ModelConfig | Mamba2ModelConfig
+                                           | GraniteHybridModelConfig
                                              |-> StateSpec.from_config   (page sizes)
                                              |-> ModelRunner, Checkpoint (weight names, norms)
                                              '-> models.tp               (weight shards)
 
 Rules, in the order they apply:
 
-- **Defaults** are those of transformers' ``Lfm2Config`` / ``Mamba2Config`` (transformers 5; see
-  :data:`LFM2_DEFAULTS`, :data:`MAMBA2_DEFAULTS`). ``tests/test_hf_config.py`` checks every one
-  against transformers itself. A ``null`` value counts as absent (except
+- **Defaults** are those of transformers' ``Lfm2Config`` / ``Mamba2Config`` /
+  ``GraniteMoeHybridConfig`` (transformers 5; see :data:`LFM2_DEFAULTS`, :data:`MAMBA2_DEFAULTS`,
+  :data:`GRANITE_DEFAULTS`). ``tests/test_hf_config.py`` checks every one against transformers
+  itself. A ``null`` value counts as absent (except
   ``block_ffn_dim_multiplier``, where ``null`` means "no multiplier", as in ``Lfm2MLP``).
 - **Derived, not defaulted**, only where transformers would refuse the config instead, so no
-  config that transformers accepts is read differently: an LFM2 ``num_hidden_layers`` absent
-  beside ``layer_types`` is ``len(layer_types)`` (transformers' 32 must equal it); an absent
-  Mamba2 ``num_heads`` is ``expand * hidden_size / head_dim`` (transformers' 128 must equal it).
+  config that transformers accepts is read differently: an LFM2 or Granite
+  ``num_hidden_layers`` absent beside ``layer_types`` is ``len(layer_types)`` (transformers' 32
+  must equal it); an absent Mamba2 ``num_heads`` is ``expand * hidden_size / head_dim``
+  (transformers' 128 must equal it). Derived as transformers derives them: Granite
+  ``num_key_value_heads`` (``num_attention_heads``), ``mamba_d_head`` (absent or ``"auto"``:
+  ``mamba_expand * hidden_size // mamba_n_heads``) and ``head_dim`` (``hidden_size //
+  num_attention_heads`` unless the config carries one, which ``GraniteMoeHybridAttention``
+  then uses).
 - **Aliases**: LFM2 ``block_ff_dim`` and ``tie_embedding`` win over ``intermediate_size`` and
   ``tie_word_embeddings``, as ``Lfm2Config.__post_init__`` lets them; the original mamba_ssm
   names ``d_model``, ``n_layer``, ``d_state``, ``headdim``, ``ngroups``, ``d_conv`` are read when
-  the transformers name is absent.
+  the transformers name is absent; Granite ``layers_block_type`` wins over ``layer_types``
+  (``attribute_map``: transformers sets it last).
+- **Layer types** are stored in the state spec's names. Granite's ``"linear_attention"`` and
+  legacy ``"mamba"`` are ``"mamba2"``; ``"full_attention"`` and legacy ``"attention"`` are
+  ``"full_attention"`` (transformers' ``remap_legacy_layer_types``).
 - **dtype**: ``dtype`` first, then ``torch_dtype``, then ``float32``. transformers >= 4.56 writes
   ``dtype`` and reads ``torch_dtype`` only as the legacy fallback
   (``PreTrainedConfig.__init__``: ``self.dtype = self.dtype if self.dtype is not None else
@@ -33,9 +44,10 @@ Rules, in the order they apply:
 - **Special floats** written as ``{"__float__": "Infinity"}`` (transformers 5) or a bare
   ``Infinity`` (older writers) are decoded.
 - **Errors**: a value of the wrong type or out of range raises
-  :class:`~statebridge.errors.ConfigError` naming the key and the value; a ``model_type`` or LFM2
-  layer type that statebridge cannot describe raises
-  :class:`~statebridge.errors.UnsupportedModelError`. Keys the runtime does not read are ignored.
+  :class:`~statebridge.errors.ConfigError` naming the key and the value; a ``model_type``, layer
+  type or feature that statebridge cannot describe (Granite MoE: ``num_local_experts > 0``)
+  raises :class:`~statebridge.errors.UnsupportedModelError`. Keys the runtime does not read are
+  ignored.
 
 Nothing here imports transformers.
 """
@@ -51,12 +63,14 @@ from typing import Any, ClassVar, Mapping
 from statebridge.dtypes import DTYPES, dtype_from_name
 from statebridge.errors import ConfigError, UnsupportedModelError
 
-__all__ = ["ModelConfig", "Lfm2ModelConfig", "Mamba2ModelConfig", "LFM2_DEFAULTS",
-           "MAMBA2_DEFAULTS", "ARCHITECTURES", "LFM2_LAYER_TYPES", "DEFAULT_DTYPE",
+__all__ = ["ModelConfig", "Lfm2ModelConfig", "Mamba2ModelConfig", "GraniteHybridModelConfig",
+           "LFM2_DEFAULTS", "MAMBA2_DEFAULTS", "GRANITE_DEFAULTS", "ARCHITECTURES",
+           "LFM2_LAYER_TYPES", "GRANITE_LAYER_TYPES", "DEFAULT_DTYPE",
            "read_config_json", "decode_special_floats", "encode_special_floats"]
 
 #: model_type -> the HF class whose weight names the runtime reads.
-ARCHITECTURES = {"lfm2": "Lfm2ForCausalLM", "mamba2": "Mamba2ForCausalLM"}
+ARCHITECTURES = {"lfm2": "Lfm2ForCausalLM", "mamba2": "Mamba2ForCausalLM",
+                 "granitemoehybrid": "GraniteMoeHybridForCausalLM"}
 
 #: LFM2 decoder layer types statebridge can describe (transformers' names).
 LFM2_LAYER_TYPES = ("conv", "full_attention")
@@ -100,6 +114,47 @@ MAMBA2_DEFAULTS: dict[str, Any] = {
     "residual_in_fp32": True,
     "time_step_limit": (0.0, math.inf),
     "tie_word_embeddings": False,
+}
+
+#: GraniteMoeHybrid layer types as written in config.json (transformers' names and the legacy
+#: ones ``remap_legacy_layer_types`` renames) -> the state spec's names.
+GRANITE_LAYER_TYPES = {"linear_attention": "mamba2", "mamba": "mamba2",
+                       "full_attention": "full_attention", "attention": "full_attention"}
+
+#: Granite position embeddings: ``None`` or ``"nope"`` (no rotary; published Granite-4.0-H
+#: configs say ``"nope"``) and ``"rope"``, the only value ``GraniteMoeHybridModel`` acts on.
+GRANITE_POSITION_EMBEDDINGS = (None, "nope", "rope")
+
+#: ``GraniteMoeHybridConfig`` defaults (transformers 5) of every field the runtime reads.
+#: Derived, not defaulted (see the module docstring): ``num_key_value_heads``,
+#: ``mamba_d_head``, ``head_dim``, and ``layer_types`` (every layer mamba without it). The
+#: default ``num_local_experts`` is 8, an MoE model: a config must say 0 to be read.
+GRANITE_DEFAULTS: dict[str, Any] = {
+    "vocab_size": 32000,
+    "hidden_size": 4096,
+    "num_hidden_layers": 32,
+    "intermediate_size": 11008,
+    "shared_intermediate_size": 1024,
+    "num_local_experts": 8,
+    "hidden_act": "silu",
+    "rms_norm_eps": 1e-6,
+    "tie_word_embeddings": False,
+    "num_attention_heads": 32,
+    "attention_bias": False,
+    "position_embedding_type": None,
+    "attention_multiplier": 1.0,
+    "embedding_multiplier": 1.0,
+    "residual_multiplier": 1.0,
+    "logits_scaling": 1.0,
+    "mamba_n_heads": 128,
+    "mamba_n_groups": 1,
+    "mamba_d_state": 256,
+    "mamba_d_conv": 4,
+    "mamba_expand": 2,
+    "mamba_chunk_size": 256,
+    "mamba_conv_bias": True,
+    "mamba_proj_bias": False,
+    "time_step_limit": (0.0, math.inf),
 }
 
 #: The weights' dtype when the config names none.
@@ -168,6 +223,16 @@ def _positive(config: Mapping[str, Any], key: str, *, default: float) -> float:
     return value
 
 
+def _count(config: Mapping[str, Any], key: str, *, default: int) -> int:
+    """A non-negative integer (a count that may be 0)."""
+    _, value = _lookup(config, (key,))
+    if value is _ABSENT:
+        return default
+    if not _is_number(value) or not math.isfinite(value) or value != int(value) or value < 0:
+        raise ConfigError(f"config field {key!r} must be a non-negative integer, got {value!r}")
+    return int(value)
+
+
 def _typed(config: Mapping[str, Any], key: str, kind: type, what: str, *, default: Any) -> Any:
     """A value of exactly ``kind`` (``bool`` or ``str``); ``what`` says which in errors."""
     _, value = _lookup(config, (key,))
@@ -180,6 +245,26 @@ def _typed(config: Mapping[str, Any], key: str, kind: type, what: str, *, defaul
 
 def _bool(config: Mapping[str, Any], key: str, *, default: bool) -> bool:
     return _typed(config, key, bool, "true or false", default=default)
+
+
+def _time_step_limit(config: Mapping[str, Any], *,
+                     default: tuple[float, float]) -> tuple[float, float]:
+    limit = config.get("time_step_limit")
+    if limit is None:
+        limit = default
+    if not isinstance(limit, (list, tuple)) or len(limit) != 2 or not all(
+            _is_number(v) for v in limit):
+        raise ConfigError(f"config field 'time_step_limit' must be [min, max], got {limit!r}")
+    return float(limit[0]), float(limit[1])
+
+
+def _layer_type_list(config: Mapping[str, Any], key: str) -> tuple[str, ...] | None:
+    value = config.get(key)
+    if value is None:
+        return None
+    if not isinstance(value, (list, tuple)) or not all(isinstance(t, str) for t in value):
+        raise ConfigError(f"config field {key!r} must be a list of strings, got {value!r}")
+    return tuple(value)
 
 
 def _dtype(config: Mapping[str, Any]) -> str:
@@ -235,11 +320,12 @@ def _require_positive(config: "ModelConfig", *names: str) -> None:
 @dataclass(frozen=True, slots=True, kw_only=True)
 class ModelConfig:
     """What the runtime reads from ``config.json``; :meth:`from_dict` returns the subclass of the
-    config's ``model_type`` (:class:`Lfm2ModelConfig` or :class:`Mamba2ModelConfig`).
+    config's ``model_type`` (:class:`Lfm2ModelConfig`, :class:`Mamba2ModelConfig` or
+    :class:`GraniteHybridModelConfig`).
 
     ``num_layers`` is ``num_hidden_layers``; ``norm_eps`` is the RMSNorm epsilon
-    (LFM2 ``norm_eps``, Mamba2 ``layer_norm_epsilon``); ``dtype`` a name of
-    :data:`~statebridge.dtypes.DTYPES`. ``layer_types`` uses the state spec's names
+    (LFM2 ``norm_eps``, Mamba2 ``layer_norm_epsilon``, Granite ``rms_norm_eps``); ``dtype`` a
+    name of :data:`~statebridge.dtypes.DTYPES`. ``layer_types`` uses the state spec's names
     (``"conv"``, ``"full_attention"``, ``"mamba2"``).
     """
 
@@ -264,7 +350,8 @@ class ModelConfig:
 
     # -- reading ------------------------------------------------------------------------------
     @classmethod
-    def from_dict(cls, raw: Mapping[str, Any]) -> "Lfm2ModelConfig | Mamba2ModelConfig":
+    def from_dict(cls, raw: Mapping[str, Any]) -> \
+            "Lfm2ModelConfig | Mamba2ModelConfig | GraniteHybridModelConfig":
         """Read a ``config.json`` dict; raises ConfigError / UnsupportedModelError."""
         if not isinstance(raw, Mapping):
             raise ConfigError(f"model config must be a JSON object, got {type(raw).__name__}")
@@ -277,7 +364,8 @@ class ModelConfig:
         return reader(config)
 
     @classmethod
-    def load(cls, path: str | os.PathLike) -> "Lfm2ModelConfig | Mamba2ModelConfig":
+    def load(cls, path: str | os.PathLike) -> \
+            "Lfm2ModelConfig | Mamba2ModelConfig | GraniteHybridModelConfig":
         """Read ``config.json`` from a checkpoint directory, or a JSON file given directly."""
         return cls.from_dict(read_config_json(path))
 
@@ -300,7 +388,7 @@ class ModelConfig:
         The one description of the HF format: the runner checks a checkpoint against it and
         :func:`~statebridge.models.checkpoint.make_checkpoint` writes exactly it. A tied
         ``lm_head`` is absent (transformers does not save it). Raises UnsupportedModelError for a
-        model the runtime cannot load (LFM2 attention layers).
+        model the runtime cannot load (LFM2 attention layers, GraniteMoeHybrid as yet).
         """
         raise NotImplementedError
 
@@ -351,7 +439,7 @@ class Lfm2ModelConfig(ModelConfig):
                 config[key] = config[alias]
         d = LFM2_DEFAULTS
         hidden = _int(config, "hidden_size", default=d["hidden_size"])
-        layer_types = config.get("layer_types")
+        layer_types = _layer_type_list(config, "layer_types")
         if layer_types is None:
             num_layers = _int(config, "num_hidden_layers", default=d["num_hidden_layers"])
             attn = _int_list(config, "full_attn_idxs")
@@ -359,10 +447,6 @@ class Lfm2ModelConfig(ModelConfig):
             layer_types = tuple("full_attention" if i in attn else "conv"
                                 for i in range(num_layers))
         else:
-            if not isinstance(layer_types, (list, tuple)) or not all(
-                    isinstance(t, str) for t in layer_types):
-                raise ConfigError(f"config field 'layer_types' must be a list of strings, got "
-                                  f"{layer_types!r}")
             layer_types = tuple("full_attention" if t in ATTENTION_ALIASES else t
                                 for t in layer_types)
             num_layers = _int(config, "num_hidden_layers", default=len(layer_types))
@@ -525,12 +609,6 @@ class Mamba2ModelConfig(ModelConfig):
             raise ConfigError(f"mamba2: intermediate size {int(inner)} (expand * hidden_size) "
                               f"is not a multiple of head_dim {head_dim}")
         num_layers = _int(config, "num_hidden_layers", "n_layer", default=d["num_hidden_layers"])
-        limit = config.get("time_step_limit")
-        if limit is None:
-            limit = d["time_step_limit"]
-        if not isinstance(limit, (list, tuple)) or len(limit) != 2 or not all(
-                _is_number(v) for v in limit):
-            raise ConfigError(f"config field 'time_step_limit' must be [min, max], got {limit!r}")
         return cls(
             vocab_size=_int(config, "vocab_size", default=d["vocab_size"]),
             hidden_size=hidden,
@@ -552,7 +630,7 @@ class Mamba2ModelConfig(ModelConfig):
             use_conv_bias=_bool(config, "use_conv_bias", default=d["use_conv_bias"]),
             hidden_act=_typed(config, "hidden_act", str, "a string", default=d["hidden_act"]),
             residual_in_fp32=_bool(config, "residual_in_fp32", default=d["residual_in_fp32"]),
-            time_step_limit=(float(limit[0]), float(limit[1])),
+            time_step_limit=_time_step_limit(config, default=d["time_step_limit"]),
         )
 
     @property
@@ -599,4 +677,199 @@ class Mamba2ModelConfig(ModelConfig):
         return out
 
 
-_READERS = {"lfm2": Lfm2ModelConfig._read, "mamba2": Mamba2ModelConfig._read}
+@dataclass(frozen=True, slots=True, kw_only=True)
+class GraniteHybridModelConfig(ModelConfig):
+    """A dense GraniteMoeHybrid (Granite-4.0-H) config: Mamba2 layers (``"mamba2"``) and
+    attention layers (``"full_attention"``), each followed by the shared SwiGLU MLP
+    (``shared_intermediate_size``). Field names are ``GraniteMoeHybridConfig``'s
+    (``norm_eps`` is ``rms_norm_eps``: the block norms, the final norm and the mamba gated norm).
+
+    ``head_dim`` is the attention heads' width (``hidden_size // num_attention_heads`` unless the
+    config carries ``head_dim``); ``mamba_*`` describe the mamba layers exactly as
+    ``GraniteMoeHybridMambaLayer`` reads them (see :attr:`mamba_intermediate_size`,
+    :attr:`mamba_conv_dim`). MoE (``num_local_experts > 0``) is refused; ``intermediate_size``
+    is the experts' width, kept because transformers reads it, unused by a dense model.
+    """
+
+    model_type: ClassVar[str] = "granitemoehybrid"
+
+    intermediate_size: int
+    shared_intermediate_size: int
+    num_local_experts: int
+    hidden_act: str
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    attention_bias: bool
+    position_embedding_type: str | None
+    attention_multiplier: float
+    embedding_multiplier: float
+    residual_multiplier: float
+    logits_scaling: float
+    mamba_n_heads: int
+    mamba_d_head: int
+    mamba_d_state: int
+    mamba_n_groups: int
+    mamba_d_conv: int
+    mamba_expand: int | float
+    mamba_chunk_size: int
+    mamba_conv_bias: bool
+    mamba_proj_bias: bool
+    time_step_limit: tuple[float, float]
+
+    def __post_init__(self) -> None:
+        unknown = sorted(set(self.layer_types) - set(GRANITE_LAYER_TYPES.values()))
+        if unknown:
+            raise UnsupportedModelError(f"granitemoehybrid: unknown layer type(s) {unknown} in "
+                                        f"layer_types; known: {sorted(GRANITE_LAYER_TYPES)}")
+        if self.num_local_experts != 0:
+            raise UnsupportedModelError(
+                f"granitemoehybrid: num_local_experts={self.num_local_experts!r}: MoE is not "
+                f"served (dense Granite-4.0-H only, num_local_experts=0)")
+        ModelConfig.__post_init__(self)
+        _require_positive(self, "intermediate_size", "shared_intermediate_size",
+                          "num_attention_heads", "num_key_value_heads", "logits_scaling",
+                          "mamba_n_heads", "mamba_d_head", "mamba_d_state", "mamba_n_groups",
+                          "mamba_d_conv", "mamba_expand", "mamba_chunk_size")
+        if self.position_embedding_type not in GRANITE_POSITION_EMBEDDINGS:
+            raise ConfigError(f"granitemoehybrid: position_embedding_type="
+                              f"{self.position_embedding_type!r}; expected one of "
+                              f"{list(GRANITE_POSITION_EMBEDDINGS)}")
+        # GraniteMoeHybridConfig.validate_architecture checks these two whatever the layers.
+        inner = self.mamba_expand * self.hidden_size
+        if inner != int(inner):
+            raise ConfigError(f"granitemoehybrid: mamba_expand * hidden_size = "
+                              f"{self.mamba_expand} * {self.hidden_size} is not an integer")
+        if self.mamba_n_heads * self.mamba_d_head != inner:
+            raise ConfigError(f"granitemoehybrid: mamba_n_heads * mamba_d_head = "
+                              f"{self.mamba_n_heads} * {self.mamba_d_head} != mamba_expand * "
+                              f"hidden_size = {int(inner)}")
+        if self.mamba_layers and self.mamba_n_heads % self.mamba_n_groups:
+            raise ConfigError(f"granitemoehybrid: mamba_n_heads={self.mamba_n_heads} is not a "
+                              f"multiple of mamba_n_groups={self.mamba_n_groups}")
+        if self.attention_layers:       # (without them the attention geometry is never used)
+            _require_positive(self, "head_dim")
+            if self.num_attention_heads % self.num_key_value_heads:
+                raise ConfigError(f"granitemoehybrid: num_attention_heads="
+                                  f"{self.num_attention_heads} is not a multiple of "
+                                  f"num_key_value_heads={self.num_key_value_heads}")
+        if len(self.time_step_limit) != 2:
+            raise ConfigError(f"granitemoehybrid: time_step_limit must be (min, max), got "
+                              f"{self.time_step_limit!r}")
+
+    @classmethod
+    def _read(cls, config: Mapping[str, Any]) -> "GraniteHybridModelConfig":
+        d = GRANITE_DEFAULTS
+        hidden = _int(config, "hidden_size", default=d["hidden_size"])
+        # attribute_map: transformers sets ``layers_block_type`` after ``layer_types``, so it wins.
+        key = "layers_block_type" if config.get("layers_block_type") is not None else \
+            "layer_types"
+        written = _layer_type_list(config, key)
+        if written is None:
+            num_layers = _int(config, "num_hidden_layers", default=d["num_hidden_layers"])
+            layer_types = ("mamba2",) * num_layers
+        else:
+            layer_types = tuple(GRANITE_LAYER_TYPES.get(t, t) for t in written)
+            num_layers = _int(config, "num_hidden_layers", default=len(layer_types))
+
+        heads = _int(config, "num_attention_heads", default=d["num_attention_heads"])
+        if config.get("head_dim") is not None:
+            head_dim = _int(config, "head_dim", default=0)
+        elif hidden % heads and "full_attention" in layer_types:
+            raise ConfigError(f"granitemoehybrid: hidden_size={hidden} is not a multiple of "
+                              f"num_attention_heads={heads}")
+        else:
+            head_dim = hidden // heads          # as GraniteMoeHybridAttention computes it
+
+        expand = _positive(config, "mamba_expand", default=d["mamba_expand"])
+        mamba_heads = _int(config, "mamba_n_heads", default=d["mamba_n_heads"])
+        d_head: Any = config.get("mamba_d_head")
+        if d_head is None or d_head == "auto":  # GraniteMoeHybridConfig.__post_init__
+            inner = expand * hidden
+            if inner != int(inner) or int(inner) % mamba_heads:
+                raise ConfigError(f"granitemoehybrid: mamba_n_heads={mamba_heads} does not "
+                                  f"divide mamba_expand * hidden_size = {expand} * {hidden}")
+            d_head = int(inner) // mamba_heads
+        else:
+            d_head = _int(config, "mamba_d_head", default=0)
+
+        def number(key: str) -> float:
+            return float(_positive(config, key, default=d[key]))
+
+        position = config.get("position_embedding_type")
+        if position is not None and not isinstance(position, str):
+            raise ConfigError(f"config field 'position_embedding_type' must be a string or "
+                              f"null, got {position!r}")
+        return cls(
+            vocab_size=_int(config, "vocab_size", default=d["vocab_size"]),
+            hidden_size=hidden,
+            num_layers=num_layers,
+            layer_types=layer_types,
+            tie_word_embeddings=_bool(config, "tie_word_embeddings",
+                                      default=d["tie_word_embeddings"]),
+            dtype=_dtype(config),
+            norm_eps=number("rms_norm_eps"),
+            intermediate_size=_int(config, "intermediate_size", default=d["intermediate_size"]),
+            shared_intermediate_size=_int(config, "shared_intermediate_size",
+                                          default=d["shared_intermediate_size"]),
+            num_local_experts=_count(config, "num_local_experts",
+                                     default=d["num_local_experts"]),
+            hidden_act=_typed(config, "hidden_act", str, "a string", default=d["hidden_act"]),
+            num_attention_heads=heads,
+            num_key_value_heads=_int(config, "num_key_value_heads", default=heads),
+            head_dim=head_dim,
+            attention_bias=_bool(config, "attention_bias", default=d["attention_bias"]),
+            position_embedding_type=position,
+            attention_multiplier=number("attention_multiplier"),
+            embedding_multiplier=number("embedding_multiplier"),
+            residual_multiplier=number("residual_multiplier"),
+            logits_scaling=number("logits_scaling"),
+            mamba_n_heads=mamba_heads,
+            mamba_d_head=d_head,
+            mamba_d_state=_int(config, "mamba_d_state", default=d["mamba_d_state"]),
+            mamba_n_groups=_int(config, "mamba_n_groups", default=d["mamba_n_groups"]),
+            mamba_d_conv=_int(config, "mamba_d_conv", default=d["mamba_d_conv"]),
+            mamba_expand=expand,
+            mamba_chunk_size=_int(config, "mamba_chunk_size", default=d["mamba_chunk_size"]),
+            mamba_conv_bias=_bool(config, "mamba_conv_bias", default=d["mamba_conv_bias"]),
+            mamba_proj_bias=_bool(config, "mamba_proj_bias", default=d["mamba_proj_bias"]),
+            time_step_limit=_time_step_limit(config, default=d["time_step_limit"]),
+        )
+
+    @property
+    def mamba_layers(self) -> tuple[int, ...]:
+        """Indices of the Mamba2 layers (the ones with recurrent state)."""
+        return tuple(i for i, t in enumerate(self.layer_types) if t == "mamba2")
+
+    @property
+    def attention_layers(self) -> tuple[int, ...]:
+        """Indices of the attention layers (the ones with KV)."""
+        return tuple(i for i, t in enumerate(self.layer_types) if t == "full_attention")
+
+    @property
+    def mamba_intermediate_size(self) -> int:
+        """I = int(mamba_expand * hidden_size) = mamba_n_heads * mamba_d_head, as
+        ``GraniteMoeHybridMambaLayer.intermediate_size``."""
+        return self.mamba_n_heads * self.mamba_d_head
+
+    @property
+    def mamba_conv_dim(self) -> int:
+        """Channels of the depthwise conv: ``[x (I) | B (G*N) | C (G*N)]``."""
+        return self.mamba_intermediate_size + 2 * self.mamba_n_groups * self.mamba_d_state
+
+    @property
+    def embedding_name(self) -> str:
+        return "model.embed_tokens.weight"
+
+    def layer_prefix(self, layer: int) -> str:
+        mixer = "mamba" if self.layer_types[layer] == "mamba2" else "self_attn"
+        return f"model.layers.{layer}.{mixer}."
+
+    def weight_shapes(self) -> dict[str, tuple[int, ...]]:
+        raise UnsupportedModelError(
+            "granitemoehybrid: the model runtime is not yet implemented (the state spec and KV "
+            "of Granite-4.0-H are described; its weights cannot be loaded or served yet)")
+
+
+_READERS = {"lfm2": Lfm2ModelConfig._read, "mamba2": Mamba2ModelConfig._read,
+            "granitemoehybrid": GraniteHybridModelConfig._read}

@@ -11,8 +11,11 @@ import torch
 
 from statebridge.errors import ConfigError, UnsupportedModelError
 from statebridge.hf_config import (
+    GRANITE_DEFAULTS,
+    GRANITE_LAYER_TYPES,
     LFM2_DEFAULTS,
     MAMBA2_DEFAULTS,
+    GraniteHybridModelConfig,
     Lfm2ModelConfig,
     Mamba2ModelConfig,
     ModelConfig,
@@ -55,35 +58,132 @@ DEFAULT_CASES = [
     ("mamba2", "residual_in_fp32", "residual_in_fp32"),
     ("mamba2", "time_step_limit", "time_step_limit"),
     ("mamba2", "tie_word_embeddings", "tie_word_embeddings"),
+    ("granitemoehybrid", "vocab_size", "vocab_size"),
+    ("granitemoehybrid", "hidden_size", "hidden_size"),
+    ("granitemoehybrid", "num_layers", "num_hidden_layers"),
+    ("granitemoehybrid", "layer_types", "layer_types"),   # all mamba without layer_types
+    ("granitemoehybrid", "intermediate_size", "intermediate_size"),
+    ("granitemoehybrid", "shared_intermediate_size", "shared_intermediate_size"),
+    ("granitemoehybrid", "hidden_act", "hidden_act"),
+    ("granitemoehybrid", "norm_eps", "rms_norm_eps"),
+    ("granitemoehybrid", "tie_word_embeddings", "tie_word_embeddings"),
+    ("granitemoehybrid", "num_attention_heads", "num_attention_heads"),
+    ("granitemoehybrid", "num_key_value_heads", "num_key_value_heads"),  # derived: = heads
+    ("granitemoehybrid", "attention_bias", "attention_bias"),
+    ("granitemoehybrid", "position_embedding_type", "position_embedding_type"),
+    ("granitemoehybrid", "attention_multiplier", "attention_multiplier"),
+    ("granitemoehybrid", "embedding_multiplier", "embedding_multiplier"),
+    ("granitemoehybrid", "residual_multiplier", "residual_multiplier"),
+    ("granitemoehybrid", "logits_scaling", "logits_scaling"),
+    ("granitemoehybrid", "mamba_n_heads", "mamba_n_heads"),
+    ("granitemoehybrid", "mamba_d_head", "mamba_d_head"),  # derived from "auto"
+    ("granitemoehybrid", "mamba_d_state", "mamba_d_state"),
+    ("granitemoehybrid", "mamba_n_groups", "mamba_n_groups"),
+    ("granitemoehybrid", "mamba_d_conv", "mamba_d_conv"),
+    ("granitemoehybrid", "mamba_expand", "mamba_expand"),
+    ("granitemoehybrid", "mamba_chunk_size", "mamba_chunk_size"),
+    ("granitemoehybrid", "mamba_conv_bias", "mamba_conv_bias"),
+    ("granitemoehybrid", "mamba_proj_bias", "mamba_proj_bias"),
+    ("granitemoehybrid", "time_step_limit", "time_step_limit"),
 ]
-HF_CLASSES = {"lfm2": "Lfm2Config", "mamba2": "Mamba2Config"}
+HF_CLASSES = {"lfm2": "Lfm2Config", "mamba2": "Mamba2Config",
+              "granitemoehybrid": "GraniteMoeHybridConfig"}
+#: What a config must add to transformers' defaults to be read at all, on both sides of a
+#: default check: transformers' default Granite is MoE (8 experts), which is refused
+#: (test_granite_moe_is_refused checks that default).
+READABLE = {"granitemoehybrid": {"num_local_experts": 0}}
 
 
 def _plain(value):
     return tuple(value) if isinstance(value, list) else value
 
 
+def _in_our_names(arch, theirs, value):
+    """transformers' value in the reader's names (Granite layer types: the state spec's)."""
+    if arch == "granitemoehybrid" and theirs == "layer_types":
+        return tuple(GRANITE_LAYER_TYPES[t] for t in value)
+    return _plain(value)
+
+
 @pytest.mark.parametrize("arch,ours,theirs", DEFAULT_CASES,
                          ids=[f"{a}-{t}" for a, _, t in DEFAULT_CASES])
 def test_defaults_are_transformers_defaults(arch, ours, theirs):
     """A config.json holding only its model_type reads as transformers' default config."""
-    got = getattr(ModelConfig.from_dict({"model_type": arch}), ours)
-    want = getattr(getattr(tf, HF_CLASSES[arch])(), theirs)
-    assert _plain(got) == _plain(want)
+    extra = READABLE.get(arch, {})
+    got = getattr(ModelConfig.from_dict({"model_type": arch, **extra}), ours)
+    want = getattr(getattr(tf, HF_CLASSES[arch])(**extra), theirs)
+    assert _plain(got) == _in_our_names(arch, theirs, want)
 
 
 def test_every_default_is_checked_against_transformers():
-    for arch, table in (("lfm2", LFM2_DEFAULTS), ("mamba2", MAMBA2_DEFAULTS)):
-        checked = {theirs for a, _, theirs in DEFAULT_CASES if a == arch}
+    for arch, table in (("lfm2", LFM2_DEFAULTS), ("mamba2", MAMBA2_DEFAULTS),
+                        ("granitemoehybrid", GRANITE_DEFAULTS)):
+        checked = {theirs for a, _, theirs in DEFAULT_CASES if a == arch} | set(
+            READABLE.get(arch, {}))
         assert set(table) <= checked, set(table) - checked
         hf = getattr(tf, HF_CLASSES[arch])()
         for key, value in table.items():
             assert _plain(getattr(hf, key)) == _plain(value), key
 
 
+def test_granite_moe_is_refused():
+    """transformers' default Granite (num_local_experts=8) and the MoE Granite-4.0-H models
+    (Tiny: 64 experts) are refused naming the count; only dense (0) is read."""
+    for raw, count in (({}, 8), ({"num_local_experts": 64}, 64), ({"num_local_experts": None}, 8)):
+        with pytest.raises(UnsupportedModelError) as info:
+            ModelConfig.from_dict({"model_type": "granitemoehybrid", **raw})
+        assert f"num_local_experts={count}" in str(info.value)
+        assert "dense Granite-4.0-H only, num_local_experts=0" in str(info.value)
+
+
+# (id, layer type key, its value): every spelling transformers reads, one meaning.
+GRANITE_SPELLINGS = [
+    ("transformers", "layer_types", ["linear_attention", "full_attention", "linear_attention"]),
+    ("legacy", "layer_types", ["mamba", "attention", "mamba"]),
+    ("mixed", "layer_types", ["mamba", "full_attention", "linear_attention"]),
+    ("layers_block_type", "layers_block_type", ["mamba", "attention", "linear_attention"]),
+]
+
+
+@pytest.mark.parametrize("key,types", [c[1:] for c in GRANITE_SPELLINGS],
+                         ids=[c[0] for c in GRANITE_SPELLINGS])
+def test_granite_layer_type_spellings(key, types):
+    raw = {"model_type": "granitemoehybrid", "num_local_experts": 0, "num_hidden_layers": 3,
+           key: types}
+    ours = ModelConfig.from_dict(raw)
+    assert ours.layer_types == ("mamba2", "full_attention", "mamba2")
+    assert (ours.mamba_layers, ours.attention_layers) == ((0, 2), (1,))
+    hf = tf.GraniteMoeHybridConfig.from_dict(raw)
+    assert _in_our_names("granitemoehybrid", "layer_types", hf.layer_types) == ours.layer_types
+
+
+def test_granite_layers_block_type_wins_as_in_transformers():
+    raw = {"model_type": "granitemoehybrid", "num_local_experts": 0, "num_hidden_layers": 2,
+           "layer_types": ["mamba", "mamba"], "layers_block_type": ["mamba", "attention"]}
+    assert ModelConfig.from_dict(raw).layer_types == ("mamba2", "full_attention")
+    assert tf.GraniteMoeHybridConfig.from_dict(raw).layer_types == ["linear_attention",
+                                                                     "full_attention"]
+
+
+def test_granite_head_dim_as_transformers_attention_reads_it():
+    """``hidden_size // num_attention_heads`` unless config.json carries ``head_dim``:
+    GraniteMoeHybridAttention takes ``getattr(config, "head_dim", hidden // heads)``."""
+    raw = {"model_type": "granitemoehybrid", "num_local_experts": 0, "hidden_size": 64,
+           "num_attention_heads": 4, "num_key_value_heads": 2, "mamba_n_heads": 8,
+           "num_hidden_layers": 2, "layer_types": ["mamba", "attention"], "vocab_size": 32,
+           "shared_intermediate_size": 16}
+    for extra, head_dim in (({}, 16), ({"head_dim": 8}, 8)):
+        ours = ModelConfig.from_dict({**raw, **extra})
+        assert ours.head_dim == head_dim
+        attn = tf.GraniteMoeHybridForCausalLM(
+            tf.GraniteMoeHybridConfig.from_dict({**raw, **extra})).model.layers[1].self_attn
+        assert attn.k_proj.weight.shape == (2 * head_dim, 64)
+
+
 #: the smallest configs both transformers and the state spec accept
 SMALLEST = {"lfm2": {"model_type": "lfm2", "layer_types": ["conv"] * 32},
-            "mamba2": {"model_type": "mamba2"}}
+            "mamba2": {"model_type": "mamba2"},
+            "granitemoehybrid": {"model_type": "granitemoehybrid", "num_local_experts": 0}}
 
 # (id, dtype fields of config.json, what both read)
 DTYPE_CASES = [
@@ -95,7 +195,7 @@ DTYPE_CASES = [
 ]
 
 
-@pytest.mark.parametrize("arch", ["lfm2", "mamba2"])
+@pytest.mark.parametrize("arch", ["lfm2", "mamba2", "granitemoehybrid"])
 @pytest.mark.parametrize("fields,want", [c[1:] for c in DTYPE_CASES],
                          ids=[c[0] for c in DTYPE_CASES])
 def test_dtype_precedence_is_transformers(arch, fields, want):
@@ -122,9 +222,13 @@ def test_values_derived_only_where_transformers_refuses():
     defaults (32 layers, 128 heads) would make it refuse these configs; the reader derives."""
     lfm2 = {"model_type": "lfm2", "layer_types": ["conv", "conv", "full_attention"]}  # 2560/32
     mamba2 = {"model_type": "mamba2", "hidden_size": 64, "head_dim": 16, "n_groups": 2}
+    granite = {"model_type": "granitemoehybrid", "num_local_experts": 0,
+               "layer_types": ["mamba", "attention", "mamba"]}
     assert ModelConfig.from_dict(lfm2).num_layers == 3
     assert ModelConfig.from_dict(mamba2).num_heads == 8
-    for cls, raw in (("Lfm2Config", lfm2), ("Mamba2Config", mamba2)):
+    assert ModelConfig.from_dict(granite).num_layers == 3
+    for cls, raw in (("Lfm2Config", lfm2), ("Mamba2Config", mamba2),
+                     ("GraniteMoeHybridConfig", granite)):
         with pytest.raises(Exception, match="must (be )?equal"):
             getattr(tf, cls).from_dict(raw)
 
@@ -142,6 +246,9 @@ def test_mamba_ssm_names_and_special_floats():
 LFM2 = {"model_type": "lfm2", "hidden_size": 64, "layer_types": ["conv"] * 2}
 MAMBA2 = {"model_type": "mamba2", "hidden_size": 64, "head_dim": 16, "n_groups": 2,
           "num_hidden_layers": 2}
+GRANITE = {"model_type": "granitemoehybrid", "num_local_experts": 0, "hidden_size": 64,
+           "num_attention_heads": 4, "num_key_value_heads": 2, "mamba_n_heads": 8,
+           "mamba_n_groups": 2, "layer_types": ["mamba", "attention"]}
 
 
 @pytest.mark.parametrize("raw,error,words", [
@@ -164,9 +271,30 @@ MAMBA2 = {"model_type": "mamba2", "hidden_size": 64, "head_dim": 16, "n_groups":
     ({**MAMBA2, "expand": 1.01}, ConfigError, ["expand", "1.01"]),
     ({**MAMBA2, "time_step_limit": [0.0]}, ConfigError, ["'time_step_limit'", "[0.0]"]),
     ({**MAMBA2, "hidden_act": 7}, ConfigError, ["'hidden_act'", "7"]),
+    ({**GRANITE, "layer_types": ["mamba", "sliding_attention"]}, UnsupportedModelError,
+     ["'sliding_attention'"]),
+    ({**GRANITE, "layers_block_type": "mamba"}, ConfigError, ["'layers_block_type'", "'mamba'"]),
+    ({**GRANITE, "num_local_experts": -1}, ConfigError, ["'num_local_experts'", "-1"]),
+    ({**GRANITE, "num_key_value_heads": 3}, ConfigError, ["num_attention_heads=4",
+                                                          "num_key_value_heads=3"]),
+    ({**GRANITE, "num_attention_heads": 6, "num_key_value_heads": 6}, ConfigError,
+     ["hidden_size=64", "num_attention_heads=6"]),
+    ({**GRANITE, "mamba_n_groups": 3}, ConfigError, ["mamba_n_heads=8", "mamba_n_groups=3"]),
+    ({**GRANITE, "mamba_d_head": 32}, ConfigError, ["8 * 32", "= 128"]),
+    ({**GRANITE, "mamba_n_heads": 6}, ConfigError, ["mamba_n_heads=6", "2 * 64"]),
+    ({**GRANITE, "mamba_d_head": "big"}, ConfigError, ["'mamba_d_head'", "'big'"]),
+    ({**GRANITE, "mamba_expand": 1.01}, ConfigError, ["mamba_expand", "1.01"]),
+    ({**GRANITE, "rms_norm_eps": 0}, ConfigError, ["'rms_norm_eps'", "0"]),
+    ({**GRANITE, "position_embedding_type": "alibi"}, ConfigError,
+     ["position_embedding_type='alibi'"]),
+    ({**GRANITE, "num_hidden_layers": 3}, ConfigError, ["layer_types", "3"]),
 ], ids=["model-type", "not-int", "fraction", "not-bool", "negative-eps", "dtype",
         "torch_dtype", "conv_dim", "layer-type", "layer-count", "attn-idxs", "multiplier",
-        "num-heads", "groups", "head-dim", "expand", "time-step-limit", "hidden-act"])
+        "num-heads", "groups", "head-dim", "expand", "time-step-limit", "hidden-act",
+        "granite-layer-type", "granite-block-type", "granite-experts", "granite-kv-heads",
+        "granite-heads", "granite-groups", "granite-d-head", "granite-auto-d-head",
+        "granite-d-head-type", "granite-expand", "granite-eps", "granite-position",
+        "granite-layer-count"])
 def test_bad_values_raise_naming_key_and_value(raw, error, words):
     with pytest.raises(error) as info:
         ModelConfig.from_dict(raw)
@@ -210,3 +338,35 @@ def test_spec_and_model_read_one_config_alike(tmp_path):
     assert hf.dtype == torch.bfloat16 and hf.layer_norm_epsilon == mixer.norm_eps
     assert (hf.num_heads, hf.head_dim, hf.state_size, hf.n_groups) == (
         config.num_heads, config.head_dim, config.state_size, config.n_groups)
+
+
+def test_granite_spec_matches_the_cache_transformers_allocates():
+    """The state spec of a config that transformers' own GraniteMoeHybridConfig wrote (to_dict)
+    describes the cache GraniteMoeHybridForCausalLM fills: conv ``[B, conv_dim, K]`` (the spec
+    keeps the last K-1 columns), SSM ``[B, H, P, N]``, KV ``[B, KV heads, T, head_dim]``."""
+    hf_config = tf.GraniteMoeHybridConfig(
+        vocab_size=64, hidden_size=48, num_hidden_layers=4, num_local_experts=0,
+        layer_types=["mamba", "attention", "mamba", "mamba"], num_attention_heads=4,
+        num_key_value_heads=2, mamba_n_heads=6, mamba_d_state=8, mamba_n_groups=2,
+        mamba_d_conv=3, shared_intermediate_size=32, intermediate_size=16)
+    spec = StateSpec.from_config(hf_config.to_dict())
+    assert spec.model_type == "granitemoehybrid" and spec.conv_kernel == 3
+    (group,) = spec.groups
+    conv, ssm = group.tensors
+    assert group.layer_ids == (0, 2, 3)
+    assert [(s.name, s.size, s.groups) for s in conv.segments] == [("x", 96, 1), ("B", 16, 2),
+                                                                  ("C", 16, 2)]
+    assert (spec.kv.layer_ids, spec.kv.num_kv_heads, spec.kv.head_dim) == ((1,), 2, 12)
+
+    torch.manual_seed(0)
+    model = tf.GraniteMoeHybridForCausalLM(hf_config).eval()
+    cache = tf.DynamicCache(config=hf_config)
+    with torch.no_grad():
+        model(torch.tensor([[1, 2, 3, 4, 5]]), cache=cache, use_cache=True)
+    for i in group.layer_ids:
+        layer = cache.layers[i]
+        assert tuple(layer.conv_states[0].shape) == (1, conv.channels, conv.inner_shape[0] + 1)
+        assert tuple(layer.recurrent_states[0].shape) == (1, ssm.channels, *ssm.inner_shape)
+    keys = cache.layers[1].keys
+    assert tuple(keys.shape) == (1, spec.kv.num_kv_heads, 5, spec.kv.head_dim)
+    assert keys.dtype == spec.kv.torch_dtype == torch.float32

@@ -1,14 +1,15 @@
 """The recurrent state of a model, declared once as data.
 
-A :class:`StateSpec` is built from a Hugging Face ``config.json`` (LFM2 or Mamba2) as read by
-:class:`~statebridge.hf_config.ModelConfig`, the one reader the model runtime uses too. It says, for
-every layer that carries recurrent state, which state tensors it owns, how their channel axis is
-made of segments, and how each segment is sharded across tensor-parallel ranks::
+A :class:`StateSpec` is built from a Hugging Face ``config.json`` (LFM2, Mamba2 or
+GraniteMoeHybrid) as read by :class:`~statebridge.hf_config.ModelConfig`, the one reader the
+model runtime uses too. It says, for every layer that carries recurrent state, which state
+tensors it owns, how their channel axis is made of segments, and how each segment is sharded
+across tensor-parallel ranks::
 
     ShortConv (LFM2) conv state, one layer, global:
         channel axis D = [ Bx (hidden, split) ]             inner axes: S = L_cache - 1
 
-    Mamba2 conv state, one layer, global:
+    Mamba2 conv state (Mamba2, and Granite-4.0-H mamba layers), one layer, global:
         channel axis D = [ x (I, split) | B (G*N, grouped) | C (G*N, grouped) ]   inner: S = K - 1
     Mamba2 SSM state, one layer, global:
         channel axis H = [ heads (H, split) ]               inner axes: P, N
@@ -41,7 +42,12 @@ import torch
 
 from statebridge.dtypes import DTYPES, dtype_from_name
 from statebridge.errors import ConfigError, UnsupportedModelError
-from statebridge.hf_config import Lfm2ModelConfig, Mamba2ModelConfig, ModelConfig
+from statebridge.hf_config import (
+    GraniteHybridModelConfig,
+    Lfm2ModelConfig,
+    Mamba2ModelConfig,
+    ModelConfig,
+)
 
 __all__ = [
     "Sharding",
@@ -237,6 +243,8 @@ class StateSpec:
             return _lfm2(model, conv_dtype, kv)
         if isinstance(model, Mamba2ModelConfig):
             return _mamba2(model, conv_dtype, ssm)
+        if isinstance(model, GraniteHybridModelConfig):
+            return _granite(model, conv_dtype, ssm, kv)
         raise UnsupportedModelError(f"no state spec for model_type {model.model_type!r}")
 
     @classmethod
@@ -360,20 +368,51 @@ def _lfm2(config: Lfm2ModelConfig, conv_dtype: str, kv_dtype: str) -> StateSpec:
     return StateSpec("lfm2", _group_layers(layers), config.layer_types, kernel, kv)
 
 
-def _mamba2(config: Mamba2ModelConfig, conv_dtype: str, ssm_dtype: str) -> StateSpec:
-    kernel = config.conv_kernel
+def _mamba2_tensors(*, what: str, intermediate: int, n_groups: int, d_state: int,
+                    n_heads: int, d_head: int, kernel: int, conv_dtype: str,
+                    ssm_dtype: str) -> tuple[StateTensorSpec, StateTensorSpec]:
+    """The conv and SSM state tensors of one Mamba2 mixer (Mamba2, GraniteMoeHybrid); ``what``
+    names the kernel-width field in errors."""
     if kernel < 2:
-        raise ConfigError(f"mamba2: conv_kernel must be >= 2 to carry state, got {kernel}")
-    bc = config.n_groups * config.state_size
+        raise ConfigError(f"{what} must be >= 2 to carry state, got {kernel}")
+    bc = n_groups * d_state
     conv = StateTensorSpec(
         name="conv", channel_axis="D",
-        segments=(Segment("x", config.intermediate_size, Sharding.SPLIT),
-                  Segment("B", bc, Sharding.GROUPED, config.n_groups),
-                  Segment("C", bc, Sharding.GROUPED, config.n_groups)),
+        segments=(Segment("x", intermediate, Sharding.SPLIT),
+                  Segment("B", bc, Sharding.GROUPED, n_groups),
+                  Segment("C", bc, Sharding.GROUPED, n_groups)),
         inner_axes=("S",), inner_shape=(kernel - 1,), dtype=conv_dtype)
     ssm = StateTensorSpec(
         name="ssm", channel_axis="H",
-        segments=(Segment("heads", config.num_heads, Sharding.SPLIT),),
-        inner_axes=("P", "N"), inner_shape=(config.head_dim, config.state_size), dtype=ssm_dtype)
-    layers = [(i, (conv, ssm)) for i in range(config.num_layers)]
-    return StateSpec("mamba2", _group_layers(layers), config.layer_types, kernel)
+        segments=(Segment("heads", n_heads, Sharding.SPLIT),),
+        inner_axes=("P", "N"), inner_shape=(d_head, d_state), dtype=ssm_dtype)
+    return conv, ssm
+
+
+def _mamba2(config: Mamba2ModelConfig, conv_dtype: str, ssm_dtype: str) -> StateSpec:
+    tensors = _mamba2_tensors(
+        what="mamba2: conv_kernel", intermediate=config.intermediate_size,
+        n_groups=config.n_groups, d_state=config.state_size, n_heads=config.num_heads,
+        d_head=config.head_dim, kernel=config.conv_kernel, conv_dtype=conv_dtype,
+        ssm_dtype=ssm_dtype)
+    layers = [(i, tensors) for i in range(config.num_layers)]
+    return StateSpec("mamba2", _group_layers(layers), config.layer_types, config.conv_kernel)
+
+
+def _granite(config: GraniteHybridModelConfig, conv_dtype: str, ssm_dtype: str,
+             kv_dtype: str) -> StateSpec:
+    tensors = _mamba2_tensors(
+        what="granitemoehybrid: mamba_d_conv", intermediate=config.mamba_intermediate_size,
+        n_groups=config.mamba_n_groups, d_state=config.mamba_d_state,
+        n_heads=config.mamba_n_heads, d_head=config.mamba_d_head, kernel=config.mamba_d_conv,
+        conv_dtype=conv_dtype, ssm_dtype=ssm_dtype)
+    layers = [(i, tensors) for i in config.mamba_layers]
+    if not layers:
+        raise UnsupportedModelError("granitemoehybrid: config has no mamba layers (layer_types "
+                                    "are all attention, e.g. Granite-4.0-Micro): no recurrent "
+                                    "state to describe")
+    attention = config.attention_layers
+    kv = KVSpec(attention, config.num_key_value_heads, config.head_dim, kv_dtype) \
+        if attention else None
+    return StateSpec("granitemoehybrid", _group_layers(layers), config.layer_types,
+                     config.mamba_d_conv, kv)

@@ -55,6 +55,27 @@ def test_lfm2_attention_layer_is_unsupported(tmp_path, transformers_module):
         ModelRunner(tmp_path, 1, 0, cache)
 
 
+def test_granite_runtime_is_not_yet_implemented(tmp_path, transformers_module):
+    """A dense Granite-4.0-H-style checkpoint made by transformers: its state spec (and the
+    cache built from it) is described; the runner and the node's weight check refuse it."""
+    from statebridge.node.checks import check_weights
+
+    tf = transformers_module
+    config = tf.GraniteMoeHybridConfig(
+        vocab_size=64, hidden_size=32, num_hidden_layers=3, num_local_experts=0,
+        layer_types=["mamba", "attention", "mamba"], num_attention_heads=4,
+        num_key_value_heads=2, mamba_n_heads=4, mamba_d_state=8, shared_intermediate_size=32)
+    tf.GraniteMoeHybridForCausalLM(config).save_pretrained(tmp_path)
+    cache = make_cache(str(tmp_path), 1, "DLS")
+    assert cache.geometry.spec.kv.layer_ids == (1,)
+    with pytest.raises(UnsupportedModelError, match=r"granitemoehybrid: .*not yet implemented"):
+        ModelRunner(tmp_path, 1, 0, cache)
+    with pytest.raises(UnsupportedModelError, match=r"not yet implemented"):
+        check_weights(tmp_path, 1)
+    with pytest.raises(ConfigError, match=r"unknown preset 'tiny' for granitemoehybrid"):
+        make_checkpoint("granitemoehybrid", tmp_path / "made")
+
+
 def test_lfm2_without_layer_types_is_all_attention_like_transformers(tmp_path, lfm2_dir):
     """transformers reads a config with neither layer_types nor full_attn_idxs as ALL
     attention; so do the state spec and the runner."""

@@ -5,8 +5,15 @@ from __future__ import annotations
 import pytest
 
 from statebridge.errors import ConfigError
-from statebridge.state.sharding import check_tp, local_channels, shard_segments
+from statebridge.state.sharding import (
+    check_tp,
+    kv_heads,
+    kv_is_replicated,
+    local_channels,
+    shard_segments,
+)
 from statebridge.state.spec import StateSpec
+from tests.state.test_spec import GRANITE_4_0_H_1B
 
 
 def mamba2(n_groups, **kw):
@@ -72,3 +79,43 @@ def test_bare_segments_shard_like_their_state_tensor():
     conv, _ = mamba2(4).groups[0].tensors
     with pytest.raises(ConfigError, match="in_proj.weight segment 'B': n_groups 4"):
         shard_segments(conv.segments, 8, 0, name="in_proj.weight")
+
+
+def test_granite_bc_replicated_and_x_heads_split_at_every_tp():
+    """Granite-4.0-H has n_groups = 1: every rank holds all of B and C beyond TP 1 (the
+    #55208 class), its slice of x and of the SSM heads."""
+    conv, ssm = StateSpec.from_config(GRANITE_4_0_H_1B).groups[0].tensors
+    assert ranges(conv, 1, 0) == [("x", 0, 3072, 0, False), ("B", 0, 128, 3072, False),
+                                  ("C", 0, 128, 3200, False)]
+    for tp in (2, 4, 8):
+        x = 3072 // tp
+        for rank in range(tp):
+            assert ranges(conv, tp, rank) == [("x", rank * x, (rank + 1) * x, 0, False),
+                                              ("B", 0, 128, x, True), ("C", 0, 128, x + 128, True)]
+            assert ranges(ssm, tp, rank) == [("heads", rank * 48 // tp, (rank + 1) * 48 // tp, 0,
+                                              False)]
+
+
+# (tp, (first KV head, count) of every rank): 4 KV heads split at TP 2 and 4, shared by two
+# consecutive ranks at TP 8.
+GRANITE_KV = [
+    (1, [(0, 4)]),
+    (2, [(0, 2), (2, 2)]),
+    (4, [(0, 1), (1, 1), (2, 1), (3, 1)]),
+    (8, [(0, 1), (0, 1), (1, 1), (1, 1), (2, 1), (2, 1), (3, 1), (3, 1)]),
+]
+
+
+@pytest.mark.parametrize("tp,heads", GRANITE_KV, ids=[f"tp{c[0]}" for c in GRANITE_KV])
+def test_granite_kv_heads_split_then_replicated(tp, heads):
+    spec = StateSpec.from_config(GRANITE_4_0_H_1B)
+    assert [kv_heads(spec.kv, tp, r) for r in range(tp)] == heads
+    assert kv_is_replicated(spec.kv, tp) == (tp == 8)
+    check_tp(spec, tp)
+
+
+def test_granite_tp3_names_kv_heads_and_tp():
+    """x (3072) and the heads (48) split over 3; the 4 KV heads cannot."""
+    with pytest.raises(ConfigError) as info:
+        check_tp(StateSpec.from_config(GRANITE_4_0_H_1B), 3)
+    assert "num_kv_heads=4" in str(info.value) and "tp_size=3" in str(info.value)

@@ -25,6 +25,18 @@ MAMBA2_2_7B = {
     "n_groups": 1, "num_hidden_layers": 64, "conv_kernel": 4, "torch_dtype": "bfloat16",
 }
 
+#: Granite-4.0-H-1B's state and attention fields (reference: hybrid-models.md section 1): dense,
+#: attention at 5, 15, 25, 35, 12 heads / 4 KV heads, mamba 48 heads x 64, d_state 128, 1 group.
+GRANITE_4_0_H_1B = {
+    "model_type": "granitemoehybrid", "hidden_size": 1536, "num_hidden_layers": 40,
+    "num_attention_heads": 12, "num_key_value_heads": 4, "intermediate_size": 4096,
+    "num_local_experts": 0, "vocab_size": 100352, "mamba_n_heads": 48, "mamba_d_head": 64,
+    "mamba_d_state": 128, "mamba_n_groups": 1, "mamba_d_conv": 4, "mamba_expand": 2,
+    "mamba_chunk_size": 256, "position_embedding_type": "nope", "torch_dtype": "bfloat16",
+    "layer_types": ["attention" if i in (5, 15, 25, 35) else "mamba" for i in range(40)],
+}
+GRANITE_ATTENTION = (5, 15, 25, 35)
+
 
 def test_lfm2_1_2b_has_ten_conv_layers_of_2048_by_2():
     spec = StateSpec.from_config(LFM2_1_2B)
@@ -56,6 +68,48 @@ def test_mamba2_2_7b_conv_5376_and_ssm_80_64_128():
     # n_groups = 1: B and C are replicated on every rank, x is split.
     assert local_channels(conv, 4) == 5120 // 4 + 2 * 128
     assert local_channels(ssm, 4) == 20
+
+
+def test_granite_4_0_h_1b_is_36_mamba2_layers_and_kv_4_by_128():
+    spec = StateSpec.from_config(GRANITE_4_0_H_1B)
+    assert spec.model_type == "granitemoehybrid" and spec.conv_kernel == 4
+    assert spec.layer_types == tuple("full_attention" if i in GRANITE_ATTENTION else "mamba2"
+                                     for i in range(40))
+    (group,) = spec.groups
+    assert group.layer_ids == tuple(i for i in range(40) if i not in GRANITE_ATTENTION)
+    conv, ssm = group.tensors
+    assert [(s.name, s.size, s.sharding, s.groups) for s in conv.segments] == [
+        ("x", 3072, Sharding.SPLIT, 1), ("B", 128, Sharding.GROUPED, 1),
+        ("C", 128, Sharding.GROUPED, 1)]
+    assert (conv.channels, conv.inner_shape, conv.dtype) == (3328, (3,), "bfloat16")
+    assert (ssm.channels, *ssm.inner_shape) == (48, 64, 128)
+    assert [(s.name, s.sharding) for s in ssm.segments] == [("heads", Sharding.SPLIT)]
+    assert (spec.kv.layer_ids, spec.kv.num_kv_heads, spec.kv.head_dim, spec.kv.dtype) == (
+        GRANITE_ATTENTION, 4, 128, "bfloat16")
+    assert spec.bytes_per_request() == 36 * (3328 * 3 + 48 * 64 * 128) * 2
+    assert spec.kv_bytes(1) == 4 * 2 * 4 * 128 * 2            # 8 KiB per token
+    # n_groups = 1: B and C replicated on every rank at TP > 1, x and the heads split.
+    assert local_channels(conv, 4) == 3072 // 4 + 2 * 128
+    assert local_channels(ssm, 4) == 12
+
+
+def test_granite_mamba_state_is_mamba2_state():
+    """The mamba layers of a Granite config describe the same tensors as the Mamba2 config of
+    the same mixer (one builder for both)."""
+    granite = StateSpec.from_config(GRANITE_4_0_H_1B, ssm_dtype="float32")
+    mamba2 = StateSpec.from_config({"model_type": "mamba2", "hidden_size": 1536, "expand": 2,
+                                    "head_dim": 64, "state_size": 128, "n_groups": 1,
+                                    "num_hidden_layers": 1, "conv_kernel": 4,
+                                    "torch_dtype": "bfloat16"}, ssm_dtype="float32")
+    assert granite.groups[0].tensors == mamba2.groups[0].tensors
+
+
+def test_granite_kv_dtype_and_fingerprint():
+    spec = StateSpec.from_config(GRANITE_4_0_H_1B, kv_dtype="float16")
+    assert spec.kv.dtype == "float16"
+    assert {t.dtype for t in spec.groups[0].tensors} == {"bfloat16"}
+    assert StateSpec.from_json(spec.to_json()) == spec
+    assert spec.fingerprint() != StateSpec.from_config(GRANITE_4_0_H_1B).fingerprint()
 
 
 def test_shipped_example_configs_match_the_published_shapes():
@@ -100,8 +154,14 @@ def test_from_pretrained_reads_a_directory(tmp_path):
     ({**MAMBA2_2_7B, "head_dim": 48}, {}, ConfigError, "48"),
     ({**MAMBA2_2_7B, "n_groups": 3}, {}, ConfigError, "n_groups 3"),
     (MAMBA2_2_7B, {"ssm_dtype": "int8"}, ConfigError, "'int8'"),
+    ({**GRANITE_4_0_H_1B, "layer_types": ["attention"] * 40}, {}, UnsupportedModelError,
+     "no mamba layers"),
+    ({**GRANITE_4_0_H_1B, "mamba_d_conv": 1}, {}, ConfigError, "mamba_d_conv must be >= 2"),
+    ({**GRANITE_4_0_H_1B, "num_local_experts": 64}, {}, UnsupportedModelError,
+     "num_local_experts=64"),
 ], ids=["unknown-model-type", "no-model-type", "unknown-layer", "no-conv-layer", "L_cache-1",
-        "non-int", "num-heads", "head-dim", "groups-vs-heads", "dtype"])
+        "non-int", "num-heads", "head-dim", "groups-vs-heads", "dtype", "granite-no-mamba",
+        "granite-d-conv-1", "granite-moe"])
 def test_bad_configs_raise_typed_errors_naming_the_value(config, kwargs, error, value):
     with pytest.raises(error) as info:
         StateSpec.from_config(config, **kwargs)
