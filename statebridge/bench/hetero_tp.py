@@ -21,6 +21,7 @@ Wire into a CLI with :func:`add_parser` and :func:`main`.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import logging
 import os
@@ -50,7 +51,7 @@ MODEL = "statebridge.bench._model:PageOnceModel"
 
 _LFM2_1_2B = {
     "model_type": "lfm2", "hidden_size": 2048, "num_hidden_layers": 16, "conv_L_cache": 3,
-    "torch_dtype": "bfloat16",
+    "torch_dtype": "bfloat16", "num_attention_heads": 32, "num_key_value_heads": 8,
     "layer_types": ["conv", "conv", "full_attention", "conv", "conv", "full_attention", "conv",
                     "conv", "full_attention", "conv", "full_attention", "conv",
                     "full_attention", "conv", "full_attention", "conv"]}
@@ -58,14 +59,26 @@ _MAMBA2_2_7B = {
     "model_type": "mamba2", "hidden_size": 2560, "expand": 2, "head_dim": 64, "num_heads": 80,
     "state_size": 128, "n_groups": 1, "num_hidden_layers": 64, "conv_kernel": 4,
     "torch_dtype": "bfloat16"}
+# Granite-4.0-H-1B (dense): 40 layers, attention at 5, 15, 25, 35 (12 heads / 4 KV heads x 128),
+# Mamba2 48 heads x 64, d_state 128, n_groups 1 (B/C replicated), d_conv 4.
+_GRANITE_4_0_H_1B = {
+    "model_type": "granitemoehybrid", "hidden_size": 1536, "num_hidden_layers": 40,
+    "num_attention_heads": 12, "num_key_value_heads": 4, "intermediate_size": 4096,
+    "mamba_n_heads": 48, "mamba_d_head": 64, "mamba_d_state": 128, "mamba_n_groups": 1,
+    "mamba_d_conv": 4, "mamba_expand": 2, "num_local_experts": 0,
+    "position_embedding_type": "nope", "torch_dtype": "bfloat16",
+    "layer_types": ["full_attention" if i in (5, 15, 25, 35) else "mamba" for i in range(40)]}
 _TINY = {
     "model_type": "mamba2", "hidden_size": 64, "expand": 2, "head_dim": 16, "num_heads": 8,
     "state_size": 16, "n_groups": 2, "num_hidden_layers": 3, "conv_kernel": 4,
     "torch_dtype": "bfloat16"}
 
-# name -> (HF config, StateSpec.from_config keyword arguments)
+# name -> (HF config, StateSpec.from_config keyword arguments; "kv": False drops the attention
+# KV: the recurrent state alone, as the preset measured before KV moved)
 PRESETS: dict[str, tuple[dict, dict]] = {
-    "lfm2-1.2b": (_LFM2_1_2B, {}),
+    "lfm2-1.2b": (_LFM2_1_2B, {"kv": False}),
+    "lfm2-1.2b-hybrid": (_LFM2_1_2B, {}),
+    "granite-4.0-h-1b": (_GRANITE_4_0_H_1B, {}),
     "mamba2-2.7b": (_MAMBA2_2_7B, {}),
     "mamba2-2.7b-fp32ssm": (_MAMBA2_2_7B, {"ssm_dtype": "float32"}),
     "tiny": (_TINY, {}),
@@ -88,7 +101,10 @@ def preset_spec(name: str) -> StateSpec:
     if name not in PRESETS:
         raise ConfigError(f"unknown preset {name!r}; expected one of {sorted(PRESETS)}")
     config, kwargs = PRESETS[name]
-    return StateSpec.from_config(config, **kwargs)
+    kwargs = dict(kwargs)
+    keep_kv = kwargs.pop("kv", True)
+    spec = StateSpec.from_config(config, **kwargs)
+    return spec if keep_kv else dataclasses.replace(spec, kv=None)
 
 
 def parse_pairs(text: str) -> list[tuple[int, int]]:
@@ -568,6 +584,12 @@ def configure_parser(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    default=list(LAYOUTS), help="comma-separated, e.g. LSD,LDS,DLS")
     p.add_argument("--requests", type=int, default=64, help="timed requests per cell")
     p.add_argument("--concurrency", type=int, default=8, help="requests in flight")
+    p.add_argument("--prompt-len", type=int, default=None, metavar="N",
+                   help="prompt tokens whose KV each request moves (hybrid presets; default "
+                        "1024 for them); recurrent-only presets send 1-token prompts")
+    p.add_argument("--kv-layout", default="HB",
+                   help="KV block pool layout of both sides: HB, BH, LH (default HB)")
+    p.add_argument("--block-size", type=int, default=16, help="tokens per KV block (default 16)")
     p.add_argument("--check-requests", type=int, default=2,
                    help="requests checked byte-exact (checksums) per cell before timing")
     p.add_argument("--transport", choices=sorted(TRANSPORTS), default="sm",
@@ -597,6 +619,13 @@ def _validate(a: argparse.Namespace) -> None:
             raise ConfigError(f"--{name} must be >= 1, got {getattr(a, name)}")
     if a.check_requests < 0:
         raise ConfigError(f"--check-requests must be >= 0, got {a.check_requests}")
+    if a.prompt_len is not None and a.prompt_len < 1:
+        raise ConfigError(f"--prompt-len must be >= 1, got {a.prompt_len}")
+    if a.block_size < 1:
+        raise ConfigError(f"--block-size must be >= 1, got {a.block_size}")
+    from statebridge.state.kv import KVLayout
+
+    a.kv_layout = KVLayout.parse(a.kv_layout).name
 
 
 def main(args: "argparse.Namespace | Sequence[str] | None" = None) -> int:
