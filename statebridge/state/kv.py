@@ -157,7 +157,9 @@ class BlockGeometry:
         s = self.strides
         shape = (self.num_blocks, self.heads, self.block_size, self.kv.head_dim)
         stride = (s["B"], s["H"], s["T"], s["E"])
-        base = layer * s["L"]
+        # as_strided's offset is absolute in the storage: a pool that starts inside a larger
+        # buffer (after the pages) adds its own offset.
+        base = typed.storage_offset() + layer * s["L"]
         return (typed.as_strided(shape, stride, base),
                 typed.as_strided(shape, stride, base + s["C"]))
 
