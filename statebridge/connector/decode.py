@@ -13,6 +13,14 @@ Per request (N-1 protocol)::
       future resolves to a TransferResult;  --TransferComplete--> prefill (its lease ends)
     release(result)        the caller is done with the page (decoding finished)
 
+With attention KV (``spec.kv``) the request also takes ``blocks_for(len(prompt), block_size)``
+KV blocks (ids the same on every decode rank) with its page; ``TransferRequest`` carries that
+block table; RankRecv still goes out at once (recurrent receives; the ranks learn the
+attempt's generation in order) and, when the prefill server answers ``TransferAccepted`` with
+its own block table, ``RankKVRecv`` lets the ranks post the KV receives (the runs coalesce
+over both tables). A rank answers only when both completed. :meth:`DecodeCoordinator.grow`
+extends a completed request's table while it decodes; the blocks are freed with the page.
+
 Two ways in: :meth:`DecodeCoordinator.start` / :meth:`~DecodeCoordinator.free` /
 :meth:`~DecodeCoordinator.cancel` run ON the coordinator's loop thread and report through a
 callback (the decode node, whose front door and scheduler live on this loop, uses them: no thread
@@ -67,6 +75,7 @@ from statebridge.errors import (
     TransferTimeoutError,
     error_for,
 )
+from statebridge.state.kv import blocks_for
 from statebridge.state.layout import PageGeometry
 from statebridge.state.plan import TransferPlan
 
@@ -92,6 +101,8 @@ class TransferResult:
     checksums: tuple[str, ...]      # per decode rank, when the group computes them
     rank_seconds: tuple[float, ...]
     rank_staging_bytes: tuple[int, ...]   # each decode rank's transport staging counter (total)
+    blocks: tuple[int, ...] = ()          # the request's KV block table (spec with KV)
+    kv_checksums: tuple[str, ...] = ()    # per decode rank: its K/V of the prompt's tokens
 
 
 #: ``on_done(result, error)`` of :meth:`DecodeCoordinator.start`: exactly one is not None.
@@ -140,7 +151,7 @@ class DecodeCoordinator(RankGroup):
         #: released): a request id is in use exactly while it is here.
         self.current: dict[str, RequestKey] = {}
         self._callbacks: dict[RequestKey, OnDone] = {}
-        self._generations = itertools.count(1)
+        self._last_generation = 0
         self._rr = itertools.count()
         self.prefill_watch = c.PeerWatch(self.config.peer_timeout)
         self._dials: dict[str, _Dial] = {}           # address -> kept connection
@@ -326,17 +337,15 @@ class DecodeCoordinator(RankGroup):
             peer.node_id = msg.node_id
             self.prefills[msg.node_id] = peer
             self.prefill_watch.heard(msg.node_id)
-            self.to_ranks(m.RankConnect(peer_node=msg.node_id, peer_role=msg.role,
-                                        peer_tp_size=msg.tp_size, peer_layout=msg.layout,
-                                        peer_page_size=msg.page_size,
-                                        peer_region_align=msg.region_align,
-                                        peer_addresses=msg.rank_addresses))
+            self.to_ranks(self.rank_connect(msg))
             peer.state = "ready"
             log.info("%s: prefill group %s connected (TP %d, %s): %d messages, %d bytes per "
                      "request", self.node_id, msg.node_id, msg.tp_size, msg.layout,
                      peer.plan.messages_per_request, peer.plan.bytes_per_request)
             self._redialed(peer)
             peer.event.set()
+        elif isinstance(msg, m.TransferAccepted):
+            self._on_accepted(peer, msg)
         elif isinstance(msg, m.TransferFailed):
             record = self.ledger.get(RequestKey(peer.node_id, msg.request_id, msg.generation))
             if record is None:
@@ -357,6 +366,23 @@ class DecodeCoordinator(RankGroup):
             pass
         else:
             self.counters.add("unexpected_messages")
+
+    def _on_accepted(self, peer: _Prefill, msg: m.TransferAccepted) -> None:
+        """The prefill server holds the request's blocks: the decode ranks post the KV
+        receives (the runs need both block tables)."""
+        record = self.ledger.get(RequestKey(peer.node_id, msg.request_id, msg.generation))
+        if record is None or record.peer is not peer or record.phase is not Phase.ACTIVE:
+            self.counters.add("stale_messages")      # failed meanwhile: its ranks cancelled
+            return
+        if len(msg.src_blocks) != len(record.blocks):
+            self._fail(record, FailureKind.TRANSFER_ERROR,
+                       f"prefill {peer.node_id} accepted with {len(msg.src_blocks)} KV blocks "
+                       f"for {len(record.blocks)}", notify=True)
+            return
+        kv_recv = m.RankKVRecv(peer_node=peer.node_id, request_id=msg.request_id,
+                               generation=msg.generation, src_blocks=msg.src_blocks)
+        for r in self.ledger.pending_ranks(record):
+            self.to_rank(r, kv_recv)
 
     def _handshake_failed(self, peer: _Prefill, error: Exception) -> None:
         peer.state = "failed"
@@ -430,22 +456,45 @@ class DecodeCoordinator(RankGroup):
                                     request_id=request_id)
             peer = ready[next(self._rr) % len(ready)]
         prompt = tuple(int(t) for t in prompt)
-        generation = next(self._generations) & 0xFFFFFFFF
-        key = RequestKey(peer.node_id if peer else "", request_id, generation)
-        record = self.ledger.open(key, time.monotonic() + self.config.transfer_timeout, peer)
+        num_blocks = blocks_for(len(prompt), self.block_size) if self.spec.kv is not None else 0
+        key = RequestKey(peer.node_id if peer else "", request_id,
+                         (self._last_generation + 1) & 0xFFFFFFFF)
+        # (CacheFullError for the page or the KV blocks: nothing is held, no generation used.)
+        record = self.ledger.open(key, time.monotonic() + self.config.transfer_timeout, peer,
+                                  num_blocks=num_blocks)
+        generation = self._last_generation = key.generation
+        blocks = tuple(record.blocks)
         self.current[request_id] = key
         self._callbacks[key] = on_done
         if peer is None:
             self.counters.add("local_prefills")
             self.to_ranks(m.RankLocalPrefill(request_id=request_id, generation=generation,
-                                             prompt=prompt, page=record.page))
+                                             prompt=prompt, page=record.page, blocks=blocks))
         else:
             self.counters.add("requests")
             self.to_ranks(m.RankRecv(request_id=request_id, generation=generation,
-                                     page=record.page, peer_node=peer.node_id))
+                                     page=record.page, peer_node=peer.node_id, blocks=blocks,
+                                     kv_tokens=len(prompt) if blocks else 0))
             c.send_dealer(peer.sock, m.TransferRequest(request_id=request_id,
-                                                       generation=generation, prompt=prompt))
+                                                       generation=generation, prompt=prompt,
+                                                       kv_blocks=blocks))
         return key
+
+    def grow(self, request_id: str, tokens: int) -> tuple[int, ...]:
+        """Loop thread: make a DONE request's KV block table hold ``tokens`` tokens (decoding
+        appends tokens); new blocks come right after its last one where free. Returns the
+        whole table. :class:`CacheFullError` naming wanted / free / total blocks when short
+        (nothing taken); InvalidRequestError for an id that is not a DONE request."""
+        key = self.current.get(request_id)
+        record = self.ledger.get(key) if key is not None else None
+        if record is None or record.phase is not Phase.DONE:
+            raise InvalidRequestError(f"no completed request {request_id!r} to grow",
+                                      request_id=request_id)
+        if self.spec.kv is None:
+            raise InvalidRequestError(f"{self.node_id} serves a spec without attention KV",
+                                      request_id=request_id)
+        self.ledger.grow(record, blocks_for(tokens, self.block_size))
+        return tuple(record.blocks)
 
     def free(self, request_id: str) -> bool:
         """Loop thread: the caller is done with a DONE request's page (its id may be reused);
@@ -585,7 +634,9 @@ class DecodeCoordinator(RankGroup):
             nbytes=sum(d.nbytes for d in done), messages=sum(d.messages for d in done),
             checksums=tuple(d.checksum for d in done),
             rank_seconds=tuple(d.seconds for d in done),
-            rank_staging_bytes=tuple(d.staging_bytes for d in done))
+            rank_staging_bytes=tuple(d.staging_bytes for d in done),
+            blocks=tuple(record.blocks),
+            kv_checksums=tuple(d.kv_checksum for d in done) if record.blocks else ())
         self.counters.add("transfers_ok")
         self.counters.add("bytes", result.nbytes)
         peer = record.peer

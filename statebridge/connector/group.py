@@ -35,9 +35,11 @@ from statebridge.errors import (
     LoopTimeoutError,
     ProtocolError,
     StartupError,
+    StatebridgeError,
 )
 from statebridge.security import CurveKeys
 from statebridge.state.cache import PagePool
+from statebridge.state.kv import DEFAULT_BLOCK_SIZE, DEFAULT_KV_LAYOUT, BlockGeometry, BlockPool
 from statebridge.state.layout import Layout, PageGeometry
 from statebridge.state.spec import StateSpec
 
@@ -116,7 +118,9 @@ class RankGroup:
                  config: ConnectorConfig | None = None, node_id: str | None = None,
                  port: int = 0, launcher: Launcher | None = spawn_launcher,
                  region_align: int = 16, model: str | None = None, model_dir: str = "",
-                 dist_init: str = "", checksums: bool = False) -> None:
+                 dist_init: str = "", checksums: bool = False,
+                 kv_layout: str = DEFAULT_KV_LAYOUT, block_size: int = DEFAULT_BLOCK_SIZE,
+                 num_blocks: int | None = None) -> None:
         self.config = config or ConnectorConfig()
         self.spec = spec
         self.tp_size = tp_size
@@ -125,6 +129,17 @@ class RankGroup:
         self.region_align = region_align
         self.num_pages = num_pages
         self.pool = PagePool(num_pages)
+        # The attention KV (specs with ``spec.kv``): a block pool per rank beside the pages,
+        # block ids the same on every rank (this allocator). Without KV: none, 0 blocks.
+        self.block_size = block_size
+        self.kv_geometry: BlockGeometry | None = None
+        self.blocks: BlockPool | None = None
+        if spec.kv is not None:
+            num_blocks = num_pages * 8 if num_blocks is None else num_blocks
+            self.kv_geometry = BlockGeometry(spec.kv, tp_size, kv_layout, block_size, num_blocks)
+            self.blocks = BlockPool(num_blocks)
+        self.kv_layout = self.kv_geometry.layout.name if self.kv_geometry else str(kv_layout)
+        self.num_blocks = self.kv_geometry.num_blocks if self.kv_geometry else 0
         self.node_id = node_id or f"{self.role}-{uuid.uuid4().hex[:8]}"
         self.counters = c.Counters()
         keys = CurveKeys.from_config(self.config, listen=True)   # bad keys: nothing to clean up
@@ -141,7 +156,7 @@ class RankGroup:
         self.ranks = [_RankState() for _ in range(tp_size)]
         self._by_identity: dict[bytes, int] = {}
         self.rank_watch = c.PeerWatch(self.config.peer_timeout)
-        self.ledger = Ledger(tp_size, self.pool)
+        self.ledger = Ledger(tp_size, self.pool, self.blocks)
         self._ready = threading.Event()
         self._started = threading.Event()        # all ranks up, or one failed to start
         self._start_errors: dict[int, str] = {}
@@ -164,6 +179,8 @@ class RankGroup:
                                 node_id=self.node_id, config=self.config,
                                 region_align=region_align, checksums=checksums,
                                 model_dir=model_dir, dist_init=dist_init,
+                                kv_layout=self.kv_layout, block_size=block_size,
+                                num_blocks=self.num_blocks,
                                 log_level=_rank_log_level(),
                                 **({"model": model} if model else {}))
                       for r in range(tp_size)]
@@ -199,7 +216,17 @@ class RankGroup:
         return m.GroupInfo(node_id=self.node_id, role=self.role, tp_size=self.tp_size,
                            layout=self.layout.name, page_size=self.geometry.page_size,
                            region_align=self.region_align, num_pages=self.num_pages,
-                           spec_json=self.spec.to_json(), rank_addresses=self.rank_addresses)
+                           spec_json=self.spec.to_json(), rank_addresses=self.rank_addresses,
+                           kv_layout=self.kv_layout, block_size=self.block_size,
+                           num_blocks=self.num_blocks)
+
+    def rank_connect(self, info: m.GroupInfo) -> m.RankConnect:
+        """What the ranks need to plan and connect to the (checked) peer group ``info``."""
+        return m.RankConnect(peer_node=info.node_id, peer_role=info.role,
+                             peer_tp_size=info.tp_size, peer_layout=info.layout,
+                             peer_page_size=info.page_size, peer_region_align=info.region_align,
+                             peer_addresses=info.rank_addresses, peer_kv_layout=info.kv_layout,
+                             peer_block_size=info.block_size, peer_num_blocks=info.num_blocks)
 
     def check_peer_info(self, info: m.GroupInfo) -> PageGeometry:
         """The peer's page geometry, or IncompatiblePeerError/ConfigError naming the value."""
@@ -211,6 +238,21 @@ class RankGroup:
             spec = StateSpec.from_json(info.spec_json)
         except ConfigError as e:
             raise IncompatiblePeerError(f"peer {info.node_id!r}: {e}") from None
+        if spec.kv != self.spec.kv:
+            raise IncompatiblePeerError(f"peer {info.node_id!r} has KV spec {spec.kv}, we have "
+                                        f"{self.spec.kv}")
+        if self.spec.kv is not None:
+            if info.block_size != self.block_size:
+                raise IncompatiblePeerError(f"peer {info.node_id!r} has KV blocks of "
+                                            f"{info.block_size} tokens, we have "
+                                            f"{self.block_size}")
+            try:
+                BlockGeometry(self.spec.kv, info.tp_size, info.kv_layout, info.block_size,
+                              info.num_blocks)
+            except StatebridgeError as e:
+                raise IncompatiblePeerError(f"peer {info.node_id!r}: KV block pool "
+                                            f"{info.kv_layout!r} x {info.num_blocks}: {e}") \
+                    from None
         if spec.to_dict() != self.spec.to_dict():
             raise IncompatiblePeerError(f"peer {info.node_id!r} serves spec {spec.fingerprint()}, "
                                         f"we serve {self.spec.fingerprint()}")
@@ -393,6 +435,9 @@ class RankGroup:
         the pages it may still touch (requests without its RankDone)."""
         return {"pages_used": self.pool.num_used, "pages_free": self.pool.num_free,
                 "pages_total": self.num_pages,
+                "blocks_used": self.blocks.num_used if self.blocks else 0,
+                "blocks_free": self.blocks.num_free if self.blocks else 0,
+                "blocks_total": self.num_blocks,
                 "rank_pages_busy": self.ledger.busy_pages(),
                 "requests_in_flight": self._in_flight()}
 

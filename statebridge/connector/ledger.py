@@ -19,8 +19,9 @@ One lifecycle
     ACTIVE --every rank answered ok--> DONE --(prefill: decode confirmed / decode: released)--> freed
        \\--first failure--> FAILED --every live rank confirmed nothing touches the page--> freed
 
-A page is freed only when no rank can still write into it (or send from it): every rank that
-is not lost has answered ``RankDone``. A failure is recorded once (the first kind wins).
+A page -- and the request's KV blocks, freed with it -- is freed only when no rank can still
+write into it (or send from it): every rank that is not lost has answered ``RankDone``. A
+failure is recorded once (the first kind wins).
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ from typing import Iterator
 from statebridge.connector import messages as m
 from statebridge.errors import ConfigError, FailureKind
 from statebridge.state.cache import PagePool
+from statebridge.state.kv import BlockPool
 
 __all__ = ["RequestKey", "Phase", "Record", "Ledger"]
 
@@ -73,6 +75,9 @@ class Record:
     result: object = None
     #: The side's handle of the node on the other side (the connection it came from).
     peer: object = None
+    #: The request's KV block table (ids the same on every rank of the group); freed with
+    #: the page.
+    blocks: list[int] = field(default_factory=list)
 
     @property
     def request_id(self) -> str:
@@ -91,9 +96,10 @@ class Ledger:
     """Every request attempt of one TP group, keyed by :class:`RequestKey`, with the pages of
     ``pool``. ``lost`` ranks (dead processes) are never waited for."""
 
-    def __init__(self, tp_size: int, pool: PagePool) -> None:
+    def __init__(self, tp_size: int, pool: PagePool, blocks: BlockPool | None = None) -> None:
         self.tp_size = tp_size
         self.pool = pool
+        self.blocks = blocks
         self.lost: set[int] = set()
         self._records: dict[RequestKey, Record] = {}
 
@@ -112,14 +118,40 @@ class Ledger:
     def of_peer(self, peer_node: str) -> list[Record]:
         return [r for r in self._records.values() if r.key.peer_node == peer_node]
 
-    def open(self, key: RequestKey, deadline: float, peer: object = None) -> Record:
-        """Allocate the request's page (:class:`~statebridge.errors.CacheFullError` when none
-        is free: back-pressure) and track it."""
+    def open(self, key: RequestKey, deadline: float, peer: object = None, *,
+             num_blocks: int = 0) -> Record:
+        """Allocate the request's page and ``num_blocks`` KV blocks
+        (:class:`~statebridge.errors.CacheFullError` naming the numbers when either is short:
+        back-pressure; nothing is held then) and track it."""
         if key in self._records:
             raise ConfigError(f"request {key} is already tracked")
-        record = Record(key, self.pool.allocate(), deadline, peer=peer)
+        if num_blocks and self.blocks is None:
+            raise ConfigError(f"request {key} wants {num_blocks} KV blocks; the group has no "
+                              f"KV block pool")
+        page = self.pool.allocate()
+        blocks: list[int] = []
+        if num_blocks:
+            try:
+                blocks = self.blocks.allocate(num_blocks)
+            except BaseException:
+                self.pool.free(page)
+                raise
+        record = Record(key, page, deadline, peer=peer, blocks=blocks)
         self._records[key] = record
         return record
+
+    def grow(self, record: Record, num_blocks: int) -> list[int]:
+        """Extend ``record``'s block table to ``num_blocks`` blocks (contiguous after its last
+        block where free); CacheFullError naming the numbers when short (nothing taken).
+        Returns the blocks added."""
+        if self.blocks is None:
+            raise ConfigError("the group has no KV block pool")
+        more = num_blocks - len(record.blocks)
+        if more <= 0:
+            return []
+        added = self.blocks.allocate(more, after=record.blocks[-1] if record.blocks else None)
+        record.blocks.extend(added)
+        return added
 
     def pending_ranks(self, record: Record) -> list[int]:
         """The live ranks that have not answered: they may still touch the page."""
@@ -156,6 +188,8 @@ class Ledger:
             return False
         del self._records[record.key]
         self.pool.free(record.page)
+        if record.blocks:
+            self.blocks.free(record.blocks)
         return True
 
     def busy_pages(self) -> list[int]:

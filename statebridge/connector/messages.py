@@ -20,6 +20,10 @@ may use different layouts (the transfer plan stages those); they travel in ``Gro
 
 Per request (N-1 protocol, see DESIGN.md): ``TransferRequest`` decode -> prefill,
 ``TransferComplete`` / ``TransferFailed`` / ``Abort`` either way; ``Heartbeat`` both ways.
+For a spec with attention KV (``spec.kv``) the prefill server also answers
+``TransferAccepted`` with its block table once it holds the request's page and blocks: the
+KV runs coalesce across BOTH block tables, so the decode ranks post their KV receives
+(``RankKVRecv``) only then. Specs without KV send exactly the messages of version 2.
 Inside a group, the coordinator and its rank processes use the ``Rank*`` messages. A request
 attempt is named on every process by its :class:`~statebridge.connector.ledger.RequestKey`:
 the node on the other side of the transfer (``peer_node``), the request id, and the generation
@@ -45,12 +49,12 @@ __all__ = [
     "PROTOCOL_VERSION", "MAX_MESSAGE_BYTES", "Message", "message", "encode", "decode",
     "compat_hash", "MESSAGE_TYPES",
     "Hello", "Reject", "GroupInfo", "TransferRequest", "TransferComplete", "TransferFailed",
-    "Abort", "Heartbeat", "Error", "Goodbye",
-    "RankHello", "RankConnect", "RankPrefill", "RankRecv", "RankDone", "RankCancel",
+    "Abort", "Heartbeat", "Error", "Goodbye", "TransferAccepted",
+    "RankHello", "RankConnect", "RankPrefill", "RankRecv", "RankKVRecv", "RankDone", "RankCancel",
     "RankShutdown", "RankLocalPrefill", "RankFailed",
 ]
 
-PROTOCOL_VERSION = 2
+PROTOCOL_VERSION = 3
 #: Default largest message accepted by :func:`decode` (a prompt of 1M tokens fits).
 MAX_MESSAGE_BYTES = 16 * 1024 * 1024
 
@@ -155,6 +159,10 @@ class GroupInfo(Message):
     num_pages: int
     spec_json: str
     rank_addresses: tuple[bytes, ...]
+    #: The KV block pool of every rank (``num_blocks`` 0: no KV, the spec has none).
+    kv_layout: str = "HB"
+    block_size: int = 16
+    num_blocks: int = 0
 
 
 @message
@@ -164,6 +172,19 @@ class TransferRequest(Message):
     request_id: str
     generation: int
     prompt: tuple[int, ...]
+    #: The decode side's block table for the prompt's KV (``blocks_for(len(prompt),
+    #: block_size)`` ids); empty for a spec without KV.
+    kv_blocks: tuple[int, ...] = ()
+
+
+@message
+class TransferAccepted(Message):
+    """Prefill -> decode, only for a spec with KV: the server holds the request's page and
+    ``src_blocks`` (its block table, as long as the decode table); the decode ranks can now
+    post their KV receives (their runs depend on both tables)."""
+    request_id: str
+    generation: int
+    src_blocks: tuple[int, ...]
 
 
 @message
@@ -231,6 +252,10 @@ class RankConnect(Message):
     peer_page_size: int
     peer_region_align: int
     peer_addresses: tuple[bytes, ...]
+    #: The peer's KV block pool (``peer_num_blocks`` 0: none; no KV routes).
+    peer_kv_layout: str = "HB"
+    peer_block_size: int = 16
+    peer_num_blocks: int = 0
 
 
 @message
@@ -242,16 +267,35 @@ class RankPrefill(Message):
     prompt: tuple[int, ...]
     src_page: int
     peer_node: str
+    #: KV of the first ``kv_tokens`` tokens: computed into ``src_blocks``, sent to the
+    #: decode ranks' ``dst_blocks`` (empty without KV).
+    src_blocks: tuple[int, ...] = ()
+    dst_blocks: tuple[int, ...] = ()
+    kv_tokens: int = 0
 
 
 @message
 class RankRecv(Message):
     """Decode coordinator -> rank: post the receives of a request from prefill node
-    ``peer_node`` into ``page``."""
+    ``peer_node`` into ``page``. With ``blocks`` (the request's KV block table, KV of
+    ``kv_tokens`` tokens) the rank also waits for the request's :class:`RankKVRecv` before it
+    can answer."""
     request_id: str
     generation: int
     page: int
     peer_node: str
+    blocks: tuple[int, ...] = ()
+    kv_tokens: int = 0
+
+
+@message
+class RankKVRecv(Message):
+    """Decode coordinator -> rank, after the request's RankRecv: the prefill side's block
+    table is known; post the KV receives into the request's blocks."""
+    peer_node: str
+    request_id: str
+    generation: int
+    src_blocks: tuple[int, ...]
 
 
 @message
@@ -270,6 +314,9 @@ class RankDone(Message):
     nbytes: int
     messages: int
     staging_bytes: int
+    #: Decode ranks with checksums on and a request with KV: blake2b of the request's K and
+    #: V for tokens < kv_tokens (see rank.kv_checksum).
+    kv_checksum: str = ""
 
 
 @message
@@ -298,6 +345,7 @@ class RankLocalPrefill(Message):
     generation: int
     prompt: tuple[int, ...]
     page: int
+    blocks: tuple[int, ...] = ()        # the KV of ``prompt`` goes here (spec with KV)
 
 
 @message

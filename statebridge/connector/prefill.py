@@ -10,6 +10,12 @@ Per request (N-1 protocol)::
                                 every rank --RankDone--> server (sends complete or failed)
     decode --TransferComplete--> server: lease ends, page freed
 
+With attention KV (``spec.kv``) the request also carries the decode side's block table
+(``TransferRequest.kv_blocks``); the server allocates as many blocks of its own with the page
+(a request waits for pages AND blocks), answers ``TransferAccepted(src_blocks)`` so the decode
+ranks can post their KV receives, and its ranks send the KV runs after the recurrent ones.
+The blocks are freed with the page.
+
 The page is held under a lease of ``lease_timeout`` seconds: if the decode side neither
 confirms nor aborts in time (it vanished), the ranks cancel their sends and the page is freed
 once every rank confirmed the cancel. A decode peer that goes silent for ``peer_timeout``
@@ -29,6 +35,7 @@ from statebridge.connector import messages as m
 from statebridge.connector.group import RankGroup
 from statebridge.connector.ledger import Phase, Record, RequestKey
 from statebridge.errors import CacheFullError, FailureKind, IncompatiblePeerError
+from statebridge.state.kv import blocks_for
 
 log = logging.getLogger(__name__)
 
@@ -145,11 +152,7 @@ class PrefillServer(RankGroup):
                     if i != identity and p.node_id == info.node_id]:
             self._peer_lost(old.identity, "superseded by a new connection")
         peer.node_id = info.node_id
-        self.to_ranks(m.RankConnect(peer_node=info.node_id, peer_role=info.role,
-                                    peer_tp_size=info.tp_size, peer_layout=info.layout,
-                                    peer_page_size=info.page_size,
-                                    peer_region_align=info.region_align,
-                                    peer_addresses=info.rank_addresses))
+        self.to_ranks(self.rank_connect(info))
         peer.connected = True
         log.info("%s: decode group %s connected (TP %d, %s)", self.node_id, info.node_id,
                  info.tp_size, info.layout)
@@ -171,20 +174,39 @@ class PrefillServer(RankGroup):
         if RequestKey(peer.node_id, msg.request_id, msg.generation) in self.ledger:
             self.counters.add("duplicate_requests")
             return
+        if self.spec.kv is None and msg.kv_blocks:
+            self._reject(peer, msg, FailureKind.INVALID_REQUEST,
+                         f"{len(msg.kv_blocks)} KV blocks for a spec without attention KV")
+            return
+        if self.spec.kv is not None:
+            need = blocks_for(len(msg.prompt), self.block_size)
+            if len(msg.kv_blocks) != need:
+                self._reject(peer, msg, FailureKind.INVALID_REQUEST,
+                             f"{len(msg.kv_blocks)} KV blocks for a prompt of "
+                             f"{len(msg.prompt)} tokens (needs {need} of {self.block_size})")
+                return
+            if need > self.num_blocks:
+                self._reject(peer, msg, FailureKind.BUSY,
+                             f"{need} KV blocks wanted, {self.blocks.num_free} free of "
+                             f"{self.num_blocks}: the prompt never fits")
+                return
         limit = self.config.max_inflight_per_peer
         if peer.inflight >= limit:
             self._reject(peer, msg, FailureKind.BUSY, f"{peer.inflight} requests in flight from "
                                                       f"{peer.node_id} (limit {limit})")
             return
-        if not self.pool.num_free:
+        if not self._fits(msg) or self.waiting:
             # Queued requests count against the peer's limit too: the queue stays bounded.
+            # (FIFO: behind a waiting request; for specs without KV the queue is non-empty
+            # only while no page is free.)
             queued = sum(1 for p, _ in self.waiting if p is peer)
             if peer.inflight + queued >= limit:
                 self._reject(peer, msg, FailureKind.BUSY,
                              f"{peer.inflight} requests in flight and {queued} queued from "
                              f"{peer.node_id} (limit {limit})")
                 return
-            self.counters.add("waiting_for_pages")
+            self.counters.add("waiting_for_pages" if not self.pool.num_free
+                              else "waiting_for_blocks")
             self.waiting.append((peer, msg))               # back-pressure, not a failure
             return
         self._start(peer, msg)
@@ -192,15 +214,28 @@ class PrefillServer(RankGroup):
     def _start(self, peer: _Peer, msg: m.TransferRequest) -> None:
         key = RequestKey(peer.node_id, msg.request_id, msg.generation)
         try:
-            record = self.ledger.open(key, time.monotonic() + self.config.lease_timeout, peer)
+            record = self.ledger.open(key, time.monotonic() + self.config.lease_timeout, peer,
+                                      num_blocks=len(msg.kv_blocks))
         except CacheFullError:                    # callers checked; never lose the request
             self.waiting.appendleft((peer, msg))
             return
         peer.inflight += 1
         self.counters.add("requests")
+        src_blocks = tuple(record.blocks)
+        if src_blocks:
+            # First: the decode ranks post their KV receives once they know this table.
+            c.send_router(self.router, peer.identity, m.TransferAccepted(
+                request_id=msg.request_id, generation=msg.generation, src_blocks=src_blocks))
         self.to_ranks(m.RankPrefill(request_id=msg.request_id, generation=msg.generation,
                                     prompt=msg.prompt, src_page=record.page,
-                                    peer_node=peer.node_id))
+                                    peer_node=peer.node_id, src_blocks=src_blocks,
+                                    dst_blocks=msg.kv_blocks, kv_tokens=len(msg.prompt)
+                                    if self.spec.kv is not None else 0))
+
+    def _fits(self, msg: m.TransferRequest) -> bool:
+        """Whether a page and the request's KV blocks are free now."""
+        return bool(self.pool.num_free) and (
+            not msg.kv_blocks or len(msg.kv_blocks) <= self.blocks.num_free)
 
     def _reject(self, peer: _Peer, msg: m.TransferRequest, kind: FailureKind,
                 reason: str) -> None:
@@ -258,8 +293,8 @@ class PrefillServer(RankGroup):
         self._start_waiting()
 
     def _start_waiting(self) -> None:
-        while self.healthy and self.waiting and self.pool.num_free:   # broken: rejected instead
-            peer, msg = self.waiting.popleft()
+        while self.healthy and self.waiting and self._fits(self.waiting[0][1]):
+            peer, msg = self.waiting.popleft()                  # broken: rejected instead
             if self.peers.get(peer.identity) is peer:
                 self._start(peer, msg)
 

@@ -3,7 +3,8 @@
 A rank owns its :class:`~statebridge.state.cache.StateCache` (page memory) and its
 :class:`~statebridge.connector.data.Transport` (UCX worker). It talks only to its group's
 coordinator over one DEALER socket: it announces itself (``RankHello`` with its UCX address),
-heartbeats, and executes ``RankConnect`` / ``RankPrefill`` / ``RankRecv`` / ``RankCancel``,
+heartbeats, and executes ``RankConnect`` / ``RankPrefill`` / ``RankRecv`` / ``RankKVRecv`` /
+``RankCancel``,
 answering each request with exactly one ``RankDone`` -- sent only once nothing of the request
 can still touch the page (transfers complete or cancelled). A request is named by its
 :class:`~statebridge.connector.ledger.RequestKey` ``(peer_node, request_id, generation)``, as on
@@ -22,6 +23,7 @@ killed node leaves no orphans.
 from __future__ import annotations
 
 import functools
+import hashlib
 import importlib
 import logging
 import os
@@ -32,6 +34,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Callable
 
 import numpy as np
+import torch
 
 from statebridge.config import ConnectorConfig
 from statebridge.connector import control as c
@@ -40,6 +43,7 @@ from statebridge.connector.ledger import RequestKey
 from statebridge.errors import FailureKind, ProtocolError, StatebridgeError, kind_of
 from statebridge.security import CurveKeys
 from statebridge.state.cache import StateCache, page_checksum
+from statebridge.state.kv import BlockGeometry, KVPairPlan, KVPlan, blocks_for
 from statebridge.state.layout import PageGeometry
 from statebridge.state.plan import PairPlan, TransferPlan
 from statebridge.state.spec import StateSpec
@@ -49,8 +53,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-__all__ = ["RankSetup", "RankWorker", "RankModel", "rank_main",
-           "load_callable"]
+__all__ = ["RankSetup", "RankWorker", "RankModel", "KVBlocks", "rank_main",
+           "load_callable", "kv_checksum"]
 
 
 class RankModel:
@@ -68,9 +72,17 @@ class RankModel:
         #: The RankWorker serving this model (set after construction), for models that report
         #: on the rank (read-only use from the compute thread).
         self.worker: "RankWorker | None" = None
+        #: The rank's KV block pool (set after construction; None for a spec without KV).
+        self.kv: "KVBlocks | None" = None
 
     def prefill(self, page: int, prompt: tuple[int, ...], request_id: str) -> None:
         raise NotImplementedError
+
+    def prefill_kv(self, blocks: tuple[int, ...], tokens: int, request_id: str) -> None:
+        """Write the attention KV of the request's first ``tokens`` tokens into ``blocks`` of
+        :attr:`kv` (logical block i is ``blocks[i]``); called on the compute thread right
+        after :meth:`prefill` of the same request, for specs with KV. The default writes
+        nothing."""
 
     @classmethod
     def validate(cls, model_dir: str, tp_size: int) -> None:
@@ -105,6 +117,39 @@ class RankSetup:
     dist_init: str = ""                                         # torch.distributed rendezvous
     checksums: bool = False
     log_level: str = ""                                         # "": leave logging alone
+    kv_layout: str = "HB"                                       # KV block pool (spec.kv)
+    block_size: int = 16
+    num_blocks: int = 0                                         # 0: no KV pool
+
+
+class KVBlocks:
+    """A rank's KV block pool: its geometry and its bytes (the part of the rank's one
+    registered buffer after the pages, from byte ``base`` on)."""
+
+    def __init__(self, geometry: BlockGeometry, buffer: torch.Tensor, base: int) -> None:
+        self.geometry = geometry
+        self.buffer = buffer
+        self.base = base
+
+    def view(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V of attention layer ``layer``: ``[blocks, heads, block_size, head_dim]``."""
+        return self.geometry.view(self.buffer, layer)
+
+
+def kv_checksum(kv: KVBlocks, blocks, tokens: int) -> str:
+    """blake2b of a request's K and V on one rank: per attention layer, K then V, of the
+    first ``tokens`` tokens in token order (``[tokens, local heads, head_dim]`` bytes), read
+    through the block table ``blocks`` -- whatever the layout. Slots of the last block past
+    ``tokens`` are not covered (nothing defines them: the decode side overwrites them before
+    it reads them)."""
+    geo = kv.geometry
+    h = hashlib.blake2b(digest_size=16)
+    idx = torch.as_tensor(list(blocks), dtype=torch.int64)
+    for layer in range(geo.kv.num_layers):
+        for t in kv.view(layer):
+            x = t[idx].permute(0, 2, 1, 3).reshape(-1, geo.heads, geo.kv.head_dim)[:tokens]
+            h.update(x.contiguous().view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
 
 
 def load_callable(name: str) -> Callable:
@@ -128,6 +173,18 @@ class _Route:
     staged_bytes: int
 
 
+@dataclass(frozen=True)
+class _KVRoute:
+    """One KV rank pair of this rank with a peer node: the pair's plan (runs per request from
+    both block tables), the other rank, its UCX peer id, and the tag index of its first run
+    (after the recurrent pair's zero-copy runs, so the two posts never share a tag)."""
+
+    pair: KVPairPlan
+    peer_rank: int
+    peer: str
+    index0: int
+
+
 @dataclass
 class _Pending:
     key: RequestKey
@@ -137,6 +194,9 @@ class _Pending:
     nbytes: int = 0
     messages: int = 0
     failure: tuple[str, str] | None = None
+    blocks: tuple[int, ...] = ()       # the request's KV blocks on this rank's side
+    kv_tokens: int = 0
+    awaiting_kv: bool = False          # decode: the KV receives wait for RankKVRecv
 
 
 class RankWorker:
@@ -150,18 +210,33 @@ class RankWorker:
         self.spec = StateSpec.from_json(setup.spec_json)
         self.geometry = PageGeometry(self.spec, setup.tp_size, setup.layout,
                                      region_align=setup.region_align)
-        # Huge-page backed page memory: shared-memory transfers run ~1.5-2x faster from it.
+        # ONE buffer: the pages, then (spec with KV) the KV block pool from ``kv_base`` (the
+        # pages' bytes rounded up to 64). The transport is bound to all of it, so KV runs are
+        # plain absolute offsets. Huge-page backed: shared-memory transfers run ~1.5-2x
+        # faster from it.
+        pages_bytes = self.geometry.page_size * setup.num_pages
+        self.kv_geometry: BlockGeometry | None = None
+        if self.spec.kv is not None and setup.num_blocks:
+            self.kv_geometry = BlockGeometry(self.spec.kv, setup.tp_size, setup.kv_layout,
+                                             setup.block_size, setup.num_blocks)
+        self.kv_base = -(-pages_bytes // 64) * 64 if self.kv_geometry else pages_bytes
+        self.buffer = alloc_buffer(self.kv_base + (self.kv_geometry.nbytes
+                                                   if self.kv_geometry else 0))
         self.cache = StateCache(self.geometry, setup.num_pages,
-                                buffer=alloc_buffer(self.geometry.page_size * setup.num_pages))
-        self.transport = Transport(self.cache.buffer,
-                                   error_handling=self.config.ucx_error_handling)
+                                buffer=self.buffer[:pages_bytes])
+        self.kv: KVBlocks | None = None
+        if self.kv_geometry is not None:
+            self.kv = KVBlocks(self.kv_geometry, self.buffer[self.kv_base:], self.kv_base)
+        self.transport = Transport(self.buffer, error_handling=self.config.ucx_error_handling)
         self.model: RankModel = load_callable(setup.model)(setup, self.cache)
         self.model.worker = self
+        self.model.kv = self.kv
         self.loop = c.EventLoop(f"{setup.role}-rank{setup.tp_rank}")
         self.sock = c.connect_dealer(self.loop.context, setup.coordinator,
                                      keys=CurveKeys.from_config(self.config))
         self.loop.add_reader(self.sock, self._on_message)
         self.routes: dict[str, list[_Route]] = {}        # peer node -> this rank's pairs
+        self.kv_routes: dict[str, list[_KVRoute]] = {}   # peer node -> this rank's KV pairs
         #: Requests queued for or on the compute thread -> None, or why they were cancelled.
         self.computing: dict[RequestKey, tuple[str, str] | None] = {}
         self._model_handlers = self.model.handlers()
@@ -255,6 +330,7 @@ class RankWorker:
             m.RankConnect: self._on_connect,
             m.RankPrefill: self._on_prefill,
             m.RankRecv: self._on_recv,
+            m.RankKVRecv: self._on_kv_recv,
             m.RankCancel: self._on_cancel,
             m.RankLocalPrefill: self._on_local_prefill,
             m.RankShutdown: lambda msg: self.loop.request_stop(),
@@ -270,8 +346,12 @@ class RankWorker:
                 if peer in self.transport.peers:
                     self.transport.fail_peer(peer, f"{msg.peer_node} connected again")
         routes = self.routes[msg.peer_node] = self._routes(msg.peer_node, peer_geo)
-        for route in routes:
-            self.transport.connect(route.peer, msg.peer_addresses[route.peer_rank])
+        kv_routes = self.kv_routes[msg.peer_node] = self._kv_routes(msg, routes)
+        connected = set()
+        for route in [*routes, *kv_routes]:
+            if route.peer not in connected:
+                connected.add(route.peer)
+                self.transport.connect(route.peer, msg.peer_addresses[route.peer_rank])
         log.info("%s rank %d: connected to %s (%d ranks, %s)", self.setup.role,
                  self.setup.tp_rank, msg.peer_node, msg.peer_tp_size, msg.peer_layout)
 
@@ -292,6 +372,50 @@ class RankWorker:
             staged_bytes = int(pair.pack[:, 2].sum()) if pair.staged else 0
             routes.append(_Route(pair, peer_rank, f"{node}/{peer_rank}", template, staged_bytes))
         return routes
+
+    def _kv_routes(self, msg: m.RankConnect, routes: list["_Route"]) -> list["_KVRoute"]:
+        """This rank's KV pairs with the peer of ``msg`` (none without KV on both sides)."""
+        if self.kv_geometry is None or not msg.peer_num_blocks:
+            return []
+        peer_geo = BlockGeometry(self.spec.kv, msg.peer_tp_size, msg.peer_kv_layout,
+                                 msg.peer_block_size, msg.peer_num_blocks)
+        if self.setup.role == "prefill":
+            plan = KVPlan(self.kv_geometry, peer_geo)
+            pairs = plan.for_source(self.setup.tp_rank)
+        else:
+            plan = KVPlan(peer_geo, self.kv_geometry)
+            pairs = plan.for_destination(self.setup.tp_rank)
+        recurrent = {r.peer_rank: len(r.template) if r.template is not None else 0
+                     for r in routes}
+        out = []
+        for pair in pairs:
+            peer_rank = pair.dst_rank if self.setup.role == "prefill" else pair.src_rank
+            out.append(_KVRoute(pair, peer_rank, f"{msg.peer_node}/{peer_rank}",
+                                recurrent.get(peer_rank, 0)))
+        return out
+
+    def _post_kv(self, pending: "_Pending", node: str, direction: str,
+                 src_blocks, dst_blocks) -> None:
+        """Post this rank's KV runs of the request (absolute offsets: the pool's base added on
+        this rank's side); raises StatebridgeError when a post fails (the handles posted so
+        far are in ``pending``)."""
+        from statebridge.connector.data import RunTemplate
+
+        col = 0 if direction == "send" else 1
+        shift = np.zeros(3, dtype=np.int64)
+        shift[col] = self.kv_base
+        generation = pending.key.generation
+        for route in self.kv_routes.get(node, ()):
+            runs = route.pair.runs(src_blocks, dst_blocks)
+            if not len(runs):
+                continue
+            template = RunTemplate(runs + shift, col, "KV runs")
+            handle = self.transport.post_runs(direction, route.peer, generation,
+                                              route.pair.src_rank, 0, template,
+                                              index0=route.index0)
+            pending.handles.append(handle)
+            pending.nbytes += template.nbytes
+            pending.messages += len(template)
 
     def _on_prefill(self, msg: m.RankPrefill) -> None:
         key = RequestKey(msg.peer_node, msg.request_id, msg.generation)
@@ -357,8 +481,15 @@ class RankWorker:
                 error = None
                 if self.computing.get(key) is None:       # not cancelled while queued
                     page = msg.src_page if isinstance(msg, m.RankPrefill) else msg.page
+                    if isinstance(msg, m.RankPrefill):
+                        blocks, tokens = msg.src_blocks, msg.kv_tokens
+                    else:
+                        blocks, tokens = msg.blocks, len(msg.prompt)
                     try:
                         self.model.prefill(page, msg.prompt, msg.request_id)
+                        if blocks:
+                            self._check_blocks(blocks, tokens)
+                            self.model.prefill_kv(tuple(blocks), tokens, msg.request_id)
                     except Exception as e:  # the model failed: the request fails, rank serves on
                         log.exception("rank %d: computing %s failed", self.setup.tp_rank,
                                       msg.request_id)
@@ -384,12 +515,25 @@ class RankWorker:
         if isinstance(msg, m.RankLocalPrefill):
             self._done(key, "", "")
             return
-        pending = _Pending(key, msg.src_page, [], time.perf_counter())
+        pending = _Pending(key, msg.src_page, [], time.perf_counter(),
+                           blocks=msg.src_blocks, kv_tokens=msg.kv_tokens)
+        kv = (msg.peer_node, msg.src_blocks, msg.dst_blocks) if msg.src_blocks else None
         self._post_routes(pending, self.routes[msg.peer_node], "send",
-                          self.cache.page_offset(msg.src_page))
+                          self.cache.page_offset(msg.src_page), kv)
+
+    def _check_blocks(self, blocks, tokens: int) -> None:
+        from statebridge.errors import ConfigError
+
+        if self.kv is None:
+            raise ConfigError(f"KV blocks {list(blocks)[:4]} for a rank without a KV pool")
+        need = blocks_for(tokens, self.kv.geometry.block_size)
+        if len(blocks) < need or min(blocks) < 0 or max(blocks) >= self.kv.geometry.num_blocks:
+            raise ConfigError(f"block table {list(blocks)[:8]} ({len(blocks)} blocks) does not "
+                              f"hold {tokens} tokens in a pool of "
+                              f"{self.kv.geometry.num_blocks} blocks")
 
     def _post_routes(self, pending: "_Pending", routes: list["_Route"], direction: str,
-                     base: int) -> None:
+                     base: int, kv: tuple | None = None) -> None:
         """Post every route of this rank for the request at page offset ``base`` (zero-copy
         routes from their templates, staged ones packed from / unpacked into the page); the
         request is pending once all are posted, or fails at once when one post raises."""
@@ -412,6 +556,9 @@ class RankWorker:
                 pending.handles.append(handle)
                 pending.nbytes += pair.nbytes
                 pending.messages += pair.messages
+            if kv is not None:
+                node, src_blocks, dst_blocks = kv
+                self._post_kv(pending, node, direction, src_blocks, dst_blocks)
         except StatebridgeError as e:
             self._post_failed(pending, e)
             return
@@ -445,6 +592,12 @@ class RankWorker:
         (rogue or corrupt) -- with the attempt still pending it is left for the grace period
         (receives posted with delayed submission match a little later), else rejected at once.
         A prefill rank posts no receives: nothing may arrive.
+
+        Attention KV (specs with KV) keeps this true: RankRecv still goes out at ``start``, in
+        generation order (it posts the recurrent receives and makes the attempt pending); only
+        the KV receives wait for RankKVRecv (the prefill side's block table). KV runs that
+        arrive before it belong to a pending attempt, so they wait out the grace period --
+        ``peer_timeout``, while the table is one control-plane hop behind.
         """
         if self.setup.role != "decode":
             return False
@@ -459,8 +612,38 @@ class RankWorker:
         if routes is None:
             self._done(key, FailureKind.TRANSFER_ERROR, f"no connection to {msg.peer_node!r}")
             return
-        pending = _Pending(key, msg.page, [], time.perf_counter())
+        if msg.blocks:
+            try:
+                self._check_blocks(msg.blocks, msg.kv_tokens)
+            except StatebridgeError as e:
+                self._done(key, FailureKind.TRANSFER_ERROR, str(e))
+                return
+        pending = _Pending(key, msg.page, [], time.perf_counter(), blocks=msg.blocks,
+                           kv_tokens=msg.kv_tokens, awaiting_kv=bool(msg.blocks))
         self._post_routes(pending, routes, "recv", self.cache.page_offset(msg.page))
+
+    def _on_kv_recv(self, msg: m.RankKVRecv) -> None:
+        """The prefill side's block table of a request whose recurrent receives are posted:
+        post its KV receives (the request settles once they complete too)."""
+        key = RequestKey(msg.peer_node, msg.request_id, msg.generation)
+        p = self.pending.get(key)
+        if p is None or not p.awaiting_kv:
+            self.counters.add("stale_kv_recv")        # failed or cancelled meanwhile
+            return
+        p.awaiting_kv = False
+        if p.failure is not None:
+            return
+        try:
+            if len(msg.src_blocks) != len(p.blocks):
+                from statebridge.errors import ConfigError
+                raise ConfigError(f"prefill block table of {len(msg.src_blocks)} blocks for "
+                                  f"{len(p.blocks)} decode blocks")
+            self._post_kv(p, msg.peer_node, "recv", msg.src_blocks, p.blocks)
+        except StatebridgeError as e:
+            p.failure = (kind_of(e).value, f"posting KV receives failed: {e}")
+            for h in p.handles:
+                if not h.done():
+                    h.cancel()
 
     def _on_cancel(self, msg: m.RankCancel) -> None:
         if msg.lost_node:
@@ -478,12 +661,14 @@ class RankWorker:
             self._done(key, kind, msg.reason)
             return
         pending.failure = (kind, msg.reason)
+        pending.awaiting_kv = False
         for h in pending.handles:
             if not h.done():
                 h.cancel()
 
     def _peers_of(self, node: str) -> list[str]:
-        return [route.peer for route in self.routes.get(node, ())]
+        peers = [route.peer for route in self.routes.get(node, ())]
+        return peers + [r.peer for r in self.kv_routes.get(node, ()) if r.peer not in peers]
 
     # -- transfers ------------------------------------------------------------------------------
     def _poll_transfers(self) -> None:
@@ -506,7 +691,8 @@ class RankWorker:
             self._next_full_scan = now + _FULL_SCAN_S
         for key, p in self.pending.items():
             handles = p.handles
-            if not handles or handles[-1].finished() and all(h.finished() for h in handles):
+            if not p.awaiting_kv and (not handles or handles[-1].finished()
+                                      and all(h.finished() for h in handles)):
                 ready.append(key)
             else:
                 misses += 1
@@ -523,6 +709,7 @@ class RankWorker:
         for p in self.pending.values():
             if p.failure is None and now - p.started > limit:
                 p.failure = (FailureKind.TIMEOUT.value, f"transfer not done after {limit} s")
+                p.awaiting_kv = False
                 for h in p.handles:
                     if not h.done():
                         h.cancel()
@@ -537,22 +724,25 @@ class RankWorker:
                 if error is not None:
                     kind, message = kind_of(error).value, str(error)
                     break
-        checksum = ""
+        checksum = kv_sum = ""
         if not kind and self.setup.checksums and self.setup.role == "decode":
             checksum = page_checksum(self.geometry, self.cache.page_bytes(p.page))
+            if p.blocks and self.kv is not None:
+                kv_sum = kv_checksum(self.kv, p.blocks, p.kv_tokens)
         self.counters.add("transfers_ok" if not kind else f"failed_{kind}")
         self.counters.add("bytes", p.nbytes)
         self._done(key, kind, message, checksum, seconds=time.perf_counter() - p.started,
-                   nbytes=p.nbytes, messages=p.messages)
+                   nbytes=p.nbytes, messages=p.messages, kv_checksum=kv_sum)
 
     def _done(self, key: RequestKey, kind: "FailureKind | str", message: str,
               checksum: str = "", *, seconds: float = 0.0, nbytes: int = 0,
-              messages: int = 0) -> None:
+              messages: int = 0, kv_checksum: str = "") -> None:
         self._send(m.RankDone(tp_rank=self.setup.tp_rank, peer_node=key.peer_node,
                               request_id=key.request_id, generation=key.generation,
                               kind=str(kind), message=message,
                               checksum=checksum, seconds=seconds, nbytes=nbytes,
-                              messages=messages, staging_bytes=self.transport.staging_bytes))
+                              messages=messages, staging_bytes=self.transport.staging_bytes,
+                              kv_checksum=kv_checksum))
 
 
 #: Seconds between scans of the pending transfers for timeouts (transfer timeouts are tens

@@ -5,14 +5,16 @@ from __future__ import annotations
 from statebridge.connector.rank import RankModel
 from statebridge.errors import FailureKind
 from statebridge.node import messages as nm
-from statebridge.testing.synthetic import fill_page, global_state, request_seed
+from statebridge.testing.synthetic import fill_kv, fill_page, global_kv, global_state, \
+    request_seed
 
 __all__ = ["SyntheticModel"]
 
 
 class SyntheticModel(RankModel):
-    """The request's deterministic synthetic state as its prefill (tests, benchmarks). It
-    cannot decode: a decode step gets a typed failure from rank 0."""
+    """The request's deterministic synthetic state (and attention KV, for specs with KV) as
+    its prefill (tests, benchmarks). It cannot decode: a decode step gets a typed failure from
+    rank 0."""
 
     def handlers(self) -> dict:
         def cannot_decode(msg: nm.RankStep) -> nm.RankStepResult | None:
@@ -27,3 +29,7 @@ class SyntheticModel(RankModel):
         fill_page(self.cache, page,
                   global_state(self.cache.geometry.spec, request_seed(request_id)),
                   self.setup.tp_rank)
+
+    def prefill_kv(self, blocks: tuple[int, ...], tokens: int, request_id: str) -> None:
+        fill_kv(self.kv, blocks, global_kv(self.kv.geometry.kv, request_seed(request_id), tokens),
+                self.setup.tp_rank)

@@ -5,6 +5,12 @@ The global state of a request is random bits seeded by the request id; a rank's 
 shard of it (:mod:`statebridge.state.sharding`), written through the page views.
 The checksum a decode rank reports of its page is :func:`statebridge.state.cache.page_checksum`
 (library code: the rank computes it).
+
+Attention KV (specs with ``spec.kv``): the global K and V of a request's first ``tokens`` tokens
+are random bits seeded by the request id too (:func:`global_kv`, ``[layer, K/V, token, KV head,
+head_dim]``); a rank's blocks hold its heads (:func:`statebridge.state.sharding.kv_heads`),
+written through the block views (:func:`fill_kv`); slots past ``tokens`` in the last block are
+zero. A decode rank reports :func:`statebridge.connector.rank.kv_checksum` of them.
 """
 
 from __future__ import annotations
@@ -16,9 +22,9 @@ import torch
 
 from statebridge.state.cache import StateCache
 from statebridge.state.sharding import shard_segments
-from statebridge.state.spec import StateSpec
+from statebridge.state.spec import KVSpec, StateSpec
 
-__all__ = ["request_seed", "global_state", "rank_channels", "fill_page"]
+__all__ = ["request_seed", "global_state", "rank_channels", "fill_page", "global_kv", "fill_kv"]
 
 _INT_DTYPES = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
@@ -57,3 +63,30 @@ def fill_page(cache: StateCache, page: int, state: dict[tuple[int, str], torch.T
             :, rank_channels(geo.spec, region.group, name, geo.tp_size, tp_rank)]
         cache.view(region.group, name)[page].copy_(local)
 
+
+
+def global_kv(kv: "KVSpec", seed: int, tokens: int) -> torch.Tensor:
+    """The request's global KV as random bits ``[layers, 2, tokens, num_kv_heads, head_dim]``
+    in the KV dtype (its own stream of ``seed``: the recurrent state is unchanged)."""
+    rng = np.random.default_rng([seed, 0x4B56])
+    shape = (kv.num_layers, 2, tokens, kv.num_kv_heads, kv.head_dim)
+    raw = rng.integers(0, 256, size=int(np.prod(shape)) * kv.itemsize, dtype=np.uint8)
+    return torch.from_numpy(raw).view(kv.torch_dtype).reshape(shape)
+
+
+def fill_kv(kv_blocks, blocks, state: torch.Tensor, tp_rank: int) -> None:
+    """Write rank ``tp_rank``'s heads of ``state`` (from :func:`global_kv`) into ``blocks`` of
+    ``kv_blocks`` (a :class:`~statebridge.connector.rank.KVBlocks`) via its views."""
+    geo = kv_blocks.geometry
+    first, count = geo.head_range(tp_rank)
+    layers, _, tokens, _, dim = state.shape
+    n, size = len(blocks), geo.block_size
+    padded = torch.zeros((layers, 2, n * size, count, dim), dtype=state.dtype)
+    padded[:, :, :tokens] = state[:, :, :, first:first + count]
+    # [L, 2, block, token, head, dim] -> [L, 2, block, head, token, dim] (the views' order)
+    padded = padded.reshape(layers, 2, n, size, count, dim).permute(0, 1, 2, 4, 3, 5)
+    idx = torch.as_tensor(list(blocks), dtype=torch.int64)
+    for layer in range(layers):
+        k, v = kv_blocks.view(layer)
+        k[idx] = padded[layer, 0]
+        v[idx] = padded[layer, 1]

@@ -76,6 +76,7 @@ from statebridge.connector.data.runs import RunTemplate, as_runs, check_span, co
 from statebridge.connector.data.staging import StagingPool
 from statebridge.connector.data.tags import (
     MAX_GENERATION,
+    MAX_RUNS,
     MAX_SRC_RANK,
     STAGED_INDEX,
     make_tag,
@@ -355,10 +356,16 @@ class Transport:
 
     def post_runs(self, direction: str, peer_id: str | None, generation: int, src_rank: int,
                   base: int, template: RunTemplate, *,
-                  request_id: str | None = None) -> TransferHandle:
+                  request_id: str | None = None, index0: int = 0) -> TransferHandle:
         """:meth:`post_send` / :meth:`post_recv` of a :class:`RunTemplate` at byte offset
-        ``base`` of the buffer (a page's start): the rank's per-request post."""
+        ``base`` of the buffer (a page's start): the rank's per-request post. Run ``i``
+        travels with tag index ``index0 + i`` (a second post of the same pair and attempt,
+        e.g. the attention KV after the recurrent runs, numbers on)."""
         send = direction == "send"
+        if index0:
+            if type(index0) is not int or index0 < 0 or index0 + len(template) > MAX_RUNS:
+                raise ConfigError(f"runs {index0} .. {index0} + {len(template)} exceed the "
+                                  f"{MAX_RUNS} a tag index can number")
         if not send and direction != "recv":
             raise ConfigError(f"direction must be 'send' or 'recv', got {direction!r}")
         if type(base) is not int or base < 0 or base + template.extent > self._size:
@@ -369,7 +376,7 @@ class Transport:
                 or not 0 <= generation <= MAX_GENERATION or not 0 <= src_rank <= MAX_SRC_RANK:
             make_tag(generation, src_rank, 0)          # raises with the offending field
             generation, src_rank = int(generation), int(src_rank)
-        tag0 = (generation << 32) | (src_rank << 24)
+        tag0 = (generation << 32) | (src_rank << 24) | index0
         if send:
             op = self._endpoint(peer_id).tag_send
         elif peer_id is None:                      # a receive matching any peer

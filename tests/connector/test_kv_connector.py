@@ -1,0 +1,260 @@
+"""Attention KV moves with the recurrent state: hybrid (LFM2-like) specs between heterogeneous
+TP groups as separate processes over real UCX, byte-exact against an oracle computed here, with
+every page and KV block freed on both sides once nothing can land in them."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import signal
+import time
+import uuid
+
+import pytest
+import torch
+
+from statebridge.connector.decode import DecodeCoordinator
+from statebridge.connector.prefill import PrefillServer
+from statebridge.errors import CacheFullError, IncompatiblePeerError, PeerLostError
+from statebridge.state.kv import blocks_for
+from statebridge.state.sharding import kv_heads
+from statebridge.state.spec import StateSpec
+from statebridge.testing.hosts import RankHostPool
+from statebridge.testing.synthetic import global_kv, request_seed
+
+from ._helpers import FAST, expected_checksum, log_to_stderr, wait_until
+
+pytestmark = [pytest.mark.ucx, pytest.mark.multiprocess]
+
+BS = 16
+
+
+def _lfm2(kv_heads_: int) -> StateSpec:
+    return StateSpec.from_config(
+        {"model_type": "lfm2", "hidden_size": 40, "conv_L_cache": 3, "torch_dtype": "bfloat16",
+         "num_attention_heads": 4, "num_key_value_heads": kv_heads_,
+         "layer_types": ["conv", "full_attention", "conv", "full_attention", "conv"]})
+
+
+KV_SPECS = {"hybrid-kv2": _lfm2(2), "hybrid-kv4": _lfm2(4)}
+#: Prompt lengths (the N-1 prefix) around block boundaries; 16 concurrent requests.
+LENGTHS = [1, BS - 1, BS, BS + 1, 5 * BS + 3, 2, 2 * BS, 2 * BS + 1, 3 * BS - 1, 7, 4 * BS,
+           BS + 8, 1, 3 * BS, 6 * BS + 5, 9]
+SLOW = "tests.connector._helpers:SlowModel"
+
+
+def expected_kv_checksum(spec: StateSpec, request_id: str, tokens: int, tp_size: int,
+                         tp_rank: int) -> str:
+    """What decode rank ``tp_rank`` must hold of the request's KV: per attention layer, K then
+    V of its heads for every prompt token, token-major -- from the global KV and the head
+    sharding rule only (no block views, no layouts)."""
+    kv = spec.kv
+    state = global_kv(kv, request_seed(request_id), tokens)
+    first, count = kv_heads(kv, tp_size, tp_rank)
+    h = hashlib.blake2b(digest_size=16)
+    for layer in range(kv.num_layers):
+        for c in range(2):
+            h.update(state[layer, c, :, first:first + count].contiguous()
+                     .view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
+
+
+def prompt_of(n: int) -> tuple[int, ...]:
+    return tuple((7 * i + 3) % 1000 for i in range(n))
+
+
+def ids(n: int) -> list[str]:
+    tag = uuid.uuid4().hex[:6]
+    return [f"kv{i}-{tag}" for i in range(n)]
+
+
+@pytest.fixture(scope="module")
+def pools():
+    with RankHostPool(4, initializer=log_to_stderr) as prefill_hosts, \
+            RankHostPool(8, initializer=log_to_stderr) as decode_hosts:
+        yield prefill_hosts, decode_hosts
+
+
+def check_result(decode, spec, result, rid, tokens):
+    assert result.request_id == rid
+    assert len(result.blocks) == blocks_for(tokens, BS)
+    assert result.checksums == tuple(expected_checksum(decode.geometry, rid, r)
+                                     for r in range(decode.tp_size)), f"{rid}: pages differ"
+    assert result.kv_checksums == tuple(
+        expected_kv_checksum(spec, rid, tokens, decode.tp_size, r)
+        for r in range(decode.tp_size)), f"{rid} ({tokens} tokens): KV differs from the oracle"
+
+
+def kv_round(pools, spec_name, src_tp, dst_tp, src_kv="HB", dst_kv="HB"):
+    prefill_hosts, decode_hosts = pools
+    spec = KV_SPECS[spec_name]
+    n = len(LENGTHS)
+    with PrefillServer(spec, src_tp, "DLS", num_pages=n + 2, config=FAST, kv_layout=src_kv,
+                       block_size=BS, launcher=prefill_hosts.launcher()) as server, \
+            DecodeCoordinator(spec, dst_tp, "DLS", num_pages=n + 2, config=FAST,
+                              kv_layout=dst_kv, block_size=BS, num_blocks=160,
+                              launcher=decode_hosts.launcher(), checksums=True) as decode:
+        server.wait_ready()
+        decode.connect(server.address)
+        rids = ids(n)
+        futures = [decode.submit(rid, prompt_of(t)) for rid, t in zip(rids, LENGTHS)]
+        results = [f.result(timeout=60) for f in futures]
+        for rid, t, result in zip(rids, LENGTHS, results):
+            check_result(decode, spec, result, rid, t)
+        used = {b for r in results for b in r.blocks}
+        assert len(used) == sum(len(r.blocks) for r in results)     # no block shared
+        assert decode.stats()["blocks_used"] == len(used)
+        for result in results:
+            decode.release(result)
+        wait_until(lambda: server.stats()["pages_used"] == 0, 10, "prefill pages freed")
+        p_stats, d_stats = server.stats(), decode.stats()
+        assert p_stats["blocks_used"] == 0 and p_stats["blocks_free"] == p_stats["blocks_total"]
+        assert d_stats["pages_used"] == 0 and d_stats["blocks_used"] == 0
+        return results, p_stats, d_stats
+
+
+TP_PAIRS = [(1, 2), (2, 1), (2, 4), (4, 2), (1, 4), (4, 1), (2, 2), (1, 8)]
+CASES = [pytest.param("hybrid-kv2", p, d, "HB", "HB", id=f"kv2-{p}x{d}") for p, d in TP_PAIRS]
+CASES += [pytest.param("hybrid-kv4", p, d, "HB", "HB", id=f"kv4-{p}x{d}")
+          for p, d in [(1, 2), (4, 2), (2, 8)]]
+CASES += [pytest.param("hybrid-kv2", 2, 4, "HB", "LH", id="kv2-2x4-HB-to-LH"),
+          pytest.param("hybrid-kv4", 4, 1, "BH", "HB", id="kv4-4x1-BH-to-HB")]
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("spec_name,src_tp,dst_tp,src_kv,dst_kv", CASES)
+def test_kv_moves_byte_exact_and_blocks_are_freed(pools, spec_name, src_tp, dst_tp, src_kv,
+                                                   dst_kv):
+    results, p_stats, d_stats = kv_round(pools, spec_name, src_tp, dst_tp, src_kv, dst_kv)
+    assert p_stats["requests"] == len(LENGTHS) and d_stats["transfers_ok"] == len(LENGTHS)
+    # Page layouts pair (DLS both sides) and KV runs are always zero-copy: no staging at all.
+    staging = [b for r in results for b in r.rank_staging_bytes] + p_stats["rank_staging_bytes"]
+    assert max(staging) == 0
+    spec = KV_SPECS[spec_name]
+    # Every decode rank received whole blocks of its heads besides the (constant) page bytes.
+    recurrent = set()
+    for t, r in zip(LENGTHS, results):
+        kv_bytes = sum(kv_heads(spec.kv, dst_tp, d)[1] for d in range(dst_tp)) \
+            * blocks_for(t, BS) * BS * spec.kv.num_layers * 2 * spec.kv.head_dim \
+            * spec.kv.itemsize
+        recurrent.add(r.nbytes - kv_bytes)
+    assert len(recurrent) == 1 and recurrent.pop() > 0
+
+
+@pytest.mark.timeout(120)
+def test_decode_block_exhaustion_is_cache_full_with_numbers_and_leaks_nothing(pools):
+    prefill_hosts, decode_hosts = pools
+    spec = KV_SPECS["hybrid-kv2"]
+    with PrefillServer(spec, 1, "DLS", num_pages=4, config=FAST, block_size=BS,
+                       launcher=prefill_hosts.launcher()) as server, \
+            DecodeCoordinator(spec, 2, "DLS", num_pages=4, config=FAST, block_size=BS,
+                              num_blocks=8, launcher=decode_hosts.launcher(),
+                              checksums=True) as decode:
+        server.wait_ready()
+        decode.connect(server.address)
+        big, other = ids(2)
+        first = decode.submit(big, prompt_of(6 * BS - 2)).result(timeout=30)    # 6 blocks
+        check_result(decode, spec, first, big, 6 * BS - 2)
+        with pytest.raises(CacheFullError, match="3 KV blocks wanted, 2 free of 8"):
+            decode.submit(other, prompt_of(2 * BS + 1))
+        stats = decode.stats()
+        assert (stats["pages_used"], stats["blocks_used"]) == (1, 6)      # nothing held
+        # Decoding grows the table right after its last block, then runs out.
+        grown = decode.loop.call(decode.grow, big, 7 * BS)
+        assert grown == (*first.blocks, first.blocks[-1] + 1)
+        with pytest.raises(CacheFullError, match="2 KV blocks wanted, 1 free of 8"):
+            decode.loop.call(decode.grow, big, 9 * BS)
+        assert decode.stats()["blocks_used"] == 7
+        decode.release(first)
+        stats = decode.stats()
+        assert (stats["pages_used"], stats["blocks_used"]) == (0, 0)
+        second = decode.submit(other, prompt_of(2 * BS + 1)).result(timeout=30)
+        check_result(decode, spec, second, other, 2 * BS + 1)
+        decode.release(second)
+        wait_until(lambda: server.stats()["blocks_used"] == 0, 10, "prefill blocks freed")
+
+
+@pytest.mark.timeout(120)
+def test_prefill_block_shortage_waits_then_serves(pools):
+    prefill_hosts, decode_hosts = pools
+    spec = KV_SPECS["hybrid-kv4"]
+    with PrefillServer(spec, 2, "DLS", num_pages=8, config=FAST, block_size=BS, num_blocks=8,
+                       launcher=prefill_hosts.launcher()) as server, \
+            DecodeCoordinator(spec, 1, "DLS", num_pages=8, config=FAST, block_size=BS,
+                              num_blocks=64, launcher=decode_hosts.launcher(),
+                              checksums=True) as decode:
+        server.wait_ready()
+        decode.connect(server.address)
+        rids = ids(3)
+        lengths = [5 * BS, 4 * BS + 1, 9 * BS]          # 5 + 5 blocks of 8; 9 never fit
+        futures = [decode.submit(rid, prompt_of(t)) for rid, t in zip(rids, lengths)]
+        for rid, t, f in zip(rids[:2], lengths, futures):
+            result = f.result(timeout=30)
+            check_result(decode, spec, result, rid, t)
+            decode.release(result)
+        with pytest.raises(Exception, match="9 KV blocks wanted"):
+            futures[2].result(timeout=30)
+        wait_until(lambda: server.stats()["blocks_used"] == 0, 10, "prefill blocks freed")
+        assert server.stats()["waiting_for_blocks"] >= 1
+        assert decode.stats()["blocks_used"] == 0
+
+
+@pytest.mark.timeout(60)
+def test_peers_with_different_block_sizes_are_refused(pools):
+    prefill_hosts, decode_hosts = pools
+    spec = KV_SPECS["hybrid-kv2"]
+    with PrefillServer(spec, 1, "DLS", num_pages=2, config=FAST, block_size=16,
+                       launcher=prefill_hosts.launcher()) as server, \
+            DecodeCoordinator(spec, 1, "DLS", num_pages=2, config=FAST, block_size=32,
+                              launcher=decode_hosts.launcher()) as decode:
+        server.wait_ready()
+        with pytest.raises(IncompatiblePeerError, match="16 tokens, we have 32|32 tokens, we "
+                                                        "have 16"):
+            decode.connect(server.address)
+
+
+@pytest.mark.timeout(150)
+def test_sigkill_prefill_rank_during_kv_fails_its_requests_and_leaks_no_block(pools,
+                                                                              monkeypatch):
+    _, decode_hosts = pools
+    monkeypatch.setenv("STATEBRIDGE_TEST_PREFILL_DELAY", "0.3")
+    spec = KV_SPECS["hybrid-kv2"]
+    decode = DecodeCoordinator(spec, 4, "DLS", num_pages=16, config=FAST, block_size=BS,
+                               launcher=decode_hosts.launcher(), checksums=True)
+    server = PrefillServer(spec, 2, "DLS", num_pages=16, config=FAST, block_size=BS,
+                           model=SLOW)                                    # spawned: killable
+    try:
+        server.wait_ready()
+        decode.connect(server.address)
+        first = ids(1)[0]
+        result = decode.submit(first, prompt_of(3 * BS + 2)).result(timeout=30)
+        check_result(decode, spec, result, first, 3 * BS + 2)
+        decode.release(result)
+        rids = ids(6)
+        lengths = [BS + 1, 4 * BS, 1, 2 * BS + 3, 5 * BS, BS]
+        futures = [decode.submit(rid, prompt_of(t)) for rid, t in zip(rids, lengths)]
+        assert decode.stats()["blocks_used"] == sum(blocks_for(t, BS) for t in lengths)
+        time.sleep(0.1)
+        killed_at = time.monotonic()
+        os.kill(server.handles[1].pid, signal.SIGKILL)
+        failed = 0
+        for rid, t, f in zip(rids, lengths, futures):
+            try:
+                result = f.result(timeout=FAST.peer_timeout + 5)
+            except PeerLostError as e:
+                failed += 1
+                assert e.request_id == rid
+            else:                                      # finished before the kill: intact
+                check_result(decode, spec, result, rid, t)
+                decode.release(result)
+        assert failed >= 1
+        assert time.monotonic() - killed_at < FAST.peer_timeout + 3
+        wait_until(lambda: decode.stats()["blocks_used"] == 0, 10, "decode blocks reclaimed")
+        wait_until(lambda: server.stats()["blocks_used"] == 0, 10, "prefill blocks reclaimed")
+        assert decode.stats()["pages_used"] == 0 and server.stats()["pages_used"] == 0
+        assert decode.stats()["healthy"]
+    finally:
+        server.close()
+        decode.close()
+    for h in server.handles:
+        assert not h.is_alive()
