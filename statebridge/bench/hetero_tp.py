@@ -73,6 +73,12 @@ _TINY = {
     "state_size": 16, "n_groups": 2, "num_hidden_layers": 3, "conv_kernel": 4,
     "torch_dtype": "bfloat16"}
 
+# A tiny LFM2 with attention: 2 conv + 2 attention layers, 4 heads / 2 KV heads x 16 (tests).
+_TINY_HYBRID = {
+    "model_type": "lfm2", "hidden_size": 64, "conv_L_cache": 3, "torch_dtype": "bfloat16",
+    "num_attention_heads": 4, "num_key_value_heads": 2,
+    "layer_types": ["conv", "full_attention", "conv", "full_attention"]}
+
 # name -> (HF config, StateSpec.from_config keyword arguments; "kv": False drops the attention
 # KV: the recurrent state alone, as the preset measured before KV moved)
 PRESETS: dict[str, tuple[dict, dict]] = {
@@ -82,6 +88,7 @@ PRESETS: dict[str, tuple[dict, dict]] = {
     "mamba2-2.7b": (_MAMBA2_2_7B, {}),
     "mamba2-2.7b-fp32ssm": (_MAMBA2_2_7B, {"ssm_dtype": "float32"}),
     "tiny": (_TINY, {}),
+    "tiny-hybrid": (_TINY_HYBRID, {}),
 }
 
 # --transport -> (ConnectorConfig.ucx_error_handling, ucx_perftest UCX_TLS, perftest -e)
@@ -127,10 +134,27 @@ def _mem_available() -> int:
     return 16 * GIB
 
 
-def cell_memory(spec: StateSpec, src_tp: int, dst_tp: int, layout: str, pages: int) -> int:
-    """Bytes of page memory a cell holds at once (prefill + decode groups, or NIXL buffers)."""
+def cell_memory(spec: StateSpec, src_tp: int, dst_tp: int, layout: str, pages: int,
+                tokens: int = 0, block_size: int = 16) -> int:
+    """Bytes of page (and KV block) memory a cell holds at once (prefill + decode groups, or
+    NIXL buffers)."""
     plan = TransferPlan.build(spec, src_tp, layout, dst_tp)
-    return (pages + 2) * (plan.src.page_size * src_tp + plan.dst.page_size * dst_tp)
+    per_slot = plan.src.page_size * src_tp + plan.dst.page_size * dst_tp
+    if spec.kv is not None:
+        from statebridge.state.kv import BlockGeometry, blocks_for
+
+        blocks = max(1, blocks_for(tokens, block_size))
+        per_slot += blocks * sum(tp * BlockGeometry(spec.kv, tp, "HB", block_size, 1).nbytes
+                                 for tp in (src_tp, dst_tp))
+    return (pages + 2) * per_slot
+
+
+def prompt_tokens(spec: StateSpec, a: argparse.Namespace) -> int:
+    """Tokens of each request's prompt prefix: --prompt-len (default 1024) for a spec with
+    attention KV; one token for the recurrent state alone (its size does not depend on it)."""
+    if spec.kv is None:
+        return 1
+    return 1024 if a.prompt_len is None else a.prompt_len
 
 
 # -- progress ------------------------------------------------------------------------------------
@@ -200,7 +224,7 @@ class _LineRate:
 # -- statebridge --------------------------------------------------------------------------------
 
 def _run_requests(decode, count: int, concurrency: int, prefix: str,
-                  timeout: float) -> list:
+                  timeout: float, tokens: int = 1) -> list:
     """``count`` requests, ``concurrency`` in flight; results are released as they complete.
     Submits and releases go to the coordinator in batches (one thread handoff per batch), and
     completions arrive on a queue (``concurrent.futures.wait`` would hook and unhook every
@@ -213,7 +237,7 @@ def _run_requests(decode, count: int, concurrency: int, prefix: str,
     while submitted < count or inflight:
         room = min(count - submitted, concurrency - inflight)
         if room > 0:
-            items = [(f"{prefix}{i}-{uuid.uuid4().hex[:6]}", (i % 1000,))
+            items = [(f"{prefix}{i}-{uuid.uuid4().hex[:6]}", (i % 1000,) * tokens)
                      for i in range(submitted, submitted + room)]
             try:
                 started = decode.submit_many(items)
@@ -256,37 +280,77 @@ def _expected_checksums(geometry, request_id: str) -> tuple[str, ...]:
     return tuple(out)
 
 
+def _expected_kv_checksums(kv_geometry, request_id: str, tokens: int) -> tuple[str, ...]:
+    """Each decode rank's KV checksum of the request, from the synthetic KV written into a
+    fresh pool of just the request's blocks (the checksum does not depend on block ids)."""
+    import torch
+
+    from statebridge.connector.rank import KVBlocks, kv_checksum
+    from statebridge.state.kv import BlockGeometry, blocks_for
+    from statebridge.testing.synthetic import fill_kv, global_kv, request_seed
+
+    n = blocks_for(tokens, kv_geometry.block_size)
+    geo = BlockGeometry(kv_geometry.kv, kv_geometry.tp_size, kv_geometry.layout,
+                        kv_geometry.block_size, max(1, n))
+    state = global_kv(geo.kv, request_seed(request_id), tokens)
+    out = []
+    for rank in range(geo.tp_size):
+        pool = KVBlocks(geo, torch.zeros(geo.nbytes, dtype=torch.uint8), 0)
+        fill_kv(pool, range(n), state, rank)
+        out.append(kv_checksum(pool, range(n), tokens))
+    return tuple(out)
+
+
 def _statebridge_cell(spec: StateSpec, src_tp: int, dst_tp: int, layout: str,
                       a: argparse.Namespace, pools, config: ConnectorConfig) -> dict:
     from statebridge.bench._model import CHECK_PREFIX
     from statebridge.connector.decode import DecodeCoordinator
     from statebridge.connector.prefill import PrefillServer
 
+    from statebridge.state.kv import blocks_for
+
     prefill_hosts, decode_hosts = pools
     c = a.concurrency
-    out: dict[str, Any] = {}
+    tokens = prompt_tokens(spec, a)
+    blocks = blocks_for(tokens, a.block_size) if spec.kv is not None else 0
+
+    def kv(pages: int) -> dict:
+        return {"kv_layout": a.kv_layout, "block_size": a.block_size,
+                "num_blocks": max(1, pages * blocks)} if spec.kv is not None else {}
+    out: dict[str, Any] = {"prompt_tokens": tokens if spec.kv is not None else None,
+                           "kv_layout": a.kv_layout if spec.kv is not None else None}
     with PrefillServer(spec, src_tp, layout, num_pages=c + 2, config=config,
-                       launcher=prefill_hosts.launcher(), model=MODEL) as server:
+                       launcher=prefill_hosts.launcher(), model=MODEL, **kv(c + 2)) as server:
         server.wait_ready()
         # 1. byte-exactness on a few requests, checksums on
         if a.check_requests:
             with DecodeCoordinator(spec, dst_tp, layout, num_pages=a.check_requests,
                                    config=config, launcher=decode_hosts.launcher(),
-                                   checksums=True) as check:
+                                   checksums=True, **kv(a.check_requests)) as check:
                 check.connect(server.address)
                 results = _run_requests(check, a.check_requests, a.check_requests,
-                                        CHECK_PREFIX, a.timeout)
+                                        CHECK_PREFIX, a.timeout, tokens)
                 for r in results:
                     if r.checksums != _expected_checksums(check.geometry, r.request_id):
                         raise AssertionError(f"{r.request_id}: decode pages differ from the "
                                              f"synthetic-state oracle")
+                    if spec.kv is not None and r.kv_checksums != _expected_kv_checksums(
+                            check.kv_geometry, r.request_id, tokens):
+                        raise AssertionError(f"{r.request_id}: decode KV blocks differ from "
+                                             f"the synthetic-KV oracle")
             out["checked_requests"] = len(results)
         # 2. the timed round, checksums off
         with DecodeCoordinator(spec, dst_tp, layout, num_pages=c, config=config,
-                               launcher=decode_hosts.launcher()) as decode:
+                               launcher=decode_hosts.launcher(), **kv(c)) as decode:
             decode.connect(server.address)
             plan = TransferPlan(server.geometry, decode.geometry)
-            warm = _run_requests(decode, c + 2 + c, c, "warm-", a.timeout)   # fill every page
+            if spec.kv is not None:
+                from statebridge.state.kv import KVPlan
+
+                kv_plan = KVPlan(server.kv_geometry, decode.kv_geometry).summary(tokens)
+                out["plan_kv_runs_per_request"] = kv_plan["kv_runs"]
+                out["plan_kv_bytes_per_request"] = kv_plan["kv_bytes"]
+            warm = _run_requests(decode, c + 2 + c, c, "warm-", a.timeout, tokens)
             dst_staging0 = np.max([r.rank_staging_bytes for r in warm], axis=0)
             src_staging0 = np.array(server.stats()["rank_staging_bytes"])
             # CPU seconds per process group over the timed round: where the work goes, and a
@@ -296,7 +360,7 @@ def _statebridge_cell(spec: StateSpec, src_tp: int, dst_tp: int, layout: str,
                       "decode_ranks": decode_hosts.pids[:dst_tp]}
             cpu0 = _cpu_snapshot(groups)
             started = time.perf_counter()
-            results = _run_requests(decode, a.requests, c, "req-", a.timeout)
+            results = _run_requests(decode, a.requests, c, "req-", a.timeout, tokens)
             wall = time.perf_counter() - started
             cpu1 = _cpu_snapshot(groups)
             dst_staging = np.max([r.rank_staging_bytes for r in results], axis=0) - dst_staging0
@@ -312,9 +376,12 @@ def _statebridge_cell(spec: StateSpec, src_tp: int, dst_tp: int, layout: str,
         "seconds": wall,
         "bytes_per_request": nbytes // len(results),
         "messages_per_request": messages[0] if len(messages) == 1 else messages,
-        "plan_messages_per_request": plan.messages_per_request,
-        "plan_bytes_per_request": plan.bytes_per_request,
-        "mean_message_bytes": plan.bytes_per_request / plan.messages_per_request,
+        "plan_messages_per_request": plan.messages_per_request + out.get(
+            "plan_kv_runs_per_request", 0),
+        "plan_bytes_per_request": plan.bytes_per_request + out.get(
+            "plan_kv_bytes_per_request", 0),
+        "mean_message_bytes": nbytes / len(results) / messages[0] if len(messages) == 1 else
+        plan.bytes_per_request / plan.messages_per_request,
         "staging_bytes_per_request": int(dst_staging.sum() + src_staging.sum()) // len(results),
         "plan_staging_bytes_per_request": plan.staging_bytes_per_request,
         "latency_p50_ms": float(np.percentile(lat, 50) * 1e3),
@@ -368,7 +435,8 @@ def plan_cells(a: argparse.Namespace) -> tuple[list[tuple[str, StateSpec, int, i
     for name, spec in specs.items():
         for src_tp, dst_tp in a.pairs:
             for layout in a.layouts:
-                need = cell_memory(spec, src_tp, dst_tp, layout, a.concurrency)
+                need = cell_memory(spec, src_tp, dst_tp, layout, a.concurrency,
+                                   prompt_tokens(spec, a), a.block_size)
                 if need > budget:
                     skipped.append({"preset": name, "pair": f"{src_tp}x{dst_tp}",
                                     "layout": layout, "bytes_needed": need,
@@ -473,6 +541,8 @@ def _nixl_cell(nixl, nixl_why, plan, spec, preset, src_tp, dst_tp, layout, a, ld
         return out
     kw = dict(pages=a.concurrency, requests=a.requests, concurrency=a.concurrency,
               timeout=a.timeout)
+    if spec.kv is not None:
+        return _nixl_kv_cell(nixl, plan, spec, src_tp, dst_tp, a, kw, out, cell)
     try:
         same = nixl.run_cell(plan, **kw)
         key = (preset, src_tp, dst_tp)
@@ -499,6 +569,37 @@ def _nixl_cell(nixl, nixl_why, plan, spec, preset, src_tp, dst_tp, layout, a, ld
         "nixl_lds_requests_per_s": lds["requests_per_s"],
         "nixl_lds_latency_p50_ms": lds["latency_p50_ms"],
         "nixl_lds_descriptors_per_request": lds["descriptors_per_request"],
+        "nixl_note": None,
+    })
+    return out
+
+
+def _nixl_kv_cell(nixl, plan, spec, src_tp, dst_tp, a, kw, out, cell) -> dict:
+    """NIXL on exactly the runs statebridge posts (pages + KV in ``--kv-layout``), and vLLM's
+    way: pages ``LDS``, KV per layer, K then V, head-major (``LH``: one descriptor per layer per
+    K or V per block)."""
+    from statebridge.bench._nixl import SlotPlan
+    from statebridge.state.layout import PageGeometry
+
+    tokens = prompt_tokens(spec, a)
+    try:
+        same = nixl.run_cell(SlotPlan(plan, (a.kv_layout, a.kv_layout), a.block_size, tokens,
+                                      a.concurrency), **kw)
+        vllm_pages = TransferPlan(PageGeometry(spec, src_tp, "LDS"),
+                                  PageGeometry(spec, dst_tp, "LDS"))
+        vllm = nixl.run_cell(SlotPlan(vllm_pages, ("LH", "LH"), a.block_size, tokens,
+                                      a.concurrency), **kw)
+    except Exception as e:  # noqa: BLE001 -- recorded, the run goes on
+        out["nixl_note"] = f"NIXL run failed: {e}"[:500]
+        return out
+    out.update({
+        "nixl_gbps": same["gbps"], "ratio_to_nixl": _ratio(cell["gbps"], same["gbps"]),
+        "nixl_requests_per_s": same["requests_per_s"],
+        "nixl_latency_p50_ms": same["latency_p50_ms"],
+        "nixl_descriptors_per_request": same["descriptors_per_request"],
+        "nixl_lds_gbps": vllm["gbps"], "ratio_to_nixl_lds": _ratio(cell["gbps"], vllm["gbps"]),
+        "nixl_lds_requests_per_s": vllm["requests_per_s"],
+        "nixl_lds_descriptors_per_request": vllm["descriptors_per_request"],
         "nixl_note": None,
     })
     return out
@@ -547,11 +648,14 @@ def write_plot(path: str, cells: Sequence[dict]) -> str | None:
 def format_table(cells: Sequence[dict]) -> str:
     def f(x, fmt="{:.3g}"):
         return "-" if x is None else fmt.format(x)
-    rows = ["| preset | pair | layout | GB/s | req/s | msgs/req | staging B/req | p50 ms | "
-            "p99 ms | line GB/s | x line | NIXL GB/s | x NIXL | NIXL LDS GB/s | x LDS |",
-            "|" + "---|" * 15]
+    rows = ["| preset | pair | layout | tokens | GB/s | req/s | msgs/req | staging B/req | "
+            "p50 ms | p99 ms | line GB/s | x line | NIXL GB/s | x NIXL | vLLM's way GB/s | "
+            "x vLLM's way |",
+            "|" + "---|" * 16]
     for c in cells:
-        rows.append(f"| {c['preset']} | {c['pair']} | {c['layout']} | {f(c['gbps'])} | "
+        layout = c["layout"] + (f"+{c['kv_layout']}" if c.get("kv_layout") else "")
+        tokens = c.get("prompt_tokens") or "-"
+        rows.append(f"| {c['preset']} | {c['pair']} | {layout} | {tokens} | {f(c['gbps'])} | "
                     f"{f(c['requests_per_s'], '{:.0f}')} | {c['messages_per_request']} | "
                     f"{c['staging_bytes_per_request']} | {f(c['latency_p50_ms'])} | "
                     f"{f(c['latency_p99_ms'])} | {f(c['line_rate_gbps'])} | "

@@ -106,3 +106,40 @@ def test_append_adds_a_run_to_an_existing_file(tmp_path):
     with pytest.raises(Exception, match="not a hetero_tp result file"):
         hetero_tp.main(base[:-3] + ["--pairs", "1x2", "--append", "--json",
                                     str(tmp_path / "other.json"), "--quiet"])
+
+
+@pytest.fixture(scope="module")
+def hybrid_report(tmp_path_factory):
+    out = tmp_path_factory.mktemp("bench") / "hybrid.json"
+    argv = ["--preset", "tiny-hybrid", "--pairs", "1x2,2x1", "--layouts", "DLS",
+            "--prompt-len", "9", "--block-size", "4", "--requests", "12", "--concurrency", "3",
+            "--check-requests", "2", "--no-line-rate", "--json", str(out), "--quiet"]
+    assert hetero_tp.main(argv) == 0
+    return json.loads(out.read_text())
+
+
+@pytest.mark.timeout(300)
+def test_hybrid_cells_move_state_and_kv_as_planned(hybrid_report):
+    """tiny-hybrid: 2 attention layers x 2 KV heads x 16 x bf16; 9 prompt tokens = 3 blocks of
+    4, moved whole. With the HB block layout a rank pair moves one run per KV head it carries
+    (each pair here carries one head), whatever the layers and blocks."""
+    spec = hetero_tp.preset_spec("tiny-hybrid")
+    kv_bytes = 3 * 4 * 2 * 2 * 2 * 16 * 2
+    cells = {c["pair"]: c for c in hybrid_report["cells"]}
+    assert set(cells) == {"1x2", "2x1"}
+    for pair, cell in cells.items():
+        p, d = map(int, pair.split("x"))
+        state = TransferPlan.build(spec, p, "DLS", d)
+        assert cell["prompt_tokens"] == 9 and cell["kv_layout"] == "HB"
+        assert cell["checked_requests"] == 2                  # pages and KV byte-exact
+        assert cell["plan_kv_runs_per_request"] == 2           # 2 pairs x 1 head each
+        assert cell["messages_per_request"] == state.messages_per_request + 2
+        assert cell["bytes_per_request"] == state.bytes_per_request + kv_bytes
+        assert cell["staging_bytes_per_request"] == 0
+        assert _positive(cell["gbps"])
+        if hybrid_report["nixl"]["available"]:
+            # NIXL reads exactly statebridge's runs; vLLM's way one descriptor per layer per K
+            # or V per block: 2 layers x 2 x 3 blocks per pair.
+            assert cell["nixl_descriptors_per_request"] == cell["messages_per_request"]
+            vllm_pages = TransferPlan.build(spec, p, "LDS", d).messages_per_request
+            assert cell["nixl_lds_descriptors_per_request"] == vllm_pages + 2 * 2 * 2 * 3
