@@ -455,7 +455,7 @@ class DecodeCoordinator(RankGroup):
                 raise NotReadyError(f"{why}{f' named {prefill!r}' if prefill else ''}",
                                     request_id=request_id)
             peer = ready[next(self._rr) % len(ready)]
-        prompt = tuple(int(t) for t in prompt)
+        prompt = tuple(map(int, prompt))
         num_blocks = blocks_for(len(prompt), self.block_size) if self.spec.kv is not None else 0
         key = RequestKey(peer.node_id if peer else "", request_id,
                          (self._last_generation + 1) & 0xFFFFFFFF)
@@ -529,7 +529,7 @@ class DecodeCoordinator(RankGroup):
         """:meth:`start` from any thread; the future resolves to a :class:`TransferResult` or
         a typed error. Refusals raise here (one thread hand-off)."""
         future: concurrent.futures.Future = concurrent.futures.Future()
-        prompt = tuple(int(t) for t in prompt)
+        prompt = tuple(map(int, prompt))
         self.loop.call(lambda: self.start(request_id, prompt, _resolver(future),
                                           prefill=prefill))
         return future
@@ -538,7 +538,7 @@ class DecodeCoordinator(RankGroup):
         """Compute the state of ``prompt`` on the decode ranks themselves (the ``recompute``
         policy when a transfer failed); resolves like :meth:`submit`."""
         future: concurrent.futures.Future = concurrent.futures.Future()
-        prompt = tuple(int(t) for t in prompt)
+        prompt = tuple(map(int, prompt))
         self.loop.call(lambda: self.start(request_id, prompt, _resolver(future), local=True))
         return future
 
@@ -552,7 +552,7 @@ class DecodeCoordinator(RankGroup):
         only when not even the first could start. Any other refusal (a duplicate request id,
         no prefill server) fails that request's future.
         """
-        prepared = [(request_id, tuple(int(t) for t in prompt), concurrent.futures.Future())
+        prepared = [(request_id, tuple(map(int, prompt)), concurrent.futures.Future())
                     for request_id, prompt in items]
 
         def run() -> list[concurrent.futures.Future]:

@@ -81,7 +81,7 @@ class Client:
                request_id: str | None = None) -> Iterator[nm.GenerateTokens]:
         """Yield the node's GenerateTokens messages for one request, as they arrive."""
         request_id = request_id or uuid.uuid4().hex
-        prompt = tuple(int(t) for t in prompt)
+        prompt = tuple(map(int, prompt))
         self._send(nm.GenerateRequest(
             request_id=request_id, prompt=prompt, max_new_tokens=int(max_new_tokens),
             temperature=float(temperature), top_p=float(top_p), seed=int(seed)), self.timeout)
