@@ -258,3 +258,42 @@ def test_sigkill_prefill_rank_during_kv_fails_its_requests_and_leaks_no_block(po
         decode.close()
     for h in server.handles:
         assert not h.is_alive()
+
+
+@pytest.mark.timeout(120)
+def test_abort_during_the_prefill_frees_kv_blocks_on_both_sides_only_once_quiet(pools,
+                                                                              monkeypatch):
+    """Requests aborted while the (slow) prefill computes: the callers get AbortedError, the
+    blocks come back on both sides once every rank confirmed, and the next requests -- on the
+    same blocks -- are byte-exact (nothing of the aborted attempts landed in them)."""
+    from statebridge.errors import AbortedError
+
+    monkeypatch.setenv("STATEBRIDGE_TEST_PREFILL_DELAY", "0.6")
+    prefill_hosts, decode_hosts = pools
+    spec = KV_SPECS["hybrid-kv2"]
+    with PrefillServer(spec, 2, "DLS", num_pages=6, config=FAST, block_size=BS, num_blocks=24,
+                       launcher=prefill_hosts.launcher(), model=SLOW) as server, \
+            DecodeCoordinator(spec, 4, "DLS", num_pages=6, config=FAST, block_size=BS,
+                              num_blocks=24, launcher=decode_hosts.launcher(),
+                              checksums=True) as decode:
+        server.wait_ready()
+        decode.connect(server.address)
+        doomed = ids(3)
+        futures = [decode.submit(rid, prompt_of(3 * BS + 1)) for rid in doomed]   # 4 blocks
+        assert decode.stats()["blocks_used"] == 12
+        time.sleep(0.2)                                  # all in their slow prefill
+        for rid in doomed:
+            decode.abort(rid, "caller gave up")
+        for f in futures:
+            with pytest.raises(AbortedError, match="caller gave up"):
+                f.result(timeout=10)
+        wait_until(lambda: decode.stats()["blocks_used"] == 0, 15, "decode blocks freed")
+        wait_until(lambda: server.stats()["blocks_used"] == 0, 15, "prefill blocks freed")
+        assert decode.stats()["pages_used"] == 0 and server.stats()["pages_used"] == 0
+        again = ids(3)
+        futures = [decode.submit(rid, prompt_of(3 * BS + 1)) for rid in again]
+        for rid, f in zip(again, futures):
+            result = f.result(timeout=30)
+            check_result(decode, spec, result, rid, 3 * BS + 1)
+            decode.release(result)
+        wait_until(lambda: server.stats()["blocks_used"] == 0, 10, "prefill blocks freed")
