@@ -369,6 +369,11 @@ class ModelConfig:
         """Read ``config.json`` from a checkpoint directory, or a JSON file given directly."""
         return cls.from_dict(read_config_json(path))
 
+    @property
+    def attention_layers(self) -> tuple[int, ...]:
+        """Indices of the full-attention layers (the ones with KV; none for Mamba2)."""
+        return tuple(i for i, t in enumerate(self.layer_types) if t == "full_attention")
+
     # -- weights ------------------------------------------------------------------------------
     @property
     def architecture(self) -> str:
@@ -487,11 +492,6 @@ class Lfm2ModelConfig(ModelConfig):
     def conv_layers(self) -> tuple[int, ...]:
         """Indices of the ShortConv layers (the ones with recurrent state)."""
         return tuple(i for i, t in enumerate(self.layer_types) if t == "conv")
-
-    @property
-    def attention_layers(self) -> tuple[int, ...]:
-        """Indices of the full-attention layers (the ones with KV)."""
-        return tuple(i for i, t in enumerate(self.layer_types) if t == "full_attention")
 
     @property
     def head_dim(self) -> int:
@@ -840,11 +840,6 @@ class GraniteHybridModelConfig(ModelConfig):
     def mamba_layers(self) -> tuple[int, ...]:
         """Indices of the Mamba2 layers (the ones with recurrent state)."""
         return tuple(i for i, t in enumerate(self.layer_types) if t == "mamba2")
-
-    @property
-    def attention_layers(self) -> tuple[int, ...]:
-        """Indices of the attention layers (the ones with KV)."""
-        return tuple(i for i, t in enumerate(self.layer_types) if t == "full_attention")
 
     @property
     def mamba_intermediate_size(self) -> int:

@@ -557,7 +557,13 @@ def _nixl_cell(nixl, nixl_why, plan, spec, preset, src_tp, dst_tp, layout, a, ld
     except Exception as e:  # noqa: BLE001 -- recorded, the run goes on
         out["nixl_note"] = f"NIXL run failed: {e}"[:500]
         return out
-    out.update({
+    out.update(_nixl_fields(cell, same, lds))
+    return out
+
+
+def _nixl_fields(cell: dict, same: dict, vllm: dict) -> dict:
+    """The cell's NIXL figures: on the same runs (``nixl_*``) and vLLM's way (``nixl_lds_*``)."""
+    return {
         "nixl_gbps": same["gbps"], "ratio_to_nixl": _ratio(cell["gbps"], same["gbps"]),
         "nixl_requests_per_s": same["requests_per_s"],
         "nixl_latency_p50_ms": same["latency_p50_ms"],
@@ -565,13 +571,12 @@ def _nixl_cell(nixl, nixl_why, plan, spec, preset, src_tp, dst_tp, layout, a, ld
         "nixl_descriptors_per_request": same["descriptors_per_request"],
         "nixl_options": same.get("options"),
         "nixl_src_cpu_cores": same.get("src_cpu_cores"),
-        "nixl_lds_gbps": lds["gbps"], "ratio_to_nixl_lds": _ratio(cell["gbps"], lds["gbps"]),
-        "nixl_lds_requests_per_s": lds["requests_per_s"],
-        "nixl_lds_latency_p50_ms": lds["latency_p50_ms"],
-        "nixl_lds_descriptors_per_request": lds["descriptors_per_request"],
+        "nixl_lds_gbps": vllm["gbps"], "ratio_to_nixl_lds": _ratio(cell["gbps"], vllm["gbps"]),
+        "nixl_lds_requests_per_s": vllm["requests_per_s"],
+        "nixl_lds_latency_p50_ms": vllm["latency_p50_ms"],
+        "nixl_lds_descriptors_per_request": vllm["descriptors_per_request"],
         "nixl_note": None,
-    })
-    return out
+    }
 
 
 def _nixl_kv_cell(nixl, plan, spec, src_tp, dst_tp, a, kw, out, cell) -> dict:
@@ -592,16 +597,7 @@ def _nixl_kv_cell(nixl, plan, spec, src_tp, dst_tp, a, kw, out, cell) -> dict:
     except Exception as e:  # noqa: BLE001 -- recorded, the run goes on
         out["nixl_note"] = f"NIXL run failed: {e}"[:500]
         return out
-    out.update({
-        "nixl_gbps": same["gbps"], "ratio_to_nixl": _ratio(cell["gbps"], same["gbps"]),
-        "nixl_requests_per_s": same["requests_per_s"],
-        "nixl_latency_p50_ms": same["latency_p50_ms"],
-        "nixl_descriptors_per_request": same["descriptors_per_request"],
-        "nixl_lds_gbps": vllm["gbps"], "ratio_to_nixl_lds": _ratio(cell["gbps"], vllm["gbps"]),
-        "nixl_lds_requests_per_s": vllm["requests_per_s"],
-        "nixl_lds_descriptors_per_request": vllm["descriptors_per_request"],
-        "nixl_note": None,
-    })
+    out.update(_nixl_fields(cell, same, vllm))
     return out
 
 
