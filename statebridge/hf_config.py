@@ -530,7 +530,7 @@ class Lfm2ModelConfig(ModelConfig):
             if kind != "conv":
                 raise UnsupportedModelError(
                     f"lfm2: layer {i} has type {kind!r}; only 'conv' (ShortConv) layers are "
-                    f"served until attention KV transfer exists "
+                    f"served until the model runtime runs attention layers "
                     f"(layer_types={list(self.layer_types)})")
         V, Hd, K, F = self.vocab_size, self.hidden_size, self.conv_L_cache, self.ff_dim
         bias = self.conv_bias
