@@ -34,15 +34,15 @@ length inside a block.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
-from typing import Any, Iterator, Sequence
+from typing import Any, Sequence
 
 import numpy as np
 import torch
 
 from statebridge.errors import CacheFullError, ConfigError, DoubleFreeError, LayoutError, \
     ShapeError, UnknownPageError
+from statebridge.state.plan import PairTable, coalesce, paired_units
 from statebridge.state.sharding import kv_heads
 from statebridge.state.spec import KVSpec
 
@@ -285,7 +285,7 @@ class KVPairPlan:
                          np.asarray(dst_blocks, dtype=np.int64) * self.dst_block_stride,
                          np.zeros(len(src_blocks), dtype=np.int64)], axis=1)
         runs = (self.block_runs[None, :, :] + base[:, None, :]).reshape(-1, 3)
-        return _coalesce(runs[np.argsort(runs[:, 1], kind="stable")])
+        return coalesce(runs[np.argsort(runs[:, 1], kind="stable")])
 
     def summary(self, blocks: int) -> dict[str, Any]:
         runs = self.runs(range(blocks), range(blocks))
@@ -293,7 +293,7 @@ class KVPairPlan:
                 "kv_bytes": int(runs[:, 2].sum()) if len(runs) else 0}
 
 
-class KVPlan:
+class KVPlan(PairTable):
     """KV runs between every (source rank, destination rank) of two block geometries."""
 
     def __init__(self, src: BlockGeometry, dst: BlockGeometry) -> None:
@@ -308,18 +308,6 @@ class KVPlan:
             for s, heads in _sources(src, dst, d).items():
                 pairs[(s, d)] = _pair(src, dst, s, d, tuple(heads))
         self.pairs = dict(sorted(pairs.items()))
-
-    def __iter__(self) -> Iterator[KVPairPlan]:
-        return iter(self.pairs.values())
-
-    def pair(self, src_rank: int, dst_rank: int) -> KVPairPlan | None:
-        return self.pairs.get((src_rank, dst_rank))
-
-    def for_source(self, src_rank: int) -> list[KVPairPlan]:
-        return [p for p in self if p.src_rank == src_rank]
-
-    def for_destination(self, dst_rank: int) -> list[KVPairPlan]:
-        return [p for p in self if p.dst_rank == dst_rank]
 
     def blocks(self, tokens: int) -> int:
         return blocks_for(tokens, self.src.block_size)
@@ -362,47 +350,17 @@ def _pair(src: BlockGeometry, dst: BlockGeometry, s: int, d: int,
           heads: tuple[tuple[int, int, int], ...]) -> KVPairPlan:
     units = [_units(src, dst, sh, dh, n) for sh, dh, n in heads]
     runs = np.concatenate(units) if units else _EMPTY
-    runs = _coalesce(runs[np.argsort(runs[:, 1], kind="stable")])
+    runs = coalesce(runs[np.argsort(runs[:, 1], kind="stable")])
     nbytes = int(runs[:, 2].sum())
     return KVPairPlan(s, d, heads, runs, src.block_stride, dst.block_stride, nbytes)
 
 
 def _units(src: BlockGeometry, dst: BlockGeometry, src_head: int, dst_head: int,
            count: int) -> np.ndarray:
-    """Paired runs ``[U, 3]`` of ``count`` heads of block 0: the longest trailing axes that are
-    in the same order on both sides and full on both are one unit."""
+    """Paired runs ``[U, 3]`` of ``count`` heads of block 0."""
     ext = dict(dst.dim)
     ext["B"], ext["H"] = 1, count
-    unit_axes: list[str] = []
-    for a_src, a_dst in zip(reversed(src.layout.order), reversed(dst.layout.order)):
-        if a_src != a_dst:
-            break
-        unit_axes.append(a_dst)
-        if ext[a_dst] != src.dim[a_dst] or ext[a_dst] != dst.dim[a_dst]:
-            break
     item = src.itemsize
-    unit_bytes = math.prod(ext[a] for a in unit_axes) * item
-    src_off = np.array(src_head * src.strides["H"] * item, dtype=np.int64)
-    dst_off = np.array(dst_head * dst.strides["H"] * item, dtype=np.int64)
-    for axis in dst.layout.order:
-        if axis in unit_axes:
-            continue
-        idx = np.arange(ext[axis], dtype=np.int64)
-        src_off = src_off[..., None] + idx * (src.strides[axis] * item)
-        dst_off = dst_off[..., None] + idx * (dst.strides[axis] * item)
-    src_off, dst_off = src_off.reshape(-1), dst_off.reshape(-1)
-    return np.stack([src_off, dst_off, np.full_like(src_off, unit_bytes)], axis=1)
-
-
-def _coalesce(runs: np.ndarray) -> np.ndarray:
-    """Merge consecutive runs (sorted by dst offset) that continue on both sides."""
-    if len(runs) <= 1:
-        return runs
-    join = (runs[1:, 0] == runs[:-1, 0] + runs[:-1, 2]) & \
-        (runs[1:, 1] == runs[:-1, 1] + runs[:-1, 2])
-    starts = np.concatenate([[0], np.nonzero(~join)[0] + 1])
-    stops = np.concatenate([starts[1:], [len(runs)]])
-    merged = runs[starts].copy()
-    last = stops - 1
-    merged[:, 2] = runs[last, 0] + runs[last, 2] - runs[starts, 0]
-    return merged
+    return paired_units(src.layout.order, dst.layout.order, ext, src.dim, dst.dim, src.strides,
+                        dst.strides, item, src_head * src.strides["H"] * item,
+                        dst_head * dst.strides["H"] * item)

@@ -39,7 +39,7 @@ from statebridge.state.layout import Layout, PageGeometry, RegionLayout
 from statebridge.state.sharding import SegmentShard, shard_segments
 from statebridge.state.spec import StateSpec
 
-__all__ = ["Box", "PairPlan", "TransferPlan"]
+__all__ = ["Box", "PairPlan", "PairTable", "TransferPlan", "paired_units", "coalesce"]
 
 _EMPTY = np.zeros((0, 3), dtype=np.int64)
 
@@ -117,7 +117,27 @@ class PairPlan:
         }
 
 
-class TransferPlan:
+class PairTable:
+    """Queries over ``self.pairs`` (``(src rank, dst rank) -> pair plan``, sorted), shared by
+    the page plan and the KV plan."""
+
+    pairs: dict
+
+    def __iter__(self) -> Iterator:
+        return iter(self.pairs.values())
+
+    def pair(self, src_rank: int, dst_rank: int):
+        """The plan of one rank pair, or None when the source sends nothing to that rank."""
+        return self.pairs.get((src_rank, dst_rank))
+
+    def for_source(self, src_rank: int) -> list:
+        return [p for p in self if p.src_rank == src_rank]
+
+    def for_destination(self, dst_rank: int) -> list:
+        return [p for p in self if p.dst_rank == dst_rank]
+
+
+class TransferPlan(PairTable):
     """Runs between every (source rank, destination rank) of two page geometries.
 
     Build with :meth:`build` from a spec, or directly from two :class:`PageGeometry` objects
@@ -148,20 +168,7 @@ class TransferPlan:
         dst_layout = src_layout if dst_layout is None else dst_layout
         return cls(PageGeometry(spec, src_tp, src_layout), PageGeometry(spec, dst_tp, dst_layout))
 
-    # -- queries ----------------------------------------------------------------------------
-    def __iter__(self) -> Iterator[PairPlan]:
-        return iter(self.pairs.values())
-
-    def pair(self, src_rank: int, dst_rank: int) -> PairPlan | None:
-        """The plan of one rank pair, or None when the source sends nothing to that rank."""
-        return self.pairs.get((src_rank, dst_rank))
-
-    def for_source(self, src_rank: int) -> list[PairPlan]:
-        return [p for p in self if p.src_rank == src_rank]
-
-    def for_destination(self, dst_rank: int) -> list[PairPlan]:
-        return [p for p in self if p.dst_rank == dst_rank]
-
+    # -- queries (and PairTable's) --------------------------------------------------------
     @property
     def bytes_per_request(self) -> int:
         return sum(p.nbytes for p in self)
@@ -266,27 +273,44 @@ def _box_units(src: RegionLayout, dst: RegionLayout, box: Box) -> np.ndarray:
     ch = src.tensor.channel_axis
     ext = dict(dst.dim)
     ext[ch] = box.channels
-    src_dim, dst_dim = src.dim, dst.dim
+    item = src.itemsize
+    return paired_units(src.order, dst.order, ext, src.dim, dst.dim, src.strides, dst.strides,
+                        item, src.offset + box.src_channel * src.strides[ch] * item,
+                        dst.offset + box.dst_channel * dst.strides[ch] * item)
+
+
+def paired_units(src_order: str, dst_order: str, ext: dict[str, int], src_dim: dict[str, int],
+                 dst_dim: dict[str, int], src_strides: dict[str, int],
+                 dst_strides: dict[str, int], item: int, src_off: int,
+                 dst_off: int) -> np.ndarray:
+    """Paired byte units ``[U, 3]`` (src off, dst off, len), in destination order, of a box of
+    extents ``ext`` (per axis letter) starting at byte ``src_off`` / ``dst_off`` in two arrays
+    with the given axis orders, extents and element strides. A unit is the longest run of
+    trailing axes in the same order on both sides and full on both (page regions and KV block
+    pools alike)."""
     unit_axes: list[str] = []
-    for a_src, a_dst in zip(reversed(src.order), reversed(dst.order)):
+    for a_src, a_dst in zip(reversed(src_order), reversed(dst_order)):
         if a_src != a_dst:
             break
         unit_axes.append(a_dst)
         if ext[a_dst] != src_dim[a_dst] or ext[a_dst] != dst_dim[a_dst]:
             break
-    item = src.itemsize
     unit_bytes = math.prod(ext[a] for a in unit_axes) * item
-    src_strides, dst_strides = src.strides, dst.strides
-    src_off = np.array(src.offset + box.src_channel * src_strides[ch] * item, dtype=np.int64)
-    dst_off = np.array(dst.offset + box.dst_channel * dst_strides[ch] * item, dtype=np.int64)
-    for axis in dst.order:
+    src = np.array(src_off, dtype=np.int64)
+    dst = np.array(dst_off, dtype=np.int64)
+    for axis in dst_order:
         if axis in unit_axes:
             continue
         idx = np.arange(ext[axis], dtype=np.int64)
-        src_off = (src_off[..., None] + idx * (src_strides[axis] * item))
-        dst_off = (dst_off[..., None] + idx * (dst_strides[axis] * item))
-    src_off, dst_off = src_off.reshape(-1), dst_off.reshape(-1)
-    return np.stack([src_off, dst_off, np.full_like(src_off, unit_bytes)], axis=1)
+        src = src[..., None] + idx * (src_strides[axis] * item)
+        dst = dst[..., None] + idx * (dst_strides[axis] * item)
+    src, dst = src.reshape(-1), dst.reshape(-1)
+    return np.stack([src, dst, np.full_like(src, unit_bytes)], axis=1)
+
+
+def coalesce(runs: np.ndarray) -> np.ndarray:
+    """Merge consecutive runs (sorted) that continue on both sides (no padding bridged)."""
+    return _coalesce(runs, None, None)
 
 
 def _padding_table(geometry: PageGeometry) -> tuple[np.ndarray, np.ndarray]:
