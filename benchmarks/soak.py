@@ -587,7 +587,7 @@ class Soak:
             time.sleep(0.05)
         ranks = {"decode": self.reports.query(self.decode, 10.0),
                  "prefill": self.reports.query(self.server, 10.0)}
-        futures_left = self.decode.loop.call(lambda: len(self.decode._callbacks))
+        futures_left = self.decode.loop.call(lambda: self.decode.pending_callbacks)
         self.rss.sample(self.ended)
         return {"decode": d, "prefill": s, "ranks": ranks, "decode_futures_left": futures_left}
 

@@ -199,6 +199,15 @@ class DecodeCoordinator(RankGroup):
         dial.peer = self._open(address)
         dial.peer.deadline = dial.lost_at + self.config.handshake_timeout
 
+    def dialled(self) -> bool:
+        """Loop thread: whether every kept prefill address has answered at least once."""
+        return all(d.connected for d in self._dials.values())
+
+    @property
+    def pending_callbacks(self) -> int:
+        """Requests whose ``on_done`` has not run yet (loop thread)."""
+        return len(self._callbacks)
+
     def status(self) -> tuple[bool, str]:
         """(ready, why not) on the loop thread: ready once the group is up and a prefill server
         is connected; else the reason, naming the addresses still being dialled."""

@@ -150,7 +150,7 @@ class DecodeNode:
     def _wait_prefill(self, timeout: float) -> None:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
-            if self.loop.call(lambda: all(d.connected for d in self.coordinator._dials.values())):
+            if self.loop.call(self.coordinator.dialled):
                 return
             time.sleep(0.02)
 
@@ -260,25 +260,32 @@ class DecodeNode:
         self._start_transfer(gen, local=not ready)
 
     # -- the prompt's state ------------------------------------------------------------------
-    def _start_transfer(self, gen: _Gen, local: bool = False) -> None:
+    def _start_transfer(self, gen: _Gen, local: bool = False, *, retry: bool = False) -> bool:
+        """Start ``gen``'s transfer; False when no page (or KV block) is free: it waits, in
+        arrival order (a retry goes back to the front)."""
         gen.local = local
         try:
             self.coordinator.start(gen.request_id, gen.prompt[:-1],
                                    lambda result, error: self._transfer_done(gen, result, error),
                                    local=local)
         except CacheFullError:
-            self.waiting.append(gen)              # back-pressure: retried when a page frees
-            return
+            if retry:
+                self.waiting.appendleft(gen)
+            else:
+                self.waiting.append(gen)          # back-pressure: retried when space frees
+            return False
         except TransferError as e:
             self._transfer_failed(gen, e)
-            return
+            return True
         gen.recomputed = local
+        return True
 
     def _start_waiting(self) -> None:
-        while self.waiting and self.coordinator.pool.num_free:
+        while self.waiting:
             gen = self.waiting.popleft()
-            if self.gens.get(gen.request_id) is gen:
-                self._start_transfer(gen, local=gen.local)
+            if self.gens.get(gen.request_id) is gen and \
+                    not self._start_transfer(gen, local=gen.local, retry=True):
+                return                            # still full: the rest waits too
 
     def _transfer_done(self, gen: _Gen, result: TransferResult | None,
                        error: TransferError | None) -> None:

@@ -297,3 +297,46 @@ def test_abort_during_the_prefill_frees_kv_blocks_on_both_sides_only_once_quiet(
             check_result(decode, spec, result, rid, 3 * BS + 1)
             decode.release(result)
         wait_until(lambda: server.stats()["blocks_used"] == 0, 10, "prefill blocks freed")
+
+
+@pytest.mark.timeout(120)
+def test_decode_node_requests_waiting_for_kv_blocks_wait_in_order(pools, tmp_path,
+                                                                  monkeypatch):
+    """A decode node with free pages but too few free KV blocks: the waiting request neither
+    spins the loop nor is lost -- it starts once the first one's blocks come back."""
+    import concurrent.futures
+    import json
+
+    from statebridge.errors import TransferError
+    from statebridge.node.client import Client
+    from statebridge.node.decode_node import DecodeNode
+
+    monkeypatch.setenv("STATEBRIDGE_TEST_PREFILL_DELAY", "0.5")    # the first holds its blocks
+    prefill_hosts, decode_hosts = pools
+    config = {"model_type": "lfm2", "hidden_size": 40, "conv_L_cache": 3,
+              "torch_dtype": "bfloat16", "num_attention_heads": 4, "num_key_value_heads": 2,
+              "layer_types": ["conv", "full_attention", "conv", "full_attention", "conv"]}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    spec = StateSpec.from_pretrained(tmp_path)
+    with PrefillServer(spec, 1, "DLS", num_pages=4, config=FAST, block_size=BS,
+                       launcher=prefill_hosts.launcher(), model=SLOW) as server:
+        server.wait_ready()
+        # 2 pages -> 16 KV blocks of 16 tokens; each 200-token prompt needs 13 of them.
+        with DecodeNode(str(tmp_path), 1, [server.address], num_pages=2, config=FAST,
+                        launcher=decode_hosts.launcher(),
+                        rank_model="statebridge.testing.models:SyntheticModel") as node:
+            def one(i: int):
+                with Client(node.address, timeout=60) as client:
+                    try:
+                        return client.generate(prompt_of(201), max_new_tokens=1)
+                    except TransferError as e:
+                        return e
+            with concurrent.futures.ThreadPoolExecutor(2) as pool:
+                outcomes = list(pool.map(one, range(2)))
+            # The synthetic model cannot decode: each request fails typed AFTER its transfer.
+            assert all(isinstance(o, TransferError) and "cannot decode" in str(o)
+                       for o in outcomes), outcomes
+            stats = node.stats()
+            assert stats["coordinator"]["transfers_ok"] == 2 and stats["waiting"] == 0
+            assert stats["coordinator"]["requests"] == 2          # the second one waited
+            assert stats["coordinator"]["blocks_used"] == 0
