@@ -113,15 +113,16 @@ class SoakModel(SyntheticModel):
     """The synthetic state, after a short per-request sleep (so an abort can land before the
     transfer starts); a :class:`RankReportQuery` is answered with the rank's counters."""
 
-    def __init__(self, setup, cache) -> None:
-        super().__init__(setup, cache)
+    def __init__(self, setup, cache, kv=None) -> None:
+        super().__init__(setup, cache, kv)
         self.max_delay = float(os.environ.get(DELAY_ENV, "0") or 0) / 1e3
 
-    def prefill(self, page: int, prompt: tuple[int, ...], request_id: str) -> None:
+    def prefill(self, page: int, prompt: tuple[int, ...], request_id: str,
+                blocks: tuple[int, ...] = ()) -> None:
         if self.max_delay > 0:
             # Same delay on every rank of the group for one request.
             time.sleep(self.max_delay * (zlib.crc32(request_id.encode()) % 1000) / 1000)
-        super().prefill(page, prompt, request_id)
+        super().prefill(page, prompt, request_id, blocks)
 
     def handlers(self) -> dict:
         return {**super().handlers(), RankReportQuery: self.report}

@@ -93,6 +93,7 @@ LFM2_DEFAULTS: dict[str, Any] = {
     "block_auto_adjust_ff_dim": True,
     "num_attention_heads": 32,
     "num_key_value_heads": 8,
+    "rope_theta": 1_000_000.0,          # Lfm2Config.default_theta
 }
 
 #: ``Mamba2Config`` defaults (transformers 5) of every field the runtime reads. ``num_heads`` is
@@ -155,6 +156,7 @@ GRANITE_DEFAULTS: dict[str, Any] = {
     "mamba_conv_bias": True,
     "mamba_proj_bias": False,
     "time_step_limit": (0.0, math.inf),
+    "rope_theta": 10_000.0,             # RotaryEmbeddingConfigMixin.default_theta
 }
 
 #: The weights' dtype when the config names none.
@@ -291,6 +293,28 @@ def _int_list(config: Mapping[str, Any], key: str) -> list[int] | None:
     return list(value)
 
 
+def _rope_theta(config: Mapping[str, Any], *, default: float) -> float:
+    """``rope_parameters.rope_theta`` (transformers 5), else the legacy top-level ``rope_theta``,
+    else the model's default; only the ``"default"`` rope type is served."""
+    params = config.get("rope_parameters")
+    if params is None:
+        params = {}
+    if not isinstance(params, Mapping):
+        raise ConfigError(f"config field 'rope_parameters' must be an object, got {params!r}")
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    if rope_type != "default":
+        raise UnsupportedModelError(f"config field 'rope_parameters.rope_type' is {rope_type!r}; "
+                                    f"only 'default' rotary embeddings are served")
+    factor = params.get("partial_rotary_factor", config.get("partial_rotary_factor", 1.0))
+    if factor not in (None, 1, 1.0):
+        raise UnsupportedModelError(f"config field 'partial_rotary_factor' is {factor!r}; only "
+                                    f"1.0 (rotary over the whole head) is served")
+    theta = params.get("rope_theta", config.get("rope_theta", default))
+    if not _is_number(theta) or not theta > 0:
+        raise ConfigError(f"config field 'rope_theta' must be a positive number, got {theta!r}")
+    return float(theta)
+
+
 def read_config_json(path: str | os.PathLike) -> dict[str, Any]:
     """The raw ``config.json`` of a checkpoint directory, or a JSON file given directly."""
     path = os.fspath(path)
@@ -413,6 +437,7 @@ class Lfm2ModelConfig(ModelConfig):
     block_auto_adjust_ff_dim: bool
     num_attention_heads: int
     num_key_value_heads: int
+    rope_theta: float
 
     def __post_init__(self) -> None:
         unknown = sorted(set(self.layer_types) - set(LFM2_LAYER_TYPES))
@@ -486,6 +511,7 @@ class Lfm2ModelConfig(ModelConfig):
                                      default=d["num_attention_heads"]),
             num_key_value_heads=_int(config, "num_key_value_heads",
                                      default=d["num_key_value_heads"]),
+            rope_theta=_rope_theta(config, default=d["rope_theta"]),
         )
 
     @property
@@ -523,30 +549,36 @@ class Lfm2ModelConfig(ModelConfig):
         return "model.embed_tokens.weight"
 
     def layer_prefix(self, layer: int) -> str:
-        return f"model.layers.{layer}.conv."
+        mixer = "conv" if self.layer_types[layer] == "conv" else "self_attn"
+        return f"model.layers.{layer}.{mixer}."
 
     def weight_shapes(self) -> dict[str, tuple[int, ...]]:
-        for i, kind in enumerate(self.layer_types):
-            if kind != "conv":
-                raise UnsupportedModelError(
-                    f"lfm2: layer {i} has type {kind!r}; only 'conv' (ShortConv) layers are "
-                    f"served until the model runtime runs attention layers "
-                    f"(layer_types={list(self.layer_types)})")
         V, Hd, K, F = self.vocab_size, self.hidden_size, self.conv_L_cache, self.ff_dim
+        D = self.head_dim
+        q, kv = self.num_attention_heads * D, self.num_key_value_heads * D
         bias = self.conv_bias
         out: dict[str, tuple[int, ...]] = {self.embedding_name: (V, Hd)}
         for i in range(self.num_layers):
             p = f"model.layers.{i}."
             out[p + "operator_norm.weight"] = (Hd,)
-            out[p + "conv.in_proj.weight"] = (3 * Hd, Hd)
-            if bias:
-                out[p + "conv.in_proj.bias"] = (3 * Hd,)
-            out[p + "conv.conv.weight"] = (Hd, 1, K)
-            if bias:
-                out[p + "conv.conv.bias"] = (Hd,)
-            out[p + "conv.out_proj.weight"] = (Hd, Hd)
-            if bias:
-                out[p + "conv.out_proj.bias"] = (Hd,)
+            if self.layer_types[i] == "conv":
+                out[p + "conv.in_proj.weight"] = (3 * Hd, Hd)
+                if bias:
+                    out[p + "conv.in_proj.bias"] = (3 * Hd,)
+                out[p + "conv.conv.weight"] = (Hd, 1, K)
+                if bias:
+                    out[p + "conv.conv.bias"] = (Hd,)
+                out[p + "conv.out_proj.weight"] = (Hd, Hd)
+                if bias:
+                    out[p + "conv.out_proj.bias"] = (Hd,)
+            else:                       # Lfm2Attention: no biases
+                a = p + "self_attn."
+                out[a + "q_proj.weight"] = (q, Hd)
+                out[a + "k_proj.weight"] = (kv, Hd)
+                out[a + "v_proj.weight"] = (kv, Hd)
+                out[a + "out_proj.weight"] = (Hd, q)
+                out[a + "q_layernorm.weight"] = (D,)
+                out[a + "k_layernorm.weight"] = (D,)
             out[p + "ffn_norm.weight"] = (Hd,)
             out[p + "feed_forward.w1.weight"] = (F, Hd)
             out[p + "feed_forward.w3.weight"] = (F, Hd)
@@ -716,6 +748,7 @@ class GraniteHybridModelConfig(ModelConfig):
     mamba_conv_bias: bool
     mamba_proj_bias: bool
     time_step_limit: tuple[float, float]
+    rope_theta: float
 
     def __post_init__(self) -> None:
         unknown = sorted(set(self.layer_types) - set(GRANITE_LAYER_TYPES.values()))
@@ -834,6 +867,8 @@ class GraniteHybridModelConfig(ModelConfig):
             mamba_conv_bias=_bool(config, "mamba_conv_bias", default=d["mamba_conv_bias"]),
             mamba_proj_bias=_bool(config, "mamba_proj_bias", default=d["mamba_proj_bias"]),
             time_step_limit=_time_step_limit(config, default=d["time_step_limit"]),
+            rope_theta=(_rope_theta(config, default=d["rope_theta"]) if position == "rope"
+                        else d["rope_theta"]),
         )
 
     @property
@@ -860,10 +895,52 @@ class GraniteHybridModelConfig(ModelConfig):
         mixer = "mamba" if self.layer_types[layer] == "mamba2" else "self_attn"
         return f"model.layers.{layer}.{mixer}."
 
+    @property
+    def rotary(self) -> bool:
+        """Whether the attention layers apply RoPE (``position_embedding_type == "rope"``;
+        ``None`` and ``"nope"`` mean none, as in ``GraniteMoeHybridModel``)."""
+        return self.position_embedding_type == "rope"
+
     def weight_shapes(self) -> dict[str, tuple[int, ...]]:
-        raise UnsupportedModelError(
-            "granitemoehybrid: the model runtime is not yet implemented (the state spec and KV "
-            "of Granite-4.0-H are described; its weights cannot be loaded or served yet)")
+        V, Hd, K = self.vocab_size, self.hidden_size, self.mamba_d_conv
+        inner, conv_dim, H = self.mamba_intermediate_size, self.mamba_conv_dim, self.mamba_n_heads
+        D, S = self.head_dim, self.shared_intermediate_size
+        q, kv = self.num_attention_heads * D, self.num_key_value_heads * D
+        out: dict[str, tuple[int, ...]] = {self.embedding_name: (V, Hd)}
+        for i in range(self.num_layers):
+            p = f"model.layers.{i}."
+            out[p + "input_layernorm.weight"] = (Hd,)
+            if self.layer_types[i] == "mamba2":
+                m = p + "mamba."
+                out[m + "in_proj.weight"] = (inner + conv_dim + H, Hd)
+                if self.mamba_proj_bias:
+                    out[m + "in_proj.bias"] = (inner + conv_dim + H,)
+                out[m + "conv1d.weight"] = (conv_dim, 1, K)
+                if self.mamba_conv_bias:
+                    out[m + "conv1d.bias"] = (conv_dim,)
+                out[m + "dt_bias"] = (H,)
+                out[m + "A_log"] = (H,)
+                out[m + "D"] = (H,)
+                out[m + "norm.weight"] = (inner,)
+                out[m + "out_proj.weight"] = (Hd, inner)
+                if self.mamba_proj_bias:
+                    out[m + "out_proj.bias"] = (Hd,)
+            else:
+                a = p + "self_attn."
+                for name, rows in (("q_proj", q), ("k_proj", kv), ("v_proj", kv)):
+                    out[a + name + ".weight"] = (rows, Hd)
+                    if self.attention_bias:
+                        out[a + name + ".bias"] = (rows,)
+                out[a + "o_proj.weight"] = (Hd, q)
+                if self.attention_bias:
+                    out[a + "o_proj.bias"] = (Hd,)
+            out[p + "post_attention_layernorm.weight"] = (Hd,)
+            out[p + "shared_mlp.input_linear.weight"] = (2 * S, Hd)
+            out[p + "shared_mlp.output_linear.weight"] = (Hd, S)
+        out["model.norm.weight"] = (Hd,)
+        if not self.tie_word_embeddings:
+            out["lm_head.weight"] = (V, Hd)
+        return out
 
 
 _READERS = {"lfm2": Lfm2ModelConfig._read, "mamba2": Mamba2ModelConfig._read,

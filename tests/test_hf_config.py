@@ -85,6 +85,8 @@ DEFAULT_CASES = [
     ("granitemoehybrid", "mamba_conv_bias", "mamba_conv_bias"),
     ("granitemoehybrid", "mamba_proj_bias", "mamba_proj_bias"),
     ("granitemoehybrid", "time_step_limit", "time_step_limit"),
+    ("lfm2", "rope_theta", "rope_theta"),               # in rope_parameters (transformers 5)
+    ("granitemoehybrid", "rope_theta", "rope_theta"),
 ]
 HF_CLASSES = {"lfm2": "Lfm2Config", "mamba2": "Mamba2Config",
               "granitemoehybrid": "GraniteMoeHybridConfig"}
@@ -92,6 +94,13 @@ HF_CLASSES = {"lfm2": "Lfm2Config", "mamba2": "Mamba2Config",
 #: default check: transformers' default Granite is MoE (8 experts), which is refused
 #: (test_granite_moe_is_refused checks that default).
 READABLE = {"granitemoehybrid": {"num_local_experts": 0}}
+
+
+def _attr(hf_config, name):
+    """A transformers config field; rope_theta lives in ``rope_parameters`` in transformers 5."""
+    if name == "rope_theta":
+        return hf_config.rope_parameters["rope_theta"]
+    return getattr(hf_config, name)
 
 
 def _plain(value):
@@ -111,7 +120,7 @@ def test_defaults_are_transformers_defaults(arch, ours, theirs):
     """A config.json holding only its model_type reads as transformers' default config."""
     extra = READABLE.get(arch, {})
     got = getattr(ModelConfig.from_dict({"model_type": arch, **extra}), ours)
-    want = getattr(getattr(tf, HF_CLASSES[arch])(**extra), theirs)
+    want = _attr(getattr(tf, HF_CLASSES[arch])(**extra), theirs)
     assert _plain(got) == _in_our_names(arch, theirs, want)
 
 
@@ -123,7 +132,7 @@ def test_every_default_is_checked_against_transformers():
         assert set(table) <= checked, set(table) - checked
         hf = getattr(tf, HF_CLASSES[arch])()
         for key, value in table.items():
-            assert _plain(getattr(hf, key)) == _plain(value), key
+            assert _plain(_attr(hf, key)) == _plain(value), key
 
 
 def test_granite_moe_is_refused():

@@ -22,14 +22,15 @@ CHECK_PREFIX = "chk-"
 class PageOnceModel(SyntheticModel):
     """Fill a page on first use (and for check requests); otherwise stamp the request seed."""
 
-    def __init__(self, setup, cache) -> None:
-        super().__init__(setup, cache)
+    def __init__(self, setup, cache, kv=None) -> None:
+        super().__init__(setup, cache, kv)
         self._filled: set[int] = set()
         self._stamp_at = min(r.offset for r in cache.geometry.regions)
 
-    def prefill(self, page: int, prompt: tuple[int, ...], request_id: str) -> None:
+    def prefill(self, page: int, prompt: tuple[int, ...], request_id: str,
+                blocks: tuple[int, ...] = ()) -> None:
         if page not in self._filled or request_id.startswith(CHECK_PREFIX):
-            super().prefill(page, prompt, request_id)
+            super().prefill(page, prompt, request_id, blocks)
             self._filled.add(page)
             return
         seed = np.frombuffer(request_id.encode()[-8:].rjust(8, b"\0"), dtype=np.uint8)

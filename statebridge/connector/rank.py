@@ -60,29 +60,29 @@ __all__ = ["RankSetup", "RankWorker", "RankModel", "KVBlocks", "rank_main",
 class RankModel:
     """What runs on a rank's compute thread: the model (or a stand-in).
 
-    ``prefill`` writes the state of ``prompt`` into ``page`` of the rank's cache. ``handlers``
+    ``prefill`` writes the state of ``prompt`` into ``page`` of the rank's cache (and, for a
+    spec with attention KV, its K and V into the request's ``blocks`` of :attr:`kv`). ``handlers``
     names further coordinator messages the model serves (e.g. a decode step): each handler
     returns the reply to send to the coordinator, or None. Everything runs in arrival order on
     every rank of the group, so collective ops across ranks line up.
     """
 
-    def __init__(self, setup: "RankSetup", cache: StateCache) -> None:
+    def __init__(self, setup: "RankSetup", cache: StateCache,
+                 kv: "KVBlocks | None" = None) -> None:
         self.setup = setup
         self.cache = cache
         #: The RankWorker serving this model (set after construction), for models that report
         #: on the rank (read-only use from the compute thread).
         self.worker: "RankWorker | None" = None
-        #: The rank's KV block pool (set after construction; None for a spec without KV).
-        self.kv: "KVBlocks | None" = None
+        #: The rank's KV block pool (None for a spec without KV).
+        self.kv: "KVBlocks | None" = kv
 
-    def prefill(self, page: int, prompt: tuple[int, ...], request_id: str) -> None:
+    def prefill(self, page: int, prompt: tuple[int, ...], request_id: str,
+                blocks: tuple[int, ...] = ()) -> None:
+        """Write the state after ``prompt`` into ``page`` and, for a spec with KV, the K and V
+        of its ``len(prompt)`` tokens into ``blocks`` of :attr:`kv` (logical block i is
+        ``blocks[i]``; the table covers the prompt). Runs on the compute thread."""
         raise NotImplementedError
-
-    def prefill_kv(self, blocks: tuple[int, ...], tokens: int, request_id: str) -> None:
-        """Write the attention KV of the request's first ``tokens`` tokens into ``blocks`` of
-        :attr:`kv` (logical block i is ``blocks[i]``); called on the compute thread right
-        after :meth:`prefill` of the same request, for specs with KV. The default writes
-        nothing."""
 
     @classmethod
     def validate(cls, model_dir: str, tp_size: int) -> None:
@@ -228,9 +228,8 @@ class RankWorker:
         if self.kv_geometry is not None:
             self.kv = KVBlocks(self.kv_geometry, self.buffer[self.kv_base:], self.kv_base)
         self.transport = Transport(self.buffer, error_handling=self.config.ucx_error_handling)
-        self.model: RankModel = load_callable(setup.model)(setup, self.cache)
+        self.model: RankModel = load_callable(setup.model)(setup, self.cache, self.kv)
         self.model.worker = self
-        self.model.kv = self.kv
         self.loop = c.EventLoop(f"{setup.role}-rank{setup.tp_rank}")
         self.sock = c.connect_dealer(self.loop.context, setup.coordinator,
                                      keys=CurveKeys.from_config(self.config))
@@ -486,10 +485,9 @@ class RankWorker:
                     else:
                         blocks, tokens = msg.blocks, len(msg.prompt)
                     try:
-                        self.model.prefill(page, msg.prompt, msg.request_id)
                         if blocks:
                             self._check_blocks(blocks, tokens)
-                            self.model.prefill_kv(tuple(blocks), tokens, msg.request_id)
+                        self.model.prefill(page, msg.prompt, msg.request_id, tuple(blocks))
                     except Exception as e:  # the model failed: the request fails, rank serves on
                         log.exception("rank %d: computing %s failed", self.setup.tp_rank,
                                       msg.request_id)

@@ -33,9 +33,10 @@ from statebridge.kernels.causal_conv1d import (
     causal_conv1d_update,
     causal_conv1d_update_ref,
 )
+from statebridge.kernels.attention import paged_attention_decode, paged_attention_decode_ref
 from statebridge.kernels.ssm import mamba_chunk_scan_ref, selective_state_update, selective_state_update_ref
 
-__all__ = ["ShortConvMixer", "Mamba2Mixer", "AllReduce"]
+__all__ = ["ShortConvMixer", "Mamba2Mixer", "AttentionMixer", "AllReduce", "rotary"]
 
 AllReduce = Callable[[torch.Tensor], torch.Tensor]
 """Returns the elementwise sum of its argument over the TP group (e.g. wraps dist.all_reduce)."""
@@ -323,3 +324,155 @@ class Mamba2Mixer(torch.nn.Module):
             state_batch_indices=slots,
         )  # [B, H_l, P]
         return self._out(y, z, hidden.dtype)
+
+
+def _rms_norm_last(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm over the last axis exactly as transformers' ``Lfm2RMSNorm`` (fp32 statistics)."""
+    dtype = x.dtype
+    h = x.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * h.to(dtype)
+
+
+def rotary(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor:
+    """Default RoPE (transformers' ``apply_rotary_pos_emb`` with ``rotate_half``) of
+    ``x [T, heads, P]`` at integer ``positions [T]``: cos/sin computed in fp32 and cast to
+    ``x``'s dtype, as transformers' rotary embedding does."""
+    dim = x.shape[-1]
+    inv_freq = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.int64, device=x.device)
+                                .float() / dim))
+    freqs = positions.float()[:, None] * inv_freq[None, :]
+    emb = torch.cat((freqs, freqs), dim=-1)
+    cos, sin = emb.cos().to(x.dtype)[:, None, :], emb.sin().to(x.dtype)[:, None, :]
+    half = dim // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin
+
+
+class AttentionMixer(torch.nn.Module):
+    """GQA attention on one TP rank, its K and V in a paged KV block pool.
+
+    Local weights (``Hq_l`` query heads, ``Hkv_l`` KV heads of this rank, head dim P):
+    q_proj ``[Hq_l*P, hidden]``, k_proj / v_proj ``[Hkv_l*P, hidden]``, o_proj
+    ``[hidden, Hq_l*P]`` (row-parallel: its bias on rank 0 only); optional q/k/v biases
+    (Granite ``attention_bias``); optional per-head ``q_norm`` / ``k_norm`` ``[P]`` (LFM2's
+    ``q_layernorm`` / ``k_layernorm``, RMSNorm over P before RoPE). ``rope_theta`` None means no
+    rotary embedding (Granite ``nope``); ``scale`` is the softmax scale.
+
+    K and V live in the views ``[num_blocks, Hkv_l, block_size, P]`` of
+    :meth:`statebridge.state.kv.BlockGeometry.view` (any layout). A request's block table
+    maps its logical block ``i`` (tokens ``[i*bs, (i+1)*bs)``) to a physical block. Prefill
+    writes K/V of positions ``0..n-1``; decode writes the new token's K/V at its position and
+    attends to positions ``0..position``; nothing reads a position that was not written.
+    """
+
+    def __init__(self, *, q_proj_weight: torch.Tensor, k_proj_weight: torch.Tensor,
+                 v_proj_weight: torch.Tensor, o_proj_weight: torch.Tensor, head_dim: int,
+                 scale: float, rope_theta: float | None = None,
+                 q_proj_bias: torch.Tensor | None = None, k_proj_bias: torch.Tensor | None = None,
+                 v_proj_bias: torch.Tensor | None = None, o_proj_bias: torch.Tensor | None = None,
+                 q_norm_weight: torch.Tensor | None = None,
+                 k_norm_weight: torch.Tensor | None = None, norm_eps: float = 1e-5,
+                 provider: str = "auto") -> None:
+        super().__init__()
+        self.provider = check_provider(provider)
+        hidden = q_proj_weight.shape[1]
+        if q_proj_weight.shape[0] % head_dim or k_proj_weight.shape[0] % head_dim:
+            raise ShapeError(f"attention: q_proj rows {q_proj_weight.shape[0]} / k_proj rows "
+                             f"{k_proj_weight.shape[0]} are not multiples of head_dim={head_dim}")
+        self.heads_local = q_proj_weight.shape[0] // head_dim
+        self.kv_heads_local = k_proj_weight.shape[0] // head_dim
+        if not self.kv_heads_local or self.heads_local % self.kv_heads_local:
+            raise ShapeError(f"attention: {self.heads_local} local query heads are not a multiple "
+                             f"of {self.kv_heads_local} local KV heads")
+        if tuple(v_proj_weight.shape) != tuple(k_proj_weight.shape) or \
+                tuple(o_proj_weight.shape) != (hidden, self.heads_local * head_dim):
+            raise ShapeError(f"attention weights disagree: q {list(q_proj_weight.shape)}, k "
+                             f"{list(k_proj_weight.shape)}, v {list(v_proj_weight.shape)}, o "
+                             f"{list(o_proj_weight.shape)}")
+        self.hidden_size = hidden
+        self.head_dim = head_dim
+        self.scale = float(scale)
+        self.rope_theta = rope_theta
+        self.norm_eps = norm_eps
+        for name, value in (("q_proj_weight", q_proj_weight), ("k_proj_weight", k_proj_weight),
+                            ("v_proj_weight", v_proj_weight), ("o_proj_weight", o_proj_weight),
+                            ("q_proj_bias", q_proj_bias), ("k_proj_bias", k_proj_bias),
+                            ("v_proj_bias", v_proj_bias), ("o_proj_bias", o_proj_bias),
+                            ("q_norm_weight", q_norm_weight), ("k_norm_weight", k_norm_weight)):
+            self.register_buffer(name, value)
+
+    def _qkv(self, hidden: torch.Tensor, positions: torch.Tensor):
+        """q ``[T, Hq_l, P]``, k and v ``[T, Hkv_l, P]`` (normed, rotated)."""
+        T, P = hidden.shape[0], self.head_dim
+        q = F.linear(hidden, self.q_proj_weight, self.q_proj_bias).view(T, -1, P)
+        k = F.linear(hidden, self.k_proj_weight, self.k_proj_bias).view(T, -1, P)
+        v = F.linear(hidden, self.v_proj_weight, self.v_proj_bias).view(T, -1, P)
+        if self.q_norm_weight is not None:
+            q = _rms_norm_last(q, self.q_norm_weight, self.norm_eps)
+        if self.k_norm_weight is not None:
+            k = _rms_norm_last(k, self.k_norm_weight, self.norm_eps)
+        if self.rope_theta is not None:
+            q = rotary(q, positions, self.rope_theta)
+            k = rotary(k, positions, self.rope_theta)
+        return q, k, v
+
+    def _out(self, attn: torch.Tensor) -> torch.Tensor:
+        return F.linear(attn.reshape(attn.shape[0], -1), self.o_proj_weight, self.o_proj_bias)
+
+    @staticmethod
+    def _write(cache: torch.Tensor, values: torch.Tensor, blocks: torch.Tensor,
+               slots: torch.Tensor) -> None:
+        """``cache[blocks[i], :, slots[i]] = values[i]`` (``values [T, Hkv_l, P]``)."""
+        cache[blocks, :, slots] = values.to(cache.dtype)
+
+    def prefill(self, hidden: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                query_start_loc: torch.Tensor, block_tables: list[torch.Tensor]) -> torch.Tensor:
+        """Varlen causal prefill from position 0. hidden ``[T, hidden]``, query_start_loc
+        ``[B + 1]``, block_tables: B int64 tensors covering each sequence. Writes K/V of every
+        token into the pool; returns the partial output ``[T, hidden]``."""
+        if hidden.dim() != 2 or hidden.shape[1] != self.hidden_size:
+            raise ShapeError(f"prefill hidden must be [T, hidden={self.hidden_size}], got "
+                             f"{list(hidden.shape)}")
+        starts = query_start_loc.tolist()
+        bs = k_cache.shape[2]
+        positions = torch.cat([torch.arange(e - s, device=hidden.device)
+                               for s, e in zip(starts[:-1], starts[1:])]) \
+            if len(starts) > 1 else torch.zeros(0, dtype=torch.int64, device=hidden.device)
+        q, k, v = self._qkv(hidden, positions)
+        out = torch.empty_like(q)
+        group = self.heads_local // self.kv_heads_local
+        for b, (s, e) in enumerate(zip(starts[:-1], starts[1:])):
+            if e == s:
+                continue
+            pos = positions[s:e]
+            table = block_tables[b]
+            self._write(k_cache, k[s:e], table[pos // bs], pos % bs)
+            self._write(v_cache, v[s:e], table[pos // bs], pos % bs)
+            qs = q[s:e].transpose(0, 1)                        # [Hq, n, P]
+            ks = k[s:e].repeat_interleave(group, dim=1).transpose(0, 1)
+            vs = v[s:e].repeat_interleave(group, dim=1).transpose(0, 1)
+            out[s:e] = F.scaled_dot_product_attention(
+                qs, ks, vs, is_causal=True, scale=self.scale).transpose(0, 1)
+        return self._out(out)
+
+    def decode(self, hidden: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+               block_tables: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """One new token per request at ``positions [B]`` (its K/V written there), attending to
+        positions ``0..position``. block_tables ``[B, max_blocks]`` int64 (rows padded with
+        -1). Returns the partial output ``[B, hidden]``."""
+        if hidden.dim() != 2 or hidden.shape[1] != self.hidden_size or \
+                positions.shape != (hidden.shape[0],):
+            raise ShapeError(f"decode hidden must be [B, hidden={self.hidden_size}] with "
+                             f"positions [B], got {list(hidden.shape)} and "
+                             f"{list(positions.shape)}")
+        bs = k_cache.shape[2]
+        q, k, v = self._qkv(hidden, positions)
+        rows = torch.arange(hidden.shape[0], device=hidden.device)
+        blocks = block_tables[rows, positions // bs]
+        self._write(k_cache, k, blocks, positions % bs)
+        self._write(v_cache, v, blocks, positions % bs)
+        attend = paged_attention_decode if use_triton(self.provider, hidden.device) else \
+            paged_attention_decode_ref
+        out = attend(q, k_cache, v_cache, block_tables, positions + 1, self.scale)
+        return self._out(out)

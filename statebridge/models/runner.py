@@ -1,22 +1,30 @@
-"""ModelRunner: one tensor-parallel rank of an LFM2 (ShortConv layers) or Mamba2 model whose
-recurrent state lives ONLY in a :class:`~statebridge.state.cache.StateCache`.
+"""ModelRunner: one tensor-parallel rank of an LFM2 (ShortConv and attention layers), Mamba2 or
+dense GraniteMoeHybrid (Mamba2 and attention layers) model whose recurrent state lives ONLY in a
+:class:`~statebridge.state.cache.StateCache` and whose attention KV lives ONLY in the rank's KV
+block pool (:class:`~statebridge.connector.rank.KVBlocks`).
 
 Every TP rank of a group builds one runner over its own cache and calls the same methods with
 the same arguments in the same order (each call runs collectives through ``all_reduce``)::
 
     tokens -> embed (replicated)
            -> per layer:  norm -> mixer (column-parallel in_proj, sharded conv/SSM on the page
-                          views, row-parallel out_proj) -> all_reduce -> + residual
-                          [LFM2] norm -> MLP (w1/w3 column-, w2 row-parallel) -> all_reduce -> +
+                          views or GQA attention on the KV block views, row-parallel out_proj)
+                          -> all_reduce -> + residual
+                          [LFM2, Granite] norm -> MLP (column- then row-parallel) -> all_reduce
            -> final norm -> lm_head (replicated) -> fp32 logits of the last token
+
+Granite scales the embedding by ``embedding_multiplier``, each block's output by
+``residual_multiplier`` and the logits by ``1 / logits_scaling``.
 
 Weights are read from the HF checkpoint per rank (:class:`~statebridge.models.checkpoint.
 Checkpoint`) and cut by :mod:`statebridge.models.tp`: sharded weights through lazy handles, so a
 rank reads only its rows; embedding, norms and lm_head whole. Decoder layer ``i`` keeps its state
 in the cache region of the layer group ``g`` that lists it, at index
 ``j = spec.groups[g].layer_ids.index(i)``; the kernels read and write those strided views
-(``cache.view(g, tensor, j)``, any layout), so a page filled by a transfer from another TP degree
-or layout is all a decode needs.
+(``cache.view(g, tensor, j)``, any layout). Attention layer ``i`` keeps K and V in the KV pool
+at index ``spec.kv.layer_ids.index(i)`` (``kv.view(...)``, any KV layout), addressed through
+each request's block table. So a page and blocks filled by a transfer from another TP degree or
+layout are all a decode needs.
 
 Not thread-safe: one thread drives a runner.
 """
@@ -27,18 +35,22 @@ import logging
 import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 
 from statebridge.dtypes import DTYPES, dtype_from_name
 from statebridge.errors import CacheError, ConfigError, ShapeError
-from statebridge.hf_config import ModelConfig
-from statebridge.kernels.layers import ShortConvMixer
+from statebridge.hf_config import GraniteHybridModelConfig, ModelConfig
+from statebridge.kernels.layers import AttentionMixer, ShortConvMixer
 from statebridge.models import tp
 from statebridge.models.checkpoint import Checkpoint
 from statebridge.state.cache import StateCache
 from statebridge.state.spec import StateSpec
+
+if TYPE_CHECKING:
+    from statebridge.connector.rank import KVBlocks
 
 __all__ = ["ModelRunner", "AllReduce", "check_tp_size"]
 
@@ -70,15 +82,20 @@ class _Layer:
     """One decoder layer on this rank."""
 
     index: int                    # HF layer index
-    group: int                    # state spec group
-    slot: int                     # index within the group
+    group: int                    # state spec group (-1: an attention layer)
+    slot: int                     # index within the group (attention: within spec.kv)
     mixer: torch.nn.Module
-    states: tuple[torch.Tensor, ...]   # page views [num_pages, channel, *inner], canonical order
-    norm: torch.Tensor            # operator_norm (LFM2) / norm (Mamba2)
+    states: tuple[torch.Tensor, ...]   # page views [num_pages, channel, *inner], canonical order;
+    #                                    attention: K and V views [blocks, heads, block, P]
+    norm: torch.Tensor            # operator_norm (LFM2) / norm (Mamba2) / input_layernorm
     ffn_norm: torch.Tensor | None = None
-    w1: torch.Tensor | None = None     # [F/t, H]
-    w3: torch.Tensor | None = None     # [F/t, H]
-    w2: torch.Tensor | None = None     # [H, F/t]
+    w1: torch.Tensor | None = None     # LFM2 [F/t, H]; Granite input_linear [2*S/t, H]
+    w3: torch.Tensor | None = None     # LFM2 [F/t, H]
+    w2: torch.Tensor | None = None     # LFM2 [H, F/t]; Granite output_linear [H, S/t]
+
+    @property
+    def attention(self) -> bool:
+        return self.group < 0
 
 
 def check_tp_size(config: ModelConfig, tp_size: int) -> None:
@@ -88,6 +105,13 @@ def check_tp_size(config: ModelConfig, tp_size: int) -> None:
         raise ConfigError(f"lfm2: MLP width {config.ff_dim} (from intermediate_size="
                           f"{config.intermediate_size}) is not divisible by "
                           f"tp_size={tp_size}")
+    if isinstance(config, GraniteHybridModelConfig) and config.shared_intermediate_size % tp_size:
+        raise ConfigError(f"granitemoehybrid: shared_intermediate_size="
+                          f"{config.shared_intermediate_size} is not divisible by "
+                          f"tp_size={tp_size}")
+    if config.attention_layers and config.num_attention_heads % tp_size:
+        raise ConfigError(f"{config.model_type}: num_attention_heads="
+                          f"{config.num_attention_heads} is not divisible by tp_size={tp_size}")
 
 
 class ModelRunner:
@@ -95,23 +119,28 @@ class ModelRunner:
 
     Args:
         model_dir: checkpoint directory (``config.json`` + ``model.safetensors`` or a sharded
-            index) of ``Lfm2ForCausalLM`` (conv layers only) or ``Mamba2ForCausalLM``.
+            index) of ``Lfm2ForCausalLM`` (any ``layer_types``), ``Mamba2ForCausalLM`` or a dense
+            ``GraniteMoeHybridForCausalLM``.
         tp_size, tp_rank: this rank's place in its TP group.
         cache: this rank's cache; its geometry must be built from
             ``StateSpec.from_pretrained(model_dir)`` (state dtypes may differ) at ``tp_size``,
             any layout. All recurrent state lives in its pages.
+        kv: this rank's KV block pool (:class:`~statebridge.connector.rank.KVBlocks`, any KV
+            layout and block size), required when the model has attention layers; its spec
+            must be the model's (its dtype may differ).
         all_reduce: sums a tensor over the TP group (see :mod:`statebridge.models.distributed`);
             required when ``tp_size > 1``.
         dtype: weight and activation dtype (default: the checkpoint's ``dtype``).
         provider: kernel choice (``"auto"``: Triton on CUDA, torch references elsewhere).
 
-    Raises ConfigError (missing weight, wrong cache, TP size that does not divide the model),
-    UnsupportedModelError (e.g. LFM2 attention layers), ShapeError (a weight of the wrong
+    Raises ConfigError (missing weight, wrong cache or KV pool, TP size that does not divide
+    the model), UnsupportedModelError (e.g. a MoE Granite), ShapeError (a weight of the wrong
     shape or dtype), each naming the value.
     """
 
     def __init__(self, model_dir: str | os.PathLike, tp_size: int, tp_rank: int,
-                 cache: StateCache, *, all_reduce: AllReduce | None = None,
+                 cache: StateCache, *, kv: "KVBlocks | None" = None,
+                 all_reduce: AllReduce | None = None,
                  dtype: torch.dtype | str | None = None, provider: str = "auto") -> None:
         if isinstance(tp_size, bool) or not isinstance(tp_size, int) or tp_size < 1:
             raise ConfigError(f"tp_size must be a positive integer, got {tp_size!r}")
@@ -128,6 +157,7 @@ class ModelRunner:
         self.tp_size = tp_size
         self.tp_rank = tp_rank
         self.cache = cache
+        self.kv = kv
         self.device = cache.buffer.device
         self._all_reduce = all_reduce if tp_size > 1 else None
         self._provider = provider
@@ -150,6 +180,7 @@ class ModelRunner:
             else:
                 self.dtype = DTYPES[dtype_from_name(dtype)]
             check_tp_size(config, tp_size)
+            self._check_kv(model_spec)
             ckpt.check(expected)
             stored = {ckpt.resolve(name) for name in expected}
             unused = [name for name in ckpt.names() if name not in stored]
@@ -177,13 +208,16 @@ class ModelRunner:
 
         self.embed = whole(config.embedding_name)
         self.lm_head = self.embed if config.tie_word_embeddings else whole("lm_head.weight")
-        final_norm = "model.embedding_norm.weight" if config.model_type == "lfm2" else \
-            "backbone.norm_f.weight"
+        final_norm = {"lfm2": "model.embedding_norm.weight", "mamba2": "backbone.norm_f.weight",
+                      "granitemoehybrid": "model.norm.weight"}[config.model_type]
         self.final_norm = whole(final_norm)
 
         where = {layer_id: (g, j) for g, group in enumerate(self.spec.groups)
                  for j, layer_id in enumerate(group.layer_ids)}
+        if self.spec.kv is not None:
+            where.update({layer_id: (-1, j) for j, layer_id in enumerate(self.spec.kv.layer_ids)})
         shapes = config.weight_shapes()
+        granite = config.model_type == "granitemoehybrid"
         self.layers: list[_Layer] = []
         for i in range(config.num_layers):
             if i not in where:
@@ -193,27 +227,55 @@ class ModelRunner:
             prefix = config.layer_prefix(i)
             weights = {name[len(prefix):]: lazy(name) for name in shapes
                        if name.startswith(prefix)}
-            if config.model_type == "lfm2":
+            kind = config.layer_types[i]
+            p = f"model.layers.{i}."
+            if kind == "full_attention":
+                mixer = tp.attention_from_hf(config, weights, t, r, provider=self._provider)
+                states = self.kv.view(j)
+            elif kind == "conv":
                 mixer = tp.short_conv_from_hf(config, weights, t, r, provider=self._provider)
                 states = (self.cache.view(g, "conv", j),)
-                p = f"model.layers.{i}."
+            else:
+                mixer = tp.mamba2_from_hf(config, weights, t, r, all_reduce=self._all_reduce,
+                                          provider=self._provider)
+                states = (self.cache.view(g, "conv", j), self.cache.view(g, "ssm", j))
+            if config.model_type == "lfm2":
                 mlp = {name: lazy(name) for name in shapes if name.startswith(p + "feed_forward.")}
                 w1, w3, w2 = tp.lfm2_mlp_from_hf(config, mlp, t, r, prefix=p + "feed_forward.")
                 layer = _Layer(
                     i, g, j, mixer, states, norm=whole(p + "operator_norm.weight"),
                     ffn_norm=whole(p + "ffn_norm.weight"), w1=w1, w3=w3, w2=w2)
+            elif granite:
+                mlp = {name: lazy(name) for name in shapes if name.startswith(p + "shared_mlp.")}
+                w_in, w_out = tp.granite_mlp_from_hf(config, mlp, t, r, prefix=p + "shared_mlp.")
+                layer = _Layer(
+                    i, g, j, mixer, states, norm=whole(p + "input_layernorm.weight"),
+                    ffn_norm=whole(p + "post_attention_layernorm.weight"), w1=w_in, w2=w_out)
             else:
-                mixer = tp.mamba2_from_hf(config, weights, t, r, all_reduce=self._all_reduce,
-                                          provider=self._provider)
-                states = (self.cache.view(g, "conv", j), self.cache.view(g, "ssm", j))
                 layer = _Layer(i, g, j, mixer, states,
                                norm=whole(f"backbone.layers.{i}.norm.weight"))
             self._check_state_views(layer)
             self.layers.append(layer)
 
+    def _check_kv(self, model_spec: StateSpec) -> None:
+        if model_spec.kv is None:
+            return
+        kv = self.kv
+        if kv is None:
+            raise ConfigError(f"{self.config.model_type} has attention layers "
+                              f"{list(model_spec.kv.layer_ids)}: the runner needs the rank's KV "
+                              f"block pool (kv=)")
+        want = {k: v for k, v in model_spec.kv.to_dict().items() if k != "dtype"}
+        got = {k: v for k, v in kv.geometry.kv.to_dict().items() if k != "dtype"}
+        if want != got or kv.geometry.tp_size != self.tp_size:
+            raise ConfigError(f"KV pool {got} at tp_size={kv.geometry.tp_size} does not describe "
+                              f"the model's KV {want} at tp_size={self.tp_size}")
+
     def _check_state_views(self, layer: _Layer) -> None:
         mixer = layer.mixer
-        if isinstance(mixer, ShortConvMixer):
+        if isinstance(mixer, AttentionMixer):
+            want = [(mixer.kv_heads_local, self.kv.geometry.block_size, mixer.head_dim)] * 2
+        elif isinstance(mixer, ShortConvMixer):
             want = [(mixer.dim_local, mixer.state_len)]
         else:
             want = [(mixer.conv_dim_local, mixer.state_len),
@@ -233,16 +295,26 @@ class ModelRunner:
         """HF layer index -> (state group, index within the group)."""
         return {layer.index: (layer.group, layer.slot) for layer in self.layers}
 
+    @property
+    def has_attention(self) -> bool:
+        """Whether the model has attention layers (KV in the block pool)."""
+        return self.spec.kv is not None
+
     @torch.no_grad()
     def prefill(self, prompts: Sequence[Sequence[int]], pages: Sequence[int], *,
-                resume: bool | Sequence[bool] = False) -> torch.Tensor:
-        """Run whole prompts (a varlen batch) and write each one's final state into its page.
+                resume: bool | Sequence[bool] = False,
+                blocks: Sequence[Sequence[int]] | None = None) -> torch.Tensor:
+        """Run whole prompts (a varlen batch) and write each one's final state into its page,
+        and, with attention layers, the K and V of every prompt token into its blocks.
 
         Args:
             prompts: B token sequences, any lengths, EMPTY allowed.
             pages: B distinct page ids of this rank's cache.
             resume: continue from the state already in the page (chunked prefill) instead of the
-                zero state; one bool for all or one per prompt.
+                zero state; one bool for all or one per prompt. Models with attention layers
+                prefill from position 0 only.
+            blocks: B block tables of this rank's KV pool (logical block i of prompt b is
+                ``blocks[b][i]``), each covering its prompt; required with attention layers.
 
         Returns:
             ``[B, vocab]`` fp32 logits of each prompt's last token. An empty prompt has no last
@@ -259,6 +331,10 @@ class ModelRunner:
             resume_list = [bool(x) for x in resume]
             if len(resume_list) != B:
                 raise ShapeError(f"resume has {len(resume_list)} entries for {B} prompts")
+        tables = self._tables(blocks, [len(t) for t in token_lists])
+        if self.has_attention and any(resume_list):
+            raise ConfigError(f"{self.config.model_type} has attention layers: prefill starts at "
+                              f"position 0 (resume is not supported)")
         logits = torch.zeros(B, self.vocab_size, dtype=torch.float32, device=self.device)
         rows = [b for b in range(B) if token_lists[b]]
         for b in range(B):
@@ -276,18 +352,27 @@ class ModelRunner:
         slots = torch.tensor([page_list[b] for b in rows], dtype=torch.int64, device=self.device)
         has_init = torch.tensor([resume_list[b] for b in rows], dtype=torch.bool,
                                 device=self.device)
+        row_tables = [torch.tensor(tables[b], dtype=torch.int64, device=self.device)
+                      for b in rows] if tables is not None else None
 
         def mix(layer: _Layer, x: torch.Tensor) -> torch.Tensor:
+            if layer.attention:
+                return layer.mixer.prefill(x, *layer.states, qsl, row_tables)
             return layer.mixer.prefill(x, *layer.states, qsl, slots, has_init)
 
-        hidden = self._layers(F.embedding(ids, self.embed), mix)
+        hidden = self._layers(self._embed(ids), mix)
         last = qsl[1:] - 1
         logits[torch.tensor(rows, device=self.device)] = self._logits(hidden[last])
         return logits
 
     @torch.no_grad()
-    def decode(self, tokens: Sequence[int], pages: Sequence[int]) -> torch.Tensor:
-        """One token per request against, and updating, its page's state.
+    def decode(self, tokens: Sequence[int], pages: Sequence[int], *,
+               blocks: Sequence[Sequence[int]] | None = None,
+               positions: Sequence[int] | None = None) -> torch.Tensor:
+        """One token per request against, and updating, its page's state; with attention
+        layers the token's K and V are written at ``positions[b]`` (the number of tokens before
+        it) through block table ``blocks[b]`` (covering ``positions[b] + 1`` tokens), and it
+        attends to positions ``0..positions[b]``.
 
         Returns ``[B, vocab]`` fp32 logits of the next token."""
         token_list = self._tokens(tokens, "tokens")
@@ -296,11 +381,26 @@ class ModelRunner:
             return torch.zeros(0, self.vocab_size, dtype=torch.float32, device=self.device)
         ids = torch.tensor(token_list, dtype=torch.long, device=self.device)
         slots = torch.tensor(page_list, dtype=torch.int64, device=self.device)
+        table = pos = None
+        if self.has_attention:
+            if positions is None:
+                raise ShapeError("decode of a model with attention layers needs positions")
+            pos_list = [int(x) for x in positions]
+            if len(pos_list) != len(token_list) or min(pos_list) < 0:
+                raise ShapeError(f"positions {pos_list} must be {len(token_list)} integers >= 0")
+            tables = self._tables(blocks, [n + 1 for n in pos_list])
+            width = max(len(t) for t in tables)
+            table = torch.full((len(tables), width), -1, dtype=torch.int64, device=self.device)
+            for b, t in enumerate(tables):
+                table[b, :len(t)] = torch.tensor(t, dtype=torch.int64)
+            pos = torch.tensor(pos_list, dtype=torch.int64, device=self.device)
 
         def mix(layer: _Layer, x: torch.Tensor) -> torch.Tensor:
+            if layer.attention:
+                return layer.mixer.decode(x, *layer.states, table, pos)
             return layer.mixer.decode(x, *layer.states, slots)
 
-        return self._logits(self._layers(F.embedding(ids, self.embed), mix))
+        return self._logits(self._layers(self._embed(ids), mix))
 
     def reset(self, pages: Sequence[int]) -> None:
         """Zero the state of ``pages`` (the state before any token)."""
@@ -311,26 +411,43 @@ class ModelRunner:
     def _reduce(self, partial: torch.Tensor) -> torch.Tensor:
         return partial if self._all_reduce is None else self._all_reduce(partial)
 
+    def _embed(self, ids: torch.Tensor) -> torch.Tensor:
+        hidden = F.embedding(ids, self.embed)
+        if self.config.model_type == "granitemoehybrid":
+            hidden = hidden * self.config.embedding_multiplier
+        return hidden
+
     def _layers(self, hidden: torch.Tensor,
                 mix: Callable[[_Layer, torch.Tensor], torch.Tensor]) -> torch.Tensor:
         """hidden ``[T, H]`` through every decoder layer (HF's residual arithmetic)."""
-        eps = self.config.norm_eps
-        lfm2 = self.config.model_type == "lfm2"
+        config = self.config
+        eps = config.norm_eps
+        kind = config.model_type
         for layer in self.layers:
-            if lfm2:
+            if kind == "lfm2":
                 hidden = self._reduce(mix(layer, _rms_norm(hidden, layer.norm, eps))) + hidden
                 x = _rms_norm(hidden, layer.ffn_norm, eps)
                 partial = F.linear(F.silu(F.linear(x, layer.w1)) * F.linear(x, layer.w3), layer.w2)
                 hidden = hidden + self._reduce(partial)
+            elif kind == "granitemoehybrid":
+                scale = config.residual_multiplier
+                out = self._reduce(mix(layer, _rms_norm(hidden, layer.norm, eps)))
+                hidden = hidden + out * scale
+                x = _rms_norm(hidden, layer.ffn_norm, eps)
+                gate, up = F.linear(x, layer.w1).chunk(2, dim=-1)
+                hidden = hidden + self._reduce(F.linear(F.silu(gate) * up, layer.w2)) * scale
             else:
-                residual = hidden.float() if self.config.residual_in_fp32 else hidden
+                residual = hidden.float() if config.residual_in_fp32 else hidden
                 x = _rms_norm(hidden.to(layer.norm.dtype), layer.norm, eps)
                 hidden = residual + self._reduce(mix(layer, x))
         return hidden
 
     def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
         h = _rms_norm(hidden, self.final_norm, self.config.norm_eps)
-        return F.linear(h.to(self.lm_head.dtype), self.lm_head).float()
+        logits = F.linear(h.to(self.lm_head.dtype), self.lm_head).float()
+        if self.config.model_type == "granitemoehybrid":
+            logits = logits / self.config.logits_scaling
+        return logits
 
     # -- argument checks --------------------------------------------------------------------------
     def _tokens(self, tokens: Sequence[int], what: str) -> list[int]:
@@ -345,6 +462,31 @@ class ModelRunner:
             raise ShapeError(f"{what}: token id {bad[0]} outside the vocabulary "
                              f"[0, {self.vocab_size})")
         return out
+
+    def _tables(self, blocks: Sequence[Sequence[int]] | None,
+                tokens: Sequence[int]) -> list[list[int]] | None:
+        """Block tables checked against the KV pool (None for a model without attention)."""
+        if not self.has_attention:
+            return None
+        if blocks is None:
+            raise ShapeError(f"{self.config.model_type} has attention layers: pass a KV block "
+                             f"table per request (blocks=)")
+        tables = [[int(x) for x in t] for t in blocks]
+        if len(tables) != len(tokens):
+            raise ShapeError(f"{len(tables)} block tables for {len(tokens)} requests")
+        geo = self.kv.geometry
+        for b, (table, n) in enumerate(zip(tables, tokens)):
+            need = -(-n // geo.block_size)
+            if len(table) < need:
+                raise ShapeError(f"request {b}: block table of {len(table)} blocks cannot hold "
+                                 f"{n} tokens ({need} blocks of {geo.block_size})")
+            bad = [x for x in table[:need] if not 0 <= x < geo.num_blocks]
+            if bad:
+                raise ShapeError(f"request {b}: block {bad[0]} not in the pool's "
+                                 f"[0, {geo.num_blocks})")
+            if len(set(table[:need])) != need:
+                raise ShapeError(f"request {b}: block table {table[:need]} repeats a block")
+        return tables
 
     def _pages(self, pages: Sequence[int], count: int | None) -> list[int]:
         page_list = list(pages)

@@ -24,18 +24,20 @@ only ``narrow``s them, so a rank reads exactly its rows of the checkpoint.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
 import torch
 
 from statebridge.errors import ConfigError, ShapeError
-from statebridge.hf_config import Lfm2ModelConfig, Mamba2ModelConfig
-from statebridge.kernels.layers import AllReduce, Mamba2Mixer, ShortConvMixer
-from statebridge.state.sharding import segment_is_replicated, shard_segments
-from statebridge.state.spec import Segment, Sharding
+from statebridge.hf_config import GraniteHybridModelConfig, Lfm2ModelConfig, Mamba2ModelConfig
+from statebridge.kernels.layers import AllReduce, AttentionMixer, Mamba2Mixer, ShortConvMixer
+from statebridge.state.sharding import kv_heads, segment_is_replicated, shard_segments
+from statebridge.state.spec import KVSpec, Segment, Sharding
 
-__all__ = ["shard_weight", "short_conv_from_hf", "mamba2_from_hf", "lfm2_mlp_from_hf"]
+__all__ = ["shard_weight", "short_conv_from_hf", "mamba2_from_hf", "lfm2_mlp_from_hf",
+           "attention_from_hf", "granite_mlp_from_hf", "MambaDims"]
 
 
 def shard_weight(weight: Any, segments: Sequence[Segment], tp_size: int, tp_rank: int, *,
@@ -57,10 +59,6 @@ def shard_weight(weight: Any, segments: Sequence[Segment], tp_size: int, tp_rank
                          f"of segments {[(s.name, s.size) for s in segments]} = {total}")
     pieces = [weight.narrow(dim, s.seg_offset + s.global_start, s.size) for s in shards]
     return torch.cat(pieces, dim=dim).contiguous()
-
-
-def _mamba2_bc(config: Mamba2ModelConfig, name: str) -> Segment:
-    return Segment(name, config.n_groups * config.state_size, Sharding.GROUPED, config.n_groups)
 
 
 def _split(name: str, size: int) -> tuple[Segment, ...]:
@@ -130,22 +128,52 @@ def short_conv_from_hf(config: Lfm2ModelConfig, weights: Mapping[str, Any], tp_s
                provider=provider)
 
 
-def mamba2_from_hf(config: Mamba2ModelConfig, weights: Mapping[str, Any], tp_size: int = 1,
+@dataclass(frozen=True)
+class MambaDims:
+    """The Mamba2 mixer's geometry, whatever config names it (``Mamba2Config`` or the
+    ``mamba_*`` fields of ``GraniteMoeHybridConfig``)."""
+
+    hidden_act: str
+    time_step_limit: tuple[float, float]
+    intermediate_size: int
+    num_heads: int
+    head_dim: int
+    n_groups: int
+    state_size: int
+    chunk_size: int
+    norm_eps: float
+
+    @classmethod
+    def of(cls, config: "Mamba2ModelConfig | GraniteHybridModelConfig") -> "MambaDims":
+        if isinstance(config, GraniteHybridModelConfig):
+            return cls(config.hidden_act, config.time_step_limit, config.mamba_intermediate_size,
+                       config.mamba_n_heads, config.mamba_d_head, config.mamba_n_groups,
+                       config.mamba_d_state, config.mamba_chunk_size, config.norm_eps)
+        _check_config(config, Mamba2ModelConfig)
+        return cls(config.hidden_act, config.time_step_limit, config.intermediate_size,
+                   config.num_heads, config.head_dim, config.n_groups, config.state_size,
+                   config.chunk_size, config.norm_eps)
+
+
+def mamba2_from_hf(config: "Mamba2ModelConfig | GraniteHybridModelConfig",
+                   weights: Mapping[str, Any], tp_size: int = 1,
                    tp_rank: int = 0, *, all_reduce: AllReduce | None = None, prefix: str = "",
                    provider: str = "auto", cls: type = Mamba2Mixer) -> Mamba2Mixer:
-    """Rank ``tp_rank``'s Mamba2 mixer from the HF ``Mamba2Mixer`` weights named
-    ``prefix + name`` in ``weights``.
+    """Rank ``tp_rank``'s Mamba2 mixer from the HF ``Mamba2Mixer`` (or
+    ``GraniteMoeHybridMambaLayer``: the same weights and math) weights named ``prefix + name``
+    in ``weights``.
 
     ``all_reduce`` sums over the TP group; it is required when ``n_groups == 1 < tp_size`` (the
     gated norm's group then spans ranks). ``cls`` is the mixer class."""
-    _check_config(config, Mamba2ModelConfig)
-    if config.hidden_act not in ("silu", "swish"):
-        raise ConfigError(f"Mamba2 hidden_act must be silu, got {config.hidden_act!r}")
-    limit = config.time_step_limit
+    dims = MambaDims.of(config)
+    if dims.hidden_act not in ("silu", "swish"):
+        raise ConfigError(f"Mamba2 hidden_act must be silu, got {dims.hidden_act!r}")
+    limit = dims.time_step_limit
     if limit[0] > 0.0 or limit[1] != float("inf"):
         raise ConfigError(f"Mamba2 time_step_limit={limit} is not supported (only (0, inf))")
-    inner, heads, groups = config.intermediate_size, config.num_heads, config.n_groups
-    b, c = _mamba2_bc(config, "B"), _mamba2_bc(config, "C")
+    inner, heads, groups = dims.intermediate_size, dims.num_heads, dims.n_groups
+    b = Segment("B", groups * dims.state_size, Sharding.GROUPED, groups)
+    c = Segment("C", groups * dims.state_size, Sharding.GROUPED, groups)
     # G == 1 < t: B and C whole on every rank; G % t == 0: split by groups; else ConfigError.
     replicated = segment_is_replicated(b, tp_size, tensor="Mamba2 in_proj")
     in_segments = (Segment("z", inner, Sharding.SPLIT), Segment("x", inner, Sharding.SPLIT), b,
@@ -160,15 +188,87 @@ def mamba2_from_hf(config: Mamba2ModelConfig, weights: Mapping[str, Any], tp_siz
         A_log=shard("A_log", head_split),
         D=shard("D", head_split),
         norm_weight=shard("norm.weight", _split("I", inner)),
-        head_dim=config.head_dim,
-        d_state=config.state_size,
+        head_dim=dims.head_dim,
+        d_state=dims.state_size,
         n_groups_local=groups if replicated else groups // tp_size,
         norm_group_size=inner // groups,
-        chunk_size=config.chunk_size,
-        norm_eps=config.norm_eps,
+        chunk_size=dims.chunk_size,
+        norm_eps=dims.norm_eps,
         all_reduce=all_reduce,
         provider=provider,
     )
+
+
+def attention_from_hf(config: "Lfm2ModelConfig | GraniteHybridModelConfig",
+                      weights: Mapping[str, Any], tp_size: int = 1, tp_rank: int = 0, *,
+                      prefix: str = "", provider: str = "auto",
+                      cls: type = AttentionMixer) -> AttentionMixer:
+    """Rank ``tp_rank``'s GQA attention from the HF ``Lfm2Attention`` (``q/k/v_proj``,
+    ``out_proj``, ``q_layernorm``, ``k_layernorm``; RoPE at ``rope_theta``; scale
+    ``head_dim ** -0.5``) or ``GraniteMoeHybridAttention`` (``q/k/v/o_proj`` with optional
+    biases; RoPE only for ``position_embedding_type == "rope"``; scale
+    ``attention_multiplier``) weights named ``prefix + name``.
+
+    Column-parallel by heads: rank r holds query heads ``[r*Hq/t, (r+1)*Hq/t)`` and the KV
+    heads of :func:`statebridge.state.sharding.kv_heads` (split, or one replicated head when
+    ``t > Hkv``), so its query heads' GQA group is among its KV heads; o_proj row-parallel over
+    the same query heads (its bias on rank 0 only)."""
+    if isinstance(config, GraniteHybridModelConfig):
+        out_name, scale = "o_proj", config.attention_multiplier
+        theta = config.rope_theta if config.rotary else None
+    else:
+        _check_config(config, Lfm2ModelConfig)
+        out_name, scale, theta = "out_proj", config.head_dim ** -0.5, config.rope_theta
+    P, Hq, Hkv = config.head_dim, config.num_attention_heads, config.num_key_value_heads
+    if Hq % tp_size:
+        raise ConfigError(f"{config.model_type}: num_attention_heads={Hq} is not divisible by "
+                          f"tp_size={tp_size}")
+    first, count = kv_heads(KVSpec((0,), Hkv, P, "float32"), tp_size, tp_rank)
+    q_rows = (tp_rank * (Hq // tp_size) * P, Hq // tp_size * P, Hq * P)  # start, length, of
+    kv_rows = (first * P, count * P, Hkv * P)
+
+    def rows(name: str, span: tuple[int, int, int], *, required: bool = True, dim: int = 0):
+        t = _get(weights, prefix, name, required)
+        if t is None:
+            return None
+        start, length, want = span
+        if t.shape[dim] != want:
+            raise ShapeError(f"{prefix}{name}: axis {dim} of shape {list(t.shape)} must be {want}")
+        return t.narrow(dim, start, length).contiguous()
+
+    out_bias = _get(weights, prefix, f"{out_name}.bias", required=False)
+    norms = {}
+    if isinstance(config, Lfm2ModelConfig):
+        norms = {"q_norm_weight": _get(weights, prefix, "q_layernorm.weight").contiguous(),
+                 "k_norm_weight": _get(weights, prefix, "k_layernorm.weight").contiguous()}
+    return cls(
+        q_proj_weight=rows("q_proj.weight", q_rows),
+        k_proj_weight=rows("k_proj.weight", kv_rows),
+        v_proj_weight=rows("v_proj.weight", kv_rows),
+        o_proj_weight=rows(f"{out_name}.weight", q_rows, dim=1),
+        q_proj_bias=rows("q_proj.bias", q_rows, required=False),
+        k_proj_bias=rows("k_proj.bias", kv_rows, required=False),
+        v_proj_bias=rows("v_proj.bias", kv_rows, required=False),
+        o_proj_bias=None if out_bias is None or tp_rank != 0 else out_bias.clone(),
+        head_dim=P, scale=scale, rope_theta=theta, norm_eps=config.norm_eps,
+        provider=provider, **norms)
+
+
+def granite_mlp_from_hf(config: GraniteHybridModelConfig, weights: Mapping[str, Any],
+                        tp_size: int, tp_rank: int, *,
+                        prefix: str = "") -> tuple[torch.Tensor, torch.Tensor]:
+    """Rank ``tp_rank``'s ``(input_linear, output_linear)`` of Granite's dense ``shared_mlp``:
+    input_linear rows ``[gate (S) | up (S)]`` each split -> ``[2*S/t, hidden]``, output_linear
+    columns split -> ``[hidden, S/t]``."""
+    _check_config(config, GraniteHybridModelConfig)
+    S = config.shared_intermediate_size
+    if config.hidden_act not in ("silu", "swish"):
+        raise ConfigError(f"granitemoehybrid: hidden_act must be silu, got "
+                          f"{config.hidden_act!r}")
+    halves = (Segment("gate", S, Sharding.SPLIT), Segment("up", S, Sharding.SPLIT))
+    return (_shard(weights, prefix, tp_size, tp_rank, "input_linear.weight", halves),
+            _shard(weights, prefix, tp_size, tp_rank, "output_linear.weight", _split("S", S),
+                   dim=1))
 
 
 def lfm2_mlp_from_hf(config: Lfm2ModelConfig, weights: Mapping[str, Any], tp_size: int,

@@ -25,11 +25,15 @@ class SyntheticModel(RankModel):
                                      message=f"{type(self).__name__} cannot decode")
         return {nm.RankStep: cannot_decode}
 
-    def prefill(self, page: int, prompt: tuple[int, ...], request_id: str) -> None:
+    def prefill(self, page: int, prompt: tuple[int, ...], request_id: str,
+                blocks: tuple[int, ...] = ()) -> None:
         fill_page(self.cache, page,
                   global_state(self.cache.geometry.spec, request_seed(request_id)),
                   self.setup.tp_rank)
+        if blocks:
+            self.prefill_kv(blocks, len(prompt), request_id)
 
     def prefill_kv(self, blocks: tuple[int, ...], tokens: int, request_id: str) -> None:
+        """The request's synthetic K and V of ``tokens`` tokens into ``blocks``."""
         fill_kv(self.kv, blocks, global_kv(self.kv.geometry.kv, request_seed(request_id), tokens),
                 self.setup.tp_rank)

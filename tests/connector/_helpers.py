@@ -58,9 +58,9 @@ def expected_checksum(geometry: PageGeometry, request_id: str, tp_rank: int) -> 
 class SlowModel(SyntheticModel):
     """A "model" whose prefill takes STATEBRIDGE_TEST_PREFILL_DELAY seconds (default 0.5)."""
 
-    def prefill(self, page, prompt, request_id) -> None:
+    def prefill(self, page, prompt, request_id, blocks=()) -> None:
         time.sleep(float(os.environ.get("STATEBRIDGE_TEST_PREFILL_DELAY", "0.5")))
-        super().prefill(page, prompt, request_id)
+        super().prefill(page, prompt, request_id, blocks)
 
 
 class SlowStepModel(SyntheticModel):
@@ -92,16 +92,16 @@ def random_prompt(rng: np.random.Generator) -> tuple[int, ...]:
 class FailingModel(SyntheticModel):
     """Rank 1 cannot load its model (rank 0 starts normally)."""
 
-    def __init__(self, setup, cache) -> None:
+    def __init__(self, setup, cache, kv=None) -> None:
         if setup.tp_rank == 1:
             raise RuntimeError("no such weight file /nowhere/model.safetensors")
-        super().__init__(setup, cache)
+        super().__init__(setup, cache, kv)
 
 
 class ExitingModel(SyntheticModel):
     """Rank 1's process dies while starting, saying nothing (rank 0 starts normally)."""
 
-    def __init__(self, setup, cache) -> None:
+    def __init__(self, setup, cache, kv=None) -> None:
         if setup.tp_rank == 1:
             os._exit(3)
-        super().__init__(setup, cache)
+        super().__init__(setup, cache, kv)

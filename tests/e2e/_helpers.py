@@ -16,6 +16,6 @@ class SlowPrefillModel(ModelRankModel):
     """The real model, with STATEBRIDGE_TEST_PREFILL_DELAY seconds added to every prefill so a
     test can kill the prefill node while requests are in flight."""
 
-    def prefill(self, page, prompt, request_id) -> None:
+    def prefill(self, page, prompt, request_id, blocks=()) -> None:
         time.sleep(float(os.environ.get("STATEBRIDGE_TEST_PREFILL_DELAY", "1.0")))
-        super().prefill(page, prompt, request_id)
+        super().prefill(page, prompt, request_id, blocks)

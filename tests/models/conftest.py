@@ -38,7 +38,39 @@ HF_MODELS = {
     "mamba2-g4": ("Mamba2Config", dict(
         vocab_size=128, hidden_size=32, num_heads=8, head_dim=8, state_size=8, n_groups=4,
         num_hidden_layers=2, conv_kernel=4, chunk_size=8, use_bias=True), {}),
+    # LFM2 with attention layers (LFM2-1.2B's pattern: conv first, attention every ~3 layers),
+    # 8 query / 4 KV heads of 8: GQA ratio 2, KV heads split up to TP 4; RoPE theta 1e6.
+    "lfm2-hybrid": ("Lfm2Config", dict(
+        vocab_size=128, hidden_size=64, intermediate_size=160, block_multiple_of=16,
+        num_hidden_layers=6, layer_types=["conv", "conv", "full_attention", "conv",
+                                          "full_attention", "conv"],
+        conv_L_cache=3, num_attention_heads=8, num_key_value_heads=4,
+        tie_word_embeddings=True), {}),
+    # Granite-4.0-H style, dense: n_groups = 1 (B/C replicated), 2 KV heads (replicated at TP 4),
+    # no RoPE ("nope", as published), non-default multipliers, untied lm_head.
+    "granite-hybrid": ("GraniteMoeHybridConfig", dict(
+        vocab_size=128, hidden_size=64, num_hidden_layers=5,
+        layer_types=["mamba", "mamba", "attention", "mamba", "attention"],
+        num_attention_heads=4, num_key_value_heads=2, num_local_experts=0,
+        shared_intermediate_size=96, intermediate_size=96, mamba_n_heads=8, mamba_d_head=16,
+        mamba_d_state=16, mamba_n_groups=1, mamba_d_conv=4, mamba_chunk_size=8,
+        position_embedding_type="nope", embedding_multiplier=3.0, attention_multiplier=0.2,
+        residual_multiplier=0.5, logits_scaling=2.5, tie_word_embeddings=False), {}),
+    # The same with RoPE and biased attention projections (the model tests only).
+    "granite-rope": ("GraniteMoeHybridConfig", dict(
+        vocab_size=128, hidden_size=64, num_hidden_layers=3,
+        layer_types=["mamba", "attention", "mamba"], num_attention_heads=4,
+        num_key_value_heads=4, num_local_experts=0, shared_intermediate_size=64,
+        intermediate_size=64, mamba_n_heads=4, mamba_d_head=32, mamba_d_state=16,
+        mamba_n_groups=2, mamba_d_conv=4, mamba_chunk_size=8, mamba_proj_bias=True,
+        position_embedding_type="rope", rope_theta=500.0, attention_bias=True,
+        embedding_multiplier=1.5, attention_multiplier=0.125, residual_multiplier=0.7,
+        logits_scaling=1.5), {}),
 }
+
+#: config class -> model class
+MODEL_CLASSES = {"Lfm2Config": "Lfm2ForCausalLM", "Mamba2Config": "Mamba2ForCausalLM",
+                 "GraniteMoeHybridConfig": "GraniteMoeHybridForCausalLM"}
 
 
 @dataclass(frozen=True)
@@ -104,7 +136,7 @@ def hf_models(tmp_path_factory, transformers_module) -> dict[str, HFModel]:
     out = {}
     for i, (name, (config_cls, kwargs, save_kwargs)) in enumerate(HF_MODELS.items()):
         config = getattr(tf, config_cls)(**kwargs)
-        model_cls = tf.Lfm2ForCausalLM if config_cls == "Lfm2Config" else tf.Mamba2ForCausalLM
+        model_cls = getattr(tf, MODEL_CLASSES[config_cls])
         torch.manual_seed(i)
         model = model_cls(config).eval()
         randomize_(model, seed=100 + i)

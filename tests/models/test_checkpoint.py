@@ -94,10 +94,14 @@ def test_make_checkpoint_rejects_unknown_names(tmp_path, arch, preset, extra):
         make_checkpoint(arch, tmp_path / "x", preset, overrides=extra)
 
 
-def test_make_checkpoint_refuses_attention_layers(tmp_path):
-    with pytest.raises(UnsupportedModelError, match=r"layer 1 .*'full_attention'"):
-        make_checkpoint("lfm2", tmp_path / "x", overrides={
-            "layer_types": ["conv", "full_attention", "conv", "conv"]})
+def test_make_checkpoint_writes_attention_layers(tmp_path):
+    path = make_checkpoint("lfm2", tmp_path / "x", overrides={
+        "layer_types": ["conv", "full_attention", "conv", "conv"]})
+    with Checkpoint(path) as ckpt:
+        names = set(ckpt.names())
+    assert "model.layers.1.self_attn.q_layernorm.weight" in names
+    assert not any(n.startswith("model.layers.1.conv.") for n in names)
+    assert "model.layers.0.conv.in_proj.weight" in names
 
 
 @pytest.mark.parametrize("fields", [

@@ -43,47 +43,66 @@ def _edit_config(path, edit) -> None:
     (path / "config.json").write_text(json.dumps(config))
 
 
-def test_lfm2_attention_layer_is_unsupported(tmp_path, transformers_module):
-    """A checkpoint made by transformers with an attention layer at index 2."""
+def test_lfm2_attention_layers_need_the_kv_pool(tmp_path, transformers_module):
+    """A checkpoint made by transformers with an attention layer at index 2: the runner names
+    the attention layers and the missing KV block pool."""
     tf = transformers_module
     config = tf.Lfm2Config(vocab_size=64, hidden_size=32, intermediate_size=96,
                            num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
                            layer_types=["conv", "conv", "full_attention", "conv"])
     tf.Lfm2ForCausalLM(config).save_pretrained(tmp_path)
-    cache = make_cache(str(tmp_path), 1, "DLS")  # the state spec alone is fine: 3 conv layers
-    with pytest.raises(UnsupportedModelError, match=r"layer 2 has type 'full_attention'"):
+    cache = make_cache(str(tmp_path), 1, "DLS")
+    with pytest.raises(ConfigError, match=r"attention layers \[2\].*KV block pool"):
         ModelRunner(tmp_path, 1, 0, cache)
 
 
-def test_granite_runtime_is_not_yet_implemented(tmp_path, transformers_module):
-    """A dense Granite-4.0-H-style checkpoint made by transformers: its state spec (and the
-    cache built from it) is described; the runner and the node's weight check refuse it."""
+def test_kv_pool_of_another_model_is_refused(tmp_path, transformers_module):
+    from statebridge.connector.rank import KVBlocks
+    from statebridge.state.kv import BlockGeometry
+    from statebridge.state.spec import KVSpec
+
+    tf = transformers_module
+    config = tf.Lfm2Config(vocab_size=64, hidden_size=32, intermediate_size=96,
+                           num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
+                           layer_types=["conv", "full_attention", "conv"])
+    tf.Lfm2ForCausalLM(config).save_pretrained(tmp_path)
+    cache = make_cache(str(tmp_path), 1, "DLS")
+    geo = BlockGeometry(KVSpec((1,), 4, 8, "float32"), 1, "HB", 4, 8)   # 4 KV heads, not 2
+    kv = KVBlocks(geo, torch.zeros(geo.nbytes, dtype=torch.uint8), 0)
+    with pytest.raises(ConfigError, match=r"'num_kv_heads': 4.*'num_kv_heads': 2"):
+        ModelRunner(tmp_path, 1, 0, cache, kv=kv)
+
+
+def test_granite_moe_checkpoint_is_refused_naming_the_key(tmp_path, transformers_module):
+    """A MoE Granite-4.0-H-style checkpoint made by transformers is refused by the config
+    reader (so by the runner and the node's weight check) naming num_local_experts; the dense
+    one passes the weight check."""
     from statebridge.node.checks import check_weights
 
     tf = transformers_module
-    config = tf.GraniteMoeHybridConfig(
-        vocab_size=64, hidden_size=32, num_hidden_layers=3, num_local_experts=0,
-        layer_types=["mamba", "attention", "mamba"], num_attention_heads=4,
-        num_key_value_heads=2, mamba_n_heads=4, mamba_d_state=8, shared_intermediate_size=32)
-    tf.GraniteMoeHybridForCausalLM(config).save_pretrained(tmp_path)
-    cache = make_cache(str(tmp_path), 1, "DLS")
-    assert cache.geometry.spec.kv.layer_ids == (1,)
-    with pytest.raises(UnsupportedModelError, match=r"granitemoehybrid: .*not yet implemented"):
-        ModelRunner(tmp_path, 1, 0, cache)
-    with pytest.raises(UnsupportedModelError, match=r"not yet implemented"):
-        check_weights(tmp_path, 1)
+    kwargs = dict(vocab_size=64, hidden_size=32, num_hidden_layers=3,
+                  layer_types=["mamba", "attention", "mamba"], num_attention_heads=4,
+                  num_key_value_heads=2, mamba_n_heads=4, mamba_d_state=8,
+                  shared_intermediate_size=32)
+    tf.GraniteMoeHybridForCausalLM(tf.GraniteMoeHybridConfig(
+        num_local_experts=4, num_experts_per_tok=2, **kwargs)).save_pretrained(tmp_path / "moe")
+    with pytest.raises(UnsupportedModelError, match=r"num_local_experts=4"):
+        check_weights(tmp_path / "moe", 1)
+    tf.GraniteMoeHybridForCausalLM(tf.GraniteMoeHybridConfig(
+        num_local_experts=0, **kwargs)).save_pretrained(tmp_path / "dense")
+    check_weights(tmp_path / "dense", 2)
     with pytest.raises(ConfigError, match=r"unknown preset 'tiny' for granitemoehybrid"):
         make_checkpoint("granitemoehybrid", tmp_path / "made")
 
 
 def test_lfm2_without_layer_types_is_all_attention_like_transformers(tmp_path, lfm2_dir):
     """transformers reads a config with neither layer_types nor full_attn_idxs as ALL
-    attention; so do the state spec and the runner."""
+    attention; so do the state spec and the runner (which has no recurrent state to serve)."""
     path = _copy(lfm2_dir, tmp_path / "m")
     _edit_config(path, lambda c: (c.pop("layer_types"), c.pop("full_attn_idxs")))
     with pytest.raises(UnsupportedModelError, match=r"no conv layers"):
         make_cache(str(path), 1, "DLS")
-    with pytest.raises(UnsupportedModelError, match=r"layer 0 has type 'full_attention'"):
+    with pytest.raises(UnsupportedModelError, match=r"no conv layers"):
         ModelRunner(path, 1, 0, make_cache(str(lfm2_dir), 1, "DLS"))
 
 
