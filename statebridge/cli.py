@@ -30,6 +30,25 @@ from statebridge.state.spec import StateSpec
 __all__ = ["main"]
 
 
+_SIZE_UNITS = {"": 1, "b": 1, "k": 1 << 10, "kb": 1 << 10, "kib": 1 << 10, "m": 1 << 20,
+               "mb": 1 << 20, "mib": 1 << 20, "g": 1 << 30, "gb": 1 << 30, "gib": 1 << 30}
+
+
+def _byte_size(text: str) -> int:
+    """``1073741824``, ``512MiB``, ``2G``... (binary units) -> bytes."""
+    body = text.strip().lower()
+    number = body.rstrip("kmgib")
+    unit = body[len(number):]
+    try:
+        value = float(number)
+    except ValueError:
+        value = -1.0
+    if unit not in _SIZE_UNITS or not value > 0:
+        raise argparse.ArgumentTypeError(f"expected a size like 268435456, 256MiB or 1GiB, got "
+                                         f"{text!r}")
+    return int(value * _SIZE_UNITS[unit])
+
+
 def _positive_int(text: str) -> int:
     try:
         value = int(text)
@@ -165,6 +184,15 @@ def _config_args(p: argparse.ArgumentParser) -> None:
                    help="UCX endpoint error handling (detects dead peers in UCX, but forces TCP "
                         "lanes: ~10x slower on one host; default $STATEBRIDGE_UCX_ERROR_HANDLING "
                         "or off)")
+    p.add_argument("--kv-layout", default=None, choices=tuple(KV_LAYOUT_PRESETS),
+                   help="KV block pool layout of models with attention layers (default HB: "
+                        "heads outermost, the fewest transfer runs)")
+    p.add_argument("--block-size", type=_positive_int, default=None,
+                   help="tokens per KV block; the same on prefill and decode nodes (default 16)")
+    p.add_argument("--kv-blocks", type=_positive_int, default=None,
+                   help="KV blocks per rank (default: as many as --kv-memory holds)")
+    p.add_argument("--kv-memory", type=_byte_size, default=None, metavar="SIZE",
+                   help="KV pool bytes per rank when --kv-blocks is not given (default 256MiB)")
     p.add_argument("--rank-model", default=None, metavar="MODULE:CLASS",
                    help="the RankModel class each rank runs (swap in your own implementation; "
                         "default statebridge.node.rank_model:ModelRankModel)")
@@ -199,7 +227,7 @@ def _node_config(args: argparse.Namespace):
 
     return NodeConfig().replace(**{name: getattr(args, name, None) for name in (
         "layout", "num_pages", "max_batch", "max_prompt_len", "max_new_tokens", "policy",
-        "rank_model")})
+        "rank_model", "kv_layout", "block_size", "kv_blocks", "kv_memory")})
 
 
 def _stop_on_signal() -> threading.Event:
@@ -221,9 +249,9 @@ def _cmd_prefill(args: argparse.Namespace) -> int:
 
     stop = _stop_on_signal()
     node = _node_config(args)
-    server = start_prefill_node(args.model, args.tp, port=args.port, layout=node.layout,
-                                num_pages=node.num_pages, config=_config(args),
-                                rank_model=node.rank_model)
+    server = start_prefill_node(args.model, args.tp, port=args.port, node=node,
+                                config=_config(args))
+    print(server.memory_line(), flush=True)
     print(f"prefill node ready on {server.address} (TP {args.tp}, {node.layout})", flush=True)
     try:
         _wait(stop)
@@ -240,6 +268,7 @@ def _cmd_decode(args: argparse.Namespace) -> int:
                       node=_node_config(args), config=_config(args))
     # Up now; it serves once a prefill node answers (it keeps dialling them meanwhile, and
     # clients asking get not_ready with the reason).
+    print(node.coordinator.memory_line(), flush=True)
     ready, why = node.status()
     state = f"prefill {', '.join(args.prefill)}" if ready else f"not serving yet: {why}"
     print(f"decode node {'ready' if ready else 'up'} on {node.address} (TP {args.tp}, "

@@ -102,6 +102,9 @@ class NodeConfig:
     - ``policy``: what the decode node does when a transfer fails: ``fail`` (the client gets the
       typed error) or ``recompute`` (the decode ranks prefill the prompt themselves).
     - ``rank_model``: ``module:Class`` of the RankModel every rank runs.
+    - Attention KV (models with attention layers): ``kv_layout`` of each rank's block pool,
+      ``block_size`` tokens per block (the same on both nodes), and its size: ``kv_blocks``
+      blocks per rank, or (``kv_blocks = 0``) as many as fit in ``kv_memory`` bytes per rank.
     """
 
     POLICIES = ("fail", "recompute")
@@ -113,12 +116,21 @@ class NodeConfig:
     max_new_tokens: int = 4096
     policy: str = "fail"
     rank_model: str = "statebridge.node.rank_model:ModelRankModel"
+    kv_layout: str = "HB"
+    block_size: int = 16
+    kv_blocks: int = 0
+    kv_memory: int = 256 << 20
 
     def __post_init__(self) -> None:
-        for name in ("num_pages", "max_batch", "max_prompt_len", "max_new_tokens"):
+        for name in ("num_pages", "max_batch", "max_prompt_len", "max_new_tokens",
+                     "block_size", "kv_memory"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ConfigError(f"{name} must be a positive integer, got {value!r}")
+        if not isinstance(self.kv_blocks, int) or isinstance(self.kv_blocks, bool) or \
+                self.kv_blocks < 0:
+            raise ConfigError(f"kv_blocks must be a non-negative integer (0: from kv_memory), "
+                              f"got {self.kv_blocks!r}")
         if self.policy not in self.POLICIES:
             raise ConfigError(f"unknown failure policy {self.policy!r}; expected one of "
                               f"{self.POLICIES}")
@@ -127,6 +139,24 @@ class NodeConfig:
         from statebridge.state.layout import Layout
 
         Layout.parse(self.layout)                  # LayoutError names a bad layout
+        from statebridge.state.kv import KVLayout
+
+        KVLayout.parse(self.kv_layout)
+
+    def num_blocks(self, spec, tp_size: int) -> int:
+        """KV blocks per rank for ``spec`` at ``tp_size``: ``kv_blocks``, else as many as
+        ``kv_memory`` holds (ConfigError when not even one fits); 0 without attention KV."""
+        if spec.kv is None:
+            return 0
+        if self.kv_blocks:
+            return self.kv_blocks
+        from statebridge.state.kv import BlockGeometry
+
+        per_block = BlockGeometry(spec.kv, tp_size, self.kv_layout, self.block_size, 1).nbytes
+        if self.kv_memory < per_block:
+            raise ConfigError(f"kv_memory={self.kv_memory} bytes holds no KV block of "
+                              f"{per_block} bytes ({self.block_size} tokens at TP {tp_size})")
+        return self.kv_memory // per_block
 
     def replace(self, **changes) -> "NodeConfig":
         """A copy with the given fields changed; None leaves a field as it is (unset flags)."""

@@ -28,6 +28,7 @@ kind                exception                    who caused it
 ``not_ready``       :class:`NotReadyError`       no peer to serve it is connected (yet)
 ``invalid_request`` :class:`InvalidRequestError`  the caller's request is malformed
 ``closed``          :class:`ClosedError`         we closed the object it used
+``cache_full``      :class:`CacheFullError`      no page or KV block left (decode growth)
 ==================  ===========================  ==========================================
 """
 
@@ -85,7 +86,8 @@ class CacheError(StatebridgeError):
 
 
 class CacheFullError(CacheError):
-    """Every page of the cache is in use (back-pressure, not a crash)."""
+    """Every page of the cache (or KV block of the pool) is in use (back-pressure, not a
+    crash)."""
 
 
 class DoubleFreeError(CacheError):
@@ -185,6 +187,7 @@ class FailureKind(str, enum.Enum):
     NOT_READY = "not_ready"
     INVALID_REQUEST = "invalid_request"
     CLOSED = "closed"
+    CACHE_FULL = "cache_full"
 
     def __str__(self) -> str:
         return self.value
@@ -212,6 +215,7 @@ _ERRORS: dict[FailureKind, type[StatebridgeError]] = {
     FailureKind.INVALID_REQUEST: InvalidRequestError,
     FailureKind.TRANSFER_ERROR: TransferError,
     FailureKind.CLOSED: ClosedError,
+    FailureKind.CACHE_FULL: CacheFullError,
 }
 _KINDS = {cls: kind for kind, cls in _ERRORS.items()}
 

@@ -106,6 +106,10 @@ class _RankState:
     lost: bool = False
 
 
+def _mib(nbytes: int) -> str:
+    return f"{nbytes / (1 << 20):.1f} MiB"
+
+
 class RankGroup:
     """A coordinator's view of its TP group: the rank processes, their sockets and liveness.
 
@@ -141,6 +145,7 @@ class RankGroup:
         self.kv_layout = self.kv_geometry.layout.name if self.kv_geometry else str(kv_layout)
         self.num_blocks = self.kv_geometry.num_blocks if self.kv_geometry else 0
         self.node_id = node_id or f"{self.role}-{uuid.uuid4().hex[:8]}"
+        log.info("%s", self.memory_line())
         self.counters = c.Counters()
         keys = CurveKeys.from_config(self.config, listen=True)   # bad keys: nothing to clean up
         self.loop = c.EventLoop(self.node_id)
@@ -185,6 +190,20 @@ class RankGroup:
                                 **({"model": model} if model else {}))
                       for r in range(tp_size)]
             self.handles = launcher(setups)
+
+    def memory_line(self) -> str:
+        """What this node's ranks hold, in one line: pages, KV blocks and their bytes."""
+        pages = self.geometry.page_size * self.num_pages
+        line = (f"{self.node_id}: TP {self.tp_size}, per rank {self.num_pages} pages x "
+                f"{self.geometry.page_size} B ({self.layout.name})")
+        per_rank = pages
+        if self.kv_geometry is not None:
+            geo = self.kv_geometry
+            per_rank += geo.nbytes
+            line += (f" + {geo.num_blocks} KV blocks x {geo.bytes_per_block} B "
+                     f"({geo.block_size} tokens, {geo.layout.name}, "
+                     f"{geo.num_blocks * geo.block_size} tokens)")
+        return line + f" = {_mib(per_rank)} per rank, {_mib(per_rank * self.tp_size)} in all"
 
     def _init_state(self) -> None:
         """Subclass state, set up before the loop thread starts."""

@@ -15,8 +15,15 @@ request and its tokens cross no thread boundary (``EventLoop.handoffs`` stays 0 
 
 When a transfer fails the request follows the node's policy: ``fail`` (a typed error to the
 client) or ``recompute`` (the decode ranks prefill the prompt locally under a new generation of
-the same request id, then decode as usual). Requests that find no free page wait
-(back-pressure) instead of failing. A node started before its prefill nodes keeps dialling them
+the same request id, then decode as usual). Requests that find no free page or KV blocks wait
+(back-pressure) instead of failing.
+
+With attention KV every request owns a block table; each step writes the token's K and V at
+its position, so before a step a request whose table is full gets one more block
+(``coordinator.grow``). When none is free the request follows the policy again: ``fail``
+(``cache_full`` to the client, its page and blocks freed) or ``recompute`` (preempted: its page
+and blocks are freed, it waits at the front of the queue and is resumed by a local prefill of
+its prompt and the tokens generated so far). Either way no other request is touched. A node started before its prefill nodes keeps dialling them
 (with backoff) and answers ``not_ready`` meanwhile.
 """
 
@@ -76,6 +83,13 @@ class _Gen:
     transfer: TransferResult | None = None
     recomputed: bool = False
     local: bool = False               # the current attempt is a local recompute
+    blocks: tuple[int, ...] = ()      # KV block table (attention models)
+    preemptions: int = 0
+
+    def sequence(self) -> tuple[int, ...]:
+        """The prompt and the tokens generated so far: what a (re)start prefills, but for
+        its last token, which the next step decodes."""
+        return self.prompt + tuple(self.generated)
 
 
 class DecodeNode:
@@ -87,7 +101,9 @@ class DecodeNode:
                  max_prompt_len: int | None = None, max_new_tokens: int | None = None,
                  node: NodeConfig | None = None, config: ConnectorConfig | None = None,
                  launcher: Launcher | None = spawn_launcher, dist_init: str = "",
-                 rank_model: str | None = None, wait_prefill: float | None = None) -> None:
+                 rank_model: str | None = None, wait_prefill: float | None = None,
+                 kv_layout: str | None = None, block_size: int | None = None,
+                 kv_blocks: int | None = None) -> None:
         """Validates the checkpoint here (before any rank starts), starts the decode ranks and
         waits for them (:class:`~statebridge.errors.StartupError` at once if one fails to
         start, with its error), then dials ``prefill`` in the background: the node serves as
@@ -97,14 +113,18 @@ class DecodeNode:
         self.node_config = (node or NodeConfig()).replace(
             layout=layout, num_pages=num_pages, max_batch=max_batch, policy=policy,
             max_prompt_len=max_prompt_len, max_new_tokens=max_new_tokens,
-            rank_model=rank_model)
+            rank_model=rank_model, kv_layout=kv_layout, block_size=block_size,
+            kv_blocks=kv_blocks)
         nc = self.node_config
         self.config = config or ConnectorConfig()
         spec = check_checkpoint(model_dir, tp_size, nc.rank_model)
         self.coordinator = DecodeCoordinator(
             spec, tp_size, nc.layout, nc.num_pages, config=self.config, launcher=launcher,
             model=nc.rank_model, model_dir=model_dir,
-            dist_init=dist_init or f"tcp://127.0.0.1:{free_port()}")
+            dist_init=dist_init or f"tcp://127.0.0.1:{free_port()}",
+            kv_layout=nc.kv_layout, block_size=nc.block_size,
+            num_blocks=nc.num_blocks(spec, tp_size))
+        self.kv = spec.kv is not None
         self.loop = self.coordinator.loop
         self.counters = c.Counters()
         self.gens: dict[str, _Gen] = {}
@@ -238,6 +258,13 @@ class DecodeNode:
             return f"temperature {msg.temperature} / top_p {msg.top_p} out of range"
         if msg.request_id in self.gens:
             return f"request id {msg.request_id!r} is already in flight"
+        if self.kv:
+            co = self.coordinator
+            need = -(-(len(msg.prompt) + msg.max_new_tokens) // co.block_size)
+            if need > co.num_blocks:
+                return (f"prompt of {len(msg.prompt)} + {msg.max_new_tokens} new tokens needs "
+                        f"{need} KV blocks of {co.block_size} tokens; the pool has "
+                        f"{co.num_blocks}")
         return None
 
     def _on_generate(self, identity: bytes, msg: nm.GenerateRequest) -> None:
@@ -265,7 +292,7 @@ class DecodeNode:
         arrival order (a retry goes back to the front)."""
         gen.local = local
         try:
-            self.coordinator.start(gen.request_id, gen.prompt[:-1],
+            self.coordinator.start(gen.request_id, gen.sequence()[:-1],
                                    lambda result, error: self._transfer_done(gen, result, error),
                                    local=local)
         except CacheFullError:
@@ -282,10 +309,22 @@ class DecodeNode:
 
     def _start_waiting(self) -> None:
         while self.waiting:
-            gen = self.waiting.popleft()
-            if self.gens.get(gen.request_id) is gen and \
-                    not self._start_transfer(gen, local=gen.local, retry=True):
+            gen = self.waiting[0]
+            if self.gens.get(gen.request_id) is not gen:
+                self.waiting.popleft()
+                continue
+            if gen.preemptions and self.running and not self._room_to_resume(gen):
+                return                            # the running requests need the blocks
+            self.waiting.popleft()
+            if not self._start_transfer(gen, local=gen.local, retry=True):
                 return                            # still full: the rest waits too
+
+    def _room_to_resume(self, gen: _Gen) -> bool:
+        """A preempted request resumes while others run only if it leaves one free block per
+        running request (else it would take back the blocks it was preempted for)."""
+        co = self.coordinator
+        need = -(-len(gen.sequence()) // co.block_size)
+        return co.blocks.num_free >= need + len(self.running)
 
     def _transfer_done(self, gen: _Gen, result: TransferResult | None,
                        error: TransferError | None) -> None:
@@ -298,7 +337,8 @@ class DecodeNode:
             return
         gen.transfer = result
         gen.page = result.page
-        gen.next_token = gen.prompt[-1]
+        gen.blocks = result.blocks
+        gen.next_token = gen.sequence()[-1]
         self.running.append(gen)
         self._maybe_step()
 
@@ -315,6 +355,10 @@ class DecodeNode:
     def _maybe_step(self) -> None:
         if self.step_in_flight is not None or not self.running or self._closed:
             return
+        if self.kv:
+            self._grow_blocks(self.running[:self.node_config.max_batch])
+            if not self.running:
+                return
         batch = self.running[:self.node_config.max_batch]
         step = next(self._steps)
         self.step_in_flight = (step, batch)
@@ -325,7 +369,40 @@ class DecodeNode:
             positions=tuple(len(g.prompt) + len(g.generated) - 1 for g in batch),
             temperatures=tuple(float(g.temperature) for g in batch),
             top_ps=tuple(float(g.top_p) for g in batch),
-            seeds=tuple(int(g.seed) for g in batch)))
+            seeds=tuple(int(g.seed) for g in batch),
+            blocks=tuple(g.blocks for g in batch) if self.kv else ()))
+
+    def _grow_blocks(self, batch: list[_Gen]) -> None:
+        """Give each request of the next step's batch a block for its next token's K/V; one
+        that cannot get one follows the policy (see the module docstring)."""
+        size = self.coordinator.block_size
+        for gen in batch:
+            tokens = len(gen.prompt) + len(gen.generated)      # after this step's token
+            if len(gen.blocks) * size >= tokens:
+                continue
+            try:
+                gen.blocks = self.coordinator.grow(gen.request_id, tokens)
+            except CacheFullError as e:
+                self.counters.add("kv_grow_refused")
+                self.running.remove(gen)
+                if self.policy == "recompute":
+                    self._preempt(gen)
+                else:
+                    self._finish(gen, FailureKind.CACHE_FULL,
+                                 f"{gen.request_id}: no KV block for token {tokens}: {e}")
+
+    def _preempt(self, gen: _Gen) -> None:
+        """Free ``gen``'s page and blocks; it resumes first when space frees, by a local
+        prefill of everything but its next token."""
+        self.counters.add("preempted")
+        gen.preemptions += 1
+        log.info("%s: preempted at %d tokens (no free KV block), resumes by recompute",
+                 gen.request_id, len(gen.sequence()))
+        if gen.transfer is not None:
+            self.coordinator.free(gen.request_id)
+        gen.transfer, gen.page, gen.blocks = None, -1, ()
+        gen.local = True
+        self.waiting.appendleft(gen)
 
     def _check_step(self) -> None:
         """A step whose result does not come (a rank's model hangs while its loop still

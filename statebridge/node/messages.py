@@ -20,7 +20,10 @@ __all__ = ["RankStep", "RankStepResult", "GenerateRequest", "GenerateTokens", "S
 @message
 class RankStep(Message):
     """Decode node -> every decode rank: one decode step of a batch (one token per request,
-    each against its page's state). Rank 0 samples and answers with RankStepResult."""
+    each against its page's state; ``positions`` counts the tokens before it). With attention
+    KV, ``blocks`` holds each request's KV block table, covering ``position + 1`` tokens: the
+    token's K and V are written at its position. Rank 0 samples and answers with
+    RankStepResult."""
     step: int
     request_ids: tuple[str, ...]
     pages: tuple[int, ...]
@@ -29,6 +32,7 @@ class RankStep(Message):
     temperatures: tuple[float, ...]
     top_ps: tuple[float, ...]
     seeds: tuple[int, ...]
+    blocks: tuple[tuple[int, ...], ...] = ()
 
 
 @message

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import logging
 
-from statebridge.config import ConnectorConfig
+from statebridge.config import ConnectorConfig, NodeConfig
 from statebridge.connector.group import Launcher, spawn_launcher
 from statebridge.connector.prefill import PrefillServer
 from statebridge.net import free_port
@@ -16,18 +16,26 @@ log = logging.getLogger(__name__)
 __all__ = ["start_prefill_node"]
 
 
-def start_prefill_node(model_dir: str, tp_size: int, *, port: int = 0, layout: str = "DLS",
-                       num_pages: int = 64, config: ConnectorConfig | None = None,
+def start_prefill_node(model_dir: str, tp_size: int, *, port: int = 0, layout: str | None = None,
+                       num_pages: int | None = None, config: ConnectorConfig | None = None,
                        launcher: Launcher | None = spawn_launcher,
-                       rank_model: str = "statebridge.node.rank_model:ModelRankModel"
-                       ) -> PrefillServer:
+                       rank_model: str | None = None, node: NodeConfig | None = None,
+                       kv_layout: str | None = None, block_size: int | None = None,
+                       kv_blocks: int | None = None) -> PrefillServer:
     """Check the checkpoint (here, before any rank starts), start the server and its rank
     processes; returns once every rank is up (StartupError at once, with the rank's error,
-    when one fails to start)."""
-    spec = check_checkpoint(model_dir, tp_size, rank_model)
-    server = PrefillServer(spec, tp_size, layout, num_pages, config=config, port=port,
-                           launcher=launcher, model=rank_model,
-                           model_dir=model_dir, dist_init=f"tcp://127.0.0.1:{free_port()}")
+    when one fails to start). Settings come from ``node`` (default :class:`NodeConfig`), the
+    keyword arguments given override it."""
+    nc = (node or NodeConfig()).replace(layout=layout, num_pages=num_pages,
+                                        rank_model=rank_model, kv_layout=kv_layout,
+                                        block_size=block_size, kv_blocks=kv_blocks)
+    layout = nc.layout
+    spec = check_checkpoint(model_dir, tp_size, nc.rank_model)
+    server = PrefillServer(spec, tp_size, layout, nc.num_pages, config=config, port=port,
+                           launcher=launcher, model=nc.rank_model,
+                           model_dir=model_dir, dist_init=f"tcp://127.0.0.1:{free_port()}",
+                           kv_layout=nc.kv_layout, block_size=nc.block_size,
+                           num_blocks=nc.num_blocks(spec, tp_size))
     try:
         server.wait_ready()
     except BaseException:

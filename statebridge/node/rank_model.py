@@ -41,8 +41,8 @@ def sample_tokens(logits: torch.Tensor, msg: nm.RankStep) -> tuple[int, ...]:
 class ModelRankModel(RankModel):
     """Prefill (prefill node, and the decode node's recompute policy) and decode steps."""
 
-    def __init__(self, setup: RankSetup, cache: StateCache) -> None:
-        super().__init__(setup, cache)
+    def __init__(self, setup: RankSetup, cache: StateCache, kv=None) -> None:
+        super().__init__(setup, cache, kv)
         from statebridge.models.runner import ModelRunner
 
         if not torch.cuda.is_available():
@@ -61,13 +61,15 @@ class ModelRankModel(RankModel):
                 setup.tp_size, setup.tp_rank, setup.dist_init, device=cache.buffer.device,
                 timeout_s=setup.config.handshake_timeout * 6, collective_timeout_s=30 * 60.0)
             all_reduce = self.process_group.all_reduce
-        self.runner = ModelRunner(setup.model_dir, setup.tp_size, setup.tp_rank, cache,
+        self.runner = ModelRunner(setup.model_dir, setup.tp_size, setup.tp_rank, cache, kv=kv,
                                   all_reduce=all_reduce)
         log.info("%s rank %d: model %s loaded", setup.role, setup.tp_rank, setup.model_dir)
 
-    def prefill(self, page: int, prompt: tuple[int, ...], request_id: str) -> None:
+    def prefill(self, page: int, prompt: tuple[int, ...], request_id: str,
+                blocks: tuple[int, ...] = ()) -> None:
         with torch.inference_mode():
-            self.runner.prefill([list(prompt)], [page])
+            self.runner.prefill([list(prompt)], [page],
+                                blocks=[blocks] if self.runner.has_attention else None)
 
     @classmethod
     def validate(cls, model_dir: str, tp_size: int) -> None:
@@ -83,7 +85,9 @@ class ModelRankModel(RankModel):
         is answered by every rank: the node fails the batch on the first)."""
         try:
             with torch.inference_mode():
-                logits = self.runner.decode(list(msg.tokens), list(msg.pages))
+                logits = self.runner.decode(
+                    list(msg.tokens), list(msg.pages), positions=msg.positions,
+                    blocks=msg.blocks if self.runner.has_attention else None)
             if self.setup.tp_rank != 0:
                 return None
             tokens = sample_tokens(logits, msg)

@@ -19,7 +19,7 @@ from statebridge.node.demo import NodeProcess
 from statebridge.node.prefill_node import start_prefill_node
 from statebridge.testing.hosts import RankHostPool
 
-from tests.models._helpers import NEW_TOKENS, PROMPTS
+from tests.models._helpers import KV_BLOCK, KV_PROMPTS, NEW_TOKENS, PROMPTS
 
 from tests.connector._helpers import log_to_stderr, wait_until
 
@@ -70,6 +70,42 @@ def test_greedy_tokens_equal_transformers(pools, hf_models, model, prefill_tp, d
             stats = node.stats()
             assert stats["finished_ok"] == len(PROMPTS)
             assert stats["coordinator"]["pages_used"] == 0
+    finally:
+        server.close()
+
+
+HYBRID_CASES = [pytest.param(model, p, d, src, dst, id=f"{model}-{p}x{d}-{src}-{dst}")
+                for model in ("lfm2-hybrid", "granite-hybrid")
+                for (p, d) in [(1, 2), (2, 1), (2, 4), (4, 2), (1, 4), (4, 1)]
+                for src, dst in (("HB", "HB"), ("LH", "BH"))]
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("model,prefill_tp,decode_tp,src_layout,dst_layout", HYBRID_CASES)
+def test_hybrid_greedy_tokens_equal_transformers(pools, hf_models, model, prefill_tp,
+                                                 decode_tp, src_layout, dst_layout):
+    """Recurrent state and attention KV move between TP degrees (KV heads split, or replicated
+    at TP 4 for Granite's 2 KV heads) and KV layouts (HB both sides; vLLM's LH to BH);
+    prompts of 1, block-1, block, block+1 and several blocks of tokens in flight together;
+    decoding appends K/V across block boundaries."""
+    prefill_hosts, decode_hosts = pools
+    hf = hf_models[model]
+    server = start_prefill_node(hf.path, prefill_tp, num_pages=16, config=FAST,
+                                kv_layout=src_layout, block_size=KV_BLOCK, kv_blocks=64,
+                                launcher=prefill_hosts.launcher())
+    try:
+        with DecodeNode(hf.path, decode_tp, [server.address], num_pages=16, config=FAST,
+                        kv_layout=dst_layout, block_size=KV_BLOCK, kv_blocks=64,
+                        launcher=decode_hosts.launcher()) as node:
+            results = run_all(node.address, KV_PROMPTS)
+            for prompt, result, expected in zip(KV_PROMPTS, results, hf.kv_reference):
+                assert result.tokens == list(expected), f"prompt of {len(prompt)} tokens"
+                assert not result.recomputed
+            stats = node.stats()
+            assert stats["finished_ok"] == len(KV_PROMPTS)
+            assert stats["coordinator"]["pages_used"] == 0
+            assert stats["coordinator"]["blocks_used"] == 0
+        assert server.stats()["blocks_used"] == 0
     finally:
         server.close()
 

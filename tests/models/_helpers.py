@@ -26,6 +26,11 @@ PROMPTS: tuple[tuple[int, ...], ...] = (
 )
 NEW_TOKENS = 6
 NUM_PAGES = 8
+#: KV block size of the hybrid-model tests: PROMPTS and KV_PROMPTS have prompts of 1, 3
+#: (block - 1), 4 (block), 5 (block + 1), 12 and 21 (several blocks) tokens, and NEW_TOKENS
+#: generated cross block boundaries during decode.
+KV_BLOCK = 4
+KV_PROMPTS: tuple[tuple[int, ...], ...] = PROMPTS + ((9, 33, 77), (5, 66, 12, 101))
 
 
 def make_cache(model_dir: str, tp_size: int, layout: str, num_pages: int = NUM_PAGES,

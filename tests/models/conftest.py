@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from tests.models._helpers import NEW_TOKENS, PROMPTS
+from tests.models._helpers import KV_PROMPTS, NEW_TOKENS, PROMPTS
 
 #: name -> (config class, config kwargs, save_pretrained kwargs)
 HF_MODELS = {
@@ -79,6 +79,8 @@ class HFModel:
     path: str
     reference: tuple[tuple[int, ...], ...]   # greedy continuation of each of PROMPTS
     min_margin: float                        # smallest top-1 minus top-2 logit on those paths
+    #: models with attention layers: the greedy continuation of each of KV_PROMPTS
+    kv_reference: tuple[tuple[int, ...], ...] = ()
 
 
 def randomize_(model: torch.nn.Module, seed: int) -> None:
@@ -142,6 +144,10 @@ def hf_models(tmp_path_factory, transformers_module) -> dict[str, HFModel]:
         randomize_(model, seed=100 + i)
         path = tmp_path_factory.mktemp(name)
         model.save_pretrained(path, **save_kwargs)
-        refs, margins = zip(*(reference_greedy(model, p, NEW_TOKENS) for p in PROMPTS))
-        out[name] = HFModel(name, str(path), tuple(tuple(r) for r in refs), min(margins))
+        hybrid = "attention" in "".join(getattr(config, "layer_types", None) or ())
+        prompts = KV_PROMPTS if hybrid else PROMPTS
+        refs, margins = zip(*(reference_greedy(model, p, NEW_TOKENS) for p in prompts))
+        refs = tuple(tuple(r) for r in refs)
+        out[name] = HFModel(name, str(path), refs[:len(PROMPTS)], min(margins),
+                            refs if hybrid else ())
     return out
