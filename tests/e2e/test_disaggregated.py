@@ -151,10 +151,11 @@ def start_slow_prefill_node(model_dir: str, port: int) -> NodeProcess:
 
 
 @pytest.mark.timeout(300)
+@pytest.mark.parametrize("model", ["lfm2", "lfm2-hybrid"])
 @pytest.mark.parametrize("policy", ["fail", "recompute"])
-def test_killed_prefill_node_follows_the_policy(pools, hf_models, policy, monkeypatch):
+def test_killed_prefill_node_follows_the_policy(pools, hf_models, policy, model, monkeypatch):
     _, decode_hosts = pools
-    hf = hf_models["lfm2"]
+    hf = hf_models[model]
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join(sys.path))
     prefill = start_slow_prefill_node(hf.path, free_port())
     address = prefill.lines[-1].split(" ready on ")[1].split()[0]
@@ -181,6 +182,8 @@ def test_killed_prefill_node_follows_the_policy(pools, hf_models, policy, monkey
                 assert o.recomputed and o.tokens == list(expected)
         wait_until(lambda: node.stats()["coordinator"]["pages_used"] == 0, 15,
                    "decode pages reclaimed")
+        wait_until(lambda: node.stats()["coordinator"]["blocks_used"] == 0, 15,
+                   "decode KV blocks reclaimed")
         # A prefill node comes back: later requests are served by it again.
         fresh = start_prefill_node(hf.path, 2, num_pages=8, config=FAST,
                                    launcher=pools[0].launcher())
@@ -190,6 +193,71 @@ def test_killed_prefill_node_follows_the_policy(pools, hf_models, policy, monkey
             assert result.tokens == list(hf.reference[4]) and not result.recomputed
         finally:
             fresh.close()
+
+
+def reference_tokens(path: str, prompts, new_tokens: int):
+    """transformers' own greedy continuation (full forwards, no cache) of each prompt."""
+    import transformers
+
+    from tests.models.conftest import reference_greedy
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(path).eval()
+    return [reference_greedy(model, p, new_tokens)[0] for p in prompts]
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("model", ["lfm2-hybrid", "granite-hybrid"])
+@pytest.mark.parametrize("policy", ["fail", "recompute"])
+def test_kv_block_exhaustion_during_decode_follows_the_policy(pools, hf_models, model, policy):
+    """Six requests that each need 5 KV blocks by their last token share a decode pool of 8
+    (admission needs only the prompt's block): growth runs out mid-decode. ``fail``: the
+    requests that cannot grow get CacheFullError, the others' tokens are exact; ``recompute``:
+    they are preempted and resumed, every request's tokens are exact. Nothing leaks on either
+    node, and the node serves on."""
+    from statebridge.errors import CacheFullError
+
+    prefill_hosts, decode_hosts = pools
+    hf = hf_models[model]
+    new = 12
+    prompts = [tuple((i * 7 + j * 13 + 3) % 120 for j in range(5)) for i in range(6)]
+    expected = reference_tokens(hf.path, prompts, new)
+    server = start_prefill_node(hf.path, 2, num_pages=16, config=FAST, block_size=KV_BLOCK,
+                                kv_blocks=64, launcher=prefill_hosts.launcher())
+    try:
+        with DecodeNode(hf.path, 2, [server.address], num_pages=16, config=FAST, policy=policy,
+                        block_size=KV_BLOCK, kv_blocks=8, launcher=decode_hosts.launcher()) \
+                as node:
+            def one(prompt):
+                with Client(node.address, timeout=120) as client:
+                    try:
+                        return client.generate(prompt, max_new_tokens=new)
+                    except CacheFullError as e:
+                        return e
+            with concurrent.futures.ThreadPoolExecutor(len(prompts)) as pool:
+                outcomes = list(pool.map(one, prompts))
+            stats = node.stats()
+            failed = [o for o in outcomes if isinstance(o, Exception)]
+            if policy == "fail":
+                assert failed and len(failed) < len(prompts), outcomes
+                assert all("no KV block" in str(e) for e in failed), failed
+                assert stats["finished_cache_full"] == len(failed)
+            else:
+                assert not failed, failed
+                assert stats["preempted"] >= 1 and any(o.recomputed for o in outcomes)
+            for o, want in zip(outcomes, expected):
+                if not isinstance(o, Exception):
+                    assert o.tokens == want
+            # A request larger than the whole pool is refused at once, naming the numbers.
+            with Client(node.address) as client:
+                with pytest.raises(ConfigError, match=r"needs 9 KV blocks .* the pool has 8"):
+                    client.generate(prompts[0], max_new_tokens=31)
+                assert client.generate(prompts[1], max_new_tokens=new).tokens == expected[1]
+            wait_until(lambda: node.stats()["coordinator"]["blocks_used"] == 0, 15,
+                       "decode KV blocks reclaimed")
+            assert node.stats()["coordinator"]["pages_used"] == 0
+        wait_until(lambda: server.stats()["blocks_used"] == 0, 15, "prefill blocks reclaimed")
+    finally:
+        server.close()
 
 
 @pytest.mark.timeout(600)
