@@ -6,8 +6,10 @@ Meant for a GPU machine, e.g.::
         --json results/kernels.json --png results/kernels.png
 
 Every kernel runs on a strided per-layer view of a page buffer in the chosen layout, as in
-serving. In-place kernels keep advancing their state between iterations; that does not change
-the work done. On CPU the Triton provider needs ``TRITON_INTERPRET=1`` (and is then very slow).
+serving; ``decode_attn`` (paged decode attention, LFM2-1.2B shapes by default: 32 query heads, 8
+KV heads, head dim 64, blocks of 16 tokens) reads scattered blocks of a real KV pool view and
+reports GB/s of K/V read. In-place kernels keep advancing their state between iterations; that
+does not change the work done. On CPU the Triton provider needs ``TRITON_INTERPRET=1`` (and is then very slow).
 This is a script, not a test.
 """
 
@@ -25,6 +27,8 @@ import numpy as np
 import torch
 
 from statebridge.errors import StatebridgeError
+from statebridge.state.kv import KV_LAYOUT_PRESETS, BlockGeometry
+from statebridge.state.spec import KVSpec
 from statebridge.kernels import (
     causal_conv1d_fn,
     causal_conv1d_fn_ref,
@@ -33,11 +37,13 @@ from statebridge.kernels import (
     mamba_chunk_scan_ref,
     pack,
     pack_ref,
+    paged_attention_decode,
+    paged_attention_decode_ref,
     selective_state_update,
     selective_state_update_ref,
 )
 
-KERNELS = ("conv_fn", "conv_update", "ssu", "chunk_scan", "pack")
+KERNELS = ("conv_fn", "conv_update", "ssu", "chunk_scan", "pack", "decode_attn")
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
@@ -63,6 +69,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--chunk-size", type=int, default=256)
     p.add_argument("--pack-runs", type=int, default=4096, help="byte runs per pack call")
     p.add_argument("--pack-run-bytes", type=int, default=1024)
+    p.add_argument("--q-heads", type=int, default=32, help="decode_attn query heads (LFM2-1.2B: 32)")
+    p.add_argument("--kv-heads", type=int, default=8, help="decode_attn KV heads (LFM2-1.2B: 8)")
+    p.add_argument("--attn-head-dim", type=int, default=64)
+    p.add_argument("--kv-block", type=int, default=16, help="tokens per KV block")
+    p.add_argument("--kv-tokens", type=int, default=2048, help="tokens each decode request attends to")
+    p.add_argument("--kv-layout", choices=sorted(KV_LAYOUT_PRESETS), default="HB", help="KV pool axis order")
     p.add_argument("--iters", type=int, default=50)
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--seed", type=int, default=0)
@@ -138,6 +150,23 @@ def build(kernel: str, provider: str, a: argparse.Namespace) -> tuple[Callable[[
             )
 
         return scan, 2 * tokens * h * p * es + a.batch * h * p * n * 4
+    if kernel == "decode_attn":
+        # one decode token per request over a.kv_tokens of KV in scattered blocks of a real pool
+        # view (layer 1 of a.layers attention layers); the bytes are the K and V it must read
+        bs, hkv, d = a.kv_block, a.kv_heads, a.attn_head_dim
+        per_req = -(-a.kv_tokens // bs)
+        spec = KVSpec(tuple(range(a.layers)), hkv, d, {torch.float32: "float32", torch.bfloat16: "bfloat16",
+                                                      torch.float16: "float16"}[dt])
+        geo = BlockGeometry(spec, 1, a.kv_layout, bs, a.batch * per_req)
+        buffer = torch.empty(geo.nbytes, dtype=torch.uint8, device=dev)
+        buffer.view(dt).normal_()
+        k, v = geo.view(buffer, 1)
+        tables = torch.randperm(geo.num_blocks, device=dev).view(a.batch, per_req).to(torch.int32)
+        lens = torch.full((a.batch,), a.kv_tokens, dtype=torch.int32, device=dev)
+        q = torch.randn(a.batch, a.q_heads, d, dtype=dt, device=dev)
+        out = torch.empty_like(q)
+        fn = paged_attention_decode if tri else paged_attention_decode_ref
+        return (lambda: fn(q, k, v, tables, lens, d**-0.5, out=out)), 2 * a.batch * a.kv_tokens * hkv * d * es
     # pack: R runs of L bytes scattered over a source twice as large, packed densely
     gen = np.random.default_rng(a.seed)
     r, length = a.pack_runs, a.pack_run_bytes

@@ -1,4 +1,5 @@
-"""Kernels on recurrent state held in strided page views, each with a torch reference.
+"""Kernels on recurrent state held in strided page views and on paged attention KV, each with a
+torch reference.
 
 Every op ``op`` (Triton) has ``op_ref`` (plain torch) with the same signature; the mixers pick
 one by ``provider``. Importing this package decorates the Triton kernels: set
@@ -6,6 +7,7 @@ one by ``provider``. Importing this package decorates the Triton kernels: set
 """
 
 from statebridge.kernels import registry
+from statebridge.kernels.attention import paged_attention_decode, paged_attention_decode_ref
 from statebridge.kernels.causal_conv1d import (
     causal_conv1d_fn,
     causal_conv1d_fn_ref,
@@ -26,6 +28,8 @@ __all__ = [
     "mamba_chunk_scan_ref",
     "pack",
     "pack_ref",
+    "paged_attention_decode",
+    "paged_attention_decode_ref",
     "registry",
     "selective_state_update",
     "selective_state_update_ref",

@@ -13,11 +13,13 @@ from triton.runtime.interpreter import InterpretedFunction
 _conv = importlib.import_module("statebridge.kernels.causal_conv1d")
 _ssm = importlib.import_module("statebridge.kernels.ssm")
 _pack = importlib.import_module("statebridge.kernels.pack")
+_attn = importlib.import_module("statebridge.kernels.attention")
 KERNELS = [
     _conv._causal_conv1d_fwd_kernel,
     _conv._causal_conv1d_update_kernel,
     _ssm._selective_state_update_kernel,
     _pack._pack_kernel,
+    _attn._paged_attention_decode_kernel,
 ]
 
 
