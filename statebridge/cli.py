@@ -2,7 +2,8 @@
 
     statebridge demo
     statebridge keygen DIR [--name NAME] [--force]
-    statebridge make-checkpoint --arch {lfm2,mamba2} --out DIR [--preset tiny|small]
+    statebridge make-checkpoint --arch {lfm2,mamba2,lfm2-hybrid,granite-hybrid} --out DIR
+                                [--preset tiny|small]
     statebridge prefill --model DIR --tp P --port N [--layout DLS]
     statebridge decode --model DIR --tp D --prefill HOST:PORT [--prefill ...] --port M
     statebridge generate --decode HOST:PORT --prompt-ids 1,2,3 [--max-new-tokens K] [--json]
@@ -28,6 +29,11 @@ from statebridge.state.plan import TransferPlan
 from statebridge.state.spec import StateSpec
 
 __all__ = ["main"]
+
+#: ``make-checkpoint --arch`` choices: the keys of :data:`statebridge.models.checkpoint.ARCHS`
+#: (spelled out so that building the parser does not import the model runtime; a test checks
+#: that the two agree).
+CHECKPOINT_ARCHS = ("lfm2", "mamba2", "lfm2-hybrid", "granite-hybrid")
 
 
 _SIZE_UNITS = {"": 1, "b": 1, "k": 1 << 10, "kb": 1 << 10, "kib": 1 << 10, "m": 1 << 20,
@@ -399,7 +405,10 @@ def _add_nodes(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=_cmd_generate)
 
     p = sub.add_parser("make-checkpoint", help="write a small random HF-format checkpoint")
-    p.add_argument("--arch", choices=("lfm2", "mamba2"), required=True)
+    p.add_argument("--arch", choices=CHECKPOINT_ARCHS, required=True,
+                   help="lfm2 (ShortConv only), mamba2, lfm2-hybrid (LFM2 with attention "
+                        "layers, LFM2-1.2B's pattern) or granite-hybrid (dense Granite-4.0-H: "
+                        "Mamba2 with sparse attention)")
     p.add_argument("--out", required=True)
     p.add_argument("--preset", choices=("tiny", "small"), default="tiny")
     p.add_argument("--seed", type=int, default=0)

@@ -157,3 +157,28 @@ def test_unset_flags_leave_the_environment_in_charge(command, monkeypatch):
         ("127.0.0.3", False, 2.0)
     node = _node_config(build_parser().parse_args(base + ["--num-pages", "5"]))
     assert (node.layout, node.num_pages, node.policy) == ("DLS", 5, "fail")
+
+
+@pytest.mark.parametrize("arch", ["granite-hybrid", "lfm2-hybrid"])
+def test_make_checkpoint_hybrid_arch(tmp_path, arch):
+    from statebridge.hf_config import ModelConfig
+
+    out = run("make-checkpoint", "--arch", arch, "--out", str(tmp_path / "ckpt"))
+    assert out.returncode == 0, out.stderr
+    assert f"wrote {arch} tiny checkpoint" in out.stdout
+    config = ModelConfig.load(tmp_path / "ckpt")
+    expected = {"granite-hybrid": "granitemoehybrid", "lfm2-hybrid": "lfm2"}[arch]
+    assert config.model_type == expected and config.attention_layers
+    assert StateSpec.from_pretrained(tmp_path / "ckpt").kv is not None   # KV moves too
+    # an unknown arch names the value and the choices
+    bad = run("make-checkpoint", "--arch", "granite", "--out", str(tmp_path / "bad"))
+    assert bad.returncode != 0 and "'granite'" in bad.stderr and "granite-hybrid" in bad.stderr
+
+
+def test_make_checkpoint_arch_choices_are_the_writers():
+    from statebridge.cli import CHECKPOINT_ARCHS
+    from statebridge.models.checkpoint import ARCHS, PRESETS
+
+    assert list(CHECKPOINT_ARCHS) == list(ARCHS)
+    assert {preset for _, preset in PRESETS} == {"tiny", "small"}
+    assert set(PRESETS) == {(a, p) for a in ARCHS for p in ("tiny", "small")}

@@ -101,7 +101,7 @@ LAYOUTS = ("LSD", "LDS", "DLS")
 CELL_FIELDS = ("pair", "layout", "preset", "gbps", "messages_per_request",
                "staging_bytes_per_request", "latency_p50_ms", "latency_p99_ms",
                "line_rate_gbps", "ratio_to_line_rate", "nixl_gbps", "ratio_to_nixl",
-               "nixl_lds_gbps", "ratio_to_nixl_lds")
+               "nixl_lds_gbps", "ratio_to_nixl_lds", "peak_rss_mib", "peak_rss_scope")
 
 
 def preset_spec(name: str) -> StateSpec:
@@ -265,6 +265,43 @@ def _run_requests(decode, count: int, concurrency: int, prefix: str,
 
 def _cpu_snapshot(groups: dict[str, list[int]]) -> dict[str, float]:
     return {name: sum(_cpu_seconds(pid) for pid in pids) for name, pids in groups.items()}
+
+
+def _reset_peak_rss(pid: int) -> bool:
+    """Reset process ``pid``'s peak RSS (VmHWM) to its current RSS (``/proc/PID/clear_refs``
+    ``5``, Linux >= 4.0); False where that is refused."""
+    try:
+        with open(f"/proc/{pid}/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
+
+
+def _peak_rss_mib(pid: int) -> float | None:
+    """Peak resident set size (VmHWM) of process ``pid`` in MiB, or None when unreadable."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) / 1024        # kB
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+class _PeakRss:
+    """Peak RSS per process over one cell, by process class. The rank hosts and NIXL workers
+    live across cells, so their peaks are reset when the cell starts; where the kernel refuses
+    the reset the figure is the peak since the process started (``scope`` says which)."""
+
+    def __init__(self, groups: dict[str, list[int]]) -> None:
+        self.groups = groups
+        resets = [_reset_peak_rss(pid) for pids in groups.values() for pid in pids]
+        self.scope = "cell" if all(resets) else "process"
+
+    def read(self) -> dict[str, list[float | None]]:
+        return {name: [_peak_rss_mib(pid) for pid in pids] for name, pids in self.groups.items()}
 
 
 def _expected_checksums(geometry, request_id: str) -> tuple[str, ...]:
@@ -485,6 +522,13 @@ def run(a: argparse.Namespace) -> dict:
                 progress.step(f"{preset} {src_tp}x{dst_tp} {layout}")
                 cell: dict[str, Any] = {"preset": preset, "pair": f"{src_tp}x{dst_tp}",
                                         "layout": layout, "transport": a.transport}
+                rss_groups = {"bench_process": [os.getpid()],
+                              "prefill_ranks": prefill_hosts.pids[:src_tp],
+                              "decode_ranks": decode_hosts.pids[:dst_tp]}
+                if nixl is not None:
+                    rss_groups["nixl_src"] = [w.proc.pid for w in nixl.src[:src_tp]]
+                    rss_groups["nixl_dst"] = [w.proc.pid for w in nixl.dst[:dst_tp]]
+                peak_rss = _PeakRss(rss_groups)
                 sb, plan = _statebridge_cell(spec, src_tp, dst_tp, layout, a,
                                              (prefill_hosts, decode_hosts), config)
                 cell.update(sb)
@@ -495,6 +539,9 @@ def run(a: argparse.Namespace) -> dict:
                 cell["ratio_to_line_rate"] = _ratio(cell["gbps"], rate)
                 cell.update(_nixl_cell(nixl, nixl_why, plan, spec, preset, src_tp, dst_tp,
                                        layout, a, nixl_lds, cell))
+                # MiB per process of each class, over this cell (statebridge and NIXL rounds)
+                cell["peak_rss_mib"] = peak_rss.read()
+                cell["peak_rss_scope"] = peak_rss.scope
                 out["cells"].append(cell)
                 progress.done()
         finally:
@@ -646,8 +693,8 @@ def format_table(cells: Sequence[dict]) -> str:
         return "-" if x is None else fmt.format(x)
     rows = ["| preset | pair | layout | tokens | GB/s | req/s | msgs/req | staging B/req | "
             "p50 ms | p99 ms | line GB/s | x line | NIXL GB/s | x NIXL | vLLM's way GB/s | "
-            "x vLLM's way |",
-            "|" + "---|" * 16]
+            "x vLLM's way | peak RSS MiB P/D/NIXL |",
+            "|" + "---|" * 17]
     for c in cells:
         layout = c["layout"] + (f"+{c['kv_layout']}" if c.get("kv_layout") else "")
         tokens = c.get("prompt_tokens") or "-"
@@ -657,8 +704,20 @@ def format_table(cells: Sequence[dict]) -> str:
                     f"{f(c['latency_p99_ms'])} | {f(c['line_rate_gbps'])} | "
                     f"{f(c['ratio_to_line_rate'])} | {f(c['nixl_gbps'])} | "
                     f"{f(c['ratio_to_nixl'])} | {f(c['nixl_lds_gbps'])} | "
-                    f"{f(c['ratio_to_nixl_lds'])} |")
+                    f"{f(c['ratio_to_nixl_lds'])} | {_rss_text(c.get('peak_rss_mib'))} |")
     return "\n".join(rows)
+
+
+def _rss_text(rss: dict | None) -> str:
+    """The largest peak RSS of the prefill ranks, the decode ranks and the NIXL workers
+    (``412/530/-``: no NIXL workers in the cell)."""
+    if not rss:
+        return "-"
+
+    def peak(*names: str) -> str:
+        values = [v for n in names for v in rss.get(n, []) if v is not None]
+        return f"{max(values):.0f}" if values else "-"
+    return f"{peak('prefill_ranks')}/{peak('decode_ranks')}/{peak('nixl_src', 'nixl_dst')}"
 
 
 # -- CLI ---------------------------------------------------------------------------------------

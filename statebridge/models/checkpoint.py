@@ -14,7 +14,8 @@ instead of tensors makes it read only what the rank keeps::
 
 :attr:`Checkpoint.bytes_read` counts the bytes read per weight (tests check the shard reads).
 
-Writing. :func:`make_checkpoint` writes a random LFM2 or Mamba2 checkpoint in exactly the format
+Writing. :func:`make_checkpoint` writes a random LFM2 (conv-only or with attention layers),
+Mamba2 or dense GraniteMoeHybrid (Granite-4.0-H) checkpoint in exactly the format
 ``save_pretrained`` of transformers 5 writes (``config.json`` with every field, safetensors with
 ``{"format": "pt"}`` metadata, tied ``lm_head`` omitted), without importing transformers; weight
 names and shapes come from :meth:`ModelConfig.weight_shapes`.
@@ -22,6 +23,7 @@ names and shapes come from :meth:`ModelConfig.weight_shapes`.
 
 from __future__ import annotations
 
+import copy
 import json
 import math
 import os
@@ -33,9 +35,9 @@ import torch
 
 from statebridge.dtypes import DTYPES, dtype_from_name
 from statebridge.errors import ConfigError, ShapeError
-from statebridge.hf_config import ARCHITECTURES, ModelConfig, encode_special_floats
+from statebridge.hf_config import ModelConfig, encode_special_floats
 
-__all__ = ["Checkpoint", "LazyTensor", "make_checkpoint", "PRESETS", "SAFE_WEIGHTS_NAME",
+__all__ = ["ARCHS", "Checkpoint", "LazyTensor", "make_checkpoint", "PRESETS", "SAFE_WEIGHTS_NAME",
            "SAFE_WEIGHTS_INDEX_NAME"]
 
 #: Other names a checkpoint may use for a weight (mamba_ssm-style Mamba2 checkpoints name the
@@ -324,8 +326,20 @@ class Checkpoint:
 
 # -- writing ---------------------------------------------------------------------------------------
 
+#: ``arch`` of :func:`make_checkpoint` -> the ``model_type`` it writes. ``lfm2`` and ``mamba2``
+#: are recurrent-only; ``lfm2-hybrid`` and ``granite-hybrid`` are preset families of hybrid
+#: models (ShortConv or Mamba2 layers with sparse attention layers).
+ARCHS: dict[str, str] = {"lfm2": "lfm2", "mamba2": "mamba2", "lfm2-hybrid": "lfm2",
+                         "granite-hybrid": "granitemoehybrid"}
+
+
+def _layers(n: int, attention: tuple[int, ...], other: str) -> list[str]:
+    return ["full_attention" if i in attention else other for i in range(n)]
+
+
 #: ``(arch, preset)`` -> config.json fields that differ from the base configs below. Dims are
-#: divisible by 4 so TP 1, 2 and 4 all shard them.
+#: divisible by 4 so TP 1, 2 and 4 all shard them (attention: query heads split; KV heads split
+#: where TP divides them, replicated where they divide TP).
 PRESETS: dict[tuple[str, str], dict[str, Any]] = {
     ("lfm2", "tiny"): {"vocab_size": 256, "hidden_size": 64, "intermediate_size": 192,
                        "block_multiple_of": 32, "num_hidden_layers": 4,
@@ -339,6 +353,35 @@ PRESETS: dict[tuple[str, str], dict[str, Any]] = {
     ("mamba2", "small"): {"vocab_size": 2048, "hidden_size": 256, "num_heads": 16,
                           "head_dim": 32, "state_size": 64, "n_groups": 4,
                           "num_hidden_layers": 8, "chunk_size": 64},
+    # LFM2-1.2B's pattern (16 layers, attention at 2,5,8,10,12,14: conv first, attention about
+    # every 3rd layer) scaled down; GQA 8 q / 4 KV heads of 8 (tiny), 16 q / 4 KV of 16 (small,
+    # the 1.2B's ratio 4): KV heads split at TP 1, 2 and 4.
+    ("lfm2-hybrid", "tiny"): {"vocab_size": 256, "hidden_size": 64, "intermediate_size": 192,
+                              "block_multiple_of": 32, "num_hidden_layers": 6,
+                              "layer_types": _layers(6, (2, 4), "conv"),
+                              "num_attention_heads": 8, "num_key_value_heads": 4},
+    ("lfm2-hybrid", "small"): {"vocab_size": 2048, "hidden_size": 256, "intermediate_size": 1024,
+                               "block_multiple_of": 64, "num_hidden_layers": 16,
+                               "layer_types": _layers(16, (2, 5, 8, 10, 12, 14), "conv"),
+                               "num_attention_heads": 16, "num_key_value_heads": 4},
+    # Granite-4.0-H's pattern (40 layers, attention at 5,15,25,35: mostly Mamba2, attention
+    # sparse and never first) scaled down; 2 KV heads (replicated at TP 4), n_groups 1 (B/C
+    # replicated at every TP > 1), no RoPE. Multipliers as Granite's muP ones, scaled to the
+    # size: embeddings x4 (the 0.25-scale random embeddings come out unit-scale),
+    # attention 1/head_dim, residual 0.5 for few layers, logits / 2.
+    ("granite-hybrid", "tiny"): {"vocab_size": 256, "hidden_size": 64, "num_hidden_layers": 8,
+                                 "layer_types": _layers(8, (2, 6), "linear_attention"),
+                                 "num_attention_heads": 4, "num_key_value_heads": 2,
+                                 "shared_intermediate_size": 128, "intermediate_size": 128,
+                                 "mamba_n_heads": 8, "mamba_d_head": 16, "mamba_d_state": 16,
+                                 "mamba_chunk_size": 16, "attention_multiplier": 1 / 16},
+    ("granite-hybrid", "small"): {"vocab_size": 2048, "hidden_size": 256,
+                                  "num_hidden_layers": 16,
+                                  "layer_types": _layers(16, (4, 12), "linear_attention"),
+                                  "num_attention_heads": 8, "num_key_value_heads": 2,
+                                  "shared_intermediate_size": 512, "intermediate_size": 512,
+                                  "mamba_n_heads": 16, "mamba_d_head": 32, "mamba_d_state": 64,
+                                  "mamba_chunk_size": 64, "attention_multiplier": 1 / 32},
 }
 
 _LFM2_BASE: dict[str, Any] = {
@@ -360,22 +403,41 @@ _MAMBA2_BASE: dict[str, Any] = {
     "time_step_min": 0.001, "use_bias": False, "use_cache": True, "use_conv_bias": True,
 }
 
+#: A dense GraniteMoeHybrid (Granite-4.0-H) config as ``save_pretrained`` writes it (layer types
+#: in transformers 5's names, ``"linear_attention"`` / ``"full_attention"``).
+_GRANITE_BASE: dict[str, Any] = {
+    "architectures": ["GraniteMoeHybridForCausalLM"], "model_type": "granitemoehybrid",
+    "attention_bias": False, "attention_dropout": 0.0, "bos_token_id": 1, "eos_token_id": 2,
+    "pad_token_id": 0, "hidden_act": "silu", "initializer_range": 0.02,
+    "max_position_embeddings": 131072, "num_local_experts": 0, "num_experts_per_tok": 0,
+    "output_router_logits": False, "router_aux_loss_coef": 0.01, "rms_norm_eps": 1e-05,
+    "position_embedding_type": "nope",
+    "rope_parameters": {"rope_theta": 10000.0, "rope_type": "default"},
+    "embedding_multiplier": 4.0, "attention_multiplier": 1.0, "residual_multiplier": 0.5,
+    "logits_scaling": 2.0, "mamba_n_groups": 1, "mamba_d_conv": 4, "mamba_expand": 2,
+    "mamba_conv_bias": True, "mamba_proj_bias": False, "time_step_limit": [0.0, math.inf],
+    "tie_word_embeddings": False, "use_cache": True,
+}
+
+_BASES = {"lfm2": _LFM2_BASE, "mamba2": _MAMBA2_BASE, "granitemoehybrid": _GRANITE_BASE}
+
 
 def _preset_config(arch: str, preset: str, dtype: str,
                    overrides: Mapping[str, Any] | None) -> dict[str, Any]:
-    if arch not in ARCHITECTURES:
-        raise ConfigError(f"unknown architecture {arch!r}; expected one of {sorted(ARCHITECTURES)}")
+    if arch not in ARCHS:
+        raise ConfigError(f"unknown arch {arch!r}; expected one of {list(ARCHS)}")
     if (arch, preset) not in PRESETS:
-        raise ConfigError(f"unknown preset {preset!r} for {arch}; expected one of "
+        raise ConfigError(f"unknown preset {preset!r} for arch {arch!r}; expected one of "
                           f"{sorted(p for a, p in PRESETS if a == arch)}")
-    config = dict(_LFM2_BASE if arch == "lfm2" else _MAMBA2_BASE)
-    config.update(PRESETS[(arch, preset)])
+    model_type = ARCHS[arch]
+    config = copy.deepcopy(_BASES[model_type])
+    config.update(copy.deepcopy(PRESETS[(arch, preset)]))
     config["dtype"] = dtype
     config.update(overrides or {})
-    if arch == "lfm2":
+    if model_type == "lfm2":
         if config.get("layer_types") is None:
             config["layer_types"] = ["conv"] * config["num_hidden_layers"]
-    else:
+    elif model_type == "mamba2":
         config["time_step_rank"] = config.get("time_step_rank") or math.ceil(
             config["hidden_size"] / 16)
     return config
@@ -409,13 +471,16 @@ def make_checkpoint(arch: str, out_dir: str | os.PathLike, preset: str = "tiny",
                     *, dtype: str | torch.dtype = "float32",
                     overrides: Mapping[str, Any] | None = None,
                     max_shard_bytes: int | None = None, overwrite: bool = True) -> Path:
-    """Write a random ``arch`` (``"lfm2"`` or ``"mamba2"``) checkpoint of ``preset`` size.
+    """Write a random ``arch`` checkpoint (see :data:`ARCHS`) of ``preset`` size.
 
     Args:
-        arch: ``"lfm2"`` (conv layers only) or ``"mamba2"``.
+        arch: ``"lfm2"`` (conv layers only), ``"mamba2"``, ``"lfm2-hybrid"`` (LFM2 with
+            attention layers in LFM2-1.2B's pattern) or ``"granite-hybrid"`` (dense
+            GraniteMoeHybrid in Granite-4.0-H's pattern: Mamba2 with sparse attention).
         out_dir: directory to write ``config.json`` and the safetensors into (created).
-        preset: ``"tiny"`` (hidden 64, 4 layers, vocab 256: a demo runs in seconds on 2 CPU
-            cores) or ``"small"`` (hidden 256, 8 layers, vocab 2048); see :data:`PRESETS`.
+        preset: ``"tiny"`` (hidden 64, 4 to 8 layers, vocab 256: a demo runs in seconds on 2
+            CPU cores) or ``"small"`` (hidden 256, 8 to 16 layers, vocab 2048); see
+            :data:`PRESETS`.
         seed: the weights are a pure function of (arch, preset, overrides, seed).
         dtype: weight dtype and the config's ``dtype``.
         overrides: config.json fields to change (e.g. ``{"n_groups": 4}``); shapes follow.
@@ -431,7 +496,7 @@ def make_checkpoint(arch: str, out_dir: str | os.PathLike, preset: str = "tiny",
 
     dtype_name = dtype_from_name(dtype)
     config = _preset_config(arch, preset, dtype_name, overrides)
-    shapes = ModelConfig.from_dict(config).weight_shapes()  # validates (refuses attention layers)
+    shapes = ModelConfig.from_dict(config).weight_shapes()  # validates (refuses Granite MoE)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     if (out / "config.json").exists() and not overwrite:

@@ -143,3 +143,41 @@ def test_hybrid_cells_move_state_and_kv_as_planned(hybrid_report):
             assert cell["nixl_descriptors_per_request"] == cell["messages_per_request"]
             vllm_pages = TransferPlan.build(spec, p, "LDS", d).messages_per_request
             assert cell["nixl_lds_descriptors_per_request"] == vllm_pages + 2 * 2 * 2 * 3
+
+
+@pytest.mark.timeout(300)
+def test_hybrid_cells_report_peak_rss_per_process(hybrid_report):
+    """Each cell's peak RSS (MiB) of every process, by class: one per prefill rank, one per
+    decode rank, and the NIXL workers the cell used; shown in the table."""
+    for cell in hybrid_report["cells"]:
+        p, d = map(int, cell["pair"].split("x"))
+        rss = cell["peak_rss_mib"]
+        counts = {"bench_process": 1, "prefill_ranks": p, "decode_ranks": d}
+        if hybrid_report["nixl"]["available"]:
+            counts.update(nixl_src=p, nixl_dst=d)
+        assert {k: len(v) for k, v in rss.items()} == counts, rss
+        assert all(_positive(v) for values in rss.values() for v in values), rss
+        assert cell["peak_rss_scope"] in ("cell", "process")
+        # a rank process imports torch and UCX: tens of MiB at least
+        assert min(rss["prefill_ranks"] + rss["decode_ranks"]) > 20
+    table = hetero_tp.format_table(hybrid_report["cells"])
+    assert "peak RSS MiB P/D/NIXL" in table.splitlines()[0]
+    cell = hybrid_report["cells"][0]
+    assert f"| {max(cell['peak_rss_mib']['prefill_ranks']):.0f}/" in table
+
+
+def test_peak_rss_reads_and_resets_this_process():
+    import os
+
+    pid = os.getpid()
+    assert hetero_tp._peak_rss_mib(2 ** 22 + 12345) is None   # no such process
+    tracker = hetero_tp._PeakRss({"me": [pid]})
+    if tracker.scope != "cell":
+        pytest.skip("the kernel refuses to reset VmHWM here (/proc/PID/clear_refs)")
+    base = tracker.read()["me"][0]                  # just reset: the current RSS
+    assert _positive(base)
+    grown = bytearray(64 << 20)                     # +64 MiB resident, then freed
+    grown[::4096] = b"x" * len(grown[::4096])
+    del grown
+    assert tracker.read()["me"][0] >= base + 60
+    assert hetero_tp._PeakRss({"me": [pid]}).read()["me"][0] < base + 60   # reset again

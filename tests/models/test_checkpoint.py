@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 import torch
@@ -172,3 +173,136 @@ def test_bf16_checkpoint_close_to_transformers(tmp_path, transformers_module, ar
     for got in (whole, stepped):
         assert (got - want).abs().max().item() <= 0.05 * scale
         assert got.argmax() == want.argmax()
+
+
+# -- hybrid archs: LFM2 with attention, dense Granite-4.0-H ------------------------------------
+
+HYBRID_ARCHS = {"lfm2-hybrid": "Lfm2ForCausalLM", "granite-hybrid": "GraniteMoeHybridForCausalLM"}
+KV_BLOCK = 8
+#: 1 token (the N-1 prefill is empty), and lengths around the KV block size of 8 (a prefill
+#: that ends a block, one that spills a token into the next, decodes crossing a block edge).
+HYBRID_PROMPTS: tuple[tuple[int, ...], ...] = (
+    (7,), tuple((i * 29 + 3) % 250 for i in range(8)), tuple((i * 37 + 5) % 250 for i in range(9)),
+    tuple((i * 53 + 17) % 250 for i in range(17)),
+)
+HYBRID_NEW_TOKENS = 5
+
+
+def _greedy_with_kv(path, tp_size: int, prompts, new_tokens: int) -> list[list[int]]:
+    """Greedy tokens of a TP group of threads with a KV block pool: prefill ``p[:-1]``, then
+    decode ``p[-1]`` and every generated token (block tables reversed, so that no request's
+    blocks are contiguous or in order)."""
+    from statebridge.connector.rank import KVBlocks
+    from statebridge.models import ThreadGroup
+    from statebridge.state.kv import BlockGeometry
+
+    group = ThreadGroup(tp_size)
+    tables, nxt = [], 0
+    for p in prompts:
+        n = -(-(len(p) + new_tokens) // KV_BLOCK)
+        tables.append(list(range(nxt + n - 1, nxt - 1, -1)))
+        nxt += n
+    pages = list(range(len(prompts)))
+
+    def run(rank: int) -> list[list[int]]:
+        cache = make_cache(str(path), tp_size, "DLS")
+        geo = BlockGeometry(cache.geometry.spec.kv, tp_size, "LH", KV_BLOCK, nxt)
+        kv = KVBlocks(geo, torch.full((geo.nbytes,), 255, dtype=torch.uint8), 0)  # NaN garbage
+        runner = ModelRunner(path, tp_size, rank, cache, kv=kv,
+                             all_reduce=group.all_reduce(rank))
+        runner.prefill([p[:-1] for p in prompts], pages, blocks=tables)
+        tokens = [p[-1] for p in prompts]
+        positions = [len(p) - 1 for p in prompts]
+        out: list[list[int]] = [[] for _ in prompts]
+        for _ in range(new_tokens):
+            logits = runner.decode(tokens, pages, blocks=tables, positions=positions)
+            assert bool(torch.isfinite(logits).all())
+            tokens = logits.argmax(-1).tolist()
+            positions = [x + 1 for x in positions]
+            for o, t in zip(out, tokens):
+                o.append(t)
+        return out
+
+    results = group.run(run)
+    assert all(r == results[0] for r in results)       # every rank samples the same tokens
+    return results[0]
+
+
+@pytest.fixture(scope="module", params=list(HYBRID_ARCHS))
+def hybrid_checkpoint(request, tmp_path_factory, transformers_module):
+    """(arch, path, transformers model, reference greedy tokens) of a tiny hybrid checkpoint."""
+    arch = request.param
+    path = make_checkpoint(arch, tmp_path_factory.mktemp(arch), "tiny", seed=2)
+    model, info = transformers_module.AutoModelForCausalLM.from_pretrained(
+        path, output_loading_info=True)
+    model.eval()
+    torch.set_num_threads(1)
+    refs = [reference_greedy(model, p, HYBRID_NEW_TOKENS) for p in HYBRID_PROMPTS]
+    return arch, path, model, info, refs
+
+
+def test_hybrid_checkpoint_loads_in_transformers(hybrid_checkpoint):
+    arch, path, model, info, refs = hybrid_checkpoint
+    assert type(model).__name__ == HYBRID_ARCHS[arch]
+    assert not any(info[k] for k in ("missing_keys", "unexpected_keys", "mismatched_keys")), info
+    ours = _weights(path)
+    theirs = model.state_dict()
+    for name, tensor in ours.items():
+        assert torch.equal(theirs[name], tensor), name
+    config = ModelConfig.load(path)
+    assert set(ours) == set(config.weight_shapes())
+    hf = model.config
+    assert config.attention_layers and config.attention_layers[0] > 0   # conv / mamba first
+    assert [i for i, t in enumerate(hf.layer_types) if t == "full_attention"] == \
+        list(config.attention_layers)
+    if arch == "lfm2-hybrid":
+        assert (hf.num_attention_heads, hf.num_key_value_heads, config.head_dim) == (8, 4, 8)
+        assert hf.tie_word_embeddings and "lm_head.weight" not in ours
+        assert hf.rope_parameters["rope_theta"] == 1e6
+        for name in ("q_layernorm", "k_layernorm"):
+            w = ours[f"model.layers.2.self_attn.{name}.weight"]
+            assert (w - 1).abs().max() < 0.5                       # norms ~1
+    else:
+        assert hf.num_local_experts == 0 and hf.mamba_n_groups == 1
+        assert hf.num_key_value_heads == 2 and hf.position_embedding_type == "nope"
+        assert hf.shared_intermediate_size % 4 == 0
+        assert not hf.tie_word_embeddings and "lm_head.weight" in ours
+        for key in ("embedding_multiplier", "attention_multiplier", "residual_multiplier",
+                    "logits_scaling"):
+            assert getattr(hf, key) != 1.0 and getattr(config, key) == getattr(hf, key), key
+        a_log = ours["model.layers.0.mamba.A_log"]
+        assert (a_log >= 0).all() and (a_log <= math.log(16.0) + 1e-6).all()
+    # well conditioned: no near ties on the greedy paths
+    assert min(margin for _, margin in refs) > 1e-3
+
+
+@pytest.mark.parametrize("tp_size", [1, 2, 4])
+def test_hybrid_checkpoint_greedy_matches_transformers(hybrid_checkpoint, tp_size):
+    arch, path, model, info, refs = hybrid_checkpoint
+    got = _greedy_with_kv(path, tp_size, HYBRID_PROMPTS, HYBRID_NEW_TOKENS)
+    for prompt, tokens, (want, _) in zip(HYBRID_PROMPTS, got, refs):
+        assert tokens == want, f"{arch} TP={tp_size} prompt length {len(prompt)}: " \
+                               f"{tokens} != {want}"
+
+
+@pytest.mark.parametrize("arch", list(HYBRID_ARCHS))
+def test_hybrid_small_preset_is_valid(tmp_path, arch):
+    path = make_checkpoint(arch, tmp_path / arch, "small")
+    config = ModelConfig.load(path)
+    with Checkpoint(path) as ckpt:
+        ckpt.check(config.weight_shapes())
+    assert config.hidden_size == 256 and config.num_layers == 16
+    assert 0 < len(config.attention_layers) < config.num_layers / 2
+    assert config.layer_types[0] != "full_attention"
+
+
+@pytest.mark.parametrize("arch,preset,needle", [
+    ("granite", "tiny", "unknown arch 'granite'; expected one of ['lfm2', 'mamba2', "
+                        "'lfm2-hybrid', 'granite-hybrid']"),
+    ("lfm2-hybrid", "huge", "unknown preset 'huge' for arch 'lfm2-hybrid'; expected one of "
+                            "['small', 'tiny']"),
+])
+def test_make_checkpoint_errors_name_the_value_and_the_choices(tmp_path, arch, preset, needle):
+    with pytest.raises(ConfigError) as e:
+        make_checkpoint(arch, tmp_path / "x", preset)
+    assert needle in str(e.value)
