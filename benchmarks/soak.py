@@ -276,6 +276,7 @@ class _Req:
     generation: int                  # prefill generation it was submitted to
     abort: str = ""                  # "", "before_start", "mid_flight", "after_done"
     check: bool = False
+    tokens: int = 0                  # prompt length (the KV it carries)
 
 
 @dataclass
@@ -297,6 +298,29 @@ def expected_checksums(geometry, request_id: str, cache) -> tuple[str, ...]:
     for rank in range(geometry.tp_size):
         fill_page(cache, 0, state, rank)
         out.append(page_checksum(geometry, cache.page_bytes(0)))
+    return tuple(out)
+
+
+def expected_kv_checksums(spec, request_id: str, tokens: int, tp_size: int) -> tuple[str, ...]:
+    """What every decode rank must hold of the request's attention KV (per layer, K then V of
+    its heads, token-major), from the global synthetic KV and the head sharding rule only."""
+    import hashlib
+
+    import torch
+
+    from statebridge.state.sharding import kv_heads
+    from statebridge.testing.synthetic import global_kv, request_seed
+
+    state = global_kv(spec.kv, request_seed(request_id), tokens)
+    out = []
+    for rank in range(tp_size):
+        first, count = kv_heads(spec.kv, tp_size, rank)
+        h = hashlib.blake2b(digest_size=16)
+        for layer in range(spec.kv.num_layers):
+            for c in range(2):
+                h.update(state[layer, c, :, first:first + count].contiguous()
+                         .view(torch.uint8).numpy().tobytes())
+        out.append(h.hexdigest())
     return tuple(out)
 
 
@@ -454,7 +478,7 @@ class Soak:
             return True
         self.submitted += 1
         req = _Req(rid, index, self.generation,
-                   check=index % self.a.check_every == 0)
+                   check=index % self.a.check_every == 0, tokens=len(prompt))
         if self.rng.random() < self.a.abort_rate:
             req.abort = ("before_start", "mid_flight", "after_done")[int(self.rng.integers(3))]
         self.inflight[future] = req
@@ -512,6 +536,9 @@ class Soak:
                 want = expected_checksums(self.decode.geometry, req.rid, self._oracle_cache)
                 if result.checksums != want:
                     self.mismatches.append(req.rid)
+                if self.spec.kv is not None and result.kv_checksums != expected_kv_checksums(
+                        self.spec, req.rid, req.tokens, self.a.dst_tp):
+                    self.mismatches.append(f"{req.rid} (KV)")
             self.decode.release(result)
         except Exception as e:  # noqa: BLE001 -- reported as a failed check
             self.errors.append(f"{req.rid}: after completion: {type(e).__name__}: {e}")
@@ -581,6 +608,7 @@ class Soak:
         while True:
             d, s = self.decode.stats(), self.server.stats()
             quiet = (d["pages_used"] == 0 and d["requests_in_flight"] == 0
+                     and d["blocks_used"] == 0 and s["blocks_used"] == 0
                      and d["completed_unreleased"] == 0 and s["pages_used"] == 0
                      and s["requests_in_flight"] == 0 and s["waiting"] == 0)
             if quiet or time.monotonic() > deadline:
@@ -644,6 +672,12 @@ def _checks(soak: Soak, end: dict, rss: list[dict], a: argparse.Namespace) -> di
                                    {k: d[k] for k in ("pages_free", "pages_total",
                                                       "requests_in_flight",
                                                       "completed_unreleased")}),
+        "decode_blocks_free": check(d["blocks_used"] == 0 and d["blocks_free"] == d["blocks_total"],
+                                    {k: d[k] for k in ("blocks_used", "blocks_free",
+                                                       "blocks_total")}),
+        "prefill_blocks_free": check(s["blocks_used"] == 0 and s["blocks_free"] == s["blocks_total"],
+                                     {k: s[k] for k in ("blocks_used", "blocks_free",
+                                                        "blocks_total")}),
         "prefill_pages_free": check(s["pages_free"] == s["pages_total"]
                                     and s["requests_in_flight"] == 0 and s["waiting"] == 0,
                                     {k: s[k] for k in ("pages_free", "pages_total",
@@ -703,6 +737,8 @@ def run(a: argparse.Namespace) -> dict:
         "restarts": soak.restarts, "by_prefill_generation": {
             g: o.as_dict() for g, o in sorted(soak.by_generation.items())},
         "pages_leaked": pages_leaked, "checked_byte_exact": soak.checked,
+        "blocks_leaked": end["decode"]["blocks_used"] + end["prefill"]["blocks_used"],
+        "kv": soak.spec.kv is not None,
         "backpressure_waits": soak.backpressure, "seconds": round(time.monotonic() - started, 2),
         "requests_per_s": round(soak.ended / max(1e-9, time.monotonic() - soak.t0), 1),
         "rss": rss, "checks": checks, "end_state": end, "progress": soak.progress,
@@ -727,7 +763,7 @@ def _print_summary(out: dict, a: argparse.Namespace) -> None:
         print(f"  restart {r['how']} at request {r['at_request']}: {r['in_flight']} in flight, "
               f"{r['seconds']} s")
     print(f"  byte-exact checks: {out['checked_byte_exact']}, pages leaked: "
-          f"{out['pages_leaked']}")
+          f"{out['pages_leaked']}, KV blocks leaked: {out['blocks_leaked']}")
     for p in out["rss"]:
         growth = "-" if p["growth_kb"] is None else f"{p['growth_kb'] / 1024:+.1f} MiB"
         bound = "-" if p["bound_kb"] is None else f"{p['bound_kb'] / 1024:.0f} MiB"
