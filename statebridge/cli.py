@@ -416,7 +416,9 @@ def _add_nodes(sub: argparse._SubParsersAction) -> None:
 
     p = sub.add_parser("demo", help="tiny checkpoint, prefill TP=2 + decode TP=4 on localhost, "
                                     "checked against a single-process run")
-    p.add_argument("--arch", choices=("lfm2", "mamba2"), default="lfm2")
+    p.add_argument("--arch", choices=CHECKPOINT_ARCHS, default="lfm2-hybrid",
+                   help="the tiny checkpoint served (default lfm2-hybrid: LFM2 with attention "
+                        "layers, so recurrent state and KV move)")
     p.add_argument("--prefill-tp", type=_positive_int, default=2)
     p.add_argument("--decode-tp", type=_positive_int, default=4)
     p.add_argument("--layout", default="DLS")

@@ -1,13 +1,15 @@
 """``statebridge demo``: a tiny checkpoint served disaggregated on localhost, checked against a
 single-process run of the same checkpoint.
 
-1. make a tiny random checkpoint (no download);
+1. make a tiny random checkpoint (no download; by default LFM2 with attention layers, as every
+   released LFM2 is, so both recurrent state and attention KV move);
 2. start a prefill node (TP=2) and a decode node (TP=4) as two processes of their own (each
    with its rank processes), exactly as ``statebridge prefill`` / ``statebridge decode`` would;
 3. send a handful of prompts concurrently through the client;
 4. compute the same greedy continuations in this process at TP=1 (whole prompt prefilled at
    once, no transfer) and compare token for token;
-5. print tokens, TTFT and transfer figures, and shut both nodes down.
+5. print tokens, TTFT, recurrent and KV bytes per request and transfer figures, and shut both
+   nodes down.
 """
 
 from __future__ import annotations
@@ -68,24 +70,38 @@ def reference_greedy(model_dir: str, prompts: list[list[int]], max_new_tokens: i
     from statebridge.state.layout import PageGeometry
     from statebridge.state.spec import StateSpec
 
+    from statebridge.connector.rank import KVBlocks
+    from statebridge.state.kv import BlockGeometry, blocks_for
+
     spec = StateSpec.from_pretrained(model_dir)
     cache = StateCache(PageGeometry(spec, 1, "LSD"), len(prompts))
-    runner = ModelRunner(model_dir, 1, 0, cache)
+    kv, tables = None, None
+    if spec.kv is not None:            # a block table per prompt, blocks for every token
+        block = 16
+        need = [blocks_for(len(p) + max_new_tokens, block) for p in prompts]
+        geo = BlockGeometry(spec.kv, 1, "LH", block, sum(need))
+        kv = KVBlocks(geo, torch.zeros(geo.nbytes, dtype=torch.uint8), 0)
+        starts = np.cumsum([0] + need)
+        tables = [list(range(a, b)) for a, b in zip(starts[:-1], starts[1:])]
+    runner = ModelRunner(model_dir, 1, 0, cache, kv=kv)
     pages = list(range(len(prompts)))
+    positions = [len(p) for p in prompts]
     out: list[list[int]] = [[] for _ in prompts]
     with torch.inference_mode():
-        logits = runner.prefill(prompts, pages)
+        logits = runner.prefill(prompts, pages, blocks=tables)
         tokens = [int(t) for t in logits.argmax(dim=-1)]
         for _ in range(max_new_tokens):
             for i, t in enumerate(tokens):
                 out[i].append(t)
             if len(out[0]) == max_new_tokens:
                 break
-            tokens = [int(t) for t in runner.decode(tokens, pages).argmax(dim=-1)]
+            logits = runner.decode(tokens, pages, blocks=tables, positions=positions)
+            tokens = [int(t) for t in logits.argmax(dim=-1)]
+            positions = [n + 1 for n in positions]
     return out
 
 
-def run_demo(*, arch: str = "lfm2", prefill_tp: int = 2, decode_tp: int = 4,
+def run_demo(*, arch: str = "lfm2-hybrid", prefill_tp: int = 2, decode_tp: int = 4,
              layout: str = "DLS", prompts: int = 4, max_new_tokens: int = 8) -> int:
     from statebridge.hf_config import ModelConfig
     from statebridge.models.checkpoint import make_checkpoint
@@ -97,7 +113,10 @@ def run_demo(*, arch: str = "lfm2", prefill_tp: int = 2, decode_tp: int = 4,
         model = os.path.join(tmp, f"{arch}-tiny")
         make_checkpoint(arch, model, preset="tiny", seed=0)
         print(f"[1/4] tiny {arch} checkpoint in {model}", flush=True)
+        from statebridge.state.spec import StateSpec
+
         vocab = ModelConfig.load(model).vocab_size
+        spec = StateSpec.from_pretrained(model)
         lengths = [1, 2, 5, 9, 13, 17, 3, 7][:prompts] + [6] * max(0, prompts - 8)
         batch = [[int(t) for t in rng.integers(0, vocab, size=n)] for n in lengths]
 
@@ -129,12 +148,16 @@ def run_demo(*, arch: str = "lfm2", prefill_tp: int = 2, decode_tp: int = 4,
         expected = reference_greedy(model, batch, max_new_tokens)
         print("[4/4] disaggregated vs single process (TP=1, no transfer):")
         ok = True
+        recurrent = spec.bytes_per_request()
         for prompt, got, want in zip(batch, results, expected):
             same = got.tokens == want
             ok &= same
+            # The N-1 protocol: the prefill node computes prompt[:-1], so that much KV moves.
+            kv_bytes = spec.kv_bytes(len(prompt) - 1) if spec.kv is not None else 0
             print(f"  prompt {len(prompt):>2} tokens -> {got.tokens} "
                   f"{'==' if same else '!='} reference  TTFT {got.ttft * 1e3:7.1f} ms  "
-                  f"transfer {got.transfer_bytes:,} B in {got.transfer_seconds * 1e3:.1f} ms")
+                  f"recurrent {recurrent:,} B + KV {kv_bytes:,} B, transfer "
+                  f"{got.transfer_bytes:,} B in {got.transfer_seconds * 1e3:.1f} ms")
         print(f"nodes exited with {codes}")
         print("demo OK: every token matches" if ok else "demo FAILED: tokens differ")
         return 0 if ok and all(c == 0 for c in codes) else 1
