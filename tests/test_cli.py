@@ -182,3 +182,50 @@ def test_make_checkpoint_arch_choices_are_the_writers():
     assert list(CHECKPOINT_ARCHS) == list(ARCHS)
     assert {preset for _, preset in PRESETS} == {"tiny", "small"}
     assert set(PRESETS) == {(a, p) for a in ARCHS for p in ("tiny", "small")}
+
+
+@pytest.mark.parametrize("command", ["prefill", "decode"])
+def test_kv_pool_flags_reach_the_node_config(command):
+    from statebridge.cli import _node_config, build_parser
+
+    base = [command, "--model", "m", "--tp", "1", "--port", "1"]
+    if command == "decode":
+        base += ["--prefill", "127.0.0.1:2"]
+    node = _node_config(build_parser().parse_args(base))
+    assert (node.kv_layout, node.block_size, node.kv_blocks, node.kv_memory) == \
+        ("HB", 16, 0, 256 << 20)
+    node = _node_config(build_parser().parse_args(
+        base + ["--kv-layout", "LH", "--block-size", "32", "--kv-memory", "1.5GiB"]))
+    assert (node.kv_layout, node.block_size, node.kv_memory) == ("LH", 32, 3 << 29)
+    assert _node_config(build_parser().parse_args(base + ["--kv-blocks", "77"])).kv_blocks == 77
+    assert _node_config(build_parser().parse_args(
+        base + ["--kv-memory", "4096"])).kv_memory == 4096
+
+
+@pytest.mark.parametrize("flag,value,needle", [
+    ("--kv-memory", "lots", "'lots'"), ("--kv-memory", "0MiB", "'0MiB'"),
+    ("--kv-blocks", "0", "0"), ("--block-size", "-4", "-4"), ("--kv-layout", "XY", "'XY'")])
+def test_bad_kv_pool_flags_exit_nonzero_naming_the_value(flag, value, needle, capsys):
+    from statebridge.cli import build_parser
+
+    with pytest.raises(SystemExit) as e:
+        build_parser().parse_args(["decode", "--model", "m", "--tp", "1", "--prefill",
+                                   "127.0.0.1:2", flag, value])
+    assert e.value.code == 2 and needle in capsys.readouterr().err
+
+
+def test_kv_pool_size_from_the_memory_budget_names_what_does_not_fit(tmp_path):
+    from statebridge.config import NodeConfig
+    from statebridge.errors import ConfigError
+    from statebridge.models.checkpoint import make_checkpoint
+    from statebridge.state.kv import BlockGeometry
+
+    spec = StateSpec.from_pretrained(make_checkpoint("granite-hybrid", tmp_path / "g"))
+    per_block = BlockGeometry(spec.kv, 4, "HB", 16, 1).nbytes   # one replicated KV head
+    assert NodeConfig(kv_memory=10 * per_block + 5).num_blocks(spec, 4) == 10
+    assert NodeConfig(kv_blocks=3).num_blocks(spec, 4) == 3
+    with pytest.raises(ConfigError, match=rf"kv_memory=100 bytes holds no KV block of "
+                                          rf"{per_block} bytes"):
+        NodeConfig(kv_memory=100).num_blocks(spec, 4)
+    conv_only = StateSpec.from_pretrained(make_checkpoint("lfm2", tmp_path / "l"))
+    assert NodeConfig(kv_blocks=3).num_blocks(conv_only, 2) == 0
