@@ -12,6 +12,10 @@ its own, and the local weight is the rank's pieces in segment order::
     Mamba2 conv rows           [ x (I) | B (G*N) | C (G*N) ]                 (the conv state's)
     Mamba2 dt_bias, A_log, D   [ H ]      norm [ I ]      out_proj columns [ I ]
     LFM2 MLP                   w1, w3 rows [ F ]          w2 columns [ F ]
+    Granite shared MLP         input_linear rows [ gate (S) | up (S) ]   output_linear cols [ S ]
+    attention q_proj rows      [ Hq * P ]   split by query heads (o_proj / out_proj columns too)
+    attention k/v_proj rows    [ Hkv * P ]  split by KV heads, or ONE head per rank when
+                                            tp > Hkv (rank r: head r * Hkv // tp, replicated)
 
 Split segments give rank r rows ``[r*n/t, (r+1)*n/t)``; Mamba2's B and C are *grouped*: split
 by groups when ``G % t == 0``, replicated on every rank when ``G == 1``. Row-parallel biases
