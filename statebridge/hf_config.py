@@ -334,6 +334,23 @@ def read_config_json(path: str | os.PathLike) -> dict[str, Any]:
 
 # -- the typed config ---------------------------------------------------------------------------
 
+def _mamba_mixer_shapes(m: str, hidden: int, inner: int, conv_dim: int, heads: int, width: int,
+                        *, proj_bias: bool, conv_bias: bool) -> dict[str, tuple[int, ...]]:
+    """The weights of one Mamba2 mixer named ``m + name`` (``Mamba2Mixer`` and
+    ``GraniteMoeHybridMambaLayer`` save the same ones)."""
+    out: dict[str, tuple[int, ...]] = {m + "in_proj.weight": (inner + conv_dim + heads, hidden)}
+    if proj_bias:
+        out[m + "in_proj.bias"] = (inner + conv_dim + heads,)
+    out[m + "conv1d.weight"] = (conv_dim, 1, width)
+    if conv_bias:
+        out[m + "conv1d.bias"] = (conv_dim,)
+    out.update({m + "dt_bias": (heads,), m + "A_log": (heads,), m + "D": (heads,),
+                m + "norm.weight": (inner,), m + "out_proj.weight": (hidden, inner)})
+    if proj_bias:
+        out[m + "out_proj.bias"] = (hidden,)
+    return out
+
+
 def _require_positive(config: "ModelConfig", *names: str) -> None:
     for name in names:
         value = getattr(config, name)
@@ -688,21 +705,10 @@ class Mamba2ModelConfig(ModelConfig):
         out: dict[str, tuple[int, ...]] = {self.embedding_name: (V, Hd)}
         for i in range(self.num_layers):
             p = f"backbone.layers.{i}."
-            m = p + "mixer."
             out[p + "norm.weight"] = (Hd,)
-            out[m + "in_proj.weight"] = (inner + conv_dim + H, Hd)
-            if self.use_bias:
-                out[m + "in_proj.bias"] = (inner + conv_dim + H,)
-            out[m + "conv1d.weight"] = (conv_dim, 1, K)
-            if self.use_conv_bias:
-                out[m + "conv1d.bias"] = (conv_dim,)
-            out[m + "dt_bias"] = (H,)
-            out[m + "A_log"] = (H,)
-            out[m + "D"] = (H,)
-            out[m + "norm.weight"] = (inner,)
-            out[m + "out_proj.weight"] = (Hd, inner)
-            if self.use_bias:
-                out[m + "out_proj.bias"] = (Hd,)
+            out.update(_mamba_mixer_shapes(p + "mixer.", Hd, inner, conv_dim, H, K,
+                                           proj_bias=self.use_bias,
+                                           conv_bias=self.use_conv_bias))
         out["backbone.norm_f.weight"] = (Hd,)
         if not self.tie_word_embeddings:
             out["lm_head.weight"] = (V, Hd)
@@ -911,20 +917,9 @@ class GraniteHybridModelConfig(ModelConfig):
             p = f"model.layers.{i}."
             out[p + "input_layernorm.weight"] = (Hd,)
             if self.layer_types[i] == "mamba2":
-                m = p + "mamba."
-                out[m + "in_proj.weight"] = (inner + conv_dim + H, Hd)
-                if self.mamba_proj_bias:
-                    out[m + "in_proj.bias"] = (inner + conv_dim + H,)
-                out[m + "conv1d.weight"] = (conv_dim, 1, K)
-                if self.mamba_conv_bias:
-                    out[m + "conv1d.bias"] = (conv_dim,)
-                out[m + "dt_bias"] = (H,)
-                out[m + "A_log"] = (H,)
-                out[m + "D"] = (H,)
-                out[m + "norm.weight"] = (inner,)
-                out[m + "out_proj.weight"] = (Hd, inner)
-                if self.mamba_proj_bias:
-                    out[m + "out_proj.bias"] = (Hd,)
+                out.update(_mamba_mixer_shapes(p + "mamba.", Hd, inner, conv_dim, H, K,
+                                               proj_bias=self.mamba_proj_bias,
+                                               conv_bias=self.mamba_conv_bias))
             else:
                 a = p + "self_attn."
                 for name, rows in (("q_proj", q), ("k_proj", kv), ("v_proj", kv)):
