@@ -10,6 +10,7 @@ import time
 import numpy as np
 
 from statebridge.config import ConnectorConfig
+from statebridge.connector.messages import Message, message
 from statebridge.node import messages as nm
 from statebridge.state.layout import PageGeometry
 from statebridge.state.spec import StateSpec
@@ -105,3 +106,38 @@ class ExitingModel(SyntheticModel):
         if setup.tp_rank == 1:
             os._exit(3)
         super().__init__(setup, cache, kv)
+
+
+@message
+class PageQuery(Message):
+    """Test -> every decode rank: report what ``page`` and ``blocks`` hold right now."""
+    query: int
+    page: int
+    blocks: tuple[int, ...]
+    tokens: int
+
+
+@message
+class PageReport(Message):
+    query: int
+    tp_rank: int
+    checksum: str
+    kv_checksum: str
+
+
+class QueryModel(SyntheticModel):
+    """The synthetic model, answering :class:`PageQuery` with the page's and the blocks' checksums
+    as they are at that moment (long after the request that filled them completed)."""
+
+    def handlers(self) -> dict:
+        return {**super().handlers(), PageQuery: self.report}
+
+    def report(self, msg: PageQuery) -> PageReport:
+        from statebridge.connector.rank import kv_checksum
+        from statebridge.state.cache import page_checksum
+
+        return PageReport(query=msg.query, tp_rank=self.setup.tp_rank,
+                          checksum=page_checksum(self.cache.geometry,
+                                                 self.cache.page_bytes(msg.page)),
+                          kv_checksum=kv_checksum(self.kv, msg.blocks, msg.tokens)
+                          if msg.blocks else "")

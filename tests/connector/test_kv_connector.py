@@ -340,3 +340,67 @@ def test_decode_node_requests_waiting_for_kv_blocks_wait_in_order(pools, tmp_pat
             assert stats["coordinator"]["transfers_ok"] == 2 and stats["waiting"] == 0
             assert stats["coordinator"]["requests"] == 2          # the second one waited
             assert stats["coordinator"]["blocks_used"] == 0
+
+
+@pytest.mark.timeout(120)
+def test_frozen_prefill_rank_resumed_cannot_write_into_a_reused_page_or_blocks(pools,
+                                                                              monkeypatch):
+    """The receiver stays in control of its memory: a prefill rank SIGSTOPped while it
+    computes a request is declared lost, the decode side fails the request and reuses its page
+    and KV blocks (the pools hold exactly one request) for another request, then the rank is
+    SIGCONTed and sends what it computed. The other request's state and KV are byte for byte
+    what they were, checked on every decode rank long after the thaw."""
+    from tests.connector._helpers import PageQuery, PageReport
+
+    monkeypatch.setenv("STATEBRIDGE_TEST_PREFILL_DELAY", "1.0")
+    _, decode_hosts = pools
+    spec = KV_SPECS["hybrid-kv2"]
+    tokens = 3 * BS + 1                                   # 4 blocks: the decode pool's all
+    server = PrefillServer(spec, 2, "DLS", num_pages=2, config=FAST, block_size=BS,
+                           num_blocks=8, model=SLOW)      # spawned ranks: real processes
+    decode = DecodeCoordinator(spec, 2, "DLS", num_pages=1, config=FAST, block_size=BS,
+                               num_blocks=4, launcher=decode_hosts.launcher(), checksums=True,
+                               model="tests.connector._helpers:QueryModel")
+    reports: dict[int, list] = {}
+    decode.on_rank_message(PageReport, lambda rank, msg: reports.setdefault(
+        msg.query, []).append(msg))
+    frozen = server.handles[1].pid
+    try:
+        server.wait_ready()
+        decode.wait_ready()
+        decode.connect(server.address)
+        doomed, other = ids(2)
+        future = decode.submit(doomed, prompt_of(tokens))
+        time.sleep(0.3)                                   # rank 1 is inside its 1 s prefill
+        os.kill(frozen, signal.SIGSTOP)
+        with pytest.raises(PeerLostError):
+            future.result(timeout=FAST.peer_timeout + 10)
+        wait_until(lambda: decode.stats()["pages_used"] == 0
+                   and decode.stats()["blocks_used"] == 0, 10, "decode page and blocks freed")
+        # The only page and the only four blocks, now another request's (computed by the
+        # decode ranks themselves: the frozen group cannot serve).
+        result = decode.submit_local(other, prompt_of(tokens)).result(timeout=30)
+        assert result.page == 0 and sorted(result.blocks) == [0, 1, 2, 3]
+        want = [(expected_checksum(decode.geometry, other, r),
+                 expected_kv_checksum(spec, other, tokens, decode.tp_size, r))
+                for r in range(decode.tp_size)]
+
+        def held(query: int) -> list[tuple[str, str]]:
+            decode.loop.call(lambda: decode.to_ranks(PageQuery(
+                query=query, page=result.page, blocks=result.blocks, tokens=tokens)))
+            wait_until(lambda: len(reports.get(query, [])) == 2, 10, "decode ranks report")
+            return [(r.checksum, r.kv_checksum)
+                    for r in sorted(reports[query], key=lambda r: r.tp_rank)]
+
+        assert held(0) == want                            # the other request, before the thaw
+        os.kill(frozen, signal.SIGCONT)
+        time.sleep(2.5)              # the rank finishes its prefill and sends what it has
+        assert held(1) == want, "a page or KV block was written after the decode side freed it"
+        decode.release(result)
+    finally:
+        try:
+            os.kill(frozen, signal.SIGCONT)
+        except ProcessLookupError:
+            pass
+        server.close()
+        decode.close()
