@@ -10,15 +10,16 @@ Per request (N-1 protocol)::
       --RankRecv-->        every decode rank: post receives of its runs into the page
       --TransferRequest--> the prefill server (round robin over connected ones)
       <--RankDone--        every decode rank (all receives complete, or failed/cancelled)
-      future resolves to a TransferResult;  --TransferComplete--> prefill (its lease ends)
+      future resolves to a TransferResult (the prefill side freed its page when its own
+      ranks' sends completed: nothing to tell it)
     release(result)        the caller is done with the page (decoding finished)
 
 With attention KV (``spec.kv``) the request also takes ``blocks_for(len(prompt), block_size)``
 KV blocks (ids the same on every decode rank) with its page; ``TransferRequest`` carries that
-block table; RankRecv still goes out at once (recurrent receives; the ranks learn the
-attempt's generation in order) and, when the prefill server answers ``TransferAccepted`` with
-its own block table, ``RankKVRecv`` lets the ranks post the KV receives (the runs coalesce
-over both tables). A rank answers only when both completed. :meth:`DecodeCoordinator.grow`
+block table and ``RankRecv`` too: the prefill side takes one range of consecutive blocks, so
+the ranks post the recurrent AND the KV receives at once (the runs' sizes and order follow
+from the decode table and a contiguous source range alone). A rank answers when all
+completed. :meth:`DecodeCoordinator.grow`
 extends a completed request's table while it decodes; the blocks are freed with the page.
 
 Two ways in: :meth:`DecodeCoordinator.start` / :meth:`~DecodeCoordinator.free` /
@@ -353,8 +354,6 @@ class DecodeCoordinator(RankGroup):
                      peer.plan.messages_per_request, peer.plan.bytes_per_request)
             self._redialed(peer)
             peer.event.set()
-        elif isinstance(msg, m.TransferAccepted):
-            self._on_accepted(peer, msg)
         elif isinstance(msg, m.TransferFailed):
             record = self.ledger.get(RequestKey(peer.node_id, msg.request_id, msg.generation))
             if record is None:
@@ -375,23 +374,6 @@ class DecodeCoordinator(RankGroup):
             pass
         else:
             self.counters.add("unexpected_messages")
-
-    def _on_accepted(self, peer: _Prefill, msg: m.TransferAccepted) -> None:
-        """The prefill server holds the request's blocks: the decode ranks post the KV
-        receives (the runs need both block tables)."""
-        record = self.ledger.get(RequestKey(peer.node_id, msg.request_id, msg.generation))
-        if record is None or record.peer is not peer or record.phase is not Phase.ACTIVE:
-            self.counters.add("stale_messages")      # failed meanwhile: its ranks cancelled
-            return
-        if len(msg.src_blocks) != len(record.blocks):
-            self._fail(record, FailureKind.TRANSFER_ERROR,
-                       f"prefill {peer.node_id} accepted with {len(msg.src_blocks)} KV blocks "
-                       f"for {len(record.blocks)}", notify=True)
-            return
-        kv_recv = m.RankKVRecv(peer_node=peer.node_id, request_id=msg.request_id,
-                               generation=msg.generation, src_blocks=msg.src_blocks)
-        for r in self.ledger.pending_ranks(record):
-            self.to_rank(r, kv_recv)
 
     def _handshake_failed(self, peer: _Prefill, error: Exception) -> None:
         peer.state = "failed"
@@ -648,10 +630,6 @@ class DecodeCoordinator(RankGroup):
             kv_checksums=tuple(d.kv_checksum for d in done) if record.blocks else ())
         self.counters.add("transfers_ok")
         self.counters.add("bytes", result.nbytes)
-        peer = record.peer
-        if peer is not None and peer.state == "ready":
-            c.send_dealer(peer.sock, m.TransferComplete(request_id=record.request_id,
-                                                        generation=record.generation))
         self._report(record, result, None)
 
     def _report(self, record: Record, result: "TransferResult | None",

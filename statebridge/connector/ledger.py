@@ -16,7 +16,7 @@ One lifecycle
 -------------
 ::
 
-    ACTIVE --every rank answered ok--> DONE --(prefill: decode confirmed / decode: released)--> freed
+    ACTIVE --every rank answered ok--> DONE --(prefill: at once / decode: released)--> freed
        \\--first failure--> FAILED --every live rank confirmed nothing touches the page--> freed
 
 A page -- and the request's KV blocks, freed with it -- is freed only when no rank can still
@@ -70,7 +70,6 @@ class Record:
     phase: Phase = Phase.ACTIVE
     done: dict[int, m.RankDone] = field(default_factory=dict)   # rank -> its answer
     failure: tuple[FailureKind, str] | None = None
-    confirmed: bool = False                          # the prefill side's lease ended (decode ok)
     #: What the request produced once DONE (the decode side's TransferResult).
     result: object = None
     #: The side's handle of the node on the other side (the connection it came from).
@@ -119,10 +118,10 @@ class Ledger:
         return [r for r in self._records.values() if r.key.peer_node == peer_node]
 
     def open(self, key: RequestKey, deadline: float, peer: object = None, *,
-             num_blocks: int = 0) -> Record:
-        """Allocate the request's page and ``num_blocks`` KV blocks
-        (:class:`~statebridge.errors.CacheFullError` naming the numbers when either is short:
-        back-pressure; nothing is held then) and track it."""
+             num_blocks: int = 0, contiguous: bool = False) -> Record:
+        """Allocate the request's page and ``num_blocks`` KV blocks (``contiguous``: one range
+        of consecutive ids) (:class:`~statebridge.errors.CacheFullError` naming the numbers
+        when either is short: back-pressure; nothing is held then) and track it."""
         if key in self._records:
             raise ConfigError(f"request {key} is already tracked")
         if num_blocks and self.blocks is None:
@@ -132,7 +131,7 @@ class Ledger:
         blocks: list[int] = []
         if num_blocks:
             try:
-                blocks = self.blocks.allocate(num_blocks)
+                blocks = self.blocks.allocate(num_blocks, contiguous=contiguous)
             except BaseException:
                 self.pool.free(page)
                 raise

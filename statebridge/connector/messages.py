@@ -18,12 +18,13 @@ The compatibility hash (:func:`compat_hash`) covers the protocol version and the
 (model dims, segments, state_len, dtypes). Page layouts are NOT in it on purpose: the two sides
 may use different layouts (the transfer plan stages those); they travel in ``GroupInfo``.
 
-Per request (N-1 protocol, see DESIGN.md): ``TransferRequest`` decode -> prefill,
-``TransferComplete`` / ``TransferFailed`` / ``Abort`` either way; ``Heartbeat`` both ways.
-For a spec with attention KV (``spec.kv``) the prefill server also answers
-``TransferAccepted`` with its block table once it holds the request's page and blocks: the
-KV runs coalesce across BOTH block tables, so the decode ranks post their KV receives
-(``RankKVRecv``) only then. Specs without KV send exactly the messages of version 2.
+Per request (N-1 protocol, see DESIGN.md): ``TransferRequest`` decode -> prefill, then only
+``TransferFailed`` / ``Abort`` (either way) when something fails; ``Heartbeat`` both ways. A
+success needs no word between the nodes: the decode side learns it from its ranks, the
+prefill side from its own (version 4 dropped ``TransferComplete``). For a spec with attention
+KV (``spec.kv``) the request carries the decode block table and the prefill side takes one
+contiguous range, so the decode ranks post the KV receives with the recurrent ones (version 4
+dropped the ``TransferAccepted`` / ``RankKVRecv`` round trip of version 3).
 Inside a group, the coordinator and its rank processes use the ``Rank*`` messages. A request
 attempt is named on every process by its :class:`~statebridge.connector.ledger.RequestKey`:
 the node on the other side of the transfer (``peer_node``), the request id, and the generation
@@ -48,13 +49,13 @@ from statebridge.errors import IncompatiblePeerError, ProtocolError
 __all__ = [
     "PROTOCOL_VERSION", "MAX_MESSAGE_BYTES", "Message", "message", "encode", "decode",
     "compat_hash", "MESSAGE_TYPES",
-    "Hello", "Reject", "GroupInfo", "TransferRequest", "TransferComplete", "TransferFailed",
-    "Abort", "Heartbeat", "Error", "Goodbye", "TransferAccepted",
-    "RankHello", "RankConnect", "RankPrefill", "RankRecv", "RankKVRecv", "RankDone", "RankCancel",
+    "Hello", "Reject", "GroupInfo", "TransferRequest", "TransferFailed",
+    "Abort", "Heartbeat", "Error", "Goodbye",
+    "RankHello", "RankConnect", "RankPrefill", "RankRecv", "RankDone", "RankCancel",
     "RankShutdown", "RankLocalPrefill", "RankFailed",
 ]
 
-PROTOCOL_VERSION = 3
+PROTOCOL_VERSION = 4
 #: Default largest message accepted by :func:`decode` (a prompt of 1M tokens fits).
 MAX_MESSAGE_BYTES = 16 * 1024 * 1024
 
@@ -179,23 +180,6 @@ class TransferRequest(Message):
 
 
 @message
-class TransferAccepted(Message):
-    """Prefill -> decode, only for a spec with KV: the server holds the request's page and
-    ``src_blocks`` (its block table, as long as the decode table); the decode ranks can now
-    post their KV receives (their runs depend on both tables)."""
-    request_id: str
-    generation: int
-    src_blocks: tuple[int, ...]
-
-
-@message
-class TransferComplete(Message):
-    """Decode -> prefill: every decode rank holds the state; the lease can end."""
-    request_id: str
-    generation: int
-
-
-@message
 class TransferFailed(Message):
     """Either way: the request's transfer failed; ``kind`` is a TransferError kind."""
     request_id: str
@@ -278,25 +262,14 @@ class RankPrefill(Message):
 @message
 class RankRecv(Message):
     """Decode coordinator -> rank: post the receives of a request from prefill node
-    ``peer_node`` into ``page``. With ``blocks`` (the request's KV block table, KV of
-    ``kv_tokens`` tokens) the rank also waits for the request's :class:`RankKVRecv` before it
-    can answer."""
+    ``peer_node`` into ``page``, and with ``blocks`` (the request's KV block table, KV of
+    ``kv_tokens`` tokens) the KV receives too (the source table is one contiguous range)."""
     request_id: str
     generation: int
     page: int
     peer_node: str
     blocks: tuple[int, ...] = ()
     kv_tokens: int = 0
-
-
-@message
-class RankKVRecv(Message):
-    """Decode coordinator -> rank, after the request's RankRecv: the prefill side's block
-    table is known; post the KV receives into the request's blocks."""
-    peer_node: str
-    request_id: str
-    generation: int
-    src_blocks: tuple[int, ...]
 
 
 @message

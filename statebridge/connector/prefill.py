@@ -7,18 +7,20 @@ Per request (N-1 protocol)::
 
     decode --TransferRequest--> server: allocate one page id (same on every rank)
                                 server --RankPrefill--> every rank: compute state, send runs
-                                every rank --RankDone--> server (sends complete or failed)
-    decode --TransferComplete--> server: lease ends, page freed
+                                every rank --RankDone--> server (sends complete or failed):
+                                page freed (the decode side took every byte or failed)
 
 With attention KV (``spec.kv``) the request also carries the decode side's block table
 (``TransferRequest.kv_blocks``); the server allocates as many blocks of its own with the page
-(a request waits for pages AND blocks), answers ``TransferAccepted(src_blocks)`` so the decode
-ranks can post their KV receives, and its ranks send the KV runs after the recurrent ones.
+(a request waits for pages AND blocks), always ONE range of consecutive ids, so the decode
+ranks know the runs from their own table alone (the runs' sizes and order depend on where
+either table breaks, not on where the source range starts) and post their KV receives with
+the recurrent ones, without a round trip. Its ranks send the KV runs after the recurrent ones.
 The blocks are freed with the page.
 
-The page is held under a lease of ``lease_timeout`` seconds: if the decode side neither
-confirms nor aborts in time (it vanished), the ranks cancel their sends and the page is freed
-once every rank confirmed the cancel. A decode peer that goes silent for ``peer_timeout``
+The page is held under a lease of ``lease_timeout`` seconds: if its sends do not complete in
+time (the decode side vanished before posting its receives), the ranks cancel them and the
+page is freed once every rank confirmed the cancel. A decode peer that goes silent for ``peer_timeout``
 seconds (or says Goodbye) has all its requests cancelled; a prefill rank that dies fails every
 request in flight with ``peer_lost`` and the server refuses new requests (the group is broken;
 start a fresh one).
@@ -91,16 +93,14 @@ class PrefillServer(RankGroup):
             self._on_group_info(identity, msg)
         elif isinstance(msg, m.TransferRequest):
             self._on_transfer_request(peer, msg)
-        elif isinstance(msg, m.TransferComplete):
-            self._on_complete(peer, msg)
         elif isinstance(msg, m.Abort):
             record = self._record(peer, msg.request_id, msg.generation)
             if record is not None:
                 self.counters.add("aborted_by_peer")
                 self._fail(record, FailureKind.ABORTED, f"aborted by decode: {msg.reason}",
                            notify=False)
-            else:
-                self._drop_waiting(peer, msg.request_id, msg.generation)
+            elif not self._drop_waiting(peer, msg.request_id, msg.generation):
+                self.counters.add("stale_aborts")        # finished (or failed) already
         elif isinstance(msg, m.Goodbye):
             self._peer_lost(identity, "said goodbye")
         elif isinstance(msg, m.Heartbeat):
@@ -215,17 +215,13 @@ class PrefillServer(RankGroup):
         key = RequestKey(peer.node_id, msg.request_id, msg.generation)
         try:
             record = self.ledger.open(key, time.monotonic() + self.config.lease_timeout, peer,
-                                      num_blocks=len(msg.kv_blocks))
+                                      num_blocks=len(msg.kv_blocks), contiguous=True)
         except CacheFullError:                    # callers checked; never lose the request
             self.waiting.appendleft((peer, msg))
             return
         peer.inflight += 1
         self.counters.add("requests")
         src_blocks = tuple(record.blocks)
-        if src_blocks:
-            # First: the decode ranks post their KV receives once they know this table.
-            c.send_router(self.router, peer.identity, m.TransferAccepted(
-                request_id=msg.request_id, generation=msg.generation, src_blocks=src_blocks))
         self.to_ranks(m.RankPrefill(request_id=msg.request_id, generation=msg.generation,
                                     prompt=msg.prompt, src_page=record.page,
                                     peer_node=peer.node_id, src_blocks=src_blocks,
@@ -233,9 +229,9 @@ class PrefillServer(RankGroup):
                                     if self.spec.kv is not None else 0))
 
     def _fits(self, msg: m.TransferRequest) -> bool:
-        """Whether a page and the request's KV blocks are free now."""
+        """Whether a page and the request's KV blocks (one range) are free now."""
         return bool(self.pool.num_free) and (
-            not msg.kv_blocks or len(msg.kv_blocks) <= self.blocks.num_free)
+            not msg.kv_blocks or len(msg.kv_blocks) <= self.blocks.largest_free_range())
 
     def _reject(self, peer: _Peer, msg: m.TransferRequest, kind: FailureKind,
                 reason: str) -> None:
@@ -244,10 +240,13 @@ class PrefillServer(RankGroup):
             request_id=msg.request_id, generation=msg.generation, kind=kind.value,
             message=reason))
 
-    def _drop_waiting(self, peer: _Peer, request_id: str, generation: int) -> None:
+    def _drop_waiting(self, peer: _Peer, request_id: str, generation: int) -> bool:
+        """Drop a queued request; False if it was not queued."""
+        before = len(self.waiting)
         self.waiting = collections.deque(
             (p, w) for p, w in self.waiting
             if not (p is peer and w.request_id == request_id and w.generation == generation))
+        return len(self.waiting) < before
 
     def _on_rank_done(self, rank: int, msg: m.RankDone) -> None:
         record = self.ledger.answer(rank, msg)
@@ -258,14 +257,6 @@ class PrefillServer(RankGroup):
         if msg.kind and record.failure is None:
             self._fail(record, FailureKind.parse(msg.kind),
                        f"prefill rank {rank}: {msg.message}", notify=True)
-        self._maybe_free(record)
-
-    def _on_complete(self, peer: _Peer, msg: m.TransferComplete) -> None:
-        record = self._record(peer, msg.request_id, msg.generation)
-        if record is None:
-            self.counters.add("stale_completions")
-            return
-        record.confirmed = True
         self._maybe_free(record)
 
     def _fail(self, record: Record, kind: FailureKind, message: str, *, notify: bool,
@@ -281,11 +272,9 @@ class PrefillServer(RankGroup):
         self._maybe_free(record)
 
     def _maybe_free(self, record: Record) -> None:
-        """Free the page once no rank can still send from it and the lease is over (the decode
-        side confirmed, or the request failed)."""
-        if not self.ledger.quiet(record):
-            return
-        if record.phase is not Phase.FAILED and not record.confirmed:
+        """Free the page once no rank can still send from it: every rank's sends completed
+        (the request is DONE) or the request failed and every live rank confirmed."""
+        if not self.ledger.quiet(record) or record.phase is Phase.ACTIVE:
             return
         if not self.ledger.free(record):
             return                                   # freed already (callers may re-check)
@@ -309,11 +298,10 @@ class PrefillServer(RankGroup):
             self._peer_lost(identity, f"silent for {self.config.peer_timeout} s")
         now = time.monotonic()
         for record in self.ledger:
-            if record.phase is not Phase.FAILED and not record.confirmed \
-                    and now > record.deadline:
+            if record.phase is Phase.ACTIVE and now > record.deadline:
                 self.counters.add("leases_expired")
                 self._fail(record, FailureKind.TIMEOUT, f"lease of {self.config.lease_timeout} "
-                                                        f"s expired without confirmation",
+                                                        f"s expired before the sends completed",
                            notify=True)
 
     def _peer_lost(self, identity: bytes, why: str) -> None:

@@ -3,7 +3,7 @@
 A rank owns its :class:`~statebridge.state.cache.StateCache` (page memory) and its
 :class:`~statebridge.connector.data.Transport` (UCX worker). It talks only to its group's
 coordinator over one DEALER socket: it announces itself (``RankHello`` with its UCX address),
-heartbeats, and executes ``RankConnect`` / ``RankPrefill`` / ``RankRecv`` / ``RankKVRecv`` /
+heartbeats, and executes ``RankConnect`` / ``RankPrefill`` / ``RankRecv`` /
 ``RankCancel``,
 answering each request with exactly one ``RankDone`` -- sent only once nothing of the request
 can still touch the page (transfers complete or cancelled). A request is named by its
@@ -196,7 +196,6 @@ class _Pending:
     failure: tuple[str, str] | None = None
     blocks: tuple[int, ...] = ()       # the request's KV blocks on this rank's side
     kv_tokens: int = 0
-    awaiting_kv: bool = False          # decode: the KV receives wait for RankKVRecv
 
 
 class RankWorker:
@@ -329,7 +328,6 @@ class RankWorker:
             m.RankConnect: self._on_connect,
             m.RankPrefill: self._on_prefill,
             m.RankRecv: self._on_recv,
-            m.RankKVRecv: self._on_kv_recv,
             m.RankCancel: self._on_cancel,
             m.RankLocalPrefill: self._on_local_prefill,
             m.RankShutdown: lambda msg: self.loop.request_stop(),
@@ -591,11 +589,9 @@ class RankWorker:
         (receives posted with delayed submission match a little later), else rejected at once.
         A prefill rank posts no receives: nothing may arrive.
 
-        Attention KV (specs with KV) keeps this true: RankRecv still goes out at ``start``, in
-        generation order (it posts the recurrent receives and makes the attempt pending); only
-        the KV receives wait for RankKVRecv (the prefill side's block table). KV runs that
-        arrive before it belong to a pending attempt, so they wait out the grace period --
-        ``peer_timeout``, while the table is one control-plane hop behind.
+        Attention KV (specs with KV) keeps this true: RankRecv posts the KV receives with the
+        recurrent ones (the prefill side's block table is one contiguous range, so the runs
+        follow from the decode table alone).
         """
         if self.setup.role != "decode":
             return False
@@ -617,31 +613,18 @@ class RankWorker:
                 self._done(key, FailureKind.TRANSFER_ERROR, str(e))
                 return
         pending = _Pending(key, msg.page, [], time.perf_counter(), blocks=msg.blocks,
-                           kv_tokens=msg.kv_tokens, awaiting_kv=bool(msg.blocks))
+                           kv_tokens=msg.kv_tokens)
         self._post_routes(pending, routes, "recv", self.cache.page_offset(msg.page))
-
-    def _on_kv_recv(self, msg: m.RankKVRecv) -> None:
-        """The prefill side's block table of a request whose recurrent receives are posted:
-        post its KV receives (the request settles once they complete too)."""
-        key = RequestKey(msg.peer_node, msg.request_id, msg.generation)
-        p = self.pending.get(key)
-        if p is None or not p.awaiting_kv:
-            self.counters.add("stale_kv_recv")        # failed or cancelled meanwhile
-            return
-        p.awaiting_kv = False
-        if p.failure is not None:
-            return
-        try:
-            if len(msg.src_blocks) != len(p.blocks):
-                from statebridge.errors import ConfigError
-                raise ConfigError(f"prefill block table of {len(msg.src_blocks)} blocks for "
-                                  f"{len(p.blocks)} decode blocks")
-            self._post_kv(p, msg.peer_node, "recv", msg.src_blocks, p.blocks)
-        except StatebridgeError as e:
-            p.failure = (kind_of(e).value, f"posting KV receives failed: {e}")
-            for h in p.handles:
-                if not h.done():
-                    h.cancel()
+        if msg.blocks and pending.key in self.pending:
+            try:
+                # The source range's start does not change the runs' sizes or order.
+                self._post_kv(pending, msg.peer_node, "recv", tuple(range(len(msg.blocks))),
+                              msg.blocks)
+            except StatebridgeError as e:                 # settled by the next poll
+                pending.failure = (kind_of(e).value, f"posting KV receives failed: {e}")
+                for h in pending.handles:
+                    if not h.done():
+                        h.cancel()
 
     def _on_cancel(self, msg: m.RankCancel) -> None:
         if msg.lost_node:
@@ -659,7 +642,6 @@ class RankWorker:
             self._done(key, kind, msg.reason)
             return
         pending.failure = (kind, msg.reason)
-        pending.awaiting_kv = False
         for h in pending.handles:
             if not h.done():
                 h.cancel()
@@ -689,8 +671,7 @@ class RankWorker:
             self._next_full_scan = now + _FULL_SCAN_S
         for key, p in self.pending.items():
             handles = p.handles
-            if not p.awaiting_kv and (not handles or handles[-1].finished()
-                                      and all(h.finished() for h in handles)):
+            if not handles or handles[-1].finished() and all(h.finished() for h in handles):
                 ready.append(key)
             else:
                 misses += 1
@@ -707,7 +688,6 @@ class RankWorker:
         for p in self.pending.values():
             if p.failure is None and now - p.started > limit:
                 p.failure = (FailureKind.TIMEOUT.value, f"transfer not done after {limit} s")
-                p.awaiting_kv = False
                 for h in p.handles:
                     if not h.done():
                         h.cancel()

@@ -201,15 +201,33 @@ class BlockPool:
         starts, stops = np.nonzero(edges == 1)[0], np.nonzero(edges == -1)[0]
         return [(int(a), int(b - a)) for a, b in zip(starts, stops)]
 
-    def allocate(self, count: int, *, after: int | None = None) -> list[int]:
+    def largest_free_range(self) -> int:
+        """Length of the longest run of consecutive free block ids."""
+        return max((n for _, n in self._free_ranges()), default=0)
+
+    def allocate(self, count: int, *, after: int | None = None,
+                 contiguous: bool = False) -> list[int]:
         """``count`` block ids (CacheFullError naming wanted / free / total when fewer are
         free; nothing is taken then). ``after``: a block the request already owns -- the
-        blocks right after it come first, so a growing table stays contiguous."""
+        blocks right after it come first, so a growing table stays contiguous.
+        ``contiguous``: one range of consecutive ids or CacheFullError (the prefill side's
+        tables, so that the decode side knows the runs without being told the table)."""
         if not isinstance(count, int) or isinstance(count, bool) or count < 0:
             raise ConfigError(f"block count must be a non-negative integer, got {count!r}")
         if count > self.num_free:
             raise CacheFullError(f"{count} KV blocks wanted, {self.num_free} free of "
                                  f"{self.num_blocks}")
+        if contiguous and count:
+            ranges = self._free_ranges()
+            fit = [a for a, n in ranges if n >= count]
+            if not fit:
+                raise CacheFullError(
+                    f"{count} contiguous KV blocks wanted, longest free range "
+                    f"{max(n for _, n in ranges)} ({self.num_free} free of {self.num_blocks})")
+            out = list(range(fit[0], fit[0] + count))
+            self._used[out] = True
+            self._num_used += count
+            return out
         out: list[int] = []
         if count and after is not None and 0 <= after < self.num_blocks - 1:
             b = after + 1

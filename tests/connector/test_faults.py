@@ -15,7 +15,7 @@ from statebridge.connector import control as c
 from statebridge.connector import messages as m
 from statebridge.connector.decode import DecodeCoordinator
 from statebridge.connector.prefill import PrefillServer
-from statebridge.errors import AbortedError, IncompatiblePeerError, PeerLostError
+from statebridge.errors import AbortedError, IncompatiblePeerError, PeerLostError, TransferError
 from statebridge.state.spec import StateSpec
 from statebridge.testing.hosts import RankHostPool
 
@@ -127,9 +127,12 @@ def test_sigkill_decode_rank_fails_its_requests_and_frees_prefill_pages(prefill_
 
 
 @pytest.mark.timeout(120)
-def test_lease_expiry_frees_prefill_pages_when_decode_vanishes(prefill_hosts, monkeypatch):
+def test_prefill_pages_free_when_the_sends_complete_even_if_decode_vanishes(prefill_hosts,
+                                                                            monkeypatch):
+    """The prefill side frees a page when its own ranks' sends completed: the decode
+    coordinator vanishing right after submitting (its ranks still receive) costs no lease."""
     monkeypatch.setenv("STATEBRIDGE_TEST_PREFILL_DELAY", "0.5")
-    config = FAST.replace(lease_timeout=2.0, peer_timeout=60.0)
+    config = FAST.replace(lease_timeout=30.0, peer_timeout=60.0)
     server = PrefillServer(SPEC, 2, "LDS", num_pages=8, config=config, model=SLOW,
                            launcher=prefill_hosts.launcher())
     decode = DecodeCoordinator(SPEC, 2, "LDS", num_pages=8, config=config)   # spawned ranks
@@ -138,15 +141,55 @@ def test_lease_expiry_frees_prefill_pages_when_decode_vanishes(prefill_hosts, mo
         decode.connect(server.address)
         for rid in ids(3):
             decode.submit(rid, [1, 2])
-        # The decode coordinator vanishes without a word before confirming anything (its ranks
-        # still receive, so the prefill sends complete and only the lease can end the hold).
-        decode.loop.request_stop()
+        decode.loop.request_stop()                   # gone without a word
         wait_until(lambda: server.stats()["pages_used"] == 3, 5, "prefill pages held")
-        took = wait_until(lambda: server.stats()["pages_used"] == 0, 15, "lease expiry")
-        stats = server.stats()
-        assert stats["leases_expired"] == 3
-        assert took < config.lease_timeout + 5
+        took = wait_until(lambda: server.stats()["pages_used"] == 0, 15, "sends complete")
+        assert took < 10 and server.stats().get("leases_expired", 0) == 0
     finally:
+        server.close()
+        decode.close()
+
+
+#: Runs of 16-64 KiB: rendezvous sends, which complete only once the receiver takes them.
+BIG = StateSpec.from_config(
+    {"model_type": "mamba2", "hidden_size": 128, "expand": 2, "head_dim": 16, "state_size": 64,
+     "n_groups": 1, "conv_kernel": 4, "num_hidden_layers": 2, "torch_dtype": "float32"})
+
+
+@pytest.mark.timeout(120)
+def test_lease_expiry_frees_prefill_pages_when_the_decode_ranks_freeze(prefill_hosts,
+                                                                       monkeypatch):
+    """Decode ranks frozen (SIGSTOP) before they take the data: the prefill sends cannot
+    complete, the lease ends them, and the pages come back once every prefill rank cancelled."""
+    monkeypatch.setenv("STATEBRIDGE_TEST_PREFILL_DELAY", "0.5")
+    config = FAST.replace(lease_timeout=2.0, peer_timeout=60.0, transfer_timeout=60.0)
+    server = PrefillServer(BIG, 2, "DLS", num_pages=8, config=config, model=SLOW,
+                           launcher=prefill_hosts.launcher())
+    decode = DecodeCoordinator(BIG, 2, "DLS", num_pages=8, config=config)   # spawned ranks
+    frozen = [h.pid for h in decode.handles]
+    try:
+        server.wait_ready()
+        decode.wait_ready()
+        decode.connect(server.address)
+        futures = [decode.submit(rid, [1, 2]) for rid in ids(3)]
+        time.sleep(0.2)                              # every receive posted; prefills running
+        for pid in frozen:
+            os.kill(pid, signal.SIGSTOP)
+        wait_until(lambda: server.stats()["pages_used"] == 3, 5, "prefill pages held")
+        took = wait_until(lambda: server.stats()["pages_used"] == 0, 20, "lease expiry")
+        assert server.stats()["leases_expired"] == 3
+        assert took < config.lease_timeout + 10
+        for pid in frozen:
+            os.kill(pid, signal.SIGCONT)
+        for f in futures:                            # the decode side hears the timeout
+            with pytest.raises(TransferError):
+                f.result(timeout=30)
+    finally:
+        for pid in frozen:
+            try:
+                os.kill(pid, signal.SIGCONT)
+            except ProcessLookupError:
+                pass
         server.close()
         decode.close()
 
@@ -241,14 +284,14 @@ def test_stale_generation_messages_are_ignored(prefill_hosts, decode_hosts, monk
         future = decode.submit(rid, [2])                      # same id, new generation
         generation = decode.loop.call(lambda: decode.current[rid].generation)
         peer = decode.loop.call(lambda: decode.prefills[node])
-        # A completion and a failure for the OLD generation arrive while the new one runs.
-        decode.loop.call(lambda: c.send_dealer(peer.sock, m.TransferComplete(
-            request_id=rid, generation=generation - 1)))
+        # An abort and a failure for the OLD generation arrive while the new one runs.
+        decode.loop.call(lambda: c.send_dealer(peer.sock, m.Abort(
+            request_id=rid, generation=generation - 1, reason="stale")))
         identity = server.loop.call(lambda: next(iter(server.peers)))
         server.loop.call(lambda: c.send_router(server.router, identity, m.TransferFailed(
             request_id=rid, generation=generation - 1, kind="peer_lost", message="stale")))
         check_ok(decode, future, rid)
-        wait_until(lambda: server.stats().get("stale_completions", 0) == 1, 5,
-                   "stale completion counted")
+        wait_until(lambda: server.stats().get("stale_aborts", 0) == 1, 5,
+                   "stale abort counted")
         assert decode.stats().get("stale_messages", 0) == 1
         wait_until(lambda: server.stats()["pages_used"] == 0, 10, "prefill pages freed")
