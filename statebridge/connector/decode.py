@@ -394,6 +394,7 @@ class DecodeCoordinator(RankGroup):
             self.to_rank(r, kv_recv)
 
     def _handshake_failed(self, peer: _Prefill, error: Exception) -> None:
+        self.counters.add("refused_peers")
         peer.state = "failed"
         peer.error = error
         self._drop_prefill(peer, str(error))
