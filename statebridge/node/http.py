@@ -44,7 +44,7 @@ import zmq.asyncio
 from statebridge.config import HttpConfig
 from statebridge.connector import control as c
 from statebridge.connector import messages as m
-from statebridge.errors import (ConfigError, FailureKind, InvalidRequestError, ProtocolError,
+from statebridge.errors import (FailureKind, InvalidRequestError, ProtocolError,
                                 StartupError)
 from statebridge.node import messages as nm
 from statebridge.node.text import NoChatTemplateError, TextTokenizer
