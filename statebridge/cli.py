@@ -6,6 +6,7 @@
                                 [--preset tiny|small]
     statebridge prefill --model DIR --tp P --port N [--layout DLS]
     statebridge decode --model DIR --tp D --prefill HOST:PORT [--prefill ...] --port M
+                       [--http-port H [--http-host HOST] [--api-key KEY]]
     statebridge generate --decode HOST:PORT --prompt-ids 1,2,3 [--max-new-tokens K] [--json]
     statebridge plan --model DIR_OR_CONFIG_JSON --prefill-tp P --decode-tp D --layout DLS [--json]
     statebridge bench --preset mamba2-2.7b --pairs 2x4,4x2 --layouts DLS,LDS,LSD --json FILE
@@ -236,6 +237,17 @@ def _node_config(args: argparse.Namespace):
         "rank_model", "kv_layout", "block_size", "kv_blocks", "kv_memory")})
 
 
+def _http_config(args: argparse.Namespace):
+    """The HTTP front door's settings (None without --http-port); STATEBRIDGE_API_KEY when
+    --api-key is not given."""
+    from statebridge.config import HttpConfig
+
+    if args.http_port is None:
+        return None
+    return HttpConfig.from_env(port=args.http_port, host=args.http_host, api_key=args.api_key,
+                               served_model_name=args.served_model_name)
+
+
 def _stop_on_signal() -> threading.Event:
     """An event set by SIGINT/SIGTERM. Installed before a node starts, so a signal that arrives
     while it starts (or right after it says ready) still shuts it down cleanly."""
@@ -271,12 +283,16 @@ def _cmd_decode(args: argparse.Namespace) -> int:
 
     stop = _stop_on_signal()
     node = DecodeNode(args.model, args.tp, args.prefill, port=args.port,
-                      node=_node_config(args), config=_config(args))
+                      node=_node_config(args), config=_config(args), http=_http_config(args))
     # Up now; it serves once a prefill node answers (it keeps dialling them meanwhile, and
     # clients asking get not_ready with the reason).
     print(node.coordinator.memory_line(), flush=True)
     ready, why = node.status()
     state = f"prefill {', '.join(args.prefill)}" if ready else f"not serving yet: {why}"
+    if node.http is not None:
+        print(f"OpenAI-compatible HTTP API on {node.http.url}/v1 (model "
+              f"{node.http.model_name!r}{', API key required' if node.http.keyed else ''})",
+              flush=True)
     print(f"decode node {'ready' if ready else 'up'} on {node.address} (TP {args.tp}, "
           f"{node.node_config.layout}, {state})", flush=True)
     try:
@@ -387,8 +403,22 @@ def _add_nodes(sub: argparse._SubParsersAction) -> None:
                    help="requests per decode step (default 32)")
     p.add_argument("--max-prompt-len", type=_positive_int, default=None,
                    help="longest prompt accepted (default 8192)")
+    p.add_argument("--max-new-tokens", type=_positive_int, default=None,
+                   help="most tokens a request may generate (default 4096)")
     p.add_argument("--policy", choices=("fail", "recompute"), default=None,
                    help="when a transfer fails: error to the client, or prefill locally")
+    p.add_argument("--http-port", type=_non_negative_int, default=None, metavar="PORT",
+                   help="also serve the OpenAI-compatible HTTP API (/v1/completions, "
+                        "/v1/chat/completions, /v1/models, /health, /metrics) on PORT; needs "
+                        "the checkpoint's tokenizer")
+    p.add_argument("--http-host", default=None, metavar="HOST",
+                   help="address the HTTP API binds (default: --host)")
+    p.add_argument("--api-key", default=None, metavar="KEY",
+                   help="require Authorization: Bearer KEY on /v1/* (default "
+                        "$STATEBRIDGE_API_KEY; none: open)")
+    p.add_argument("--served-model-name", default=None, metavar="NAME",
+                   help="the model's name in the HTTP API (default: the checkpoint "
+                        "directory's name)")
     _config_args(p)
     p.set_defaults(func=_cmd_decode)
 

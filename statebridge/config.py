@@ -10,7 +10,7 @@ from typing import Mapping
 
 from statebridge.errors import ConfigError
 
-__all__ = ["ConnectorConfig", "NodeConfig"]
+__all__ = ["ConnectorConfig", "NodeConfig", "HttpConfig"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -161,6 +161,62 @@ class NodeConfig:
     def replace(self, **changes) -> "NodeConfig":
         """A copy with the given fields changed; None leaves a field as it is (unset flags)."""
         return dataclasses.replace(self, **{k: v for k, v in changes.items() if v is not None})
+
+
+@dataclass(frozen=True, slots=True)
+class HttpConfig:
+    """The decode node's OpenAI-compatible HTTP front door (``statebridge decode --http-port``).
+
+    - ``port``: None serves no HTTP; 0 picks a free port.
+    - ``host``: the address it binds; empty: the node's ``bind_host``.
+    - ``api_key``: when set, ``/v1/*`` requires ``Authorization: Bearer <api_key>``
+      (``STATEBRIDGE_API_KEY``); ``/health`` and ``/metrics`` stay open, as in vLLM.
+    - ``served_model_name``: the model's name in ``/v1/models`` and requests; empty: the
+      checkpoint directory's name.
+    - ``max_inflight``: HTTP generations at once; beyond it 429 with ``Retry-After`` (0: four
+      times the node's pages).
+    - ``default_max_tokens``: ``max_tokens`` of a request that gives none (OpenAI's 16).
+    - ``node_timeout``: seconds without a word from the decode node before a request fails.
+    """
+
+    port: int | None = None
+    host: str = ""
+    api_key: str = ""
+    served_model_name: str = ""
+    max_inflight: int = 0
+    default_max_tokens: int = 16
+    node_timeout: float = 120.0
+
+    def __post_init__(self) -> None:
+        if self.port is not None and (not isinstance(self.port, int) or
+                                      isinstance(self.port, bool) or not 0 <= self.port < 65536):
+            raise ConfigError(f"http port must be in [0, 65535], got {self.port!r}")
+        for name in ("host", "api_key", "served_model_name"):
+            if not isinstance(getattr(self, name), str):
+                raise ConfigError(f"{name} must be a string, got {getattr(self, name)!r}")
+        for name in ("max_inflight", "default_max_tokens"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0 or (
+                    name == "default_max_tokens" and value == 0):
+                raise ConfigError(f"{name} must be a {'positive' if name[0] == 'd' else 'non-negative'} "
+                                  f"integer, got {value!r}")
+        if not isinstance(self.node_timeout, (int, float)) or self.node_timeout <= 0:
+            raise ConfigError(f"node_timeout must be a positive number of seconds, got "
+                              f"{self.node_timeout!r}")
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None, **overrides) -> "HttpConfig":
+        """Defaults, then ``STATEBRIDGE_API_KEY`` and ``STATEBRIDGE_SERVED_MODEL_NAME``, then
+        the ``overrides`` that are not None (unset flags)."""
+        environ = os.environ if environ is None else environ
+        values = {name: environ[f"STATEBRIDGE_{name.upper()}"]
+                  for name in ("api_key", "served_model_name")
+                  if f"STATEBRIDGE_{name.upper()}" in environ}
+        values.update({k: v for k, v in overrides.items() if v is not None})
+        return cls(**values)
+
+    def replace(self, **changes) -> "HttpConfig":
+        return dataclasses.replace(self, **changes)
 
 
 def _check_keys(keys_dir: str, key_name: str) -> None:

@@ -229,3 +229,33 @@ def test_kv_pool_size_from_the_memory_budget_names_what_does_not_fit(tmp_path):
         NodeConfig(kv_memory=100).num_blocks(spec, 4)
     conv_only = StateSpec.from_pretrained(make_checkpoint("lfm2", tmp_path / "l"))
     assert NodeConfig(kv_blocks=3).num_blocks(conv_only, 2) == 0
+
+
+def test_http_flags_reach_the_http_config(monkeypatch):
+    from statebridge.cli import _http_config, build_parser
+
+    base = ["decode", "--model", "m", "--tp", "1", "--port", "1", "--prefill", "127.0.0.1:2"]
+    assert _http_config(build_parser().parse_args(base)) is None      # no --http-port: no HTTP
+    monkeypatch.setenv("STATEBRIDGE_API_KEY", "from-env")
+    http = _http_config(build_parser().parse_args(base + ["--http-port", "8000"]))
+    assert (http.port, http.host, http.api_key, http.served_model_name) == \
+        (8000, "", "from-env", "")
+    http = _http_config(build_parser().parse_args(base + [
+        "--http-port", "0", "--http-host", "0.0.0.0", "--api-key", "k",
+        "--served-model-name", "tiny"]))
+    assert (http.port, http.host, http.api_key, http.served_model_name) == \
+        (0, "0.0.0.0", "k", "tiny")
+    node_args = build_parser().parse_args(base + ["--max-new-tokens", "64"])
+    from statebridge.cli import _node_config
+
+    assert _node_config(node_args).max_new_tokens == 64
+
+
+def test_http_config_refuses_bad_values():
+    from statebridge.config import HttpConfig
+    from statebridge.errors import ConfigError
+
+    for bad in (dict(port=70000), dict(port=True), dict(max_inflight=-1),
+                dict(default_max_tokens=0), dict(node_timeout=0)):
+        with pytest.raises(ConfigError):
+            HttpConfig(**bad)

@@ -376,6 +376,7 @@ class DecodeCoordinator(RankGroup):
             self.counters.add("unexpected_messages")
 
     def _handshake_failed(self, peer: _Prefill, error: Exception) -> None:
+        self.counters.add("refused_peers")
         peer.state = "failed"
         peer.error = error
         self._drop_prefill(peer, str(error))

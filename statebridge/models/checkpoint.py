@@ -16,7 +16,7 @@ instead of tensors makes it read only what the rank keeps::
 
 Writing. :func:`make_checkpoint` writes a random LFM2 (conv-only or with attention layers),
 Mamba2 or dense GraniteMoeHybrid (Granite-4.0-H) checkpoint in exactly the format
-``save_pretrained`` of transformers 5 writes (``config.json`` with every field, safetensors with
+``save_pretrained`` of transformers 5 writes (and a small tokenizer beside it) (``config.json`` with every field, safetensors with
 ``{"format": "pt"}`` metadata, tied ``lm_head`` omitted), without importing transformers; weight
 names and shapes come from :meth:`ModelConfig.weight_shapes`.
 """
@@ -470,7 +470,8 @@ def _random_weight(name: str, shape: tuple[int, ...], gen: torch.Generator) -> t
 def make_checkpoint(arch: str, out_dir: str | os.PathLike, preset: str = "tiny", seed: int = 0,
                     *, dtype: str | torch.dtype = "float32",
                     overrides: Mapping[str, Any] | None = None,
-                    max_shard_bytes: int | None = None, overwrite: bool = True) -> Path:
+                    max_shard_bytes: int | None = None, overwrite: bool = True,
+                    tokenizer: bool = True) -> Path:
     """Write a random ``arch`` checkpoint (see :data:`ARCHS`) of ``preset`` size.
 
     Args:
@@ -488,6 +489,9 @@ def make_checkpoint(arch: str, out_dir: str | os.PathLike, preset: str = "tiny",
             files of at most this many bytes (a tensor is never split) plus
             ``model.safetensors.index.json``, as ``save_pretrained(max_shard_size=...)`` does.
         overwrite: when False, refuse a directory that already holds a config.json.
+        tokenizer: also write a small byte-level BPE tokenizer trained on a bundled text, with
+            a chat template (``tokenizer.json``, ``tokenizer_config.json``; see
+            :mod:`statebridge.models.tokenizer`).
 
     Returns the checkpoint directory. It loads in transformers with
     ``AutoModelForCausalLM.from_pretrained(out_dir)``.
@@ -512,6 +516,10 @@ def make_checkpoint(arch: str, out_dir: str | os.PathLike, preset: str = "tiny",
 
     text = json.dumps(encode_special_floats(config), indent=2, sort_keys=True) + "\n"
     (out / "config.json").write_text(text, encoding="utf-8")
+    if tokenizer:
+        from statebridge.models.tokenizer import write_tokenizer
+
+        write_tokenizer(config, out)
     metadata = {"format": "pt"}
     if max_shard_bytes is None:
         save_file(tensors, str(out / SAFE_WEIGHTS_NAME), metadata=metadata)

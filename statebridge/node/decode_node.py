@@ -8,6 +8,12 @@
         every step: RankStep(batch) -> all decode ranks; rank 0 samples -> RankStepResult
     client <--GenerateTokens-- one message per step per request; the last has done=True
     client --StatusQuery-->  <--NodeStatus-- ready?  (ranks up, a prefill node connected)
+    client --AbortRequest--> the request is dropped wherever it is, its page and blocks freed
+    client --StatsQuery-->   <--NodeStats-- pages / blocks used and free, peers (for /metrics)
+
+With ``http_port`` the node also serves the OpenAI-compatible HTTP API
+(:mod:`statebridge.node.http`): a server thread of its own that reaches the front door over
+zmq as any client does, so HTTP never runs on the loop thread.
 
 One event loop per process: the front door, the scheduler and the coordinator (prefill
 connections, rank sockets, the request ledger) all run on the coordinator's loop thread, so a
@@ -85,6 +91,7 @@ class _Gen:
     local: bool = False               # the current attempt is a local recompute
     blocks: tuple[int, ...] = ()      # KV block table (attention models)
     preemptions: int = 0
+    aborted: str = ""                 # the client aborted it while its step was in flight
 
     def sequence(self) -> tuple[int, ...]:
         """The prompt and the tokens generated so far: what a (re)start prefills, but for
@@ -103,13 +110,15 @@ class DecodeNode:
                  launcher: Launcher | None = spawn_launcher, dist_init: str = "",
                  rank_model: str | None = None, wait_prefill: float | None = None,
                  kv_layout: str | None = None, block_size: int | None = None,
-                 kv_blocks: int | None = None) -> None:
+                 kv_blocks: int | None = None, http=None) -> None:
         """Validates the checkpoint here (before any rank starts), starts the decode ranks and
         waits for them (:class:`~statebridge.errors.StartupError` at once if one fails to
         start, with its error), then dials ``prefill`` in the background: the node serves as
         soon as one answers, and answers ``not_ready`` until then. The constructor waits up
         to ``wait_prefill`` seconds (default ``handshake_timeout``) for every prefill node to
-        answer, and returns either way (see :meth:`status`)."""
+        answer, and returns either way (see :meth:`status`). ``http``: an
+        :class:`~statebridge.config.HttpConfig` whose ``port`` is set starts the HTTP front
+        door once the node listens (:attr:`http`, closed with the node)."""
         self.node_config = (node or NodeConfig()).replace(
             layout=layout, num_pages=num_pages, max_batch=max_batch, policy=policy,
             max_prompt_len=max_prompt_len, max_new_tokens=max_new_tokens,
@@ -134,6 +143,7 @@ class DecodeNode:
         self._step_started = 0.0
         self._steps = itertools.count(1)
         self._closed = False
+        self.http = None
         try:
             self.router, self.port = c.bind_router(
                 self.loop.context, self.config.bind_host, port, counters=self.counters,
@@ -156,6 +166,10 @@ class DecodeNode:
                 self.coordinator.connect(address, wait=False)
             self._wait_prefill(self.config.handshake_timeout if wait_prefill is None
                                else wait_prefill)
+            if http is not None and http.port is not None:
+                from statebridge.node.http import HttpServer
+
+                self.http = HttpServer.for_node(self, model_dir, http)
         except BaseException:
             self.close()
             raise
@@ -222,6 +236,10 @@ class DecodeNode:
                               m.Error(kind=type(msg).__name__, message=str(msg)))
             elif isinstance(msg, nm.GenerateRequest):
                 self._on_generate(identity, msg)
+            elif isinstance(msg, nm.AbortRequest):
+                self._on_abort(identity, msg)
+            elif isinstance(msg, nm.StatsQuery):
+                c.send_router(self.router, identity, self._node_stats())
             elif isinstance(msg, nm.StatusQuery):
                 ready, why = self._status()
                 c.send_router(self.router, identity, nm.NodeStatus(
@@ -235,6 +253,37 @@ class DecodeNode:
                 self.counters.add("unexpected_messages")
                 c.send_router(self.router, identity, m.Error(
                     kind="ProtocolError", message=f"unexpected {type(msg).__name__}"))
+
+    def _node_stats(self) -> nm.NodeStats:
+        ready, why = self._status()
+        co = self.coordinator
+        return nm.NodeStats(
+            node_id=co.node_id, ready=ready, reason=why,
+            prefill_nodes=tuple(sorted(n for n, p in co.prefills.items() if p.state == "ready")),
+            pages_used=co.pool.num_used, pages_free=co.pool.num_free,
+            blocks_used=co.blocks.num_used if co.blocks else 0,
+            blocks_free=co.blocks.num_free if co.blocks else 0,
+            running=len(self.running), waiting=len(self.waiting),
+            refused_peers=int(co.counters.get("refused_peers")),
+            aborted=int(self.counters.get("finished_aborted")))
+
+    def _on_abort(self, identity: bytes, msg: nm.AbortRequest) -> None:
+        """Drop a client's request wherever it is. Decoding in the step in flight: it finishes
+        when the step's result comes (its ranks still write its page); transferring: the
+        transfer is cancelled (its page frees once every rank confirmed)."""
+        gen = self.gens.get(msg.request_id)
+        if gen is None or gen.client != identity:
+            self.counters.add("abort_unknown")
+            return
+        why = f"aborted by the client: {msg.reason}" if msg.reason else "aborted by the client"
+        if self.step_in_flight is not None and gen in self.step_in_flight[1]:
+            gen.aborted = why
+            return
+        transferring = gen.transfer is None and gen not in self.waiting and \
+            gen not in self.running
+        self._finish(gen, FailureKind.ABORTED, why)
+        if transferring:
+            self.coordinator.cancel(gen.request_id, why)
 
     def _reply(self, gen: _Gen, tokens: tuple[int, ...], done: bool, kind: str = "",
                message: str = "") -> None:
@@ -443,6 +492,9 @@ class DecodeNode:
         # Requests that finish are taken out first; the rest rotate to the back so a batch
         # larger than max_batch is served round robin.
         for gen, token in zip(batch, msg.tokens):
+            if gen.aborted:
+                self._finish(gen, FailureKind.ABORTED, gen.aborted)
+                continue
             if not gen.generated:
                 gen.ttft = now - gen.arrived
             gen.generated.append(token)
@@ -480,6 +532,9 @@ class DecodeNode:
         """Fail what is in flight (clients hear ``aborted``), stop the ranks (idempotent)."""
         if self._closed:
             return
+        if self.http is not None:
+            self.http.close()              # first: its requests end while the node still runs
+            self.http = None
         try:
             self.loop.call(self._fail_all)
         except StatebridgeError:

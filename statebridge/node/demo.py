@@ -2,25 +2,29 @@
 single-process run of the same checkpoint.
 
 1. make a tiny random checkpoint (no download; by default LFM2 with attention layers, as every
-   released LFM2 is, so both recurrent state and attention KV move);
-2. start a prefill node (TP=2) and a decode node (TP=4) as two processes of their own (each
-   with its rank processes), exactly as ``statebridge prefill`` / ``statebridge decode`` would;
-3. send a handful of prompts concurrently through the client;
+   released LFM2 is, so both recurrent state and attention KV move) and its small tokenizer;
+2. start a prefill node (TP=2) and a decode node (TP=4, with its OpenAI-compatible HTTP API)
+   as two processes of their own (each with its rank processes), exactly as
+   ``statebridge prefill`` / ``statebridge decode`` would;
+3. send a handful of text prompts (encoded by the checkpoint's tokenizer) concurrently through
+   the client, and one through the HTTP API;
 4. compute the same greedy continuations in this process at TP=1 (whole prompt prefilled at
-   once, no transfer) and compare token for token;
-5. print tokens, TTFT, recurrent and KV bytes per request and transfer figures, and shut both
-   nodes down.
+   once, no transfer) and compare token for token; the HTTP text must be the decoded tokens;
+5. print the text, TTFT, recurrent and KV bytes per request and transfer figures, and shut
+   both nodes down. (The weights are random: the text is fluent only in its tokens.)
 """
 
 from __future__ import annotations
 
 import concurrent.futures
+import json
 import os
 import signal
 import subprocess
 import sys
 import tempfile
 import time
+import urllib.request
 
 import numpy as np
 
@@ -101,26 +105,48 @@ def reference_greedy(model_dir: str, prompts: list[list[int]], max_new_tokens: i
     return out
 
 
+#: The demo's prompts (any text of the bundled tokenizer's characters works).
+_PROMPTS = ["Hello!", "The river ran through the valley", "How many days are there in a week?",
+            "A model reads a prompt and writes an answer, one token at a time.", "Good morning",
+            "The old man", "Numbers: 1 2 3 4", "Spring came back to the valley with rain"]
+
+
+def _until_eos(tok, tokens: list[int]) -> str:
+    """What the HTTP API answers for greedy ``tokens``: their text, up to an EOS token."""
+    cut = next((i for i, t in enumerate(tokens) if t in tok.eos_token_ids), len(tokens))
+    return tok.decode(tokens[:cut])
+
+
+def _http_completion(port: int, model: str, prompt: str, max_tokens: int) -> str:
+    """One greedy completion through the decode node's OpenAI-compatible HTTP API."""
+    body = json.dumps({"model": model, "prompt": prompt, "max_tokens": max_tokens,
+                       "temperature": 0}).encode()
+    request = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", data=body,
+                                     headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=120) as response:
+        return json.loads(response.read())["choices"][0]["text"]
+
+
 def run_demo(*, arch: str = "lfm2-hybrid", prefill_tp: int = 2, decode_tp: int = 4,
              layout: str = "DLS", prompts: int = 4, max_new_tokens: int = 8) -> int:
-    from statebridge.hf_config import ModelConfig
     from statebridge.models.checkpoint import make_checkpoint
     from statebridge.node.client import Client
     from statebridge.net import free_port
 
-    rng = np.random.default_rng(0)
+    from statebridge.node.text import TextTokenizer
+
     with tempfile.TemporaryDirectory(prefix="statebridge-demo-") as tmp:
         model = os.path.join(tmp, f"{arch}-tiny")
         make_checkpoint(arch, model, preset="tiny", seed=0)
         print(f"[1/4] tiny {arch} checkpoint in {model}", flush=True)
         from statebridge.state.spec import StateSpec
 
-        vocab = ModelConfig.load(model).vocab_size
         spec = StateSpec.from_pretrained(model)
-        lengths = [1, 2, 5, 9, 13, 17, 3, 7][:prompts] + [6] * max(0, prompts - 8)
-        batch = [[int(t) for t in rng.integers(0, vocab, size=n)] for n in lengths]
+        tok = TextTokenizer.from_dir(model)
+        texts = (_PROMPTS * (prompts // len(_PROMPTS) + 1))[:prompts]
+        batch = [tok.encode(t) for t in texts]
 
-        prefill_port, decode_port = free_port(), free_port()
+        prefill_port, decode_port, http_port = free_port(), free_port(), free_port()
         print(f"[2/4] starting prefill node TP={prefill_tp} and decode node TP={decode_tp} "
               f"({layout}) on 127.0.0.1", flush=True)
         nodes = []
@@ -130,11 +156,14 @@ def run_demo(*, arch: str = "lfm2-hybrid", prefill_tp: int = 2, decode_tp: int =
                                      "prefill node"))
             nodes.append(NodeProcess(["decode", "--model", model, "--tp", str(decode_tp),
                                       "--prefill", f"127.0.0.1:{prefill_port}",
-                                      "--port", str(decode_port), "--layout", layout],
+                                      "--port", str(decode_port), "--layout", layout,
+                                      "--http-port", str(http_port)],
                                      "decode node"))
             address = f"127.0.0.1:{decode_port}"
             with Client(address) as probe:
                 probe.wait_ready()
+            http = _http_completion(http_port, os.path.basename(model), texts[0],
+                                    max_new_tokens)
             print(f"[3/4] {len(batch)} prompts in flight at once", flush=True)
 
             def one(prompt):
@@ -149,15 +178,20 @@ def run_demo(*, arch: str = "lfm2-hybrid", prefill_tp: int = 2, decode_tp: int =
         print("[4/4] disaggregated vs single process (TP=1, no transfer):")
         ok = True
         recurrent = spec.bytes_per_request()
-        for prompt, got, want in zip(batch, results, expected):
+        for text, prompt, got, want in zip(texts, batch, results, expected):
             same = got.tokens == want
             ok &= same
             # The N-1 protocol: the prefill node computes prompt[:-1], so that much KV moves.
             kv_bytes = spec.kv_bytes(len(prompt) - 1) if spec.kv is not None else 0
-            print(f"  prompt {len(prompt):>2} tokens -> {got.tokens} "
-                  f"{'==' if same else '!='} reference  TTFT {got.ttft * 1e3:7.1f} ms  "
-                  f"recurrent {recurrent:,} B + KV {kv_bytes:,} B, transfer "
-                  f"{got.transfer_bytes:,} B in {got.transfer_seconds * 1e3:.1f} ms")
+            print(f"  {text!r} ({len(prompt)} tokens) -> {tok.decode(got.tokens)!r}")
+            print(f"      {got.tokens} {'==' if same else '!='} reference  TTFT "
+                  f"{got.ttft * 1e3:7.1f} ms  recurrent {recurrent:,} B + KV {kv_bytes:,} B, "
+                  f"transfer {got.transfer_bytes:,} B in {got.transfer_seconds * 1e3:.1f} ms")
+        want_text = _until_eos(tok, expected[0])
+        same = http == want_text
+        ok &= same
+        print(f"  HTTP /v1/completions {texts[0]!r} -> {http!r} "
+              f"{'==' if same else '!='} the reference tokens decoded")
         print(f"nodes exited with {codes}")
         print("demo OK: every token matches" if ok else "demo FAILED: tokens differ")
         return 0 if ok and all(c == 0 for c in codes) else 1

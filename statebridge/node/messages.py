@@ -7,6 +7,8 @@
     client --GenerateRequest--> decode node --RankStep--> every decode rank
     client <--GenerateTokens--- decode node <--RankStepResult-- the sampling rank (rank 0)
     client --StatusQuery------> decode node --NodeStatus--> client  (ready? which prefill peers)
+    client --AbortRequest-----> decode node: drop the request, free its page and KV blocks
+    client --StatsQuery-------> decode node --NodeStats--> client  (what /metrics and /health show)
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ from __future__ import annotations
 from statebridge.connector.messages import Message, message
 
 __all__ = ["RankStep", "RankStepResult", "GenerateRequest", "GenerateTokens", "StatusQuery",
-           "NodeStatus"]
+           "NodeStatus", "AbortRequest", "StatsQuery", "NodeStats"]
 
 
 @message
@@ -87,3 +89,40 @@ class NodeStatus(Message):
     ready: bool
     reason: str
     prefill_nodes: tuple[str, ...]
+
+
+@message
+class AbortRequest(Message):
+    """Client -> decode node: the client gave up on ``request_id`` (it disconnected, or met a
+    stop string). The node drops it wherever it is (waiting, transferring, decoding) and frees
+    its page and KV blocks; the client hears a last GenerateTokens with ``kind`` ``aborted``.
+    Only the client that sent the request can abort it; an unknown id is ignored."""
+    request_id: str
+    reason: str
+
+
+@message
+class StatsQuery(Message):
+    """Client -> decode node: the node's gauges and counters (the HTTP front door's /metrics
+    and /health)."""
+    client: str
+
+
+@message
+class NodeStats(Message):
+    """Decode node -> client: readiness as in NodeStatus, and what the node holds now: pages
+    and KV blocks (per rank, the same on every rank) used and free, requests decoding and
+    waiting for a page, connected prefill peers, and ``refused_peers``: prefill nodes whose
+    handshake failed (incompatible, or they refused us) since the node started."""
+    node_id: str
+    ready: bool
+    reason: str
+    prefill_nodes: tuple[str, ...]
+    pages_used: int
+    pages_free: int
+    blocks_used: int
+    blocks_free: int
+    running: int
+    waiting: int
+    refused_peers: int
+    aborted: int

@@ -1,0 +1,848 @@
+"""The decode node's OpenAI-compatible HTTP front door: text in and out, streaming, health and
+Prometheus metrics.
+
+::
+
+    HTTP client --POST /v1/completions-------> HttpServer thread (uvicorn, Starlette, asyncio)
+                --POST /v1/chat/completions-->   text -> token ids (the checkpoint's tokenizer)
+                                                 NodeLink: one zmq DEALER, like any Client
+                                                   --GenerateRequest / AbortRequest / StatsQuery-->
+                                                 decode node front door (ROUTER, loop thread)
+                <--JSON or SSE "data: ..."-----   <--GenerateTokens / NodeStats--
+    GET /v1/models, /health (200 once a prefill node is connected, else 503), /metrics
+
+The server runs in a thread of its own with its own event loop and reaches the node over zmq
+exactly as :class:`~statebridge.node.client.Client` does (with the node's CURVE keys when it
+has them), so nothing HTTP runs on the coordinator's loop thread (the split of vLLM's API server
+and engine core). A request whose client disconnects, or whose text meets a stop string, is
+aborted at the node (:class:`~statebridge.node.messages.AbortRequest`): its page and KV blocks
+free at once.
+
+Errors have OpenAI's shape ``{"error": {"message", "type", "param", "code"}}``: 400 for a bad
+request (wrong field types, limits, unknown model, no chat template), 401 for a missing or
+wrong API key, 429 (too many requests in flight, or the node is out of pages or blocks) and 503
+(no prefill node connected, the node does not answer) with ``Retry-After``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import hmac
+import json
+import logging
+import os
+import threading
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Any, AsyncIterator, Sequence
+
+import zmq
+import zmq.asyncio
+
+from statebridge.config import HttpConfig
+from statebridge.connector import control as c
+from statebridge.connector import messages as m
+from statebridge.errors import (FailureKind, InvalidRequestError, ProtocolError,
+                                StartupError)
+from statebridge.node import messages as nm
+from statebridge.node.text import NoChatTemplateError, TextTokenizer
+
+log = logging.getLogger(__name__)
+
+__all__ = ["HttpServer", "build_app", "NodeLink"]
+
+#: Most stop strings a request may give (OpenAI allows 4).
+MAX_STOP = 16
+
+
+class ApiError(Exception):
+    """An HTTP error in OpenAI's shape."""
+
+    def __init__(self, status: int, message: str, type_: str = "invalid_request_error", *,
+                 param: str | None = None, code: str | None = None,
+                 retry_after: float | None = None, outcome: str = "") -> None:
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = \
+            status, message, type_, param, code
+        self.retry_after = retry_after
+        self.outcome = outcome or {400: "invalid_request", 401: "unauthorized",
+                                   404: "invalid_request", 429: "rate_limited"}.get(
+            status, "unavailable" if status in (503, 504) else "error")
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param,
+                          "code": self.code}}
+
+    def response(self):
+        from starlette.responses import JSONResponse
+
+        headers = {}
+        if self.retry_after is not None:
+            headers["Retry-After"] = str(max(1, round(self.retry_after)))
+        if self.status == 401:
+            headers["WWW-Authenticate"] = "Bearer"
+        return JSONResponse(self.body(), status_code=self.status, headers=headers)
+
+
+def _bad(message: str, param: str | None = None, code: str | None = None) -> ApiError:
+    return ApiError(400, message, param=param, code=code)
+
+
+#: A failed request's kind at the node -> (HTTP status, error type, Retry-After seconds).
+_KIND_STATUS = {
+    FailureKind.INVALID_REQUEST: (400, "invalid_request_error", None),
+    FailureKind.NOT_READY: (503, "service_unavailable_error", 2.0),
+    FailureKind.BUSY: (429, "rate_limit_error", 1.0),
+    FailureKind.CACHE_FULL: (429, "rate_limit_error", 1.0),
+    FailureKind.TIMEOUT: (504, "timeout_error", None),
+    FailureKind.PEER_LOST: (503, "service_unavailable_error", 1.0),
+    FailureKind.TRANSFER_ERROR: (503, "service_unavailable_error", 1.0),
+    FailureKind.ABORTED: (503, "service_unavailable_error", 1.0),
+    FailureKind.CLOSED: (503, "service_unavailable_error", 1.0),
+}
+
+
+def _node_error(kind: str, message: str) -> ApiError:
+    try:
+        status, type_, retry = _KIND_STATUS[FailureKind.parse(kind)]
+    except Exception:
+        status, type_, retry = 503, "service_unavailable_error", 1.0
+    return ApiError(status, message, type_, code=str(kind), retry_after=retry)
+
+
+# -- the link to the decode node ---------------------------------------------------------------
+class NodeLink:
+    """The HTTP side's one connection to the decode node's front door: one DEALER on the
+    server's event loop; token messages are routed to their request's queue by request id."""
+
+    def __init__(self, address: str, *, keys=None, max_message_bytes: int = 16 << 20) -> None:
+        self.address = address
+        self.keys = keys
+        self.max_message_bytes = max_message_bytes
+        self._streams: dict[str, asyncio.Queue] = {}
+        self._queries: collections.deque[asyncio.Future] = collections.deque()
+        self._ctx: zmq.asyncio.Context | None = None
+        self._sock = None
+        self._reader: asyncio.Task | None = None
+
+    async def start(self) -> None:
+        self._ctx = zmq.asyncio.Context()
+        self._sock = c.connect_dealer(self._ctx, self.address, keys=self.keys)
+        self._reader = asyncio.get_running_loop().create_task(self._read())
+
+    async def close(self) -> None:
+        if self._reader is not None:
+            self._reader.cancel()
+            try:
+                await self._reader
+            except (asyncio.CancelledError, Exception):
+                pass
+            self._reader = None
+        if self._sock is not None:
+            self._sock.close(0)
+            self._sock = None
+        if self._ctx is not None:
+            self._ctx.term()
+            self._ctx = None
+
+    def send(self, message: m.Message) -> None:
+        """Queue ``message`` to the node now (never waits: zmq queues it); safe in a
+        ``finally`` of a cancelled task."""
+        future = self._sock.send(m.encode(message))
+        future.add_done_callback(lambda f: f.cancelled() or f.exception())
+
+    async def _read(self) -> None:
+        while True:
+            data = await self._sock.recv()
+            try:
+                msg = m.decode(data, max_bytes=self.max_message_bytes)
+            except ProtocolError as e:
+                log.warning("bad message from decode node %s: %s", self.address, e)
+                continue
+            if isinstance(msg, nm.GenerateTokens):
+                queue = self._streams.get(msg.request_id)
+                if queue is not None:
+                    queue.put_nowait(msg)
+            elif isinstance(msg, (nm.NodeStats, m.Error)):
+                while self._queries:
+                    waiter = self._queries.popleft()
+                    if waiter.done():
+                        continue
+                    if isinstance(msg, m.Error):
+                        waiter.set_exception(ProtocolError(
+                            f"decode node {self.address}: {msg.kind}: {msg.message}"))
+                    else:
+                        waiter.set_result(msg)
+                    break
+
+    async def stats(self, timeout: float) -> nm.NodeStats:
+        """The node's NodeStats; asyncio.TimeoutError when it does not answer in time."""
+        waiter = asyncio.get_running_loop().create_future()
+        self._queries.append(waiter)
+        self.send(nm.StatsQuery(client="http"))
+        return await asyncio.wait_for(waiter, timeout)
+
+    def open(self, request: nm.GenerateRequest) -> "NodeStream":
+        queue: asyncio.Queue = asyncio.Queue()
+        self._streams[request.request_id] = queue
+        self.send(request)
+        return NodeStream(self, request.request_id, queue)
+
+
+class NodeStream:
+    """One request's GenerateTokens messages; :meth:`close` aborts it at the node unless the
+    node already said done."""
+
+    def __init__(self, link: NodeLink, request_id: str, queue: asyncio.Queue) -> None:
+        self.link, self.request_id, self.queue = link, request_id, queue
+        self.done = False
+
+    async def next(self, timeout: float) -> nm.GenerateTokens:
+        try:
+            msg = await asyncio.wait_for(self.queue.get(), timeout)
+        except asyncio.TimeoutError:
+            raise ApiError(503, f"decode node {self.link.address} sent nothing for "
+                                f"{timeout} s", "service_unavailable_error",
+                           retry_after=1.0) from None
+        if msg.done:
+            self.done = True
+        return msg
+
+    def close(self, reason: str = "") -> None:
+        self.link._streams.pop(self.request_id, None)
+        if not self.done:
+            self.done = True
+            self.link.send(nm.AbortRequest(request_id=self.request_id, reason=reason))
+
+
+# -- requests ------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class _Sampling:
+    max_tokens: int
+    temperature: float
+    top_p: float
+    seed: int
+    stop: tuple[str, ...]
+    stream: bool
+    include_usage: bool
+    ignore_eos: bool
+
+
+_MISSING = object()
+
+
+def _field(body: dict, name: str, kinds: tuple[type, ...], default: Any, what: str) -> Any:
+    value = body.get(name, _MISSING)
+    if value is _MISSING or value is None:
+        return default
+    if isinstance(value, bool) and bool not in kinds or not isinstance(value, kinds):
+        raise _bad(f"{name} must be {what}, got {json.dumps(value)[:100]}", name)
+    return value
+
+
+class _Api:
+    """The endpoints, on the server's event loop."""
+
+    def __init__(self, link: NodeLink, tokenizer: TextTokenizer, config: HttpConfig, *,
+                 model_name: str, model_dir: str, max_prompt_len: int, max_new_tokens: int,
+                 max_inflight: int, metrics: "_Metrics") -> None:
+        self.link, self.tok, self.config = link, tokenizer, config
+        self.model_name, self.model_dir = model_name, model_dir
+        self.max_prompt_len, self.max_new_tokens = max_prompt_len, max_new_tokens
+        self.max_inflight = max_inflight
+        self.inflight = 0
+        self.metrics = metrics
+        self.created = int(time.time())
+
+    # -- checks ---------------------------------------------------------------------------
+    def check_key(self, request) -> None:
+        if not self.config.api_key:
+            return
+        header = request.headers.get("authorization", "")
+        scheme, _, token = header.partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(
+                token.strip().encode(), self.config.api_key.encode()):
+            raise ApiError(401, "missing or wrong API key (send Authorization: Bearer KEY)",
+                           "authentication_error", code="invalid_api_key")
+
+    async def body(self, request) -> dict:
+        try:
+            body = json.loads(await request.body() or b"null")
+        except ValueError as e:
+            raise _bad(f"the body is not JSON: {e}") from None
+        if not isinstance(body, dict):
+            raise _bad("the body must be a JSON object")
+        model = body.get("model")
+        if model is not None and model != self.model_name:
+            raise ApiError(400, f"the model {json.dumps(model)[:100]} is not served here; this "
+                                f"server serves {self.model_name!r}", param="model",
+                           code="model_not_found")
+        return body
+
+    def sampling(self, body: dict, *, chat: bool) -> _Sampling:
+        for name, allowed in (("n", 1), ("best_of", 1)):
+            value = _field(body, name, (int,), 1, "an integer")
+            if value != allowed:
+                raise _bad(f"{name}={value} is not supported (only {allowed})", name)
+        if not chat and _field(body, "echo", (bool,), False, "a boolean"):
+            raise _bad("echo=true is not supported", "echo")
+        if body.get("logprobs") not in (None, False):
+            raise _bad("logprobs are not supported", "logprobs")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if _field(body, name, (int, float), 0, "a number") != 0:
+                raise _bad(f"{name} is not supported", name)
+        if body.get("logit_bias"):
+            raise _bad("logit_bias is not supported", "logit_bias")
+        if chat and body.get("tools"):
+            raise _bad("tools are not supported", "tools")
+        if not chat and body.get("suffix") is not None:
+            raise _bad("suffix is not supported", "suffix")
+        name = "max_tokens"
+        max_tokens = _field(body, name, (int,), None, "a positive integer")
+        if chat and max_tokens is None:
+            name = "max_completion_tokens"
+            max_tokens = _field(body, name, (int,), None, "a positive integer")
+        if max_tokens is None:
+            max_tokens = min(self.config.default_max_tokens, self.max_new_tokens)
+        if not 1 <= max_tokens <= self.max_new_tokens:
+            raise _bad(f"{name}={max_tokens} is not in [1, {self.max_new_tokens}] (the node's "
+                       f"--max-new-tokens)", name)
+        temperature = float(_field(body, "temperature", (int, float), 1.0, "a number"))
+        if not 0 <= temperature <= 2:
+            raise _bad(f"temperature={temperature} is not in [0, 2]", "temperature")
+        top_p = float(_field(body, "top_p", (int, float), 1.0, "a number"))
+        if not 0 < top_p <= 1:
+            raise _bad(f"top_p={top_p} is not in (0, 1]", "top_p")
+        seed = _field(body, "seed", (int,), None, "an integer")
+        if seed is None:
+            seed = int.from_bytes(os.urandom(4), "little")
+        if not -(1 << 63) <= seed < (1 << 63):
+            raise _bad(f"seed={seed} does not fit 64 bits", "seed")
+        stop = _field(body, "stop", (str, list), [], "a string or a list of strings")
+        stop = [stop] if isinstance(stop, str) else stop
+        if len(stop) > MAX_STOP or not all(isinstance(s, str) for s in stop):
+            raise _bad(f"stop must be a string or at most {MAX_STOP} strings", "stop")
+        stream = _field(body, "stream", (bool,), False, "a boolean")
+        options = _field(body, "stream_options", (dict,), {}, "an object")
+        include_usage = _field(options, "include_usage", (bool,), False, "a boolean")
+        ignore_eos = _field(body, "ignore_eos", (bool,), False, "a boolean")
+        return _Sampling(max_tokens, temperature, top_p, seed, tuple(stop), stream,
+                         include_usage, ignore_eos)
+
+    def prompts(self, body: dict) -> list[list[int]]:
+        """``prompt``: a string, a list of token ids, or a batch of either."""
+        prompt = body.get("prompt")
+        what = "a string, a list of token ids, or a list of those"
+        if isinstance(prompt, str):
+            batch = [prompt]
+        elif isinstance(prompt, list) and prompt and all(
+                isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            batch = [prompt]
+        elif isinstance(prompt, list) and prompt and all(
+                isinstance(p, (str, list)) for p in prompt):
+            batch = prompt
+        else:
+            raise _bad(f"prompt must be {what}, got {json.dumps(prompt)[:100]}", "prompt")
+        out = []
+        for p in batch:
+            if isinstance(p, str):
+                ids = self.tok.encode(p)
+            elif all(isinstance(t, int) and not isinstance(t, bool) for t in p):
+                ids = list(p)
+                bad = [t for t in ids if not 0 <= t < self.tok.vocab_size]
+                if bad:
+                    raise _bad(f"token ids {bad[:8]} are outside the vocabulary of "
+                               f"{self.tok.vocab_size}", "prompt")
+            else:
+                raise _bad(f"prompt must be {what}", "prompt")
+            out.append(self.check_length(ids, "prompt"))
+        return out
+
+    def check_length(self, ids: list[int], param: str) -> list[int]:
+        if not ids:
+            raise _bad("the prompt is empty (it encodes to no token)", param)
+        if len(ids) > self.max_prompt_len:
+            raise _bad(f"the prompt has {len(ids)} tokens, more than the limit of "
+                       f"{self.max_prompt_len} (--max-prompt-len)", param,
+                       "context_length_exceeded")
+        return ids
+
+    def chat_prompt(self, body: dict) -> list[int]:
+        messages = body.get("messages")
+        if not isinstance(messages, list) or not messages:
+            raise _bad("messages must be a non-empty list", "messages")
+        if body.get("response_format") not in (None, {"type": "text"}):
+            raise _bad("response_format other than text is not supported", "response_format")
+        try:
+            text = self.tok.apply_chat_template(messages, add_generation_prompt=True)
+        except NoChatTemplateError as e:
+            raise _bad(str(e), "messages", "no_chat_template") from None
+        except InvalidRequestError as e:
+            raise _bad(str(e), "messages") from None
+        return self.check_length(self.tok.encode(text), "messages")
+
+    # -- generation -----------------------------------------------------------------------
+    def admit(self, n: int) -> None:
+        if self.inflight + n > self.max_inflight:
+            raise ApiError(429, f"{self.inflight} requests in flight, the limit is "
+                                f"{self.max_inflight}; retry later", "rate_limit_error",
+                           code="too_many_requests", retry_after=1.0)
+        self.inflight += n
+
+    async def completion(self, request, chat: bool):
+        from starlette.responses import JSONResponse, StreamingResponse
+
+        endpoint = "chat_completions" if chat else "completions"
+        arrived = time.perf_counter()
+        try:
+            self.check_key(request)
+            body = await self.body(request)
+            params = self.sampling(body, chat=chat)
+            prompts = [self.chat_prompt(body)] if chat else self.prompts(body)
+        except ApiError as e:
+            self.metrics.request(endpoint, e.outcome)
+            return e.response()
+        try:
+            self.admit(len(prompts))
+        except ApiError as e:
+            self.metrics.request(endpoint, e.outcome)
+            return e.response()
+        rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+        choices = [_Choice(self, f"{rid}-{i}", i, ids, params, arrived)
+                   for i, ids in enumerate(prompts)]
+        released = False
+
+        def release(outcome: str) -> None:
+            nonlocal released
+            if not released:
+                released = True
+                self.inflight -= len(choices)
+                for ch in choices:
+                    ch.close("request finished" if outcome == "ok" else outcome)
+                self.metrics.request(endpoint, outcome)
+        try:
+            # The first message of every choice before answering: a refusal (400, 429, 503)
+            # gets its status code even when streaming.
+            first = [asyncio.ensure_future(ch.start()) for ch in choices]
+            try:
+                await _until_disconnect(request, asyncio.gather(*first))
+            finally:
+                for f in first:
+                    f.cancel()
+        except ApiError as e:
+            release(e.outcome)
+            return e.response()
+        except _Disconnected:
+            release("disconnected")
+            return JSONResponse({}, status_code=499)
+        except BaseException:
+            release("disconnected")
+            raise
+        if not params.stream:
+            try:
+                await _until_disconnect(request, asyncio.gather(*(ch.run() for ch in choices)))
+            except ApiError as e:
+                release(e.outcome)
+                return e.response()
+            except _Disconnected:
+                release("disconnected")
+                return JSONResponse({}, status_code=499)
+            except BaseException:
+                release("disconnected")
+                raise
+            release("ok")
+            return JSONResponse(self.full_body(rid, chat, choices))
+        return StreamingResponse(self.events(rid, chat, choices, params, release),
+                                 media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache"})
+
+    def usage(self, choices: Sequence["_Choice"]) -> dict:
+        prompt = sum(len(ch.prompt) for ch in choices)
+        completion = sum(ch.text.tokens for ch in choices)
+        return {"prompt_tokens": prompt, "completion_tokens": completion,
+                "total_tokens": prompt + completion}
+
+    def full_body(self, rid: str, chat: bool, choices: Sequence["_Choice"]) -> dict:
+        if chat:
+            out = [{"index": ch.index, "message": {"role": "assistant", "content": ch.out},
+                    "logprobs": None, "finish_reason": ch.finish} for ch in choices]
+        else:
+            out = [{"index": ch.index, "text": ch.out, "logprobs": None,
+                    "finish_reason": ch.finish} for ch in choices]
+        return {"id": rid, "object": "chat.completion" if chat else "text_completion",
+                "created": int(time.time()), "model": self.model_name, "choices": out,
+                "usage": self.usage(choices)}
+
+    async def events(self, rid: str, chat: bool, choices: list["_Choice"], params: _Sampling,
+                     release) -> AsyncIterator[str]:
+        created = int(time.time())
+        kind = "chat.completion.chunk" if chat else "text_completion"
+
+        def chunk(index: int, text: str | None, finish: str | None, role: bool = False) -> str:
+            if chat:
+                delta = {"role": "assistant", "content": ""} if role else (
+                    {} if text is None else {"content": text})
+                choice = {"index": index, "delta": delta, "logprobs": None,
+                          "finish_reason": finish}
+            else:
+                choice = {"index": index, "text": text or "", "logprobs": None,
+                          "finish_reason": finish}
+            body = {"id": rid, "object": kind, "created": created, "model": self.model_name,
+                    "choices": [choice]}
+            if params.include_usage:
+                body["usage"] = None
+            return f"data: {json.dumps(body)}\n\n"
+
+        outcome = "disconnected"
+        pending: dict[asyncio.Future, _Choice] = {}
+        try:
+            if chat:
+                for ch in choices:
+                    yield chunk(ch.index, None, None, role=True)
+            pending = {asyncio.ensure_future(ch.step()): ch for ch in choices}
+            while pending:
+                done, _ = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+                for future in done:
+                    ch = pending.pop(future)
+                    delta, finish = future.result()
+                    if delta:
+                        yield chunk(ch.index, delta, None)
+                    if finish is not None:
+                        yield chunk(ch.index, None if chat else "", finish)
+                    else:
+                        pending[asyncio.ensure_future(ch.step())] = ch
+            if params.include_usage:
+                yield (f"data: {json.dumps({'id': rid, 'object': kind, 'created': created, 'model': self.model_name, 'choices': [], 'usage': self.usage(choices)})}\n\n")
+            outcome = "ok"
+            yield "data: [DONE]\n\n"
+        except ApiError as e:
+            outcome = e.outcome
+            yield f"data: {json.dumps(e.body())}\n\n"
+            yield "data: [DONE]\n\n"
+        finally:
+            for future in pending:
+                future.cancel()
+            release(outcome)
+
+    # -- the other endpoints ----------------------------------------------------------------
+    async def models(self, request):
+        from starlette.responses import JSONResponse
+
+        try:
+            self.check_key(request)
+        except ApiError as e:
+            self.metrics.request("models", e.outcome)
+            return e.response()
+        self.metrics.request("models", "ok")
+        return JSONResponse({"object": "list", "data": [{
+            "id": self.model_name, "object": "model", "created": self.created,
+            "owned_by": "statebridge", "root": self.model_dir,
+            "max_model_len": self.max_prompt_len + self.max_new_tokens}]})
+
+    async def health(self, request):
+        from starlette.responses import JSONResponse
+
+        try:
+            stats = await self.link.stats(5.0)
+        except (asyncio.TimeoutError, ProtocolError) as e:
+            return ApiError(503, f"the decode node does not answer: {e or 'timeout'}",
+                            "service_unavailable_error", retry_after=2.0).response()
+        if not stats.ready:
+            return ApiError(503, f"not serving: {stats.reason}", "service_unavailable_error",
+                            code="not_ready", retry_after=2.0).response()
+        return JSONResponse({"status": "ok", "node_id": stats.node_id,
+                             "prefill_nodes": list(stats.prefill_nodes)})
+
+    async def metrics_text(self, request):
+        from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+        from starlette.responses import Response
+
+        try:
+            self.metrics.node = await self.link.stats(5.0)
+        except (asyncio.TimeoutError, ProtocolError):
+            self.metrics.node = None
+        self.metrics.inflight = self.inflight
+        return Response(generate_latest(self.metrics.registry),
+                        media_type=CONTENT_TYPE_LATEST)
+
+
+class _Disconnected(Exception):
+    pass
+
+
+async def _until_disconnect(request, work):
+    """Await ``work``; _Disconnected (``work`` cancelled) if the client goes away first."""
+    async def watch():
+        while True:
+            message = await request.receive()
+            if message["type"] == "http.disconnect":
+                return
+    work = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(watch())
+    try:
+        await asyncio.wait((work, watcher), return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+    if not work.done():
+        work.cancel()
+        raise _Disconnected()
+    return work.result()
+
+
+class _Choice:
+    """One prompt of a request: its node stream and its text."""
+
+    def __init__(self, api: _Api, request_id: str, index: int, prompt: list[int],
+                 params: _Sampling, arrived: float) -> None:
+        self.api, self.request_id, self.index, self.prompt = api, request_id, index, prompt
+        self.params, self.arrived = params, arrived
+        self.text = api.tok.stream(params.stop, ignore_eos=params.ignore_eos)
+        self.stream: NodeStream | None = None
+        self.finish: str | None = None
+        self.out = ""
+        self._first: nm.GenerateTokens | None = None
+        self._last_token = 0.0
+
+    async def start(self) -> None:
+        p = self.params
+        self.stream = self.api.link.open(nm.GenerateRequest(
+            request_id=self.request_id, prompt=tuple(self.prompt), max_new_tokens=p.max_tokens,
+            temperature=p.temperature, top_p=p.top_p, seed=p.seed))
+        self._first = await self._next()
+
+    async def _next(self) -> nm.GenerateTokens:
+        msg = await self.stream.next(self.api.config.node_timeout)
+        if msg.kind:
+            raise _node_error(msg.kind, msg.message)
+        if msg.tokens:
+            now = time.perf_counter()
+            metrics = self.api.metrics
+            if not self._last_token:
+                metrics.ttft.observe(now - self.arrived)
+                if msg.transfer_bytes:
+                    metrics.transfer_bytes.observe(msg.transfer_bytes)
+                    metrics.transfer_seconds.observe(msg.transfer_seconds)
+            else:
+                metrics.tpot.observe(now - self._last_token)
+            self._last_token = now
+        return msg
+
+    async def step(self) -> tuple[str, str | None]:
+        """The next text delta, and the finish reason once there is one."""
+        if self.finish is not None:
+            return "", self.finish
+        msg, self._first = (self._first, None) if self._first is not None else (
+            await self._next(), None)
+        delta, finish = self.text.push(msg.tokens)
+        if finish is None and msg.done:
+            delta += self.text.close()
+            finish = "length"
+        self.out += delta
+        if finish is not None:
+            self.finish = finish
+            self.close("stop string" if finish == "stop" else "done")
+            metrics = self.api.metrics
+            metrics.prompt_tokens.inc(len(self.prompt))
+            metrics.generation_tokens.inc(self.text.tokens)
+        return delta, finish
+
+    async def run(self) -> None:
+        while self.finish is None:
+            await self.step()
+
+    def close(self, reason: str) -> None:
+        if self.stream is not None:
+            self.stream.close(reason)
+
+
+# -- metrics -------------------------------------------------------------------------------------
+class _Metrics:
+    """The server's Prometheus registry: its own (several servers in one process never
+    collide); node gauges come from the NodeStats fetched for each scrape."""
+
+    def __init__(self) -> None:
+        from prometheus_client import CollectorRegistry, Counter, Histogram
+
+        self.registry = CollectorRegistry(auto_describe=True)
+        r = self.registry
+        self.requests = Counter("statebridge_requests", "HTTP API requests by endpoint and "
+                                "outcome", ("endpoint", "outcome"), registry=r)
+        self.prompt_tokens = Counter("statebridge_prompt_tokens", "Prompt tokens of finished "
+                                     "requests", registry=r)
+        self.generation_tokens = Counter("statebridge_generation_tokens", "Tokens generated "
+                                         "for finished requests", registry=r)
+        self.ttft = Histogram("statebridge_time_to_first_token_seconds", "From the HTTP "
+                              "request to its first token", registry=r, buckets=(
+                                  .005, .01, .02, .05, .1, .2, .5, 1, 2, 5, 10, 30, 60))
+        self.tpot = Histogram("statebridge_time_per_output_token_seconds", "Between two "
+                              "tokens of one request", registry=r, buckets=(
+                                  .001, .0025, .005, .01, .02, .05, .1, .2, .5, 1, 2))
+        self.transfer_bytes = Histogram(
+            "statebridge_transfer_bytes", "Recurrent state and KV bytes moved per request",
+            registry=r, buckets=tuple(float(4 ** i) for i in range(5, 17)))
+        self.transfer_seconds = Histogram(
+            "statebridge_transfer_seconds", "State transfer time per request (submit to every "
+            "decode rank ready)", registry=r, buckets=(
+                .0005, .001, .002, .005, .01, .02, .05, .1, .2, .5, 1, 2, 5))
+        self.node: nm.NodeStats | None = None
+        self.inflight = 0
+        r.register(_NodeCollector(self))
+
+    def request(self, endpoint: str, outcome: str) -> None:
+        self.requests.labels(endpoint, outcome).inc()
+
+
+class _NodeCollector:
+    def __init__(self, metrics: _Metrics) -> None:
+        self.metrics = metrics
+
+    def describe(self):
+        return []
+
+    def collect(self):
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+        s = self.metrics.node
+        yield GaugeMetricFamily("statebridge_http_requests_in_flight",
+                                "HTTP generations in flight", value=self.metrics.inflight)
+        yield GaugeMetricFamily("statebridge_node_up", "1 when the decode node answered this "
+                                "scrape", value=0 if s is None else 1)
+        if s is None:
+            return
+        for name, help_, value in (
+                ("statebridge_node_ready", "1 once a prefill node is connected", int(s.ready)),
+                ("statebridge_pages_used", "State pages in use (per rank)", s.pages_used),
+                ("statebridge_pages_free", "State pages free (per rank)", s.pages_free),
+                ("statebridge_kv_blocks_used", "KV blocks in use (per rank)", s.blocks_used),
+                ("statebridge_kv_blocks_free", "KV blocks free (per rank)", s.blocks_free),
+                ("statebridge_requests_running", "Requests decoding", s.running),
+                ("statebridge_requests_waiting", "Requests waiting for a page or blocks",
+                 s.waiting),
+                ("statebridge_prefill_peers_connected", "Prefill nodes connected",
+                 len(s.prefill_nodes))):
+            yield GaugeMetricFamily(name, help_, value=value)
+        yield CounterMetricFamily("statebridge_refused_peers", "Prefill peers whose handshake "
+                                  "failed", value=s.refused_peers)
+        yield CounterMetricFamily("statebridge_node_aborted_requests", "Requests aborted at "
+                                  "the decode node", value=s.aborted)
+
+
+# -- the app and its server ----------------------------------------------------------------------
+def build_app(link: NodeLink, tokenizer: TextTokenizer, config: HttpConfig, *, model_name: str,
+              model_dir: str = "", max_prompt_len: int = 8192, max_new_tokens: int = 4096,
+              max_inflight: int = 256):
+    """The Starlette app; the NodeLink starts and closes with it (lifespan)."""
+    import contextlib
+
+    from starlette.applications import Starlette
+    from starlette.exceptions import HTTPException
+    from starlette.routing import Route
+
+    api = _Api(link, tokenizer, config, model_name=model_name, model_dir=model_dir,
+               max_prompt_len=max_prompt_len, max_new_tokens=max_new_tokens,
+               max_inflight=max_inflight, metrics=_Metrics())
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app):
+        await link.start()
+        try:
+            yield
+        finally:
+            await link.close()
+
+    async def completions(request):
+        return await api.completion(request, chat=False)
+
+    async def chat(request):
+        return await api.completion(request, chat=True)
+
+    async def http_error(request, exc):
+        return ApiError(exc.status_code, f"{request.method} {request.url.path}: {exc.detail}",
+                        "not_found_error" if exc.status_code == 404 else
+                        "invalid_request_error").response()
+
+    async def server_error(request, exc):
+        log.exception("HTTP %s %s failed", request.method, request.url.path)
+        return ApiError(500, f"internal error: {type(exc).__name__}: {exc}",
+                        "server_error").response()
+
+    app = Starlette(routes=[
+        Route("/v1/completions", completions, methods=["POST"]),
+        Route("/v1/chat/completions", chat, methods=["POST"]),
+        Route("/v1/models", api.models, methods=["GET"]),
+        Route("/health", api.health, methods=["GET"]),
+        Route("/metrics", api.metrics_text, methods=["GET"]),
+    ], lifespan=lifespan, exception_handlers={HTTPException: http_error,
+                                              Exception: server_error})
+    app.state.api = api
+    return app
+
+
+class HttpServer:
+    """uvicorn serving :func:`build_app` in a daemon thread (its own event loop). ``close()``
+    stops it (idempotent)."""
+
+    def __init__(self, app, host: str, port: int, *, timeout: float = 30.0) -> None:
+        import uvicorn
+
+        self.host = host
+        # log_config=None: the library configures no logging (the CLI does).
+        config = uvicorn.Config(app, host=host, port=port, log_config=None, log_level=None,
+                                access_log=False, lifespan="on", timeout_graceful_shutdown=2,
+                                ws="none")
+        self._server = uvicorn.Server(config)
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name="statebridge-http", daemon=True)
+        self._thread.start()
+        deadline = time.monotonic() + timeout
+        while not self._server.started:
+            if not self._thread.is_alive() or time.monotonic() > deadline:
+                self.close()
+                raise StartupError(f"the HTTP server did not start on {host}:{port}"
+                                   f"{f': {self._error}' if self._error else ' (port in use?)'}")
+            time.sleep(0.01)
+        self.port = self._server.servers[0].sockets[0].getsockname()[1]
+        self._closed = False
+        self.model_name, self.keyed = "", False
+
+    def _run(self) -> None:
+        try:
+            self._server.run()
+        except BaseException as e:       # uvicorn exits (SystemExit) when it cannot bind
+            self._error = e
+
+    @property
+    def url(self) -> str:
+        host = {"0.0.0.0": "127.0.0.1", "::": "::1"}.get(self.host, self.host)
+        return f"http://{f'[{host}]' if ':' in host else host}:{self.port}"
+
+    @classmethod
+    def for_node(cls, node, model_dir: str, config: HttpConfig) -> "HttpServer":
+        """The HTTP front door of a :class:`~statebridge.node.decode_node.DecodeNode` in this
+        process (its tokenizer, limits and keys)."""
+        from statebridge.security import CurveKeys
+
+        tokenizer = TextTokenizer.from_dir(model_dir)
+        nc = node.node_config
+        link = NodeLink(f"{node.config.bind_host}:{node.port}",
+                        keys=CurveKeys.from_config(node.config),
+                        max_message_bytes=node.config.max_message_bytes)
+        name = config.served_model_name or os.path.basename(os.path.normpath(model_dir))
+        app = build_app(link, tokenizer, config, model_name=name,
+                        model_dir=os.path.abspath(model_dir), max_prompt_len=nc.max_prompt_len,
+                        max_new_tokens=nc.max_new_tokens,
+                        max_inflight=config.max_inflight or 4 * nc.num_pages)
+        server = cls(app, config.host or node.config.bind_host,
+                     config.port if config.port is not None else 0)
+        server.model_name, server.keyed = name, bool(config.api_key)
+        log.info("HTTP API of %s on %s (model %r)", node.address, server.url, name)
+        return server
+
+    def close(self) -> None:
+        if getattr(self, "_closed", False):
+            return
+        self._closed = True
+        self._server.should_exit = True
+        self._thread.join(15)
