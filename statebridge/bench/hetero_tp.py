@@ -395,6 +395,7 @@ def _statebridge_cell(spec: StateSpec, src_tp: int, dst_tp: int, layout: str,
             groups = {"bench_process": [os.getpid()],
                       "prefill_ranks": prefill_hosts.pids[:src_tp],
                       "decode_ranks": decode_hosts.pids[:dst_tp]}
+            ops0 = _opcounts_snapshot(prefill_hosts, decode_hosts, src_tp, dst_tp)
             cpu0 = _cpu_snapshot(groups)
             started = time.perf_counter()
             results = _run_requests(decode, a.requests, c, "req-", a.timeout, tokens)
@@ -403,6 +404,7 @@ def _statebridge_cell(spec: StateSpec, src_tp: int, dst_tp: int, layout: str,
             dst_staging = np.max([r.rank_staging_bytes for r in results], axis=0) - dst_staging0
             time.sleep(0.05)                      # the last RankDone of the prefill side
             src_staging = np.array(server.stats()["rank_staging_bytes"]) - src_staging0
+            ops1 = _opcounts_snapshot(prefill_hosts, decode_hosts, src_tp, dst_tp)
     lat = np.array([r.seconds for r in results])
     rank_lat = np.array([max(r.rank_seconds) for r in results])
     messages = sorted({r.messages for r in results})
@@ -430,7 +432,38 @@ def _statebridge_cell(spec: StateSpec, src_tp: int, dst_tp: int, layout: str,
         "cpu_us_per_request": {k: (cpu1[k] - cpu0[k]) / len(results) * 1e6 for k in groups},
     })
     out["cpu_us_per_request"]["total"] = sum(out["cpu_us_per_request"].values())
+    out.update(_per_request_counts(ops0, ops1, len(results)))
     return out, plan
+
+
+def _opcounts_snapshot(prefill_hosts, decode_hosts, src_tp: int, dst_tp: int) -> dict:
+    """Operation counts (:mod:`statebridge.connector.opcounts`) by process class: this process
+    (the coordinators), the prefill rank hosts, the decode rank hosts."""
+    from statebridge.connector.opcounts import snapshot
+
+    def total(snaps):
+        out: dict[str, int] = {}
+        for snap in snaps:
+            for k, v in snap.items():
+                out[k] = out.get(k, 0) + v
+        return out
+    return {"bench_process": snapshot(), "prefill_ranks": total(prefill_hosts.opcounts(src_tp)),
+            "decode_ranks": total(decode_hosts.opcounts(dst_tp))}
+
+
+def _per_request_counts(ops0: dict, ops1: dict, requests: int) -> dict:
+    """``control_messages_per_request`` (control messages sent + received, all statebridge
+    processes) and ``ucx_operations_per_request`` (UCX tag sends + receives posted), each with
+    its split by process class, over the timed round."""
+    def per(keys, group):
+        return sum(ops1[group].get(k, 0) - ops0[group].get(k, 0) for k in keys) / requests
+    out = {}
+    for field, keys in (("control_messages", ("control_sent", "control_received")),
+                        ("ucx_operations", ("ucx_ops",))):
+        split = {g: per(keys, g) for g in ops0}
+        out[f"{field}_per_request"] = sum(split.values())
+        out[f"{field}_per_request_by_process"] = split
+    return out
 
 
 def _ratio(x: float | None, y: float | None) -> float | None:
