@@ -50,7 +50,8 @@ import numpy as np
 
 from statebridge.errors import ConfigError
 
-__all__ = ["NixlOptions", "NixlPool", "SlotPlan", "nixl_available", "pattern_block"]
+__all__ = ["NixlOptions", "NixlPool", "SlotPlan", "nixl_available", "pattern_block",
+           "vllm_descriptors_per_request", "vllm_groups"]
 
 _MODULES = ("nixl_cu12", "nixl")
 _WAITS = ("spin", "yield")
@@ -183,6 +184,10 @@ def _worker_main(conn, role: str, index: int) -> None:
                 conn.send(("ok", names))
             elif cmd == "read":
                 conn.send(("ok", _read(state, **kw)))
+            elif cmd == "vllm_read":
+                conn.send(("ok", _vllm_read(state, **kw)))
+            elif cmd == "serve":
+                conn.send(("ok", _serve_notifs(state, **kw)))
             elif cmd == "verify":
                 conn.send(("ok", _verify(state, **kw)))
             elif cmd == "close":
@@ -239,12 +244,15 @@ def _read(state: dict, *, sources: Sequence[tuple[str, int, np.ndarray]], src_pa
         prepped.append((name, lh, rh, idx))
     slots = min(concurrency, pages, requests)
     reusable: dict[int, list] = {}            # slot -> its handles (reuse_handles)
+    calls = {"make_prepped_xfer": 0, "transfer": 0, "check_xfer_state": 0,
+             "release_xfer_handle": 0}
 
     def handles_for(slot: int) -> list:
         if opts.reuse_handles and slot in reusable:
             return reusable[slot]
         hs = [agent.make_prepped_xfer("READ", lh, idx[slot], rh, idx[slot])
               for _, lh, rh, idx in prepped]
+        calls["make_prepped_xfer"] += len(hs)
         if opts.reuse_handles:
             reusable[slot] = hs
         return hs
@@ -253,6 +261,7 @@ def _read(state: dict, *, sources: Sequence[tuple[str, int, np.ndarray]], src_pa
         if not opts.reuse_handles:
             for h in handles:
                 agent.release_xfer_handle(h)
+            calls["release_xfer_handle"] += len(handles)
 
     def round_(count: int, deadline: float) -> list[float]:
         nxt = 0
@@ -266,6 +275,7 @@ def _read(state: dict, *, sources: Sequence[tuple[str, int, np.ndarray]], src_pa
             for (name, *_), h in zip(prepped, handles):
                 if agent.transfer(h) == "ERR":
                     raise RuntimeError(f"NIXL READ from {name} failed to post")
+            calls["transfer"] += len(handles)
             active[slot] = (nxt, started, handles)
             nxt += 1
 
@@ -275,6 +285,7 @@ def _read(state: dict, *, sources: Sequence[tuple[str, int, np.ndarray]], src_pa
             progressed = False
             for slot, (req, started, handles) in list(active.items()):
                 states = [agent.check_xfer_state(h) for h in handles]
+                calls["check_xfer_state"] += len(handles)
                 if "ERR" in states:
                     raise RuntimeError(f"NIXL READ of request {req} failed")
                 if all(s == "DONE" for s in states):
@@ -297,6 +308,8 @@ def _read(state: dict, *, sources: Sequence[tuple[str, int, np.ndarray]], src_pa
             round_(slots, time.perf_counter() + timeout)
         while time.perf_counter() < start_at:
             time.sleep(min(0.001, max(0.0, start_at - time.perf_counter())))
+        for k in calls:
+            calls[k] = 0
         t0, c0 = time.perf_counter(), time.process_time()
         latencies = round_(requests, t0 + timeout)
         t1, c1 = time.perf_counter(), time.process_time()
@@ -307,7 +320,158 @@ def _read(state: dict, *, sources: Sequence[tuple[str, int, np.ndarray]], src_pa
         for h in state["dlists"]:
             agent.release_dlist_handle(h)
         state["dlists"] = []
-    return {"start": t0, "end": t1, "latencies": latencies, "cpu_seconds": c1 - c0}
+    return {"start": t0, "end": t1, "latencies": latencies, "cpu_seconds": c1 - c0,
+            "calls": calls}
+
+
+def _prep_groups(agent, name: str, ptr: int, groups, local: bool):
+    """One prepped descriptor list of every group's regions x blocks, region-major within a
+    group (``desc id = group base + region * num_blocks + block``, vLLM's numbering)."""
+    rows, bases, base = [], [], 0
+    for runs, num_blocks, _ in groups:
+        runs = np.asarray(runs, dtype=np.int64)
+        off, stride = (runs[:, 1], runs[:, 4]) if local else (runs[:, 0], runs[:, 3])
+        blocks = np.arange(num_blocks, dtype=np.int64)
+        addr = ptr + off[:, None] + blocks[None, :] * stride[:, None]
+        lens = np.repeat(runs[:, 2], num_blocks)
+        rows.append(np.column_stack([addr.ravel(), lens, np.zeros(len(lens), dtype=np.int64)]))
+        bases.append(base)
+        base += len(runs) * num_blocks
+    return agent.prep_xfer_dlist("NIXL_INIT_AGENT" if local else name, np.concatenate(rows),
+                                 "DRAM"), bases
+
+
+def _vllm_read(state: dict, *, sources, dst_tp: int, requests: int, concurrency: int,
+               start_at: float, timeout: float, warmup: int) -> dict:
+    """vLLM's NixlConnector's pull loop on one decode worker. Per request: block ids ->
+    descriptor ids by numpy (``region * num_blocks + block`` per group, for the local and the
+    remote side), one ``make_prepped_xfer("READ", ..., notif_msg="<req>:<dst tp>")`` + ``transfer``
+    per source rank; every step ``check_xfer_state`` on every in-flight handle, and
+    ``release_xfer_handle`` when done. ``sources``: ``[(agent name, buffer address, groups)]``,
+    a group ``(runs [R, 5] at block 0 with strides, num_blocks, blocks per request)``; slot
+    ``s`` owns blocks ``[s * bpr, (s + 1) * bpr)`` of every group."""
+    agent, buf = state["agent"], state["buf"]
+    dst_ptr = buf.data_ptr()
+    prepped = []                    # (name, local h, remote h, [(region ids, num_blocks, bpr, base)])
+    for name, src_ptr, groups in sources:
+        rh, rbases = _prep_groups(agent, name, src_ptr, groups, local=False)
+        lh, lbases = _prep_groups(agent, name, dst_ptr, groups, local=True)
+        state["dlists"] += [rh, lh]
+        meta = [(np.arange(len(runs), dtype=np.int64), nb, bpr, lb, rb)
+                for (runs, nb, bpr), lb, rb in zip(groups, lbases, rbases)]
+        prepped.append((name, lh, rh, meta))
+    slots = concurrency
+    calls = {"make_prepped_xfer": 0, "transfer": 0, "check_xfer_state": 0,
+             "release_xfer_handle": 0}
+    descriptors = [0]
+
+    def ids(meta, slot: int, local: bool) -> np.ndarray:
+        # vLLM's per-request block-id math: for every region, the request's block ids
+        out = []
+        for regions, nb, bpr, lbase, rbase in meta:
+            block_ids = slot * bpr + np.arange(bpr, dtype=np.int64)
+            out.append(((lbase if local else rbase) + regions[:, None] * nb
+                        + block_ids[None, :]).ravel())
+        return np.concatenate(out).astype(np.int32)
+
+    def round_(count: int, prefix: str, deadline: float) -> list[float]:
+        nxt = 0
+        active: dict[int, tuple[int, float, list]] = {}
+        latencies = [0.0] * count
+
+        def post(slot: int) -> None:
+            nonlocal nxt
+            started = time.perf_counter()
+            notif = f"{prefix}{nxt}:{dst_tp}".encode()
+            handles = []
+            for name, lh, rh, meta in prepped:
+                local_idx, remote_idx = ids(meta, slot, True), ids(meta, slot, False)
+                h = agent.make_prepped_xfer("READ", lh, local_idx, rh, remote_idx,
+                                            notif_msg=notif)
+                if agent.transfer(h) == "ERR":
+                    raise RuntimeError(f"NIXL READ from {name} failed to post")
+                descriptors[0] += len(local_idx)
+                handles.append(h)
+            calls["make_prepped_xfer"] += len(handles)
+            calls["transfer"] += len(handles)
+            active[slot] = (nxt, started, handles)
+            nxt += 1
+
+        while active or nxt < count:
+            # one engine step: start what has room, then poll every in-flight handle
+            for slot in range(slots):
+                if slot not in active and nxt < count:
+                    post(slot)
+            progressed = False
+            for slot, (req, started, handles) in list(active.items()):
+                states = [agent.check_xfer_state(h) for h in handles]
+                calls["check_xfer_state"] += len(handles)
+                if "ERR" in states:
+                    raise RuntimeError(f"NIXL READ of request {req} failed")
+                if all(st == "DONE" for st in states):
+                    latencies[req] = time.perf_counter() - started
+                    for h in handles:
+                        agent.release_xfer_handle(h)
+                    calls["release_xfer_handle"] += len(handles)
+                    del active[slot]
+                    progressed = True
+            if not progressed:
+                if time.perf_counter() > deadline:
+                    raise RuntimeError(f"NIXL READs not done after {timeout} s "
+                                       f"({len(active)} in flight)")
+                os.sched_yield()
+        return latencies
+
+    try:
+        if warmup:
+            round_(warmup, "w", time.perf_counter() + timeout)
+        while time.perf_counter() < start_at:
+            time.sleep(min(0.001, max(0.0, start_at - time.perf_counter())))
+        for k in calls:
+            calls[k] = 0
+        descriptors[0] = 0
+        t0, c0 = time.perf_counter(), time.process_time()
+        latencies = round_(requests, "r", t0 + timeout)
+        t1, c1 = time.perf_counter(), time.process_time()
+    finally:
+        for h in state["dlists"]:
+            agent.release_dlist_handle(h)
+        state["dlists"] = []
+    return {"start": t0, "end": t1, "latencies": latencies, "cpu_seconds": c1 - c0,
+            "calls": calls, "descriptors": descriptors[0]}
+
+
+def _serve_notifs(state: dict, *, readers: int, expect: int, timeout: float,
+                  step_s: float = 0.001) -> dict:
+    """vLLM's prefill worker: every step ``get_new_notifs``; a request (notif
+    ``"<req>:<dst tp>"``) is freed when ``readers`` decode ranks have notified it. Returns when
+    ``expect`` requests are freed: CPU seconds, calls, freed."""
+    agent = state["agent"]
+    counts: dict[str, int] = {}
+    freed, calls, polls_empty = 0, 0, 0
+    c0 = time.process_time()
+    deadline = time.perf_counter() + timeout
+    while freed < expect:
+        notifs = agent.get_new_notifs()
+        calls += 1
+        got = False
+        for msgs in notifs.values():
+            for msg in msgs:
+                got = True
+                req, _, _tp = msg.decode().rpartition(":")
+                n = counts.get(req, 0) + 1
+                if n == readers:
+                    counts.pop(req, None)
+                    freed += 1
+                else:
+                    counts[req] = n
+        if not got:
+            polls_empty += 1
+            if time.perf_counter() > deadline:
+                raise RuntimeError(f"source freed {freed} of {expect} requests in {timeout} s")
+            time.sleep(step_s)          # the next engine step
+    return {"cpu_seconds": time.process_time() - c0, "get_new_notifs": calls,
+            "freed": freed, "pending": len(counts)}
 
 
 def _verify(state: dict, *, sources: Sequence[tuple[int, np.ndarray]], src_page: int,
@@ -440,6 +604,43 @@ class _SlotPair:
     runs: np.ndarray
 
 
+def vllm_groups(plan, pages: int) -> dict[tuple[int, int], list]:
+    """vLLM's descriptors of ``plan`` (a TransferPlan of ``LDS`` pages, or a :class:`SlotPlan`
+    of them with ``LH`` KV) per (source rank, destination rank): groups ``(runs [R, 5] at block
+    0 with strides, num_blocks, blocks per request)``. Pages: one region per run of the page
+    (per layer per conv x/B/C piece and SSM slice), ``pages`` blocks, one per request; KV: one
+    region per run of one block (per layer per K or V half), ``pages x blocks`` blocks, the
+    request's ``blocks`` of them -- one descriptor per region per block, never coalesced
+    (vLLM builds one per (region, block))."""
+    base = plan.plan if isinstance(plan, SlotPlan) else plan
+    out = {}
+    for d in range(base.dst.tp_size):
+        for s in range(base.src.tp_size):
+            groups = []
+            page = base.pair(s, d)
+            if page is not None:
+                groups.append((_with_strides(page.runs, base.src.page_size, base.dst.page_size),
+                               pages, 1))
+            if isinstance(plan, SlotPlan):
+                kv = plan.kv.pair(s, d)
+                if kv is not None:
+                    r = np.asarray(kv.block_runs, dtype=np.int64)
+                    groups.append((np.column_stack([
+                        r[:, 0] + plan._src_base, r[:, 1] + plan._dst_base, r[:, 2],
+                        np.full(len(r), kv.src_block_stride, dtype=np.int64),
+                        np.full(len(r), kv.dst_block_stride, dtype=np.int64)]),
+                        pages * plan.blocks, plan.blocks))
+            if groups:
+                out[s, d] = groups
+    return out
+
+
+def vllm_descriptors_per_request(plan, pages: int = 1) -> int:
+    """Descriptors vLLM's way reads per request over all rank pairs: regions x blocks."""
+    return sum(len(runs) * bpr for groups in vllm_groups(plan, pages).values()
+               for runs, _, bpr in groups)
+
+
 def _round64(n: int) -> int:
     return -(-n // 64) * 64
 
@@ -462,11 +663,13 @@ class NixlPool:
 
     def run_cell(self, plan, *, pages: int, requests: int, concurrency: int,
                  timeout: float = 300.0, verify: bool = False,
-                 options: NixlOptions | None = None) -> dict:
+                 options: NixlOptions | None = None, vllm: bool = False) -> dict:
         """NIXL READ of every pair's runs of ``plan`` (a TransferPlan, or anything shaped like
         one: :class:`SlotPlan` for state plus KV): GB/s, latencies, and with ``verify`` the
         bytes compared with the sources' pattern (``verified_bytes``; a mismatch raises).
-        ``options`` overrides the pool's for this cell."""
+        ``options`` overrides the pool's for this cell. ``vllm``: vLLM's NixlConnector's loop
+        instead (:func:`_vllm_read` on the destinations over :func:`vllm_groups`, with
+        notifications, and :func:`_serve_notifs` on the sources)."""
         src_tp, dst_tp = plan.src.tp_size, plan.dst.tp_size
         if src_tp > len(self.src) or dst_tp > len(self.dst):
             raise ConfigError(f"plan {src_tp}x{dst_tp} needs more NIXL workers than the pool's "
@@ -504,13 +707,35 @@ class NixlPool:
                           if opts.warmup else 0.0)
             start_at = time.perf_counter() + warm
             src_cpu0 = [_cpu_seconds(self.src[i].proc.pid) for i in range(src_tp)]
-            for d in range(dst_tp):
-                sources = [(f"{tag}-src{p.src_rank}", src_info[p.src_rank][1], p.runs)
-                           for p in plan.for_destination(d)]
-                self.dst[d].send("read", sources=sources, src_page=src_size, dst_page=dst_size,
-                                 pages=pages, requests=requests, concurrency=concurrency,
-                                 start_at=start_at, timeout=timeout)
+            served = []
+            if vllm:
+                groups = vllm_groups(plan, pages)
+                slots = min(concurrency, pages, requests)
+                warm_n = slots if opts.warmup else 0
+                serving = [s for s in range(src_tp) if any(k[0] == s for k in groups)]
+                for s in serving:
+                    self.src[s].send("serve", readers=sum(k[0] == s for k in groups),
+                                     expect=warm_n + requests, timeout=timeout + warm)
+                for d in range(dst_tp):
+                    sources = [(f"{tag}-src{s}", src_info[s][1], g)
+                               for (s, dd), g in sorted(groups.items()) if dd == d]
+                    self.dst[d].send("vllm_read", sources=sources, dst_tp=dst_tp,
+                                     requests=requests, concurrency=slots, start_at=start_at,
+                                     timeout=timeout, warmup=warm_n)
+            else:
+                for d in range(dst_tp):
+                    sources = [(f"{tag}-src{p.src_rank}", src_info[p.src_rank][1], p.runs)
+                               for p in plan.for_destination(d)]
+                    self.dst[d].send("read", sources=sources, src_page=src_size,
+                                     dst_page=dst_size, pages=pages, requests=requests,
+                                     concurrency=concurrency, start_at=start_at,
+                                     timeout=timeout)
             results = [self.dst[d].recv(timeout + warm + 60) for d in range(dst_tp)]
+            if vllm:
+                served = [self.src[s].recv(timeout + warm + 60) for s in serving]
+                if any(x["freed"] != warm_n + requests or x["pending"] for x in served):
+                    raise RuntimeError(f"sources freed {[x['freed'] for x in served]} of "
+                                       f"{warm_n + requests} requests")
             src_cpu = sum(_cpu_seconds(self.src[i].proc.pid) - src_cpu0[i]
                           for i in range(src_tp))
             busy = time.perf_counter() - start_at + warm
@@ -538,11 +763,29 @@ class NixlPool:
         # slot, so per-request latency is the slowest rank's latency of that request.
         lat = np.max(np.array([r["latencies"] for r in results]), axis=0)
         nbytes = requests * plan.bytes_per_request
+        calls: dict[str, float] = {}
+        for r in results:
+            for k, v in r["calls"].items():
+                calls[k] = calls.get(k, 0) + v / requests
+        if served:
+            # the sources' figures cover the warm-up requests too: per request freed
+            freed = served[0]["freed"]
+            calls["get_new_notifs"] = sum(x["get_new_notifs"] for x in served) / freed
+            src_cpu_us = sum(x["cpu_seconds"] for x in served) / freed * 1e6
+        else:
+            src_cpu_us = src_cpu / requests * 1e6
+        dst_cpu_us = sum(r["cpu_seconds"] for r in results) / requests * 1e6
+        descriptors = (sum(r["descriptors"] for r in results) / requests if vllm
+                       else sum(len(p.runs) for p in plan))
         return {"gbps": nbytes / wall / 1e9, "seconds": wall,
+                "nixl_calls_per_request": sum(calls.values()),
+                "nixl_calls_per_request_by_call": calls,
+                "cpu_us_per_request": {"nixl_dst": dst_cpu_us, "nixl_src": src_cpu_us,
+                                       "total": dst_cpu_us + src_cpu_us},
                 "requests_per_s": requests / wall,
                 "latency_p50_ms": float(np.percentile(lat, 50) * 1e3),
                 "latency_p99_ms": float(np.percentile(lat, 99) * 1e3),
-                "descriptors_per_request": sum(len(p.runs) for p in plan),
+                "descriptors_per_request": descriptors,
                 # CPU the workers burnt: destinations over the timed round; sources over the
                 # whole read command (warm-up included) as a share of one core.
                 "dst_cpu_seconds": sum(r["cpu_seconds"] for r in results),

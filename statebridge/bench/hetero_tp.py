@@ -101,7 +101,15 @@ LAYOUTS = ("LSD", "LDS", "DLS")
 CELL_FIELDS = ("pair", "layout", "preset", "gbps", "messages_per_request",
                "staging_bytes_per_request", "latency_p50_ms", "latency_p99_ms",
                "line_rate_gbps", "ratio_to_line_rate", "nixl_gbps", "ratio_to_nixl",
-               "nixl_lds_gbps", "ratio_to_nixl_lds", "peak_rss_mib", "peak_rss_scope")
+               "vllm_way_gbps", "ratio_to_vllm_way", "vllm_way_requests_per_s",
+               "vllm_way_latency_p50_ms", "vllm_way_latency_p99_ms",
+               "vllm_way_cpu_us_per_request", "vllm_way_descriptors_per_request",
+               "vllm_way_nixl_calls_per_request", "nixl_calls_per_request",
+               "nixl_cpu_us_per_request", "copy_limit_gbps", "ratio_to_copy_limit",
+               "control_messages_per_request", "ucx_operations_per_request",
+               "cpu_us_per_request", "low_load_latency_p50_ms", "low_load_latency_p99_ms",
+               "vllm_way_low_load_latency_p50_ms", "vllm_way_low_load_latency_p99_ms",
+               "peak_rss_mib", "peak_rss_scope")
 
 
 def preset_spec(name: str) -> StateSpec:
@@ -395,6 +403,7 @@ def _statebridge_cell(spec: StateSpec, src_tp: int, dst_tp: int, layout: str,
             groups = {"bench_process": [os.getpid()],
                       "prefill_ranks": prefill_hosts.pids[:src_tp],
                       "decode_ranks": decode_hosts.pids[:dst_tp]}
+            ops0 = _opcounts_snapshot(prefill_hosts, decode_hosts, src_tp, dst_tp)
             cpu0 = _cpu_snapshot(groups)
             started = time.perf_counter()
             results = _run_requests(decode, a.requests, c, "req-", a.timeout, tokens)
@@ -403,6 +412,10 @@ def _statebridge_cell(spec: StateSpec, src_tp: int, dst_tp: int, layout: str,
             dst_staging = np.max([r.rank_staging_bytes for r in results], axis=0) - dst_staging0
             time.sleep(0.05)                      # the last RankDone of the prefill side
             src_staging = np.array(server.stats()["rank_staging_bytes"]) - src_staging0
+            ops1 = _opcounts_snapshot(prefill_hosts, decode_hosts, src_tp, dst_tp)
+            # 3. low load: one request in flight
+            low = (_run_requests(decode, a.low_load_requests, 1, "low-", a.timeout, tokens)
+                   if a.low_load else [])
     lat = np.array([r.seconds for r in results])
     rank_lat = np.array([max(r.rank_seconds) for r in results])
     messages = sorted({r.messages for r in results})
@@ -430,7 +443,48 @@ def _statebridge_cell(spec: StateSpec, src_tp: int, dst_tp: int, layout: str,
         "cpu_us_per_request": {k: (cpu1[k] - cpu0[k]) / len(results) * 1e6 for k in groups},
     })
     out["cpu_us_per_request"]["total"] = sum(out["cpu_us_per_request"].values())
+    out.update(_per_request_counts(ops0, ops1, len(results)))
+    out.update({"low_load_requests": len(low), "low_load_latency_p50_ms": None,
+                "low_load_latency_p99_ms": None, "low_load_rank_transfer_p50_ms": None,
+                "low_load_rank_transfer_p99_ms": None})
+    if low:
+        low_lat = np.array([r.seconds for r in low]) * 1e3
+        low_rank = np.array([max(r.rank_seconds) for r in low]) * 1e3
+        out.update({"low_load_latency_p50_ms": float(np.percentile(low_lat, 50)),
+                    "low_load_latency_p99_ms": float(np.percentile(low_lat, 99)),
+                    "low_load_rank_transfer_p50_ms": float(np.percentile(low_rank, 50)),
+                    "low_load_rank_transfer_p99_ms": float(np.percentile(low_rank, 99))})
     return out, plan
+
+
+def _opcounts_snapshot(prefill_hosts, decode_hosts, src_tp: int, dst_tp: int) -> dict:
+    """Operation counts (:mod:`statebridge.connector.opcounts`) by process class: this process
+    (the coordinators), the prefill rank hosts, the decode rank hosts."""
+    from statebridge.connector.opcounts import snapshot
+
+    def total(snaps):
+        out: dict[str, int] = {}
+        for snap in snaps:
+            for k, v in snap.items():
+                out[k] = out.get(k, 0) + v
+        return out
+    return {"bench_process": snapshot(), "prefill_ranks": total(prefill_hosts.opcounts(src_tp)),
+            "decode_ranks": total(decode_hosts.opcounts(dst_tp))}
+
+
+def _per_request_counts(ops0: dict, ops1: dict, requests: int) -> dict:
+    """``control_messages_per_request`` (control messages sent + received, all statebridge
+    processes) and ``ucx_operations_per_request`` (UCX tag sends + receives posted), each with
+    its split by process class, over the timed round."""
+    def per(keys, group):
+        return sum(ops1[group].get(k, 0) - ops0[group].get(k, 0) for k in keys) / requests
+    out = {}
+    for field, keys in (("control_messages", ("control_sent", "control_received")),
+                        ("ucx_operations", ("ucx_ops",))):
+        split = {g: per(keys, g) for g in ops0}
+        out[f"{field}_per_request"] = sum(split.values())
+        out[f"{field}_per_request_by_process"] = split
+    return out
 
 
 def _ratio(x: float | None, y: float | None) -> float | None:
@@ -508,7 +562,8 @@ def run(a: argparse.Namespace) -> dict:
                            "nixl": {"available": nixl_why is None, "reason": nixl_why},
                            "cells": [], "skipped": skipped}
     progress = _Progress(len(cells), not a.quiet)
-    nixl_lds: dict[tuple[str, int, int], dict] = {}
+    vllm_cache: dict[tuple[str, int, int], dict] = {}
+    copy_cache: dict[tuple[str, int, int], dict] = {}
     with RankHostPool(max_src) as prefill_hosts, RankHostPool(max_dst) as decode_hosts:
         nixl = None
         if nixl_why is None:
@@ -538,7 +593,9 @@ def run(a: argparse.Namespace) -> dict:
                 cell["line_rate_message_bytes"] = int(sb["mean_message_bytes"])
                 cell["ratio_to_line_rate"] = _ratio(cell["gbps"], rate)
                 cell.update(_nixl_cell(nixl, nixl_why, plan, spec, preset, src_tp, dst_tp,
-                                       layout, a, nixl_lds, cell))
+                                       layout, a, vllm_cache, cell))
+                cell.update(_copy_limit_cell(plan, spec, src_tp, dst_tp, preset, a,
+                                             copy_cache, cell))
                 # MiB per process of each class, over this cell (statebridge and NIXL rounds)
                 cell["peak_rss_mib"] = peak_rss.read()
                 cell["peak_rss_scope"] = peak_rss.scope
@@ -580,72 +637,126 @@ def _jsonable(x):
     raise TypeError(type(x))
 
 
-def _nixl_cell(nixl, nixl_why, plan, spec, preset, src_tp, dst_tp, layout, a, lds_cache,
+def _nixl_cell(nixl, nixl_why, plan, spec, preset, src_tp, dst_tp, layout, a, vllm_cache,
                cell) -> dict:
-    out: dict[str, Any] = {"nixl_gbps": None, "ratio_to_nixl": None, "nixl_lds_gbps": None,
-                           "ratio_to_nixl_lds": None, "nixl_note": nixl_why}
+    """NIXL reading exactly the runs statebridge posts (``nixl_*``: the data plane alone), and
+    vLLM's way (``vllm_way_*``): NixlConnector's loop over vLLM's descriptors -- pages ``LDS``
+    (one descriptor per layer per conv x/B/C piece and SSM slice), KV ``LH`` (one per layer per
+    K or V half per block), with notifications and the sources' free-on-every-reader loop
+    (:func:`statebridge.bench._nixl._vllm_read`). vLLM's way does not depend on statebridge's
+    layout: measured once per (preset, pair) and shared by its cells."""
+    from statebridge.bench._nixl import SlotPlan
+    from statebridge.state.layout import PageGeometry
+
+    out: dict[str, Any] = {f: None for f in _NIXL_FIELDS}
+    out["nixl_note"] = nixl_why
     if nixl is None:
         return out
     kw = dict(pages=a.concurrency, requests=a.requests, concurrency=a.concurrency,
               timeout=a.timeout)
+    tokens = prompt_tokens(spec, a)
+    vllm_pages = TransferPlan(PageGeometry(spec, src_tp, "LDS"),
+                              PageGeometry(spec, dst_tp, "LDS"))
     if spec.kv is not None:
-        return _nixl_kv_cell(nixl, plan, spec, src_tp, dst_tp, a, kw, out, cell)
+        same_plan = SlotPlan(plan, (a.kv_layout, a.kv_layout), a.block_size, tokens,
+                             a.concurrency)
+        vllm_plan = SlotPlan(vllm_pages, ("LH", "LH"), a.block_size, tokens, a.concurrency)
+    else:
+        same_plan, vllm_plan = plan, vllm_pages
     try:
-        same = nixl.run_cell(plan, **kw)
+        same = nixl.run_cell(same_plan, **kw)
         key = (preset, src_tp, dst_tp)
-        if layout == "LDS":
-            lds_cache.setdefault(key, same)
-        if key not in lds_cache:
-            from statebridge.state.layout import PageGeometry
-            lds_plan = TransferPlan(PageGeometry(spec, src_tp, "LDS"),
-                                    PageGeometry(spec, dst_tp, "LDS"))
-            lds_cache[key] = nixl.run_cell(lds_plan, **kw)
-        lds = lds_cache[key]
+        if key not in vllm_cache:
+            vllm = nixl.run_cell(vllm_plan, vllm=True, **kw)
+            if a.low_load:
+                low = nixl.run_cell(vllm_plan, vllm=True, **dict(
+                    kw, requests=a.low_load_requests, concurrency=1))
+                vllm["low_load_latency_p50_ms"] = low["latency_p50_ms"]
+                vllm["low_load_latency_p99_ms"] = low["latency_p99_ms"]
+            vllm_cache[key] = vllm
+        vllm = vllm_cache[key]
     except Exception as e:  # noqa: BLE001 -- recorded, the run goes on
         out["nixl_note"] = f"NIXL run failed: {e}"[:500]
         return out
-    out.update(_nixl_fields(cell, same, lds))
-    return out
-
-
-def _nixl_fields(cell: dict, same: dict, vllm: dict) -> dict:
-    """The cell's NIXL figures: on the same runs (``nixl_*``) and vLLM's way (``nixl_lds_*``)."""
-    return {
+    out.update({
         "nixl_gbps": same["gbps"], "ratio_to_nixl": _ratio(cell["gbps"], same["gbps"]),
         "nixl_requests_per_s": same["requests_per_s"],
         "nixl_latency_p50_ms": same["latency_p50_ms"],
         "nixl_latency_p99_ms": same["latency_p99_ms"],
         "nixl_descriptors_per_request": same["descriptors_per_request"],
+        "nixl_calls_per_request": same["nixl_calls_per_request"],
+        "nixl_calls_per_request_by_call": same["nixl_calls_per_request_by_call"],
+        "nixl_cpu_us_per_request": same["cpu_us_per_request"],
         "nixl_options": same.get("options"),
         "nixl_src_cpu_cores": same.get("src_cpu_cores"),
-        "nixl_lds_gbps": vllm["gbps"], "ratio_to_nixl_lds": _ratio(cell["gbps"], vllm["gbps"]),
-        "nixl_lds_requests_per_s": vllm["requests_per_s"],
-        "nixl_lds_latency_p50_ms": vllm["latency_p50_ms"],
-        "nixl_lds_descriptors_per_request": vllm["descriptors_per_request"],
+        "vllm_way_gbps": vllm["gbps"], "ratio_to_vllm_way": _ratio(cell["gbps"], vllm["gbps"]),
+        "vllm_way_requests_per_s": vllm["requests_per_s"],
+        "vllm_way_latency_p50_ms": vllm["latency_p50_ms"],
+        "vllm_way_latency_p99_ms": vllm["latency_p99_ms"],
+        "vllm_way_descriptors_per_request": vllm["descriptors_per_request"],
+        "vllm_way_nixl_calls_per_request": vllm["nixl_calls_per_request"],
+        "vllm_way_nixl_calls_per_request_by_call": vllm["nixl_calls_per_request_by_call"],
+        "vllm_way_cpu_us_per_request": vllm["cpu_us_per_request"],
+        "vllm_way_low_load_latency_p50_ms": vllm.get("low_load_latency_p50_ms"),
+        "vllm_way_low_load_latency_p99_ms": vllm.get("low_load_latency_p99_ms"),
         "nixl_note": None,
-    }
-
-
-def _nixl_kv_cell(nixl, plan, spec, src_tp, dst_tp, a, kw, out, cell) -> dict:
-    """NIXL on exactly the runs statebridge posts (pages + KV in ``--kv-layout``), and vLLM's
-    way: pages ``LDS``, KV per layer, K then V, head-major (``LH``: one descriptor per layer per
-    K or V per block)."""
-    from statebridge.bench._nixl import SlotPlan
-    from statebridge.state.layout import PageGeometry
-
-    tokens = prompt_tokens(spec, a)
-    try:
-        same = nixl.run_cell(SlotPlan(plan, (a.kv_layout, a.kv_layout), a.block_size, tokens,
-                                      a.concurrency), **kw)
-        vllm_pages = TransferPlan(PageGeometry(spec, src_tp, "LDS"),
-                                  PageGeometry(spec, dst_tp, "LDS"))
-        vllm = nixl.run_cell(SlotPlan(vllm_pages, ("LH", "LH"), a.block_size, tokens,
-                                      a.concurrency), **kw)
-    except Exception as e:  # noqa: BLE001 -- recorded, the run goes on
-        out["nixl_note"] = f"NIXL run failed: {e}"[:500]
-        return out
-    out.update(_nixl_fields(cell, same, vllm))
+    })
     return out
+
+
+def _pair_bytes(plan, spec, a) -> list[tuple[int, int, int]]:
+    """(source rank, destination rank, bytes per request) of the cell's plan, KV included."""
+    from statebridge.bench._nixl import SlotPlan
+
+    if spec.kv is not None:
+        sp = SlotPlan(plan, (a.kv_layout, a.kv_layout), a.block_size, prompt_tokens(spec, a), 1)
+        return [(p.src_rank, p.dst_rank, int(p.runs[:, 2].sum())) for p in sp]
+    out = []
+    for d in range(plan.dst.tp_size):
+        for s in range(plan.src.tp_size):
+            pair = plan.pair(s, d)
+            if pair is not None:
+                out.append((s, d, int(np.asarray(pair.runs)[:, 2].sum())))
+    return out
+
+
+def _copy_limit_cell(plan, spec, src_tp, dst_tp, preset, a, cache, cell) -> dict:
+    """``copy_limit_gbps``: the cell's bytes per request copied between cold page buffers of
+    separate processes by ``os.cpu_count()`` copiers (:mod:`statebridge.bench._copylimit`);
+    the same bytes for every layout, so measured once per (preset, pair)."""
+    out = {"copy_limit_gbps": None, "ratio_to_copy_limit": None,
+           "copy_limit_note": "disabled by --no-copy-limit" if a.no_copy_limit else None,
+           "copy_limit_cpu_us_per_request": None, "copy_limit_copiers": None}
+    if a.no_copy_limit:
+        return out
+    key = (preset, src_tp, dst_tp)
+    try:
+        if key not in cache:
+            from statebridge.bench._copylimit import copy_limit
+
+            cache[key] = copy_limit(_pair_bytes(plan, spec, a), src_tp=src_tp,
+                                    requests=a.requests, pages=a.concurrency,
+                                    timeout=a.timeout)
+        r = cache[key]
+    except Exception as e:  # noqa: BLE001 -- recorded
+        out["copy_limit_note"] = f"copy limit failed: {e}"[:300]
+        return out
+    out.update({"copy_limit_gbps": r["gbps"], "ratio_to_copy_limit": _ratio(cell["gbps"],
+                                                                             r["gbps"]),
+                "copy_limit_bytes_per_request": r["bytes_per_request"],
+                "copy_limit_cpu_us_per_request": r["cpu_us_per_request"],
+                "copy_limit_copiers": r["copiers"]})
+    return out
+
+
+_NIXL_FIELDS = ("nixl_gbps", "ratio_to_nixl", "nixl_requests_per_s", "nixl_latency_p50_ms",
+                "nixl_latency_p99_ms", "nixl_descriptors_per_request", "nixl_calls_per_request",
+                "nixl_calls_per_request_by_call", "nixl_cpu_us_per_request", "vllm_way_gbps",
+                "ratio_to_vllm_way", "vllm_way_requests_per_s", "vllm_way_latency_p50_ms",
+                "vllm_way_latency_p99_ms", "vllm_way_descriptors_per_request",
+                "vllm_way_nixl_calls_per_request", "vllm_way_nixl_calls_per_request_by_call",
+                "vllm_way_cpu_us_per_request", "vllm_way_low_load_latency_p50_ms",
+                "vllm_way_low_load_latency_p99_ms")
 
 
 # -- output ------------------------------------------------------------------------------------
@@ -668,7 +779,8 @@ def write_plot(path: str, cells: Sequence[dict]) -> str | None:
     ax.bar(x, [c["gbps"] for c in cells], 0.6, label="statebridge", color="tab:blue")
     for key, marker, color, name in (("line_rate_gbps", "_", "black", "ucx_perftest line rate"),
                                      ("nixl_gbps", "o", "tab:orange", "NIXL, same runs"),
-                                     ("nixl_lds_gbps", "x", "tab:red", "NIXL LDS (vLLM's way)")):
+                                     ("vllm_way_gbps", "x", "tab:red", "vLLM's way (NIXL)"),
+                                     ("copy_limit_gbps", "^", "tab:green", "copy limit")):
         ys = [c.get(key) for c in cells]
         if any(y is not None for y in ys):
             ax.scatter(x, [np.nan if y is None else y for y in ys], marker=marker, s=200,
@@ -691,20 +803,31 @@ def write_plot(path: str, cells: Sequence[dict]) -> str | None:
 def format_table(cells: Sequence[dict]) -> str:
     def f(x, fmt="{:.3g}"):
         return "-" if x is None else fmt.format(x)
-    rows = ["| preset | pair | layout | tokens | GB/s | req/s | msgs/req | staging B/req | "
-            "p50 ms | p99 ms | line GB/s | x line | NIXL GB/s | x NIXL | vLLM's way GB/s | "
-            "x vLLM's way | peak RSS MiB P/D/NIXL |",
-            "|" + "---|" * 17]
+
+    def cpu(d):
+        return "-" if not d else f"{d['total']:.0f}"
+    rows = ["| preset | pair | layout | tokens | GB/s | req/s | msgs/req | p50 ms | p99 ms | "
+            "x line | x NIXL | vLLM's way GB/s | x vLLM's way | x copy limit | ctl msgs/req | "
+            "UCX ops/req | CPU us/req | vLLM CPU us/req | vLLM NIXL calls/req | "
+            "low-load p50/p99 ms | vLLM low-load p50/p99 ms | peak RSS MiB P/D/NIXL |",
+            "|" + "---|" * 22]
     for c in cells:
         layout = c["layout"] + (f"+{c['kv_layout']}" if c.get("kv_layout") else "")
         tokens = c.get("prompt_tokens") or "-"
-        rows.append(f"| {c['preset']} | {c['pair']} | {layout} | {tokens} | {f(c['gbps'])} | "
-                    f"{f(c['requests_per_s'], '{:.0f}')} | {c['messages_per_request']} | "
-                    f"{c['staging_bytes_per_request']} | {f(c['latency_p50_ms'])} | "
-                    f"{f(c['latency_p99_ms'])} | {f(c['line_rate_gbps'])} | "
-                    f"{f(c['ratio_to_line_rate'])} | {f(c['nixl_gbps'])} | "
-                    f"{f(c['ratio_to_nixl'])} | {f(c['nixl_lds_gbps'])} | "
-                    f"{f(c['ratio_to_nixl_lds'])} | {_rss_text(c.get('peak_rss_mib'))} |")
+        rows.append(
+            f"| {c['preset']} | {c['pair']} | {layout} | {tokens} | {f(c['gbps'])} | "
+            f"{f(c['requests_per_s'], '{:.0f}')} | {c['messages_per_request']} | "
+            f"{f(c['latency_p50_ms'])} | {f(c['latency_p99_ms'])} | "
+            f"{f(c['ratio_to_line_rate'])} | {f(c.get('ratio_to_nixl'))} | "
+            f"{f(c.get('vllm_way_gbps'))} | {f(c.get('ratio_to_vllm_way'))} | "
+            f"{f(c.get('ratio_to_copy_limit'))} | {f(c.get('control_messages_per_request'))} | "
+            f"{f(c.get('ucx_operations_per_request'))} | {cpu(c.get('cpu_us_per_request'))} | "
+            f"{cpu(c.get('vllm_way_cpu_us_per_request'))} | "
+            f"{f(c.get('vllm_way_nixl_calls_per_request'))} | "
+            f"{f(c.get('low_load_latency_p50_ms'))}/{f(c.get('low_load_latency_p99_ms'))} | "
+            f"{f(c.get('vllm_way_low_load_latency_p50_ms'))}/"
+            f"{f(c.get('vllm_way_low_load_latency_p99_ms'))} | "
+            f"{_rss_text(c.get('peak_rss_mib'))} |")
     return "\n".join(rows)
 
 
@@ -759,6 +882,11 @@ def configure_parser(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help="share of MemAvailable a cell may hold (cells above are skipped)")
     p.add_argument("--no-nixl", action="store_true", help="skip the NIXL measurements")
     p.add_argument("--no-line-rate", action="store_true", help="skip ucx_perftest")
+    p.add_argument("--no-copy-limit", action="store_true",
+                   help="skip the process_vm_readv copy limit")
+    p.add_argument("--low-load-requests", type=int, default=100, metavar="N",
+                   help="requests of each cell's concurrency-1 round (statebridge and vLLM's "
+                        "way; 0: none)")
     p.add_argument("--json", default=None, help="write every figure here")
     p.add_argument("--append", action="store_true",
                    help="add this run's cells to an existing --json file (and plot them all)")
@@ -776,6 +904,9 @@ def _validate(a: argparse.Namespace) -> None:
     for name in ("requests", "concurrency"):
         if getattr(a, name) < 1:
             raise ConfigError(f"--{name} must be >= 1, got {getattr(a, name)}")
+    if a.low_load_requests < 0:
+        raise ConfigError(f"--low-load-requests must be >= 0, got {a.low_load_requests}")
+    a.low_load = a.low_load_requests > 0
     if a.check_requests < 0:
         raise ConfigError(f"--check-requests must be >= 0, got {a.check_requests}")
     if a.prompt_len is not None and a.prompt_len < 1:

@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Callable, Sequence
 import zmq
 
 from statebridge.connector import messages as m
+from statebridge.connector.opcounts import counter as _op_counter
 from statebridge.errors import (
     AuthenticationError,
     ClosedError,
@@ -544,6 +545,7 @@ _leftover: "weakref.WeakKeyDictionary[zmq.Socket, collections.deque]" = weakref.
 # pyzmq's Python layer (send, send_multipart, recv_multipart) spends 1-3 us per call turning
 # flags into enums; the loops below call its backend with plain int flags (same semantics:
 # a multipart message is accepted or refused as a whole on its first frame).
+_opcounts = _op_counter
 _raw_send = zmq.backend.Socket.send
 _raw_recv = zmq.backend.Socket.recv
 _raw_get = zmq.backend.Socket.get
@@ -584,6 +586,7 @@ def _decode_batch(frames: list, max_bytes: int) -> list:
         return [ProtocolError(f"{len(frames)} message frames in one zmq message; at most "
                               f"{MAX_BATCH_FRAMES}")]
     out = []
+    _opcounts()["control_received"] += len(frames)
     for frame in frames:
         try:
             out.append(m.decode(frame, max_bytes=max_bytes))
@@ -641,6 +644,7 @@ def send_router(sock: zmq.Socket, identity: bytes, message: m.Message) -> None:
 def send_router_many(sock: zmq.Socket, identities: Sequence[bytes], message: m.Message) -> None:
     """:func:`send_router` of one message to several peers, encoded once."""
     data = m.encode(message)
+    _opcounts()["control_sent"] += len(identities)
     loop = getattr(_current, "loop", None)
     for identity in identities:
         if loop is not None:
@@ -655,6 +659,7 @@ def send_router_many(sock: zmq.Socket, identities: Sequence[bytes], message: m.M
 def send_dealer(sock: zmq.Socket, message: m.Message) -> None:
     """Send on a DEALER; queued and coalesced like :func:`send_router` on a loop thread."""
     data = m.encode(message)
+    _opcounts()["control_sent"] += 1
     loop = getattr(_current, "loop", None)
     if loop is not None:
         loop._outbox.setdefault((sock, None), []).append(data)

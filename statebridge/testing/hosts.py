@@ -37,6 +37,11 @@ def _host_main(conn, initializer: Callable[..., Any] | None, initargs: tuple) ->
             # Workers were shut down by their coordinators; do not wait on UCX/zmq teardown.
             logging.shutdown()
             os._exit(0)
+        if setup == "opcounts":
+            from statebridge.connector.opcounts import snapshot
+
+            conn.send(("opcounts", snapshot()))
+            continue
         try:
             worker = RankWorker(setup)
         except Exception as e:  # reported to the launcher; the host keeps serving
@@ -105,6 +110,21 @@ class RankHostPool:
                     handles.append(_HostHandle(proc))
             return handles
         return launch
+
+    def opcounts(self, hosts: int | None = None) -> list[dict[str, int]]:
+        """Each host's :func:`~statebridge.connector.opcounts.snapshot` (control messages and
+        UCX operations of every rank it ran, since it started), for the first ``hosts``."""
+        out = []
+        with self._lock:
+            for proc, conn in self.hosts[:hosts]:
+                conn.send("opcounts")
+                if not conn.poll(30):
+                    raise ConfigError("host did not answer opcounts in 30 s")
+                status, value = conn.recv()
+                if status != "opcounts":
+                    raise ConfigError(f"host answered opcounts with {status!r}")
+                out.append(value)
+        return out
 
     def close(self) -> None:
         for proc, conn in self.hosts:

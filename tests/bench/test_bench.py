@@ -12,6 +12,7 @@ import math
 import pytest
 
 from statebridge.bench import hetero_tp
+from statebridge.bench._nixl import SlotPlan, vllm_descriptors_per_request
 from statebridge.state.plan import TransferPlan
 
 pytestmark = [pytest.mark.ucx, pytest.mark.multiprocess]
@@ -24,7 +25,7 @@ def report(tmp_path_factory):
     out = tmp_path_factory.mktemp("bench") / "bench.json"
     argv = ["--preset", "tiny", "--pairs", "1x2", "--layouts", ",".join(LAYOUTS),
             "--requests", "16", "--concurrency", "4", "--check-requests", "2",
-            "--json", str(out), "--quiet"]
+            "--low-load-requests", "6", "--json", str(out), "--quiet"]
     assert hetero_tp.main(argv) == 0
     return json.loads(out.read_text())
 
@@ -65,7 +66,9 @@ def test_comparison_figures_are_measured_or_explained(report):
     for cell in report["cells"]:
         for value, ratio, note in (("line_rate_gbps", "ratio_to_line_rate", "line_rate_note"),
                                    ("nixl_gbps", "ratio_to_nixl", "nixl_note"),
-                                   ("nixl_lds_gbps", "ratio_to_nixl_lds", "nixl_note")):
+                                   ("vllm_way_gbps", "ratio_to_vllm_way", "nixl_note"),
+                                   ("copy_limit_gbps", "ratio_to_copy_limit",
+                                    "copy_limit_note")):
             if cell[value] is None:
                 assert cell[ratio] is None and cell[note], f"{value} null without a reason"
             else:
@@ -77,7 +80,7 @@ def test_nixl_and_line_rate_are_measured_here(report):
     """nixl-cu12 and ucx_perftest come with the test install: the comparisons must be real."""
     assert report["nixl"]["available"], report["nixl"]
     for cell in report["cells"]:
-        assert _positive(cell["nixl_gbps"]) and _positive(cell["nixl_lds_gbps"]), cell
+        assert _positive(cell["nixl_gbps"]) and _positive(cell["vllm_way_gbps"]), cell
         assert _positive(cell["line_rate_gbps"]), cell.get("line_rate_note")
 
 
@@ -89,6 +92,52 @@ def test_cpu_per_request_is_split_by_process_group(report):
         assert all(v >= 0 for v in cpu.values())
         parts = cpu["bench_process"] + cpu["prefill_ranks"] + cpu["decode_ranks"]
         assert math.isclose(cpu["total"], parts, rel_tol=1e-9)
+
+
+def _check_vllm_way_counts(cell, p: int, d: int) -> None:
+    """vLLM's way per request: one make_prepped_xfer + transfer + release per (source, decode)
+    rank pair it reads; at least one check_xfer_state per handle; every source rank polls
+    get_new_notifs at least once per request it frees (all notifs of a request may come in one
+    poll, so >= 1 over the sources that serve)."""
+    calls = cell["vllm_way_nixl_calls_per_request_by_call"]
+    pairs = p * d                     # tiny presets: every decode rank reads every source
+    for name in ("make_prepped_xfer", "transfer", "release_xfer_handle"):
+        assert calls[name] == pairs, (name, calls)
+    assert calls["check_xfer_state"] >= pairs
+    assert calls["get_new_notifs"] > 0
+    assert math.isclose(cell["vllm_way_nixl_calls_per_request"], sum(calls.values()))
+    cpu = cell["vllm_way_cpu_us_per_request"]
+    assert set(cpu) == {"nixl_dst", "nixl_src", "total"} and _positive(cpu["total"])
+    assert math.isclose(cpu["total"], cpu["nixl_dst"] + cpu["nixl_src"])
+    nixl = cell["nixl_calls_per_request_by_call"]
+    assert nixl["make_prepped_xfer"] == nixl["transfer"] == nixl["release_xfer_handle"] == pairs
+    for name in ("low_load_latency_p50_ms", "vllm_way_low_load_latency_p50_ms"):
+        assert _positive(cell[name]), name
+    assert cell["low_load_latency_p99_ms"] >= cell["low_load_latency_p50_ms"]
+    assert cell["vllm_way_low_load_latency_p99_ms"] >= cell["vllm_way_low_load_latency_p50_ms"]
+
+
+@pytest.mark.timeout(120)
+def test_counts_per_request_match_the_plan(report):
+    """UCX operations: every message posted once by the sender and once by the receiver.
+    Control messages: sent + received by the coordinators (this process) and the ranks, each
+    class counted; no exact figure (batching and timers may vary it), but every class talks."""
+    for cell in report["cells"]:
+        plan = TransferPlan.build(hetero_tp.preset_spec("tiny"), 1, cell["layout"], 2)
+        assert cell["ucx_operations_per_request"] == 2 * plan.messages_per_request
+        split = cell["ucx_operations_per_request_by_process"]
+        assert split == {"bench_process": 0, "prefill_ranks": plan.messages_per_request,
+                         "decode_ranks": plan.messages_per_request}
+        ctl = cell["control_messages_per_request_by_process"]
+        assert set(ctl) == {"bench_process", "prefill_ranks", "decode_ranks"}
+        assert all(v > 0 for v in ctl.values()), ctl
+        assert math.isclose(cell["control_messages_per_request"], sum(ctl.values()))
+        assert cell["vllm_way_descriptors_per_request"] == vllm_descriptors_per_request(
+            TransferPlan.build(hetero_tp.preset_spec("tiny"), 1, "LDS", 2))
+        _check_vllm_way_counts(cell, 1, 2)
+        assert cell["low_load_requests"] == 6
+        assert cell["copy_limit_copiers"] == (__import__("os").cpu_count() or 1)
+        assert cell["copy_limit_bytes_per_request"] == cell["bytes_per_request"]
 
 
 @pytest.mark.timeout(180)
@@ -113,7 +162,8 @@ def hybrid_report(tmp_path_factory):
     out = tmp_path_factory.mktemp("bench") / "hybrid.json"
     argv = ["--preset", "tiny-hybrid", "--pairs", "1x2,2x1", "--layouts", "DLS",
             "--prompt-len", "9", "--block-size", "4", "--requests", "12", "--concurrency", "3",
-            "--check-requests", "2", "--no-line-rate", "--json", str(out), "--quiet"]
+            "--check-requests", "2", "--no-line-rate", "--low-load-requests", "6",
+            "--json", str(out), "--quiet"]
     assert hetero_tp.main(argv) == 0
     return json.loads(out.read_text())
 
@@ -142,7 +192,13 @@ def test_hybrid_cells_move_state_and_kv_as_planned(hybrid_report):
             # or V per block: 2 layers x 2 x 3 blocks per pair.
             assert cell["nixl_descriptors_per_request"] == cell["messages_per_request"]
             vllm_pages = TransferPlan.build(spec, p, "LDS", d).messages_per_request
-            assert cell["nixl_lds_descriptors_per_request"] == vllm_pages + 2 * 2 * 2 * 3
+            assert cell["vllm_way_descriptors_per_request"] == vllm_pages + 2 * 2 * 2 * 3
+            vllm_plan = SlotPlan(TransferPlan.build(spec, p, "LDS", d), ("LH", "LH"), 4, 9, 3)
+            assert cell["vllm_way_descriptors_per_request"] == \
+                vllm_descriptors_per_request(vllm_plan, 3)
+            _check_vllm_way_counts(cell, p, d)
+        # every rank pair's data-plane runs, posted once by the sender and once by the receiver
+        assert cell["ucx_operations_per_request"] == 2 * cell["messages_per_request"]
 
 
 @pytest.mark.timeout(300)

@@ -71,6 +71,7 @@ import numpy as np
 import torch
 
 from statebridge.connector.data.guard import UnexpectedGuard
+from statebridge.connector.opcounts import counter as _op_counter
 from statebridge.connector.data.handle import TransferHandle, failure_kind
 from statebridge.connector.data.runs import RunTemplate, as_runs, check_span, copy_runs
 from statebridge.connector.data.staging import StagingPool
@@ -607,10 +608,12 @@ class Transport:
             requests.clear()      # dropping ucxx's requests cancels what was posted
             raise TransferError(f"{self.name}: posting to {peer_id!r} failed: {e}",
                                 peer=peer_id) from e
+        _op_counter()["ucx_ops"] += len(requests)
         return requests
 
     def _post_one(self, op, array: np.ndarray | None, tag: int, peer_id: str | None) -> list:
         """One UCX request for a staging buffer (``array`` None: ``op`` needs no buffer)."""
+        _op_counter()["ucx_ops"] += 1
         try:
             return [op(None if array is None else self._Array(array), self._Tag(tag))]
         except Exception as e:  # noqa: BLE001
