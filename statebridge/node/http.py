@@ -422,27 +422,12 @@ class _Api:
                 for ch in choices:
                     ch.close("request finished" if outcome == "ok" else outcome)
                 self.metrics.request(endpoint, outcome)
-        try:
-            # The first message of every choice before answering: a refusal (400, 429, 503)
-            # gets its status code even when streaming.
-            first = [asyncio.ensure_future(ch.start()) for ch in choices]
+
+        async def settle(work) -> "JSONResponse | None":
+            """Await ``work`` until it is done or the client goes; an error response (the
+            request released) or None to go on."""
             try:
-                await _until_disconnect(request, asyncio.gather(*first))
-            finally:
-                for f in first:
-                    f.cancel()
-        except ApiError as e:
-            release(e.outcome)
-            return e.response()
-        except _Disconnected:
-            release("disconnected")
-            return JSONResponse({}, status_code=499)
-        except BaseException:
-            release("disconnected")
-            raise
-        if not params.stream:
-            try:
-                await _until_disconnect(request, asyncio.gather(*(ch.run() for ch in choices)))
+                await _until_disconnect(request, work)
             except ApiError as e:
                 release(e.outcome)
                 return e.response()
@@ -452,6 +437,22 @@ class _Api:
             except BaseException:
                 release("disconnected")
                 raise
+            return None
+
+        # The first message of every choice before answering: a refusal (400, 429, 503) gets
+        # its status code even when streaming.
+        first = [asyncio.ensure_future(ch.start()) for ch in choices]
+        try:
+            refused = await settle(asyncio.gather(*first))
+        finally:
+            for f in first:
+                f.cancel()
+        if refused is not None:
+            return refused
+        if not params.stream:
+            refused = await settle(asyncio.gather(*(ch.run() for ch in choices)))
+            if refused is not None:
+                return refused
             release("ok")
             return JSONResponse(self.full_body(rid, chat, choices))
         return StreamingResponse(self.events(rid, chat, choices, params, release),
