@@ -47,6 +47,7 @@ from statebridge.kernels.layers import AttentionMixer, ShortConvMixer
 from statebridge.models import tp
 from statebridge.models.checkpoint import Checkpoint
 from statebridge.state.cache import StateCache
+from statebridge.state.kv import blocks_for
 from statebridge.state.spec import StateSpec
 
 if TYPE_CHECKING:
@@ -476,7 +477,7 @@ class ModelRunner:
             raise ShapeError(f"{len(tables)} block tables for {len(tokens)} requests")
         geo = self.kv.geometry
         for b, (table, n) in enumerate(zip(tables, tokens)):
-            need = -(-n // geo.block_size)
+            need = blocks_for(n, geo.block_size)
             if len(table) < need:
                 raise ShapeError(f"request {b}: block table of {len(table)} blocks cannot hold "
                                  f"{n} tokens ({need} blocks of {geo.block_size})")

@@ -58,6 +58,7 @@ from statebridge.net import free_port
 from statebridge.node import messages as nm
 from statebridge.node.checks import check_checkpoint
 from statebridge.security import CurveKeys
+from statebridge.state.kv import blocks_for
 
 log = logging.getLogger(__name__)
 
@@ -309,7 +310,7 @@ class DecodeNode:
             return f"request id {msg.request_id!r} is already in flight"
         if self.kv:
             co = self.coordinator
-            need = -(-(len(msg.prompt) + msg.max_new_tokens) // co.block_size)
+            need = blocks_for(len(msg.prompt) + msg.max_new_tokens, co.block_size)
             if need > co.num_blocks:
                 return (f"prompt of {len(msg.prompt)} + {msg.max_new_tokens} new tokens needs "
                         f"{need} KV blocks of {co.block_size} tokens; the pool has "
@@ -372,7 +373,7 @@ class DecodeNode:
         """A preempted request resumes while others run only if it leaves one free block per
         running request (else it would take back the blocks it was preempted for)."""
         co = self.coordinator
-        need = -(-len(gen.sequence()) // co.block_size)
+        need = blocks_for(len(gen.sequence()), co.block_size)
         return co.blocks.num_free >= need + len(self.running)
 
     def _transfer_done(self, gen: _Gen, result: TransferResult | None,
