@@ -424,6 +424,13 @@ class DecodeCoordinator(RankGroup):
         (the id is in use), :class:`PeerLostError` (a decode rank is lost),
         :class:`ClosedError`.
         """
+        return self._start(request_id, tuple(map(int, prompt)), on_done, prefill=prefill,
+                           local=local)
+
+    def _start(self, request_id: str, prompt: tuple[int, ...], on_done: OnDone, *,
+               prefill: str | None = None, local: bool = False) -> RequestKey:
+        """:meth:`start` for a prompt already made a tuple of ints (the submit methods do
+        that on the caller's thread: a prompt of thousands of tokens is converted once)."""
         if not isinstance(request_id, str) or not request_id:
             raise InvalidRequestError(f"request_id must be a non-empty string, got "
                                       f"{request_id!r}")
@@ -447,7 +454,6 @@ class DecodeCoordinator(RankGroup):
                 raise NotReadyError(f"{why}{f' named {prefill!r}' if prefill else ''}",
                                     request_id=request_id)
             peer = ready[next(self._rr) % len(ready)]
-        prompt = tuple(map(int, prompt))
         num_blocks = blocks_for(len(prompt), self.block_size) if self.spec.kv is not None else 0
         key = RequestKey(peer.node_id if peer else "", request_id,
                          (self._last_generation + 1) & 0xFFFFFFFF)
@@ -522,8 +528,8 @@ class DecodeCoordinator(RankGroup):
         a typed error. Refusals raise here (one thread hand-off)."""
         future: concurrent.futures.Future = concurrent.futures.Future()
         prompt = tuple(map(int, prompt))
-        self.loop.call(lambda: self.start(request_id, prompt, _resolver(future),
-                                          prefill=prefill))
+        self.loop.call(lambda: self._start(request_id, prompt, _resolver(future),
+                                           prefill=prefill))
         return future
 
     def submit_local(self, request_id: str, prompt: Sequence[int]) -> concurrent.futures.Future:
@@ -531,7 +537,7 @@ class DecodeCoordinator(RankGroup):
         policy when a transfer failed); resolves like :meth:`submit`."""
         future: concurrent.futures.Future = concurrent.futures.Future()
         prompt = tuple(map(int, prompt))
-        self.loop.call(lambda: self.start(request_id, prompt, _resolver(future), local=True))
+        self.loop.call(lambda: self._start(request_id, prompt, _resolver(future), local=True))
         return future
 
     def submit_many(self, items: Sequence[tuple[str, Sequence[int]]], *,
@@ -551,7 +557,7 @@ class DecodeCoordinator(RankGroup):
             started = []
             for request_id, prompt, future in prepared:
                 try:
-                    self.start(request_id, prompt, _resolver(future), prefill=prefill)
+                    self._start(request_id, prompt, _resolver(future), prefill=prefill)
                 except CacheFullError:
                     if not started:
                         raise

@@ -34,7 +34,7 @@ length inside a block.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 import numpy as np
@@ -183,6 +183,7 @@ class BlockPool:
         self.num_blocks = num_blocks
         self._used = np.zeros(num_blocks, dtype=bool)
         self._num_used = 0
+        self._free_buf = np.zeros(num_blocks + 2, dtype=np.int8)
 
     @property
     def num_free(self) -> int:
@@ -192,18 +193,29 @@ class BlockPool:
     def num_used(self) -> int:
         return self._num_used
 
+    def _free_runs(self) -> tuple[np.ndarray, np.ndarray]:
+        """Maximal free ranges as (starts, lengths) arrays in id order."""
+        free = self._free_buf                        # [0, free..., 0] as int8
+        np.logical_not(self._used, out=free[1:-1].view(bool))
+        edges = free[1:] - free[:-1]
+        starts = np.flatnonzero(edges == 1)
+        return starts, np.flatnonzero(edges == -1) - starts
+
     def _free_ranges(self) -> list[tuple[int, int]]:
         """Maximal free ranges ``(start, length)`` in id order."""
-        free = ~self._used
-        if not free.any():
-            return []
-        edges = np.diff(np.concatenate([[0], free.view(np.int8), [0]]))
-        starts, stops = np.nonzero(edges == 1)[0], np.nonzero(edges == -1)[0]
-        return [(int(a), int(b - a)) for a, b in zip(starts, stops)]
+        starts, lengths = self._free_runs()
+        return list(zip(starts.tolist(), lengths.tolist()))
 
     def largest_free_range(self) -> int:
         """Length of the longest run of consecutive free block ids."""
-        return max((n for _, n in self._free_ranges()), default=0)
+        _, lengths = self._free_runs()
+        return int(lengths.max()) if len(lengths) else 0
+
+    def _first_fit(self, count: int) -> int | None:
+        """Start of the first free range of ``count`` or more blocks, or None."""
+        starts, lengths = self._free_runs()
+        fit = np.flatnonzero(lengths >= count)
+        return int(starts[fit[0]]) if len(fit) else None
 
     def allocate(self, count: int, *, after: int | None = None,
                  contiguous: bool = False) -> list[int]:
@@ -217,60 +229,85 @@ class BlockPool:
         if count > self.num_free:
             raise CacheFullError(f"{count} KV blocks wanted, {self.num_free} free of "
                                  f"{self.num_blocks}")
-        if contiguous and count:
-            ranges = self._free_ranges()
-            fit = [a for a, n in ranges if n >= count]
-            if not fit:
+        if not count:
+            return []
+        if contiguous:
+            start = self._first_fit(count)
+            if start is None:
                 raise CacheFullError(
                     f"{count} contiguous KV blocks wanted, longest free range "
-                    f"{max(n for _, n in ranges)} ({self.num_free} free of {self.num_blocks})")
-            out = list(range(fit[0], fit[0] + count))
-            self._used[out] = True
+                    f"{self.largest_free_range()} ({self.num_free} free of "
+                    f"{self.num_blocks})")
+            self._used[start:start + count] = True
             self._num_used += count
-            return out
+            return list(range(start, start + count))
         out: list[int] = []
-        if count and after is not None and 0 <= after < self.num_blocks - 1:
+        if after is not None and 0 <= after < self.num_blocks - 1:
             b = after + 1
             while len(out) < count and b < self.num_blocks and not self._used[b]:
                 out.append(b)
                 b += 1
-            self._used[out] = True
+            if out:
+                self._used[out[0]:out[-1] + 1] = True
         left = count - len(out)
         if left:
-            ranges = self._free_ranges()
-            fit = [a for a, n in ranges if n >= left]
-            if fit:
-                out.extend(range(fit[0], fit[0] + left))        # first fit: one range
+            start = self._first_fit(left)
+            if start is not None:
+                out.extend(range(start, start + left))          # first fit: one range
+                self._used[start:start + left] = True
             else:
+                ranges = self._free_ranges()
                 for a, n in sorted(ranges, key=lambda r: (-r[1], r[0])):   # fewest ranges
                     take = min(n, left)
                     out.extend(range(a, a + take))
+                    self._used[a:a + take] = True
                     left -= take
                     if not left:
                         break
-        self._used[np.array(out, dtype=np.int64)] = True
         self._num_used += len(out)
         return out
 
     def free(self, blocks: Sequence[int]) -> None:
         """Return ``blocks`` (DoubleFreeError / UnknownPageError naming the id; nothing is
         freed then)."""
-        idx = np.asarray(list(blocks), dtype=np.int64)
+        idx = np.asarray(blocks if isinstance(blocks, np.ndarray) else list(blocks),
+                         dtype=np.int64)
         if len(idx) == 0:
             return
-        bad = idx[(idx < 0) | (idx >= self.num_blocks)]
-        if len(bad):
+        if idx.min() < 0 or idx.max() >= self.num_blocks:
+            bad = idx[(idx < 0) | (idx >= self.num_blocks)]
             raise UnknownPageError(f"KV block {int(bad[0])} not in [0, {self.num_blocks})")
+        if self._used[idx].all():
+            self._used[idx] = False
+            if np.count_nonzero(self._used) == self._num_used - len(idx):
+                self._num_used -= len(idx)
+                return
+            self._used[idx] = True                # an id repeated: undo, name it below
         seen: set[int] = set()
         for b in idx.tolist():                    # the first id not allocated or repeated
             if not self._used[b] or b in seen:
                 raise DoubleFreeError(f"KV block {b} is not allocated (or freed twice)")
             seen.add(b)
-        self._used[idx] = False
-        self._num_used -= len(idx)
+        raise AssertionError("unreachable: every id allocated and distinct")
 
     def is_allocated(self, block: int) -> bool:
         return 0 <= block < self.num_blocks and bool(self._used[block])
+
+
+#: Block counts whose contiguous-table runs a KVPairPlan keeps (cleared when full).
+_CONTIGUOUS_CACHE = 256
+
+
+def _range_start(blocks: Sequence[int]) -> int | None:
+    """The first id when ``blocks`` are consecutive increasing ids, else None (C-level:
+    about a microsecond for a table of 64)."""
+    if type(blocks) is range:
+        return blocks.start if blocks.step == 1 or len(blocks) == 1 else None
+    first = blocks[0]
+    if type(first) is not int:
+        return None
+    table = blocks if type(blocks) is tuple else tuple(blocks)
+    return first if table == tuple(range(first, first + len(table))) else None
 
 
 @dataclass(frozen=True, eq=False)
@@ -289,6 +326,8 @@ class KVPairPlan:
     src_block_stride: int
     dst_block_stride: int
     bytes_per_block: int
+    #: block count -> runs of blocks [0, n) on both sides (see :meth:`runs`)
+    _contiguous: dict = field(default_factory=dict, repr=False, compare=False)
 
     def runs(self, src_blocks: Sequence[int], dst_blocks: Sequence[int]) -> np.ndarray:
         """Absolute runs (pool byte offsets) for a request whose logical blocks live at
@@ -299,6 +338,26 @@ class KVPairPlan:
                               f"{len(dst_blocks)} destination")
         if not len(src_blocks):
             return _EMPTY
+        s0, d0 = _range_start(src_blocks), _range_start(dst_blocks)
+        if s0 is not None and d0 is not None:
+            # Both tables are ranges of consecutive ids (the common case: the allocator
+            # prefers them, the prefill side only has them). Runs depend on the block ids
+            # only through ``id x stride``, so the runs of blocks [0, n) on both sides,
+            # shifted, are the answer: computed once per n.
+            runs = self._contiguous.get(len(src_blocks))
+            if runs is None:
+                runs = self._runs(range(len(src_blocks)), range(len(dst_blocks)))
+                if len(self._contiguous) >= _CONTIGUOUS_CACHE:
+                    self._contiguous.clear()
+                self._contiguous[len(src_blocks)] = runs
+            out = runs.copy()
+            out[:, 0] += s0 * self.src_block_stride
+            out[:, 1] += d0 * self.dst_block_stride
+            return out
+        return self._runs(src_blocks, dst_blocks)
+
+    def _runs(self, src_blocks: Sequence[int], dst_blocks: Sequence[int]) -> np.ndarray:
+        """:meth:`runs` for any tables (block by block, then coalesced)."""
         base = np.stack([np.asarray(src_blocks, dtype=np.int64) * self.src_block_stride,
                          np.asarray(dst_blocks, dtype=np.int64) * self.dst_block_stride,
                          np.zeros(len(src_blocks), dtype=np.int64)], axis=1)

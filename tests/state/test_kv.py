@@ -66,6 +66,11 @@ def tables(blocks: int, rng: np.random.Generator):
     """(name, src table, dst table): contiguous at different bases, and scattered
     (different random permutations with gaps on each side)."""
     yield "contiguous", list(range(blocks)), list(range(2, 2 + blocks))
+    # Contiguous again at other bases, as a range and a tuple: the plan's runs for n
+    # contiguous blocks are computed once and shifted (KVPairPlan.runs), so this checks the
+    # shifted copy byte for byte.
+    yield "contiguous, other bases", range(SRC_BLOCKS - blocks, SRC_BLOCKS), \
+        tuple(range(1, 1 + blocks))
     yield "scattered", rng.choice(SRC_BLOCKS, blocks, replace=False).tolist(), \
         rng.choice(DST_BLOCKS, blocks, replace=False).tolist()
 
