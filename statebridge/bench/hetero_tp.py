@@ -108,6 +108,7 @@ CELL_FIELDS = ("pair", "layout", "preset", "gbps", "messages_per_request",
                "nixl_cpu_us_per_request", "copy_limit_gbps", "ratio_to_copy_limit",
                "control_messages_per_request", "ucx_operations_per_request",
                "cpu_us_per_request", "low_load_latency_p50_ms", "low_load_latency_p99_ms",
+               "low_load_final_to_held_p50_ms", "low_load_final_to_held_p99_ms",
                "vllm_way_low_load_latency_p50_ms", "vllm_way_low_load_latency_p99_ms",
                "peak_rss_mib", "peak_rss_scope")
 
@@ -416,6 +417,13 @@ def _statebridge_cell(spec: StateSpec, src_tp: int, dst_tp: int, layout: str,
             # 3. low load: one request in flight
             low = (_run_requests(decode, a.low_load_requests, 1, "low-", a.timeout, tokens)
                    if a.low_load else [])
+            # (recorded once the prefill side's sends completed: just after the decode side
+            # holds the state, so the last ones may need a moment)
+            low_ids = [r.request_id for r in low]
+            give_up = time.monotonic() + 10
+            while len(finals := server.state_final_times(decode.node_id, low_ids)) \
+                    < len(low_ids) and time.monotonic() < give_up:
+                time.sleep(0.01)
     lat = np.array([r.seconds for r in results])
     rank_lat = np.array([max(r.rank_seconds) for r in results])
     messages = sorted({r.messages for r in results})
@@ -446,7 +454,8 @@ def _statebridge_cell(spec: StateSpec, src_tp: int, dst_tp: int, layout: str,
     out.update(_per_request_counts(ops0, ops1, len(results)))
     out.update({"low_load_requests": len(low), "low_load_latency_p50_ms": None,
                 "low_load_latency_p99_ms": None, "low_load_rank_transfer_p50_ms": None,
-                "low_load_rank_transfer_p99_ms": None})
+                "low_load_rank_transfer_p99_ms": None, "low_load_final_to_held_p50_ms": None,
+                "low_load_final_to_held_p99_ms": None})
     if low:
         low_lat = np.array([r.seconds for r in low]) * 1e3
         low_rank = np.array([max(r.rank_seconds) for r in low]) * 1e3
@@ -454,6 +463,15 @@ def _statebridge_cell(spec: StateSpec, src_tp: int, dst_tp: int, layout: str,
                     "low_load_latency_p99_ms": float(np.percentile(low_lat, 99)),
                     "low_load_rank_transfer_p50_ms": float(np.percentile(low_rank, 50)),
                     "low_load_rank_transfer_p99_ms": float(np.percentile(low_rank, 99))})
+        # "prefill state final -> every decode rank holds it": the last prefill rank's
+        # state-final moment to the last decode rank's completion, one clock (CLOCK_MONOTONIC)
+        held = np.array([(r.held_at - finals[r.request_id]) * 1e3 for r in low
+                         if r.request_id in finals])
+        if len(held) != len(low):
+            raise AssertionError(f"state-final times of {len(low) - len(held)} low-load "
+                                 f"requests missing")
+        out.update({"low_load_final_to_held_p50_ms": float(np.percentile(held, 50)),
+                    "low_load_final_to_held_p99_ms": float(np.percentile(held, 99))})
     return out, plan
 
 
@@ -549,8 +567,9 @@ def run(a: argparse.Namespace) -> dict:
     if not cells:
         raise ConfigError("no cell to run (all skipped: " + "; ".join(s["reason"] for s in skipped)
                           + ")")
-    config = ConnectorConfig(ucx_error_handling=TRANSPORTS[a.transport][0],
-                             transfer_timeout=a.timeout, handshake_timeout=60.0)
+    # (STATEBRIDGE_* variables apply, as for the nodes)
+    config = ConnectorConfig.from_env(ucx_error_handling=TRANSPORTS[a.transport][0],
+                                      transfer_timeout=a.timeout, handshake_timeout=60.0)
     nixl_why = "disabled by --no-nixl" if a.no_nixl else nixl_available()
     if nixl_why is None and a.transport != "sm":
         nixl_why = (f"NIXL has no equivalent of --transport {a.transport}; measured only "
@@ -809,7 +828,8 @@ def format_table(cells: Sequence[dict]) -> str:
     rows = ["| preset | pair | layout | tokens | GB/s | req/s | msgs/req | p50 ms | p99 ms | "
             "x line | x NIXL | vLLM's way GB/s | x vLLM's way | x copy limit | ctl msgs/req | "
             "UCX ops/req | CPU us/req | vLLM CPU us/req | vLLM NIXL calls/req | "
-            "low-load p50/p99 ms | vLLM low-load p50/p99 ms | peak RSS MiB P/D/NIXL |",
+            "low-load final->held p50/p99 ms | vLLM low-load p50/p99 ms | "
+            "peak RSS MiB P/D/NIXL |",
             "|" + "---|" * 22]
     for c in cells:
         layout = c["layout"] + (f"+{c['kv_layout']}" if c.get("kv_layout") else "")
@@ -824,7 +844,8 @@ def format_table(cells: Sequence[dict]) -> str:
             f"{f(c.get('ucx_operations_per_request'))} | {cpu(c.get('cpu_us_per_request'))} | "
             f"{cpu(c.get('vllm_way_cpu_us_per_request'))} | "
             f"{f(c.get('vllm_way_nixl_calls_per_request'))} | "
-            f"{f(c.get('low_load_latency_p50_ms'))}/{f(c.get('low_load_latency_p99_ms'))} | "
+            f"{f(c.get('low_load_final_to_held_p50_ms'))}/"
+            f"{f(c.get('low_load_final_to_held_p99_ms'))} | "
             f"{f(c.get('vllm_way_low_load_latency_p50_ms'))}/"
             f"{f(c.get('vllm_way_low_load_latency_p99_ms'))} | "
             f"{_rss_text(c.get('peak_rss_mib'))} |")

@@ -104,6 +104,9 @@ class TransferResult:
     rank_staging_bytes: tuple[int, ...]   # each decode rank's transport staging counter (total)
     blocks: tuple[int, ...] = ()          # the request's KV block table (spec with KV)
     kv_checksums: tuple[str, ...] = ()    # per decode rank: its K/V of the prompt's tokens
+    #: time.monotonic() when the last decode rank held the state (compare with
+    #: PrefillServer.state_final_times: the same clock on one machine)
+    held_at: float = 0.0
 
 
 #: ``on_done(result, error)`` of :meth:`DecodeCoordinator.start`: exactly one is not None.
@@ -634,7 +637,8 @@ class DecodeCoordinator(RankGroup):
             rank_seconds=tuple(d.seconds for d in done),
             rank_staging_bytes=tuple(d.staging_bytes for d in done),
             blocks=tuple(record.blocks),
-            kv_checksums=tuple(d.kv_checksum for d in done) if record.blocks else ())
+            kv_checksums=tuple(d.kv_checksum for d in done) if record.blocks else (),
+            held_at=max(d.held_at for d in done))
         self.counters.add("transfers_ok")
         self.counters.add("bytes", result.nbytes)
         self._report(record, result, None)

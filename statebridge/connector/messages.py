@@ -291,6 +291,11 @@ class RankDone(Message):
     #: Decode ranks with checksums on and a request with KV: blake2b of the request's K and
     #: V for tokens < kv_tokens (see rank.kv_checksum).
     kv_checksum: str = ""
+    #: ``time.monotonic()`` (CLOCK_MONOTONIC: one clock for the machine's processes) when a
+    #: prefill rank's state of the request was final (0 on decode ranks and failures) ...
+    state_final_at: float = 0.0
+    #: ... and when a decode rank held all of it (0 on prefill ranks and failures).
+    held_at: float = 0.0
 
 
 @message

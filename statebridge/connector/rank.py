@@ -196,6 +196,7 @@ class _Pending:
     failure: tuple[str, str] | None = None
     blocks: tuple[int, ...] = ()       # the request's KV blocks on this rank's side
     kv_tokens: int = 0
+    final_at: float = 0.0              # prefill rank: time.monotonic() when the state was final
 
 
 class RankWorker:
@@ -490,7 +491,9 @@ class RankWorker:
                         log.exception("rank %d: computing %s failed", self.setup.tp_rank,
                                       msg.request_id)
                         error = f"prefill failed: {type(e).__name__}: {e}"
-                callback, args = self._after_compute, (msg, error)
+                # CLOCK_MONOTONIC is one clock for every process of the machine: the moment
+                # the state is final, compared with the decode ranks' held_at (low-load latency).
+                callback, args = self._after_compute, (msg, error, time.monotonic())
             took = time.perf_counter() - started
             self.counters.add("compute_seconds", took)
             if callback is not None:
@@ -499,7 +502,7 @@ class RankWorker:
                 results.append((callback, args))
 
     def _after_compute(self, msg: "m.RankPrefill | m.RankLocalPrefill",
-                       error: str | None) -> None:
+                       error: str | None, final_at: float = 0.0) -> None:
         key = _key_of(msg)
         cancelled = self.computing.pop(key, None)
         if cancelled is not None:
@@ -512,7 +515,7 @@ class RankWorker:
             self._done(key, "", "")
             return
         pending = _Pending(key, msg.src_page, [], time.perf_counter(),
-                           blocks=msg.src_blocks, kv_tokens=msg.kv_tokens)
+                           blocks=msg.src_blocks, kv_tokens=msg.kv_tokens, final_at=final_at)
         kv = (msg.peer_node, msg.src_blocks, msg.dst_blocks) if msg.src_blocks else None
         self._post_routes(pending, self.routes[msg.peer_node], "send",
                           self.cache.page_offset(msg.src_page), kv)
@@ -709,18 +712,23 @@ class RankWorker:
                 kv_sum = kv_checksum(self.kv, p.blocks, p.kv_tokens)
         self.counters.add("transfers_ok" if not kind else f"failed_{kind}")
         self.counters.add("bytes", p.nbytes)
+        prefill = self.setup.role == "prefill"
         self._done(key, kind, message, checksum, seconds=time.perf_counter() - p.started,
-                   nbytes=p.nbytes, messages=p.messages, kv_checksum=kv_sum)
+                   nbytes=p.nbytes, messages=p.messages, kv_checksum=kv_sum,
+                   state_final_at=p.final_at if prefill and not kind else 0.0,
+                   held_at=time.monotonic() if not prefill and not kind else 0.0)
 
     def _done(self, key: RequestKey, kind: "FailureKind | str", message: str,
               checksum: str = "", *, seconds: float = 0.0, nbytes: int = 0,
-              messages: int = 0, kv_checksum: str = "") -> None:
+              messages: int = 0, kv_checksum: str = "", state_final_at: float = 0.0,
+              held_at: float = 0.0) -> None:
         self._send(m.RankDone(tp_rank=self.setup.tp_rank, peer_node=key.peer_node,
                               request_id=key.request_id, generation=key.generation,
                               kind=str(kind), message=message,
                               checksum=checksum, seconds=seconds, nbytes=nbytes,
                               messages=messages, staging_bytes=self.transport.staging_bytes,
-                              kv_checksum=kv_checksum))
+                              kv_checksum=kv_checksum, state_final_at=state_final_at,
+                              held_at=held_at))
 
 
 #: Seconds between scans of the pending transfers for timeouts (transfer timeouts are tens

@@ -115,6 +115,11 @@ def _check_vllm_way_counts(cell, p: int, d: int) -> None:
         assert _positive(cell[name]), name
     assert cell["low_load_latency_p99_ms"] >= cell["low_load_latency_p50_ms"]
     assert cell["vllm_way_low_load_latency_p99_ms"] >= cell["vllm_way_low_load_latency_p50_ms"]
+    # "state final -> every decode rank holds it" (rank timestamps on one clock): positive,
+    # inside submit -> held (which adds the control plane and the stand-in prefill)
+    final, submit = cell["low_load_final_to_held_p50_ms"], cell["low_load_latency_p50_ms"]
+    assert _positive(final) and final < submit, (final, submit)
+    assert cell["low_load_final_to_held_p99_ms"] >= final
 
 
 @pytest.mark.timeout(120)

@@ -4,6 +4,7 @@ between heterogeneous TP groups, zero-copy where the layout allows."""
 from __future__ import annotations
 
 import itertools
+import time
 import uuid
 
 import numpy as np
@@ -48,8 +49,21 @@ def transfer_round(pools, spec_name, src_tp, dst_tp, src_layout, dst_layout, con
         server.wait_ready()
         decode.connect(server.address)
         ids = [f"req-{i}-{uuid.uuid4().hex[:6]}" for i in range(REQUESTS)]
+        submitted = time.monotonic()
         futures = [decode.submit(rid, random_prompt(rng)) for rid in ids]
         results = [f.result(timeout=60) for f in futures]
+        # Rank timestamps, one clock for the machine: submitted < state final on the prefill
+        # ranks < held by every decode rank < now.
+        # (The prefill side records a request once its sends completed: just after the
+        # decode side holds it.)
+        wait_until(lambda: len(server.state_final_times(decode.node_id, ids)) == len(ids), 10,
+                   "state-final times recorded")
+        finals = server.state_final_times(decode.node_id, ids + ["never-sent"])
+        assert set(finals) == set(ids)
+        now = time.monotonic()
+        for r in results:
+            assert submitted < finals[r.request_id] < r.held_at < now, \
+                (submitted, finals[r.request_id], r.held_at, now)
         for rid, result in zip(ids, results):
             assert result.request_id == rid
             expected = tuple(expected_checksum(decode.geometry, rid, r) for r in range(dst_tp))
