@@ -105,7 +105,7 @@ class TransferResult:
     blocks: tuple[int, ...] = ()          # the request's KV block table (spec with KV)
     kv_checksums: tuple[str, ...] = ()    # per decode rank: its K/V of the prompt's tokens
     #: time.monotonic() when the last decode rank held the state (compare with
-    #: PrefillServer.state_final_times: the same clock on one machine)
+    #: PrefillServer.state_final_times: the same clock on one machine); 0 for a local prefill
     held_at: float = 0.0
 
 

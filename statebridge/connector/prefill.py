@@ -353,8 +353,9 @@ class PrefillServer(RankGroup):
         """``time.monotonic()`` at which the state of each request sent to ``decode_node`` was
         final on every prefill rank (the newest :data:`FINAL_TIMES_KEPT` requests sent; ids
         not among them are left out). A request is recorded once every prefill rank's sends
-        completed, which is just after the decode side holds it. With :attr:`TransferResult.held_at` (the same clock on
-        one machine) it gives "state final -> every decode rank holds it"."""
+        completed, which is just after the decode side holds it. With
+        :attr:`TransferResult.held_at` (the same clock on one machine) it gives "state final
+        -> every decode rank holds it"."""
         ids = list(request_ids)
 
         def collect():
