@@ -417,13 +417,7 @@ def _statebridge_cell(spec: StateSpec, src_tp: int, dst_tp: int, layout: str,
             # 3. low load: one request in flight
             low = (_run_requests(decode, a.low_load_requests, 1, "low-", a.timeout, tokens)
                    if a.low_load else [])
-            # (recorded once the prefill side's sends completed: just after the decode side
-            # holds the state, so the last ones may need a moment)
-            low_ids = [r.request_id for r in low]
-            give_up = time.monotonic() + 10
-            while len(finals := server.state_final_times(decode.node_id, low_ids)) \
-                    < len(low_ids) and time.monotonic() < give_up:
-                time.sleep(0.01)
+            finals = _state_final_times(server, decode.node_id, [r.request_id for r in low])
     lat = np.array([r.seconds for r in results])
     rank_lat = np.array([max(r.rank_seconds) for r in results])
     messages = sorted({r.messages for r in results})
@@ -473,6 +467,19 @@ def _statebridge_cell(spec: StateSpec, src_tp: int, dst_tp: int, layout: str,
         out.update({"low_load_final_to_held_p50_ms": float(np.percentile(held, 50)),
                     "low_load_final_to_held_p99_ms": float(np.percentile(held, 99))})
     return out, plan
+
+
+def _state_final_times(server, decode_node: str, ids: list[str],
+                       timeout: float = 10.0) -> dict[str, float]:
+    """``server.state_final_times`` of ``ids``, waiting up to ``timeout`` for all of them: the
+    prefill side records a request once its sends completed, just after the decode side holds
+    it (the caller checks that none is missing)."""
+    give_up = time.monotonic() + timeout
+    finals = server.state_final_times(decode_node, ids)
+    while len(finals) < len(ids) and time.monotonic() < give_up:
+        time.sleep(0.01)
+        finals = server.state_final_times(decode_node, ids)
+    return finals
 
 
 def _opcounts_snapshot(prefill_hosts, decode_hosts, src_tp: int, dst_tp: int) -> dict:

@@ -621,7 +621,7 @@ class RankWorker:
         if msg.blocks and pending.key in self.pending:
             try:
                 # The source range's start does not change the runs' sizes or order.
-                self._post_kv(pending, msg.peer_node, "recv", tuple(range(len(msg.blocks))),
+                self._post_kv(pending, msg.peer_node, "recv", range(len(msg.blocks)),
                               msg.blocks)
             except StatebridgeError as e:                 # settled by the next poll
                 pending.failure = (kind_of(e).value, f"posting KV receives failed: {e}")
