@@ -55,6 +55,8 @@ __all__ = ["NixlOptions", "NixlPool", "SlotPlan", "nixl_available", "pattern_blo
 
 _MODULES = ("nixl_cu12", "nixl")
 _WAITS = ("spin", "yield")
+#: Prefix of a source's "state final" notification in a paced vLLM-way round.
+FINAL_NOTIF = "F"
 PATTERN_PERIOD = 4093            # prime: a run read from the wrong offset shows up as a mismatch
 
 
@@ -342,14 +344,19 @@ def _prep_groups(agent, name: str, ptr: int, groups, local: bool):
 
 
 def _vllm_read(state: dict, *, sources, dst_tp: int, requests: int, concurrency: int,
-               start_at: float, timeout: float, warmup: int) -> dict:
+               start_at: float, timeout: float, warmup: int, paced: bool = False) -> dict:
     """vLLM's NixlConnector's pull loop on one decode worker. Per request: block ids ->
     descriptor ids by numpy (``region * num_blocks + block`` per group, for the local and the
     remote side), one ``make_prepped_xfer("READ", ..., notif_msg="<req>:<dst tp>")`` + ``transfer``
     per source rank; every step ``check_xfer_state`` on every in-flight handle, and
     ``release_xfer_handle`` when done. ``sources``: ``[(agent name, buffer address, groups)]``,
     a group ``(runs [R, 5] at block 0 with strides, num_blocks, blocks per request)``; slot
-    ``s`` owns blocks ``[s * bpr, (s + 1) * bpr)`` of every group."""
+    ``s`` owns blocks ``[s * bpr, (s + 1) * bpr)`` of every group.
+
+    ``paced`` (one request in flight): a request is posted only once every source announced
+    its state final (:func:`_serve_notifs` with ``announce``); per request the latest source
+    stamp (``finals``) and the moment this worker's READs were done (``held``), both
+    ``time.monotonic()`` -- one clock for the machine's processes."""
     agent, buf = state["agent"], state["buf"]
     dst_ptr = buf.data_ptr()
     prepped = []                    # (name, local h, remote h, [(region ids, num_blocks, bpr, base)])
@@ -374,13 +381,40 @@ def _vllm_read(state: dict, *, sources, dst_tp: int, requests: int, concurrency:
                         + block_ids[None, :]).ravel())
         return np.concatenate(out).astype(np.int32)
 
+    announced: dict[str, list[float]] = {}
+    finals: list[float] = []
+    held: list[float] = []
+
+    def wait_final(name: str, deadline: float) -> float:
+        # The state-final announcements of request ``name`` from every source, polled the way
+        # a vLLM worker polls its notifications (every step; here without sleeping).
+        while len(announced.get(name, ())) < len(prepped):
+            got = False
+            for msgs in agent.get_new_notifs().values():
+                for msg in msgs:
+                    req, _, stamp = msg.decode()[len(FINAL_NOTIF):].rpartition(":")
+                    announced.setdefault(req, []).append(float(stamp))
+                    got = True
+            if not got:
+                if time.perf_counter() > deadline:
+                    raise RuntimeError(f"no state-final announcement of {name!r} from "
+                                       f"{len(prepped) - len(announced.get(name, ()))} of "
+                                       f"{len(prepped)} sources after {timeout} s")
+                os.sched_yield()
+        return max(announced.pop(name))
+
     def round_(count: int, prefix: str, deadline: float) -> list[float]:
         nxt = 0
         active: dict[int, tuple[int, float, list]] = {}
         latencies = [0.0] * count
+        if paced:
+            finals[:] = [0.0] * count
+            held[:] = [0.0] * count
 
         def post(slot: int) -> None:
             nonlocal nxt
+            if paced:
+                finals[nxt] = wait_final(f"{prefix}{nxt}", deadline)
             started = time.perf_counter()
             notif = f"{prefix}{nxt}:{dst_tp}".encode()
             handles = []
@@ -410,6 +444,8 @@ def _vllm_read(state: dict, *, sources, dst_tp: int, requests: int, concurrency:
                     raise RuntimeError(f"NIXL READ of request {req} failed")
                 if all(st == "DONE" for st in states):
                     latencies[req] = time.perf_counter() - started
+                    if paced:
+                        held[req] = time.monotonic()
                     for h in handles:
                         agent.release_xfer_handle(h)
                     calls["release_xfer_handle"] += len(handles)
@@ -425,7 +461,9 @@ def _vllm_read(state: dict, *, sources, dst_tp: int, requests: int, concurrency:
     try:
         if warmup:
             round_(warmup, "w", time.perf_counter() + timeout)
-        while time.perf_counter() < start_at:
+        # (paced: the sources' announcements pace the round; waiting here would count as
+        # latency of its first request)
+        while not paced and time.perf_counter() < start_at:
             time.sleep(min(0.001, max(0.0, start_at - time.perf_counter())))
         for k in calls:
             calls[k] = 0
@@ -438,19 +476,36 @@ def _vllm_read(state: dict, *, sources, dst_tp: int, requests: int, concurrency:
             agent.release_dlist_handle(h)
         state["dlists"] = []
     return {"start": t0, "end": t1, "latencies": latencies, "cpu_seconds": c1 - c0,
-            "calls": calls, "descriptors": descriptors[0]}
+            "calls": calls, "descriptors": descriptors[0], "finals": list(finals),
+            "held": list(held)}
 
 
 def _serve_notifs(state: dict, *, readers: int, expect: int, timeout: float,
-                  step_s: float = 0.001) -> dict:
+                  step_s: float = 0.001, announce: Sequence[str] = (),
+                  names: Sequence[str] = ()) -> dict:
     """vLLM's prefill worker: every step ``get_new_notifs``; a request (notif
     ``"<req>:<dst tp>"``) is freed when ``readers`` decode ranks have notified it. Returns when
-    ``expect`` requests are freed: CPU seconds, calls, freed."""
+    ``expect`` requests are freed: CPU seconds, calls, freed.
+
+    ``announce`` (decode agents' names) paces a one-in-flight round: request ``names[k]``'s
+    state is declared final (``time.monotonic()``) by a notification ``F<name>:<stamp>`` to
+    each of them once request ``k - 1`` is freed -- the cheapest way a decode worker can learn
+    that a prefill is done (vLLM's own path is a proxy round trip and a scheduler step)."""
     agent = state["agent"]
     counts: dict[str, int] = {}
     freed, calls, polls_empty = 0, 0, 0
     c0 = time.process_time()
     deadline = time.perf_counter() + timeout
+
+    def declare_final(k: int) -> None:
+        msg = f"{FINAL_NOTIF}{names[k]}:{time.monotonic()!r}".encode()
+        for dst in announce:
+            agent.send_notif(dst, msg)
+
+    if announce:
+        if len(names) != expect:
+            raise ConfigError(f"{len(names)} request names to announce for {expect} requests")
+        declare_final(0)
     while freed < expect:
         notifs = agent.get_new_notifs()
         calls += 1
@@ -463,6 +518,8 @@ def _serve_notifs(state: dict, *, readers: int, expect: int, timeout: float,
                 if n == readers:
                     counts.pop(req, None)
                     freed += 1
+                    if announce and freed < expect:
+                        declare_final(freed)
                 else:
                     counts[req] = n
         if not got:
@@ -663,13 +720,17 @@ class NixlPool:
 
     def run_cell(self, plan, *, pages: int, requests: int, concurrency: int,
                  timeout: float = 300.0, verify: bool = False,
-                 options: NixlOptions | None = None, vllm: bool = False) -> dict:
+                 options: NixlOptions | None = None, vllm: bool = False,
+                 paced: bool = False) -> dict:
         """NIXL READ of every pair's runs of ``plan`` (a TransferPlan, or anything shaped like
         one: :class:`SlotPlan` for state plus KV): GB/s, latencies, and with ``verify`` the
         bytes compared with the sources' pattern (``verified_bytes``; a mismatch raises).
         ``options`` overrides the pool's for this cell. ``vllm``: vLLM's NixlConnector's loop
         instead (:func:`_vllm_read` on the destinations over :func:`vllm_groups`, with
-        notifications, and :func:`_serve_notifs` on the sources)."""
+        notifications, and :func:`_serve_notifs` on the sources). ``paced`` (with ``vllm``, one
+        request in flight): every source declares each request's state final by a notification
+        to its readers, which post only then; adds ``final_to_held_p50_ms`` / ``p99`` (latest
+        source's final -> every destination's READs done)."""
         src_tp, dst_tp = plan.src.tp_size, plan.dst.tp_size
         if src_tp > len(self.src) or dst_tp > len(self.dst):
             raise ConfigError(f"plan {src_tp}x{dst_tp} needs more NIXL workers than the pool's "
@@ -678,6 +739,9 @@ class NixlPool:
                             ("concurrency", concurrency)):
             if value < 1:
                 raise ConfigError(f"{name} must be >= 1, got {value}")
+        if paced and not (vllm and concurrency == 1):
+            raise ConfigError(f"a paced round is vLLM's way with one request in flight, got "
+                              f"vllm={vllm}, concurrency={concurrency}")
         opts = self.options if options is None else options
         if verify and not opts.touch:
             raise ConfigError("verify needs the sources' pattern: options.touch is False")
@@ -698,7 +762,8 @@ class NixlPool:
                                  options=options, seed=0)
                 opened.append(self.dst[i])
             src_info = [self.src[i].recv(120) for i in range(src_tp)]
-            dst_env = [self.dst[i].recv(120)[2] for i in range(dst_tp)]
+            dst_info = [self.dst[i].recv(120) for i in range(dst_tp)]
+            dst_env = [info[2] for info in dst_info]
             for d in range(dst_tp):
                 pairs = plan.for_destination(d)
                 self.dst[d].call("peers", metadata=[src_info[p.src_rank][0] for p in pairs])
@@ -713,15 +778,20 @@ class NixlPool:
                 slots = min(concurrency, pages, requests)
                 warm_n = slots if opts.warmup else 0
                 serving = [s for s in range(src_tp) if any(k[0] == s for k in groups)]
+                names = [f"w{i}" for i in range(warm_n)] + [f"r{i}" for i in range(requests)]
                 for s in serving:
-                    self.src[s].send("serve", readers=sum(k[0] == s for k in groups),
-                                     expect=warm_n + requests, timeout=timeout + warm)
+                    readers = sorted(d for (ss, d) in groups if ss == s)
+                    announce = self.src[s].call("peers", metadata=[
+                        dst_info[d][0] for d in readers]) if paced else []
+                    self.src[s].send("serve", readers=len(readers),
+                                     expect=warm_n + requests, timeout=timeout + warm,
+                                     announce=announce, names=names if paced else [])
                 for d in range(dst_tp):
                     sources = [(f"{tag}-src{s}", src_info[s][1], g)
                                for (s, dd), g in sorted(groups.items()) if dd == d]
                     self.dst[d].send("vllm_read", sources=sources, dst_tp=dst_tp,
                                      requests=requests, concurrency=slots, start_at=start_at,
-                                     timeout=timeout, warmup=warm_n)
+                                     timeout=timeout, warmup=warm_n, paced=paced)
             else:
                 for d in range(dst_tp):
                     sources = [(f"{tag}-src{p.src_rank}", src_info[p.src_rank][1], p.runs)
@@ -777,7 +847,14 @@ class NixlPool:
         dst_cpu_us = sum(r["cpu_seconds"] for r in results) / requests * 1e6
         descriptors = (sum(r["descriptors"] for r in results) / requests if vllm
                        else sum(len(p.runs) for p in plan))
-        return {"gbps": nbytes / wall / 1e9, "seconds": wall,
+        paced_out = {}
+        if paced:
+            # state final = the latest source's stamp; held = the last destination's READs done
+            final = np.max(np.array([r["finals"] for r in results]), axis=0)
+            held = np.max(np.array([r["held"] for r in results]), axis=0) - final
+            paced_out = {"final_to_held_p50_ms": float(np.percentile(held, 50) * 1e3),
+                         "final_to_held_p99_ms": float(np.percentile(held, 99) * 1e3)}
+        return {**paced_out, "gbps": nbytes / wall / 1e9, "seconds": wall,
                 "nixl_calls_per_request": sum(calls.values()),
                 "nixl_calls_per_request_by_call": calls,
                 "cpu_us_per_request": {"nixl_dst": dst_cpu_us, "nixl_src": src_cpu_us,

@@ -110,7 +110,8 @@ CELL_FIELDS = ("pair", "layout", "preset", "gbps", "messages_per_request",
                "cpu_us_per_request", "low_load_latency_p50_ms", "low_load_latency_p99_ms",
                "low_load_final_to_held_p50_ms", "low_load_final_to_held_p99_ms",
                "vllm_way_low_load_latency_p50_ms", "vllm_way_low_load_latency_p99_ms",
-               "peak_rss_mib", "peak_rss_scope")
+               "vllm_way_low_load_final_to_held_p50_ms",
+               "vllm_way_low_load_final_to_held_p99_ms", "peak_rss_mib", "peak_rss_scope")
 
 
 def preset_spec(name: str) -> StateSpec:
@@ -695,10 +696,11 @@ def _nixl_cell(nixl, nixl_why, plan, spec, preset, src_tp, dst_tp, layout, a, vl
         if key not in vllm_cache:
             vllm = nixl.run_cell(vllm_plan, vllm=True, **kw)
             if a.low_load:
-                low = nixl.run_cell(vllm_plan, vllm=True, **dict(
+                low = nixl.run_cell(vllm_plan, vllm=True, paced=True, **dict(
                     kw, requests=a.low_load_requests, concurrency=1))
-                vllm["low_load_latency_p50_ms"] = low["latency_p50_ms"]
-                vllm["low_load_latency_p99_ms"] = low["latency_p99_ms"]
+                for name in ("latency_p50_ms", "latency_p99_ms", "final_to_held_p50_ms",
+                             "final_to_held_p99_ms"):
+                    vllm[f"low_load_{name}"] = low[name]
             vllm_cache[key] = vllm
         vllm = vllm_cache[key]
     except Exception as e:  # noqa: BLE001 -- recorded, the run goes on
@@ -725,6 +727,8 @@ def _nixl_cell(nixl, nixl_why, plan, spec, preset, src_tp, dst_tp, layout, a, vl
         "vllm_way_cpu_us_per_request": vllm["cpu_us_per_request"],
         "vllm_way_low_load_latency_p50_ms": vllm.get("low_load_latency_p50_ms"),
         "vllm_way_low_load_latency_p99_ms": vllm.get("low_load_latency_p99_ms"),
+        "vllm_way_low_load_final_to_held_p50_ms": vllm.get("low_load_final_to_held_p50_ms"),
+        "vllm_way_low_load_final_to_held_p99_ms": vllm.get("low_load_final_to_held_p99_ms"),
         "nixl_note": None,
     })
     return out
@@ -782,7 +786,8 @@ _NIXL_FIELDS = ("nixl_gbps", "ratio_to_nixl", "nixl_requests_per_s", "nixl_laten
                 "vllm_way_latency_p99_ms", "vllm_way_descriptors_per_request",
                 "vllm_way_nixl_calls_per_request", "vllm_way_nixl_calls_per_request_by_call",
                 "vllm_way_cpu_us_per_request", "vllm_way_low_load_latency_p50_ms",
-                "vllm_way_low_load_latency_p99_ms")
+                "vllm_way_low_load_latency_p99_ms", "vllm_way_low_load_final_to_held_p50_ms",
+                "vllm_way_low_load_final_to_held_p99_ms")
 
 
 # -- output ------------------------------------------------------------------------------------
@@ -835,9 +840,9 @@ def format_table(cells: Sequence[dict]) -> str:
     rows = ["| preset | pair | layout | tokens | GB/s | req/s | msgs/req | p50 ms | p99 ms | "
             "x line | x NIXL | vLLM's way GB/s | x vLLM's way | x copy limit | ctl msgs/req | "
             "UCX ops/req | CPU us/req | vLLM CPU us/req | vLLM NIXL calls/req | "
-            "low-load final->held p50/p99 ms | vLLM low-load p50/p99 ms | "
-            "peak RSS MiB P/D/NIXL |",
-            "|" + "---|" * 22]
+            "low-load final->held p50/p99 ms | vLLM low-load final->held p50/p99 ms | "
+            "vLLM low-load READ post->done p50/p99 ms | peak RSS MiB P/D/NIXL |",
+            "|" + "---|" * 23]
     for c in cells:
         layout = c["layout"] + (f"+{c['kv_layout']}" if c.get("kv_layout") else "")
         tokens = c.get("prompt_tokens") or "-"
@@ -853,6 +858,8 @@ def format_table(cells: Sequence[dict]) -> str:
             f"{f(c.get('vllm_way_nixl_calls_per_request'))} | "
             f"{f(c.get('low_load_final_to_held_p50_ms'))}/"
             f"{f(c.get('low_load_final_to_held_p99_ms'))} | "
+            f"{f(c.get('vllm_way_low_load_final_to_held_p50_ms'))}/"
+            f"{f(c.get('vllm_way_low_load_final_to_held_p99_ms'))} | "
             f"{f(c.get('vllm_way_low_load_latency_p50_ms'))}/"
             f"{f(c.get('vllm_way_low_load_latency_p99_ms'))} | "
             f"{_rss_text(c.get('peak_rss_mib'))} |")

@@ -120,6 +120,11 @@ def _check_vllm_way_counts(cell, p: int, d: int) -> None:
     final, submit = cell["low_load_final_to_held_p50_ms"], cell["low_load_latency_p50_ms"]
     assert _positive(final) and final < submit, (final, submit)
     assert cell["low_load_final_to_held_p99_ms"] >= final
+    # vLLM's way on the same definition (sources announce the state final, workers post on
+    # the announcement): per request it contains the READ's post -> done, so at each percentile
+    vfinal = cell["vllm_way_low_load_final_to_held_p50_ms"]
+    assert _positive(vfinal) and vfinal >= cell["vllm_way_low_load_latency_p50_ms"]
+    assert cell["vllm_way_low_load_final_to_held_p99_ms"] >= vfinal
 
 
 @pytest.mark.timeout(120)
