@@ -427,13 +427,13 @@ class DecodeCoordinator(RankGroup):
         (the id is in use), :class:`PeerLostError` (a decode rank is lost),
         :class:`ClosedError`.
         """
-        return self._start(request_id, tuple(map(int, prompt)), on_done, prefill=prefill,
+        return self._start(request_id, _packed(request_id, prompt), on_done, prefill=prefill,
                            local=local)
 
-    def _start(self, request_id: str, prompt: tuple[int, ...], on_done: OnDone, *,
+    def _start(self, request_id: str, prompt: bytes, on_done: OnDone, *,
                prefill: str | None = None, local: bool = False) -> RequestKey:
-        """:meth:`start` for a prompt already made a tuple of ints (the submit methods do
-        that on the caller's thread: a prompt of thousands of tokens is converted once)."""
+        """:meth:`start` for a prompt already packed as token bytes (:func:`_packed`; the
+        submit methods do that on the caller's thread, once; it travels as is)."""
         if not isinstance(request_id, str) or not request_id:
             raise InvalidRequestError(f"request_id must be a non-empty string, got "
                                       f"{request_id!r}")
@@ -457,7 +457,8 @@ class DecodeCoordinator(RankGroup):
                 raise NotReadyError(f"{why}{f' named {prefill!r}' if prefill else ''}",
                                     request_id=request_id)
             peer = ready[next(self._rr) % len(ready)]
-        num_blocks = blocks_for(len(prompt), self.block_size) if self.spec.kv is not None else 0
+        tokens = m.token_count(prompt)
+        num_blocks = blocks_for(tokens, self.block_size) if self.spec.kv is not None else 0
         key = RequestKey(peer.node_id if peer else "", request_id,
                          (self._last_generation + 1) & 0xFFFFFFFF)
         # (CacheFullError for the page or the KV blocks: nothing is held, no generation used.)
@@ -475,7 +476,7 @@ class DecodeCoordinator(RankGroup):
             self.counters.add("requests")
             self.to_ranks(m.RankRecv(request_id=request_id, generation=generation,
                                      page=record.page, peer_node=peer.node_id, blocks=blocks,
-                                     kv_tokens=len(prompt) if blocks else 0))
+                                     kv_tokens=tokens if blocks else 0))
             c.send_dealer(peer.sock, m.TransferRequest(request_id=request_id,
                                                        generation=generation, prompt=prompt,
                                                        kv_blocks=blocks))
@@ -530,7 +531,7 @@ class DecodeCoordinator(RankGroup):
         """:meth:`start` from any thread; the future resolves to a :class:`TransferResult` or
         a typed error. Refusals raise here (one thread hand-off)."""
         future: concurrent.futures.Future = concurrent.futures.Future()
-        prompt = tuple(map(int, prompt))
+        prompt = _packed(request_id, prompt)
         self.loop.call(lambda: self._start(request_id, prompt, _resolver(future),
                                            prefill=prefill))
         return future
@@ -539,7 +540,7 @@ class DecodeCoordinator(RankGroup):
         """Compute the state of ``prompt`` on the decode ranks themselves (the ``recompute``
         policy when a transfer failed); resolves like :meth:`submit`."""
         future: concurrent.futures.Future = concurrent.futures.Future()
-        prompt = tuple(map(int, prompt))
+        prompt = _packed(request_id, prompt)
         self.loop.call(lambda: self._start(request_id, prompt, _resolver(future), local=True))
         return future
 
@@ -553,7 +554,7 @@ class DecodeCoordinator(RankGroup):
         only when not even the first could start. Any other refusal (a duplicate request id,
         no prefill server) fails that request's future.
         """
-        prepared = [(request_id, tuple(map(int, prompt)), concurrent.futures.Future())
+        prepared = [(request_id, _packed(request_id, prompt), concurrent.futures.Future())
                     for request_id, prompt in items]
 
         def run() -> list[concurrent.futures.Future]:
@@ -701,6 +702,17 @@ class DecodeCoordinator(RankGroup):
                     "healthy": self.healthy, **self.counters.snapshot()}
         return self.loop.call(collect)
 
+
+
+def _packed(request_id: str, prompt: Sequence[int]) -> bytes:
+    """A caller's prompt as token bytes (:func:`~statebridge.connector.messages.pack_tokens`),
+    or InvalidRequestError naming the request and the first bad id."""
+    try:
+        return m.pack_tokens(prompt)
+    except (ValueError, TypeError) as e:          # TypeError: not iterable
+        raise InvalidRequestError(f"prompt of {request_id!r}: {e}",
+                                  request_id=request_id if isinstance(request_id, str) else ""
+                                  ) from None
 
 
 def _resolver(future: concurrent.futures.Future) -> OnDone:

@@ -186,11 +186,12 @@ class PrefillServer(RankGroup):
                          f"{len(msg.kv_blocks)} KV blocks for a spec without attention KV")
             return
         if self.spec.kv is not None:
-            need = blocks_for(len(msg.prompt), self.block_size)
+            need = blocks_for(m.token_count(msg.prompt), self.block_size)
             if len(msg.kv_blocks) != need:
                 self._reject(peer, msg, FailureKind.INVALID_REQUEST,
                              f"{len(msg.kv_blocks)} KV blocks for a prompt of "
-                             f"{len(msg.prompt)} tokens (needs {need} of {self.block_size})")
+                             f"{m.token_count(msg.prompt)} tokens (needs {need} of "
+                             f"{self.block_size})")
                 return
             if need > self.num_blocks:
                 self._reject(peer, msg, FailureKind.BUSY,
@@ -232,7 +233,7 @@ class PrefillServer(RankGroup):
         self.to_ranks(m.RankPrefill(request_id=msg.request_id, generation=msg.generation,
                                     prompt=msg.prompt, src_page=record.page,
                                     peer_node=peer.node_id, src_blocks=src_blocks,
-                                    dst_blocks=msg.kv_blocks, kv_tokens=len(msg.prompt)
+                                    dst_blocks=msg.kv_blocks, kv_tokens=m.token_count(msg.prompt)
                                     if self.spec.kv is not None else 0))
 
     def _fits(self, msg: m.TransferRequest) -> bool:

@@ -482,11 +482,12 @@ class RankWorker:
                     if isinstance(msg, m.RankPrefill):
                         blocks, tokens = msg.src_blocks, msg.kv_tokens
                     else:
-                        blocks, tokens = msg.blocks, len(msg.prompt)
+                        blocks, tokens = msg.blocks, m.token_count(msg.prompt)
                     try:
                         if blocks:
                             self._check_blocks(blocks, tokens)
-                        self.model.prefill(page, msg.prompt, msg.request_id, tuple(blocks))
+                        self.model.prefill(page, m.unpack_tokens(msg.prompt),
+                                           msg.request_id, tuple(blocks))
                     except Exception as e:  # the model failed: the request fails, rank serves on
                         log.exception("rank %d: computing %s failed", self.setup.tp_rank,
                                       msg.request_id)

@@ -239,7 +239,7 @@ def test_bad_messages_get_typed_errors_and_the_server_keeps_serving(prefill_host
             (msgpack.packb({"v": 99, "t": "Hello", "b": {}}), "IncompatiblePeerError",
              "version 99"),
             (b"\x00" * (FAST.max_message_bytes + 1), "ProtocolError", "exceeds the limit"),
-            (m.encode(m.TransferRequest(request_id="x", generation=1, prompt=(1,))),
+            (m.encode(m.TransferRequest(request_id="x", generation=1, prompt=m.pack_tokens((1,)))),
              "ProtocolError", "before Hello"),
         ]
         for data, kind, needle in bad:

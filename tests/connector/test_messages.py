@@ -15,6 +15,8 @@ from statebridge.errors import IncompatiblePeerError, ProtocolError
 
 
 def _value(annotation):
+    if annotation is m.Tokens:
+        return m.pack_tokens((3, 0, -1, 2**31 - 1))
     if typing.get_origin(annotation) is tuple:
         item = typing.get_args(annotation)[0]
         return (_value(item), _value(item))
@@ -65,24 +67,52 @@ def envelope(v=m.PROTOCOL_VERSION, t="Heartbeat", b=None, **extra):
     (envelope(b={"node_id": 3, "seq": 1}), ProtocolError, "Heartbeat.node_id must be str"),
     (envelope(b={"node_id": "n", "seq": True}), ProtocolError, "Heartbeat.seq must be int"),
     (envelope(b={"node_id": "n", "seq": "1"}), ProtocolError, "got str '1'"),
-    (envelope(t="TransferRequest", b={"request_id": "r", "generation": 1, "prompt": [1, "x"],
+    (envelope(t="TransferRequest", b={"request_id": "r", "generation": 1, "prompt": [1, 2],
                                       "kv_blocks": []}),
-     ProtocolError, "prompt must be int"),
-    (envelope(t="TransferRequest", b={"request_id": "r", "generation": 1, "prompt": 5,
+     ProtocolError, "TransferRequest.prompt must be int32 token ids (bytes, a multiple of 4 "
+                    "long), got list [1, 2]"),
+    (envelope(t="TransferRequest", b={"request_id": "r", "generation": 1, "prompt": b"\0" * 6,
                                       "kv_blocks": []}),
-     ProtocolError, "prompt must be a list"),
+     ProtocolError, "got 6 bytes"),
+    (envelope(t="TransferRequest", b={"request_id": "r", "generation": 1, "prompt": b"",
+                                      "kv_blocks": [1, "x"]}),
+     ProtocolError, "kv_blocks must be int"),
+    (envelope(t="TransferRequest", b={"request_id": "r", "generation": 1, "prompt": b"",
+                                      "kv_blocks": 5}),
+     ProtocolError, "kv_blocks must be a list"),
     (msgpack.packb({1: 2}), ProtocolError, "undecodable"),
 ], ids=["empty", "reserved-byte", "truncated", "not-a-map", "extra-key", "version",
         "version-type", "unknown-type", "type-not-str", "body-list", "missing", "unknown-field",
-        "wrong-type", "bool-as-int", "str-as-int", "list-item", "not-list", "int-keys"])
+        "wrong-type", "bool-as-int", "str-as-int", "tokens-as-list", "tokens-odd-length",
+        "list-item", "not-list", "int-keys"])
 def test_bad_bytes_raise_typed_errors_with_the_value(data, error, needle):
     with pytest.raises(error) as info:
         m.decode(data)
     assert needle in str(info.value)
 
 
+@pytest.mark.parametrize("tokens", [(), (0,), (5, 1, 2**31 - 1, -(2**31), 7), range(4099)])
+def test_tokens_round_trip_as_little_endian_int32(tokens):
+    packed = m.pack_tokens(tokens)
+    # the wire format, from the standard library rather than from pack_tokens
+    assert packed == b"".join(int(t).to_bytes(4, "little", signed=True) for t in tokens)
+    assert m.unpack_tokens(packed) == tuple(tokens)
+    assert m.token_count(packed) == len(tokens)
+    import numpy as np
+    assert m.pack_tokens(np.asarray(tokens, dtype=np.int64)) == packed
+
+
+@pytest.mark.parametrize("bad,needle", [([1, "x"], "got 'x' (str)"), ([2.0], "got 2.0 (float)"),
+                                        ([0, 2**31], "got 2147483648"),
+                                        ([-(2**31) - 1], "got -2147483649")])
+def test_tokens_out_of_int32_or_not_integers_are_refused_with_the_value(bad, needle):
+    with pytest.raises(ValueError, match="token ids must be integers") as info:
+        m.pack_tokens(bad)
+    assert needle in str(info.value)
+
+
 def test_oversized_message_is_refused_before_decoding():
-    msg = m.TransferRequest(request_id="r", generation=1, prompt=tuple(range(5000)))
+    msg = m.TransferRequest(request_id="r", generation=1, prompt=m.pack_tokens(range(5000)))
     data = m.encode(msg)
     with pytest.raises(ProtocolError, match=f"{len(data)} bytes exceeds the limit of 1000"):
         m.decode(data, max_bytes=1000)

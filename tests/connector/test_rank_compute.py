@@ -53,7 +53,7 @@ def test_cheap_result_is_not_held_behind_a_slow_step(worker):
     # Both queued in one loop call: the prefill is computed first (cheap), then the 0.3 s step.
     worker.loop.call_soon(lambda: (
         worker._on_local_prefill(m.RankLocalPrefill(request_id="p1", generation=5,
-                                                    prompt=(1, 2, 3), page=1)),
+                                                    prompt=m.pack_tokens((1, 2, 3)), page=1)),
         worker._compute_q.put(_step(1))))
     wait_until(lambda: len(worker.sent) >= 2, 10.0, "prefill done and step result")
     (t_done, done), (t_step, step) = worker.sent[:2]
@@ -66,7 +66,7 @@ def test_cheap_result_is_not_held_behind_a_slow_step(worker):
 def test_backlog_of_cheap_prefills_all_answered(worker):
     worker.loop.call_soon(lambda: [
         worker._on_local_prefill(m.RankLocalPrefill(request_id=f"p{i}", generation=10 + i,
-                                                    prompt=(1,), page=i % 4))
+                                                    prompt=m.pack_tokens((1,)), page=i % 4))
         for i in range(40)])
     wait_until(lambda: len(worker.sent) >= 40, 10.0, "40 prefills answered")
     done = [msg for _, msg in worker.sent]

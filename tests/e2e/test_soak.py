@@ -144,7 +144,7 @@ def _server_with_requests(started: int, waiting: int) -> tuple[PrefillServer, _P
         server.peers[peer.identity] = peer
         for i in range(started + waiting):
             server._on_transfer_request(peer, m.TransferRequest(
-                request_id=f"r{i}", generation=i + 1, prompt=(1, 2)))
+                request_id=f"r{i}", generation=i + 1, prompt=m.pack_tokens((1, 2))))
         return peer
     return server, server.loop.call(setup)
 
