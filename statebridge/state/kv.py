@@ -270,6 +270,18 @@ class BlockPool:
     def free(self, blocks: Sequence[int]) -> None:
         """Return ``blocks`` (DoubleFreeError / UnknownPageError naming the id; nothing is
         freed then)."""
+        start = _range_start(blocks) if type(blocks) in (range, list, tuple) and len(blocks) \
+            else None
+        if start is not None:
+            # one range of consecutive ids (what allocate prefers): a slice, not a gather
+            end = start + len(blocks)
+            if 0 <= start and end <= self.num_blocks:
+                held = self._used[start:end]
+                if held.all():
+                    held[:] = False
+                    self._num_used -= len(blocks)
+                    return
+            # out of range or not all allocated: the general path names the id
         idx = np.asarray(blocks if isinstance(blocks, np.ndarray) else list(blocks),
                          dtype=np.int64)
         if len(idx) == 0:

@@ -358,6 +358,11 @@ def test_pool_full_names_wanted_free_total_and_takes_nothing():
     ([1, 3, 3], DoubleFreeError, "KV block 3 "),       # freed twice in one call
     ([0, 8], UnknownPageError, "KV block 8 "),         # out of range
     ([-1], UnknownPageError, "KV block -1 "),
+    # consecutive ids (free's slice path) fall back to the named error
+    ([3, 4], DoubleFreeError, "KV block 4 "),
+    (range(2, 6), DoubleFreeError, "KV block 4 "),
+    ((3, 4, 5, 6, 7, 8), UnknownPageError, "KV block 8 "),
+    (range(-1, 2), UnknownPageError, "KV block -1 "),
 ])
 def test_pool_bad_free_names_the_block_and_frees_nothing(ids, error, named):
     pool = BlockPool(8)
@@ -368,6 +373,20 @@ def test_pool_bad_free_names_the_block_and_frees_nothing(ids, error, named):
     pool.free([0, 1, 2, 3])
     with pytest.raises(DoubleFreeError, match="KV block 2 "):
         pool.free([2])
+
+
+@pytest.mark.parametrize("table", [lambda a, n: list(range(a, a + n)),
+                                   lambda a, n: tuple(range(a, a + n)), lambda a, n: range(a, a + n)],
+                         ids=["list", "tuple", "range"])
+def test_pool_frees_a_consecutive_table_exactly(table):
+    pool = BlockPool(16)
+    assert pool.allocate(16) == list(range(16))
+    pool.free(table(5, 4))
+    assert [b for b in range(16) if not pool.is_allocated(b)] == [5, 6, 7, 8]
+    assert (pool.num_used, pool.num_free) == (12, 4)
+    assert pool.allocate(4, contiguous=True) == [5, 6, 7, 8]
+    pool.free(table(0, 16))
+    assert pool.num_used == 0 and not any(pool.is_allocated(b) for b in range(16))
 
 
 @pytest.mark.parametrize("bad", [0, -3, 2.0, True])
