@@ -97,8 +97,9 @@ class EventLoop:
         #: Calls handed to this loop from other threads (call_soon / call): each is a wake-up
         #: and a thread switch; the decode node's per-request path makes none.
         self.handoffs = 0
-        # (socket, identity or None) -> encoded messages queued this iteration (see flush)
-        self._outbox: dict[tuple[zmq.Socket, bytes | None], list[bytes]] = {}
+        # (socket, identity or None) -> messages queued this iteration (see flush): encoded,
+        # or (type, row) of a BATCH type (see _frames)
+        self._outbox: dict[tuple[zmq.Socket, bytes | None], list] = {}
 
     # -- registration (loop thread, or before start) ---------------------------------------
     def add_reader(self, sock: zmq.Socket, handler: Callable[[], None]) -> None:
@@ -195,7 +196,7 @@ class EventLoop:
             return
         keys = list(self._outbox) if sock is None else [k for k in self._outbox if k[0] is sock]
         for key in keys:
-            frames = self._outbox.pop(key)
+            frames = _frames(self._outbox.pop(key))
             s, identity = key
             for i in range(0, len(frames), MAX_BATCH_FRAMES):
                 chunk = frames[i:i + MAX_BATCH_FRAMES]
@@ -585,14 +586,51 @@ def _decode_batch(frames: list, max_bytes: int) -> list:
     if len(frames) > MAX_BATCH_FRAMES:
         return [ProtocolError(f"{len(frames)} message frames in one zmq message; at most "
                               f"{MAX_BATCH_FRAMES}")]
-    out = []
-    _opcounts()["control_received"] += len(frames)
+    out: list = []
     for frame in frames:
         try:
-            out.append(m.decode(frame, max_bytes=max_bytes))
+            out.extend(m.decode_frame(frame, max_bytes=max_bytes))
         except ProtocolError as e:
             out.append(e)
+    _opcounts()["control_received"] += len(out)
     return out
+
+
+#: A row batch (see :func:`_frames`) is split until its frame is at most this long (or holds
+#: one message): well under any receiver's ``max_message_bytes`` (64 KiB in the fuzz tests).
+BATCH_FRAME_BYTES = 32 * 1024
+
+
+def _frames(items: list) -> list[bytes]:
+    """The frames of an outbox's queued items, in order: encoded messages as they are, and
+    each run of consecutive rows of one :attr:`~statebridge.connector.messages.Message.BATCH`
+    type as one row batch (``(type, row)`` items, see :func:`send_router_many`)."""
+    out: list[bytes] = []
+    i, n = 0, len(items)
+    while i < n:
+        item = items[i]
+        if type(item) is bytes:
+            out.append(item)
+            i += 1
+            continue
+        cls = item[0]
+        j = i + 1
+        while j < n and j - i < m.MAX_BATCH_ROWS and type(items[j]) is tuple \
+                and items[j][0] is cls:
+            j += 1
+        _pack_rows(cls, [row for _, row in items[i:j]], out)
+        i = j
+    return out
+
+
+def _pack_rows(cls: type, rows: list, out: list[bytes]) -> None:
+    frame = m.encode_rows(cls, rows)
+    if len(frame) <= BATCH_FRAME_BYTES or len(rows) == 1:
+        out.append(frame)
+        return
+    half = len(rows) // 2
+    _pack_rows(cls, rows[:half], out)
+    _pack_rows(cls, rows[half:], out)
 
 
 def _next(sock: zmq.Socket) -> "tuple[object | None, list | None]":
@@ -642,10 +680,17 @@ def send_router(sock: zmq.Socket, identity: bytes, message: m.Message) -> None:
 
 
 def send_router_many(sock: zmq.Socket, identities: Sequence[bytes], message: m.Message) -> None:
-    """:func:`send_router` of one message to several peers, encoded once."""
-    data = m.encode(message)
+    """:func:`send_router` of one message to several peers, encoded once (a
+    :attr:`~statebridge.connector.messages.Message.BATCH` message queued on a loop thread
+    leaves in a row batch with the others of its type queued to the same peer)."""
     _opcounts()["control_sent"] += len(identities)
     loop = getattr(_current, "loop", None)
+    if loop is not None and getattr(message, "BATCH", False):
+        item = (type(message), m.message_row(message))
+        for identity in identities:
+            loop._outbox.setdefault((sock, identity), []).append(item)
+        return
+    data = m.encode(message)
     for identity in identities:
         if loop is not None:
             loop._outbox.setdefault((sock, identity), []).append(data)
@@ -658,12 +703,14 @@ def send_router_many(sock: zmq.Socket, identities: Sequence[bytes], message: m.M
 
 def send_dealer(sock: zmq.Socket, message: m.Message) -> None:
     """Send on a DEALER; queued and coalesced like :func:`send_router` on a loop thread."""
-    data = m.encode(message)
     _opcounts()["control_sent"] += 1
     loop = getattr(_current, "loop", None)
     if loop is not None:
-        loop._outbox.setdefault((sock, None), []).append(data)
+        loop._outbox.setdefault((sock, None), []).append(
+            (type(message), m.message_row(message)) if getattr(message, "BATCH", False)
+            else m.encode(message))
         return
+    data = m.encode(message)
     try:
         _raw_send(sock, data, _NOBLOCK)
     except zmq.Again:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import re
 import typing
 
 import msgpack
@@ -156,3 +157,75 @@ def test_mutated_messages_only_ever_raise_protocol_error(cls, data):
     except ProtocolError:
         return
     assert type(msg) in m.MESSAGE_TYPES.values()
+
+
+# -- row batches (Message.BATCH types inside a group) -------------------------------------------
+
+BATCH_TYPES = [cls for cls in ALL_TYPES if cls.BATCH]
+
+
+def _other(cls) -> m.Message:
+    """An instance of ``cls`` with every field different from example(cls)."""
+    hints = typing.get_type_hints(cls)
+    alt = {int: 9, str: "req-2", bytes: b"other", bool: False, float: 1.5}
+
+    def value(annotation):
+        if annotation is m.Tokens:
+            return m.pack_tokens((8, 9))
+        if typing.get_origin(annotation) is tuple:
+            return (value(typing.get_args(annotation)[0]),)
+        return alt[annotation]
+    return cls(**{f.name: value(hints[f.name]) for f in dataclasses.fields(cls)})
+
+
+def test_the_per_request_messages_of_a_group_are_the_batch_types():
+    assert {c.__name__ for c in BATCH_TYPES} == {"RankPrefill", "RankRecv", "RankDone",
+                                                 "RankCancel"}
+
+
+@pytest.mark.parametrize("cls", BATCH_TYPES, ids=lambda c: c.__name__)
+def test_row_batches_round_trip_in_order(cls):
+    msgs = [example(cls), _other(cls), example(cls)]
+    frame = m.encode_rows(cls, [m.message_row(x) for x in msgs])
+    assert m.decode_frame(frame) == msgs
+    # no field names on the wire: the rows are the values in field order
+    raw = msgpack.unpackb(frame)
+    assert set(raw) == {"v", "t", "r"} and raw["t"] == cls.TYPE and len(raw["r"]) == 3
+    assert len(raw["r"][0]) == len(dataclasses.fields(cls))
+    assert m.decode_frame(m.encode(msgs[1])) == [msgs[1]]      # single frames too
+    with pytest.raises(ProtocolError, match=f"{cls.TYPE}: a row batch of 3 where one message"):
+        m.decode(frame)
+
+
+def test_a_bad_row_is_an_error_in_its_place_and_the_others_decode():
+    good, other = example(m.RankDone), _other(m.RankDone)
+    row = list(m.message_row(other))
+    row[3] = "seven"                                   # generation
+    frame = msgpack.packb({"v": m.PROTOCOL_VERSION, "t": "RankDone",
+                           "r": [list(m.message_row(good)), [1, 2], row,
+                                 list(m.message_row(other))]}, use_bin_type=True)
+    out = m.decode_frame(frame)
+    assert out[0] == good and out[3] == other
+    assert isinstance(out[1], ProtocolError) and "row 1 must be a list of 14 fields" in str(out[1])
+    assert isinstance(out[2], ProtocolError)
+    assert "row 2: RankDone.generation must be int, got str 'seven'" in str(out[2])
+
+
+@pytest.mark.parametrize("body,needle", [
+    ({"t": "Heartbeat", "r": [["n", 1]]}, "Heartbeat is not sent in row batches"),
+    ({"t": "RankDone", "r": []}, "a row batch holds 1 to 1024 rows, got 0 rows"),
+    ({"t": "RankDone", "r": [[0]] * 1025}, "got 1025 rows"),
+    ({"t": "RankDone", "r": {"a": 1}}, "got dict"),
+    ({"t": "RankDone", "r": [], "b": {}}, "keys v, t, b (or v, t, r: a row batch)"),
+])
+def test_bad_row_batches_raise_typed_errors(body, needle):
+    frame = msgpack.packb({"v": m.PROTOCOL_VERSION, **body})
+    with pytest.raises(ProtocolError, match=re.escape(needle)):
+        m.decode_frame(frame)
+
+
+def test_only_batch_types_are_encoded_as_rows():
+    with pytest.raises(ProtocolError, match="'Heartbeat' is not sent in row batches"):
+        m.encode_rows(m.Heartbeat, [("n", 1)])
+    with pytest.raises(ProtocolError, match="1 to 1024 messages, got 0"):
+        m.encode_rows(m.RankDone, [])
