@@ -30,6 +30,11 @@ attempt is named on every process by its :class:`~statebridge.connector.ledger.R
 the node on the other side of the transfer (``peer_node``), the request id, and the generation
 the decode node gave the attempt.
 
+Version 5: prompts travel as little-endian int32 token bytes (:class:`Tokens`), and the
+per-request messages inside a group (:attr:`Message.BATCH` types) that an event loop queues to
+one peer in one iteration leave as one frame of value rows (:func:`encode_rows`, read with
+:func:`decode_frame`; readers outside the connector only ever get single messages).
+
 Layers above the connector (the decode node's stepping and front door) declare their own
 messages with :func:`message`; they travel through the same codec.
 """
