@@ -442,7 +442,8 @@ def encode_rows(cls: type, rows: "typing.Sequence[tuple]") -> bytes:
     return msgpack.packb({"v": PROTOCOL_VERSION, "t": cls.TYPE, "r": rows}, use_bin_type=True)
 
 
-def decode_frame(data: bytes, *, max_bytes: int = MAX_MESSAGE_BYTES) -> "list[Message | ProtocolError]":
+def decode_frame(data: bytes, *,
+                 max_bytes: int = MAX_MESSAGE_BYTES) -> "list[Message | ProtocolError]":
     """The messages of one frame: a single message (:func:`encode`) or a row batch
     (:func:`encode_rows`). A bad frame raises like :func:`decode`; in a batch, a bad row
     becomes a :class:`ProtocolError` in its place and the other rows still decode."""
