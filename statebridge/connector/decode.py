@@ -709,10 +709,9 @@ def _packed(request_id: str, prompt: Sequence[int]) -> bytes:
     or InvalidRequestError naming the request and the first bad id."""
     try:
         return m.pack_tokens(prompt)
-    except (ValueError, TypeError) as e:          # TypeError: not iterable
+    except ValueError as e:
         raise InvalidRequestError(f"prompt of {request_id!r}: {e}",
-                                  request_id=request_id if isinstance(request_id, str) else ""
-                                  ) from None
+                                  request_id=str(request_id)) from None
 
 
 def _resolver(future: concurrent.futures.Future) -> OnDone:

@@ -174,11 +174,18 @@ def pack_tokens(tokens) -> bytes:
     """Token ids (any iterable of integers, e.g. a tuple or a numpy array) as :class:`Tokens`
     bytes. Raises ValueError naming the first id that is not an integer in
     [-2**31, 2**31)."""
+    if isinstance(tokens, (str, bytes, bytearray, memoryview)):
+        raise ValueError(f"token ids must be a sequence of integers, got "
+                         f"{type(tokens).__name__} of length {len(tokens)}")
     try:
         packed = array.array(_TOKEN_TYPE, tokens)
     except (TypeError, OverflowError) as e:
-        bad = next((t for t in tokens if isinstance(t, (bool, float, str, bytes)) or not (
-            hasattr(t, "__index__") and -(1 << 31) <= t.__index__() < (1 << 31))), None)
+        try:
+            bad = next((t for t in tokens if isinstance(t, (bool, float, str, bytes)) or not (
+                hasattr(t, "__index__") and -(1 << 31) <= t.__index__() < (1 << 31))), None)
+        except TypeError:                                 # not iterable at all
+            raise ValueError(f"token ids must be a sequence of integers, got "
+                             f"{type(tokens).__name__}") from None
         raise ValueError(f"token ids must be integers in [-2**31, 2**31), got {bad!r} "
                          f"({type(bad).__name__}): {e}") from None
     if _SWAP:                                     # pragma: no cover -- little-endian here
