@@ -196,7 +196,7 @@ class EventLoop:
             return
         keys = list(self._outbox) if sock is None else [k for k in self._outbox if k[0] is sock]
         for key in keys:
-            frames = _frames(self._outbox.pop(key))
+            frames = _frames(self._outbox.pop(key), self.name)
             s, identity = key
             for i in range(0, len(frames), MAX_BATCH_FRAMES):
                 chunk = frames[i:i + MAX_BATCH_FRAMES]
@@ -601,10 +601,25 @@ def _decode_batch(frames: list, max_bytes: int) -> list:
 BATCH_FRAME_BYTES = 32 * 1024
 
 
-def _frames(items: list) -> list[bytes]:
+def _frames(items: list, name: str = "") -> list[bytes]:
     """The frames of an outbox's queued items, in order: encoded messages as they are, and
     each run of consecutive rows of one :attr:`~statebridge.connector.messages.Message.BATCH`
-    type as one row batch (``(type, row)`` items, see :func:`send_router_many`)."""
+    type as one row batch (``(type, row)`` items, see :func:`send_router_many`). A row that
+    msgpack cannot pack (a field out of its range) is logged and dropped, the others leave."""
+    try:
+        return _batched(items)
+    except Exception:  # noqa: BLE001 -- find the bad row; never let flush kill the loop
+        out = []
+        for item in items:
+            try:
+                out.append(item if type(item) is bytes else m.encode_rows(item[0], [item[1]]))
+            except Exception as e:  # noqa: BLE001
+                log.error("%s: dropped a %s that cannot be encoded: %s", name,
+                          item[0].__name__, e)
+        return out
+
+
+def _batched(items: list) -> list[bytes]:
     out: list[bytes] = []
     i, n = 0, len(items)
     while i < n:

@@ -108,3 +108,15 @@ def test_a_row_bigger_than_the_budget_still_goes_alone(pair):
     assert [x for f in frames for x in m.decode_frame(f)] == sent
     assert max(len(f) for f in frames) > c.BATCH_FRAME_BYTES
     assert sorted(len(m.decode_frame(f)) for f in frames)[-1] <= 2
+
+
+def test_a_row_msgpack_cannot_pack_is_dropped_and_the_others_leave(pair, caplog):
+    router, dealer, identity = pair
+    bad = m.RankDone(tp_rank=0, peer_node="p", request_id="bad", generation=1, kind="",
+                     message="", checksum="", seconds=0.0, nbytes=1 << 70, messages=1,
+                     staging_bytes=0)
+    sent = [_done(1), bad, _done(2)]
+    _send_from_loop(lambda: sent, router, identity)
+    frames = _frames(dealer, 2)
+    assert [x for f in frames for x in m.decode_frame(f)] == [_done(1), _done(2)]
+    assert "dropped a RankDone that cannot be encoded" in caplog.text
