@@ -421,7 +421,7 @@ def encode(message: Message) -> bytes:
     cls = type(message)
     if cls not in _FIELDS:
         raise ProtocolError(f"not a registered message type: {cls.__name__}")
-    body = {name: getattr(message, name) for name in _FIELDS[cls]}
+    body = dict(zip(_FIELDS[cls], _ROWS[cls](message)))
     return msgpack.packb({"v": PROTOCOL_VERSION, "t": cls.TYPE, "b": body}, use_bin_type=True)
 
 

@@ -186,12 +186,12 @@ class PrefillServer(RankGroup):
                          f"{len(msg.kv_blocks)} KV blocks for a spec without attention KV")
             return
         if self.spec.kv is not None:
-            need = blocks_for(m.token_count(msg.prompt), self.block_size)
+            tokens = m.token_count(msg.prompt)
+            need = blocks_for(tokens, self.block_size)
             if len(msg.kv_blocks) != need:
                 self._reject(peer, msg, FailureKind.INVALID_REQUEST,
-                             f"{len(msg.kv_blocks)} KV blocks for a prompt of "
-                             f"{m.token_count(msg.prompt)} tokens (needs {need} of "
-                             f"{self.block_size})")
+                             f"{len(msg.kv_blocks)} KV blocks for a prompt of {tokens} tokens "
+                             f"(needs {need} of {self.block_size})")
                 return
             if need > self.num_blocks:
                 self._reject(peer, msg, FailureKind.BUSY,
