@@ -19,7 +19,7 @@ import threading
 import time
 import uuid
 from dataclasses import dataclass
-from typing import Callable, Sequence
+from typing import Any, Callable, Sequence
 
 
 from statebridge.config import ConnectorConfig
@@ -122,9 +122,12 @@ class RankGroup:
                  config: ConnectorConfig | None = None, node_id: str | None = None,
                  port: int = 0, launcher: Launcher | None = spawn_launcher,
                  region_align: int = 16, model: str | None = None, model_dir: str = "",
-                 dist_init: str = "", checksums: bool = False,
+                 dist_init: str = "", dist_store: Any = None, checksums: bool = False,
                  kv_layout: str = DEFAULT_KV_LAYOUT, block_size: int = DEFAULT_BLOCK_SIZE,
                  num_blocks: int | None = None) -> None:
+        # The store behind ``dist_init`` when the node hosts it (e.g. a models.Rendezvous):
+        # kept while the ranks live, its close() called after they stopped.
+        self.dist_store = dist_store
         self.config = config or ConnectorConfig()
         self.spec = spec
         self.tp_size = tp_size
@@ -441,6 +444,9 @@ class RankGroup:
             h.stop(max(0.1, deadline - time.monotonic()))
         self.loop.stop()
         self.router.close(0)
+        if self.dist_store is not None:
+            self.dist_store.close()
+            self.dist_store = None
 
     def _shutdown_ranks(self) -> None:
         self.to_ranks(m.RankShutdown(reason="coordinator closing"))

@@ -16,6 +16,7 @@ Depends on :mod:`statebridge.kernels` and :mod:`statebridge.state`; never import
 from statebridge.hf_config import ModelConfig
 from statebridge.models.checkpoint import PRESETS, Checkpoint, LazyTensor, make_checkpoint
 from statebridge.models.distributed import (
+    Rendezvous,
     ThreadGroup,
     TPGroup,
     init_tp_group,
@@ -32,6 +33,7 @@ __all__ = [
     "PRESETS",
     "ModelConfig",
     "TPGroup",
+    "Rendezvous",
     "init_tp_group",
     "make_all_reduce",
     "ThreadGroup",

@@ -9,9 +9,15 @@ Across processes (one per rank)::
     group.close()
 
 :func:`init_tp_group` is the one builder of such a group (the rank processes of
-:mod:`statebridge.node` use it too). It builds a *private* process group (a ``TCPStore`` hosted
-by rank 0 and a ``ProcessGroupGloo`` / ``ProcessGroupNCCL`` on it), never torch's default group,
-so several TP groups can live in one process and nothing global is initialised.
+:mod:`statebridge.node` use it too). It builds a *private* process group (a ``TCPStore`` and a
+``ProcessGroupGloo`` / ``ProcessGroupNCCL`` on it), never torch's default group, so several TP
+groups can live in one process and nothing global is initialised.
+
+Where the store lives: with ``tcp://HOST:PORT`` rank 0 hosts it on that port, which the caller
+had to pick beforehand (another process may take a port between a "free port" probe and rank
+0's bind, and then ranks of two groups meet in one store). The nodes instead host it
+themselves with :class:`Rendezvous` (bound to a port the kernel assigns, so nothing can take
+it) and hand the ranks ``tcpstore://HOST:PORT``: every rank connects as a client.
 
 At TP = 1, ``init_tp_group(1, 0)`` touches no ``torch.distributed`` and its ``all_reduce`` is
 None. :class:`ThreadGroup` runs the ranks of a group as threads of one process (tests, a
@@ -29,10 +35,10 @@ from typing import Any, TypeVar
 
 import torch
 
-from statebridge.errors import ConfigError
+from statebridge.errors import ConfigError, StartupError
 
 __all__ = ["TPGroup", "init_tp_group", "make_all_reduce", "ThreadGroup",
-           "AllReduce"]
+           "AllReduce", "Rendezvous"]
 
 AllReduce = Callable[[torch.Tensor], torch.Tensor]
 T = TypeVar("T")
@@ -75,12 +81,56 @@ class TPGroup:
         self.close()
 
 
-def _parse_tcp(init_method: Any) -> tuple[str, int]:
-    if isinstance(init_method, str) and init_method.startswith("tcp://"):
-        host, _, port = init_method.removeprefix("tcp://").rpartition(":")
-        if host and port.isdigit() and 0 < int(port) < 65536:
-            return host, int(port)
-    raise ConfigError(f"init_method must be 'tcp://HOST:PORT', got {init_method!r}")
+_HOSTED = "tcpstore://"
+
+
+def _parse_tcp(init_method: Any) -> tuple[str, int, bool]:
+    """``(host, port, hosted)``: ``hosted`` when a :class:`Rendezvous` already serves the store."""
+    if isinstance(init_method, str):
+        for scheme, hosted in (("tcp://", False), (_HOSTED, True)):
+            if init_method.startswith(scheme):
+                host, _, port = init_method.removeprefix(scheme).rpartition(":")
+                if host and port.isdigit() and 0 < int(port) < 65536:
+                    return host, int(port), hosted
+    raise ConfigError("init_method must be 'tcp://HOST:PORT' or 'tcpstore://HOST:PORT', "
+                      f"got {init_method!r}")
+
+
+class Rendezvous:
+    """A ``TCPStore`` that a node hosts for its rank processes' TP group.
+
+    It binds a port the kernel assigns (no race with other processes); :attr:`init_method`
+    (``tcpstore://HOST:PORT``) is what the ranks pass to :func:`init_tp_group`, where every
+    rank then connects as a client. Keep the object until the ranks are gone; :meth:`close`
+    (idempotent) stops the store.
+    """
+
+    def __init__(self, host: str = "127.0.0.1", *, timeout_s: float = 60.0) -> None:
+        import torch.distributed as dist
+
+        self.host = host
+        self._store = dist.TCPStore(host, 0, None, True, wait_for_workers=False,
+                                    timeout=datetime.timedelta(seconds=timeout_s))
+        self.port = int(self._store.port)
+        self.init_method = f"{_HOSTED}{host}:{self.port}"
+
+    @classmethod
+    def for_group(cls, tp_size: int, dist_init: str = "") -> tuple[str, "Rendezvous | None"]:
+        """What a node hands its ranks: ``(init_method, store)``. A given ``dist_init`` is used
+        as is (no store); TP 1 needs none (``""``); else a new :class:`Rendezvous`."""
+        if dist_init or tp_size == 1:
+            return dist_init, None
+        store = cls()
+        return store.init_method, store
+
+    def close(self) -> None:
+        self._store = None
+
+    def __enter__(self) -> "Rendezvous":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
 
 
 def init_tp_group(tp_size: int, tp_rank: int, init_method: str | None = None, *,
@@ -90,8 +140,9 @@ def init_tp_group(tp_size: int, tp_rank: int, init_method: str | None = None, *,
     """Join a TP group of ``tp_size`` processes as rank ``tp_rank``.
 
     Args:
-        init_method: ``"tcp://HOST:PORT"`` where rank 0 hosts the store (explicit; never read
-            from the environment). Not needed at TP = 1.
+        init_method: ``"tcp://HOST:PORT"`` where rank 0 hosts the store, or
+            ``"tcpstore://HOST:PORT"`` where a :class:`Rendezvous` hosts it (explicit; never
+            read from the environment). Not needed at TP = 1.
         backend: default ``"nccl"`` for a CUDA device, else ``"gloo"``.
         device: default ``cuda:<tp_rank % device count>`` when CUDA is available, else CPU.
         timeout_s: bound on the rendezvous, and on every collective unless
@@ -119,7 +170,7 @@ def init_tp_group(tp_size: int, tp_rank: int, init_method: str | None = None, *,
         torch.set_num_threads(cpu_threads)
     if tp_size == 1 and init_method is None:
         return TPGroup(1, 0, device)
-    host, port = _parse_tcp(init_method)
+    host, port, hosted = _parse_tcp(init_method)
     if backend is None:
         backend = "nccl" if device.type == "cuda" else "gloo"
     if backend not in ("gloo", "nccl"):
@@ -136,8 +187,17 @@ def init_tp_group(tp_size: int, tp_rank: int, init_method: str | None = None, *,
         torch.cuda.set_device(device)
     collective_timeout = datetime.timedelta(
         seconds=timeout_s if collective_timeout_s is None else collective_timeout_s)
-    store = dist.TCPStore(host, port, tp_size, tp_rank == 0,
-                          timeout=datetime.timedelta(seconds=timeout_s))
+    try:
+        if hosted:
+            store = dist.TCPStore(host, port, None, False,
+                                  timeout=datetime.timedelta(seconds=timeout_s))
+        else:
+            store = dist.TCPStore(host, port, tp_size, tp_rank == 0,
+                                  timeout=datetime.timedelta(seconds=timeout_s))
+    except (RuntimeError, OSError) as e:     # torch's DistNetworkError / DistStoreError
+        raise StartupError(f"TP rank {tp_rank} of {tp_size}: no rendezvous at {init_method} "
+                           f"within {timeout_s:g} s ({type(e).__name__}: "
+                           f"{str(e).splitlines()[0] if str(e) else ''})") from e
     if backend == "nccl":
         options = dist.ProcessGroupNCCL.Options()
         options._timeout = collective_timeout

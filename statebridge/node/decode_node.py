@@ -54,7 +54,7 @@ from statebridge.errors import (
     TransferTimeoutError,
     kind_of,
 )
-from statebridge.net import free_port
+from statebridge.models.distributed import Rendezvous
 from statebridge.node import messages as nm
 from statebridge.node.checks import check_checkpoint
 from statebridge.security import CurveKeys
@@ -128,12 +128,17 @@ class DecodeNode:
         nc = self.node_config
         self.config = config or ConnectorConfig()
         spec = check_checkpoint(model_dir, tp_size, nc.rank_model)
-        self.coordinator = DecodeCoordinator(
-            spec, tp_size, nc.layout, nc.num_pages, config=self.config, launcher=launcher,
-            model=nc.rank_model, model_dir=model_dir,
-            dist_init=dist_init or f"tcp://127.0.0.1:{free_port()}",
-            kv_layout=nc.kv_layout, block_size=nc.block_size,
-            num_blocks=nc.num_blocks(spec, tp_size))
+        dist_init, store = Rendezvous.for_group(tp_size, dist_init or "")
+        try:
+            self.coordinator = DecodeCoordinator(
+                spec, tp_size, nc.layout, nc.num_pages, config=self.config, launcher=launcher,
+                model=nc.rank_model, model_dir=model_dir, dist_init=dist_init,
+                dist_store=store, kv_layout=nc.kv_layout, block_size=nc.block_size,
+                num_blocks=nc.num_blocks(spec, tp_size))
+        except BaseException:
+            if store is not None:
+                store.close()
+            raise
         self.kv = spec.kv is not None
         self.loop = self.coordinator.loop
         self.counters = c.Counters()

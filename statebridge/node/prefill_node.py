@@ -8,7 +8,7 @@ import logging
 from statebridge.config import ConnectorConfig, NodeConfig
 from statebridge.connector.group import Launcher, spawn_launcher
 from statebridge.connector.prefill import PrefillServer
-from statebridge.net import free_port
+from statebridge.models.distributed import Rendezvous
 from statebridge.node.checks import check_checkpoint
 
 log = logging.getLogger(__name__)
@@ -31,11 +31,17 @@ def start_prefill_node(model_dir: str, tp_size: int, *, port: int = 0, layout: s
                                         block_size=block_size, kv_blocks=kv_blocks)
     layout = nc.layout
     spec = check_checkpoint(model_dir, tp_size, nc.rank_model)
-    server = PrefillServer(spec, tp_size, layout, nc.num_pages, config=config, port=port,
-                           launcher=launcher, model=nc.rank_model,
-                           model_dir=model_dir, dist_init=f"tcp://127.0.0.1:{free_port()}",
-                           kv_layout=nc.kv_layout, block_size=nc.block_size,
-                           num_blocks=nc.num_blocks(spec, tp_size))
+    dist_init, store = Rendezvous.for_group(tp_size)
+    try:
+        server = PrefillServer(spec, tp_size, layout, nc.num_pages, config=config, port=port,
+                               launcher=launcher, model=nc.rank_model, model_dir=model_dir,
+                               dist_init=dist_init, dist_store=store,
+                               kv_layout=nc.kv_layout, block_size=nc.block_size,
+                               num_blocks=nc.num_blocks(spec, tp_size))
+    except BaseException:
+        if store is not None:
+            store.close()
+        raise
     try:
         server.wait_ready()
     except BaseException:

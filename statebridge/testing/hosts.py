@@ -11,8 +11,10 @@ from __future__ import annotations
 
 import logging
 import multiprocessing
+import itertools
 import os
 import threading
+import time
 from typing import Any, Callable, Sequence
 
 from statebridge.connector.group import Launcher, RankHandle, _ProcessHandle
@@ -25,14 +27,17 @@ log = logging.getLogger(__name__)
 
 
 def _host_main(conn, initializer: Callable[..., Any] | None, initargs: tuple) -> None:
+    """Serve ``(seq, what)`` requests: a :class:`RankSetup` to start, ``"opcounts"``, or
+    ``None`` to exit. Every answer is ``(seq, status, value)``, so a launcher that gave up on
+    an answer (a slow rank start) can tell it from the answer to its next request."""
     if initializer is not None:
         initializer(*initargs)
     threads: list[threading.Thread] = []
     while True:
         try:
-            setup = conn.recv()
+            seq, setup = conn.recv()
         except EOFError:
-            setup = None
+            seq, setup = 0, None
         if setup is None:
             # Workers were shut down by their coordinators; do not wait on UCX/zmq teardown.
             logging.shutdown()
@@ -40,18 +45,31 @@ def _host_main(conn, initializer: Callable[..., Any] | None, initargs: tuple) ->
         if setup == "opcounts":
             from statebridge.connector.opcounts import snapshot
 
-            conn.send(("opcounts", snapshot()))
+            conn.send((seq, "opcounts", snapshot()))
             continue
         try:
             worker = RankWorker(setup)
         except Exception as e:  # reported to the launcher; the host keeps serving
-            conn.send(("error", f"{type(e).__name__}: {e}"))
+            conn.send((seq, "error", f"{type(e).__name__}: {e}"))
             continue
         t = threading.Thread(target=worker.run, daemon=True,
                              name=f"{setup.role}-rank{setup.tp_rank}-{setup.node_id}")
         t.start()
         threads.append(t)
-        conn.send(("ok", os.getpid()))
+        conn.send((seq, "ok", os.getpid()))
+
+
+def _answer(conn, seq: int, timeout: float, what: str) -> tuple[str, Any]:
+    """The host's answer to request ``seq`` within ``timeout`` s; older answers (to requests
+    a caller stopped waiting for) are dropped."""
+    deadline = time.monotonic() + timeout
+    while True:
+        if not conn.poll(max(0.0, deadline - time.monotonic())):
+            raise ConfigError(f"{what}: no answer in {timeout:g} s")
+        got, status, value = conn.recv()
+        if got == seq:
+            return status, value
+        log.warning("%s: dropping a late answer to request %d (%s)", what, got, status)
 
 
 class _HostHandle(_ProcessHandle):
@@ -77,6 +95,10 @@ class RankHostPool:
             raise ConfigError(f"pool size must be >= 1, got {size}")
         ctx = multiprocessing.get_context("spawn")
         self._lock = threading.Lock()
+        self._seq = itertools.count(1)
+        #: Seconds a host may take to start a rank (model load, TP rendezvous) before the
+        #: launch fails; a late answer is then dropped, never taken for the next launch's.
+        self.start_timeout = 120.0
         self.hosts = []
         for i in range(size):
             parent, child = ctx.Pipe()
@@ -97,14 +119,15 @@ class RankHostPool:
                                   f"{len(self.hosts)} hosts of this pool")
             handles = []
             with self._lock:
+                seqs = {}
                 for setup in setups:
                     proc, conn = self.hosts[setup.tp_rank]
-                    conn.send(setup)
+                    seqs[setup.tp_rank] = next(self._seq)
+                    conn.send((seqs[setup.tp_rank], setup))
                 for setup in setups:
                     proc, conn = self.hosts[setup.tp_rank]
-                    if not conn.poll(120):
-                        raise ConfigError(f"host {setup.tp_rank} did not start a rank in 120 s")
-                    status, detail = conn.recv()
+                    status, detail = _answer(conn, seqs[setup.tp_rank], self.start_timeout,
+                                             f"host {setup.tp_rank} starting a rank")
                     if status != "ok":
                         raise ConfigError(f"host {setup.tp_rank} could not start rank: {detail}")
                     handles.append(_HostHandle(proc))
@@ -116,11 +139,10 @@ class RankHostPool:
         UCX operations of every rank it ran, since it started), for the first ``hosts``."""
         out = []
         with self._lock:
-            for proc, conn in self.hosts[:hosts]:
-                conn.send("opcounts")
-                if not conn.poll(30):
-                    raise ConfigError("host did not answer opcounts in 30 s")
-                status, value = conn.recv()
+            for i, (proc, conn) in enumerate(self.hosts[:hosts]):
+                seq = next(self._seq)
+                conn.send((seq, "opcounts"))
+                status, value = _answer(conn, seq, 30.0, f"host {i} opcounts")
                 if status != "opcounts":
                     raise ConfigError(f"host answered opcounts with {status!r}")
                 out.append(value)
@@ -129,7 +151,7 @@ class RankHostPool:
     def close(self) -> None:
         for proc, conn in self.hosts:
             try:
-                conn.send(None)
+                conn.send((0, None))
             except (BrokenPipeError, OSError):
                 pass
         for proc, conn in self.hosts:

@@ -10,8 +10,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from statebridge.errors import ConfigError
-from statebridge.models import ThreadGroup, init_tp_group
+from statebridge.errors import ConfigError, StartupError
+from statebridge.models import Rendezvous, ThreadGroup, init_tp_group
 from statebridge.net import free_port
 
 
@@ -28,6 +28,8 @@ def test_tp1_needs_no_torch_distributed():
     ((2, 2), {}, "tp_rank"),
     ((2, 0), {}, "init_method"),
     ((2, 0), {"init_method": "env://"}, "init_method"),
+    ((2, 0), {"init_method": "tcpstore://127.0.0.1"}, "tcpstore://127.0.0.1"),
+    ((2, 0), {"init_method": "tcpstore://:80"}, "init_method"),
     ((2, 0), {"init_method": "tcp://127.0.0.1:1", "backend": "mpi"}, "backend"),
     ((2, 0), {"init_method": "tcp://127.0.0.1:1", "backend": "nccl", "device": "cpu"}, "nccl"),
     ((1, 0), {"cpu_threads": 0}, "cpu_threads"),
@@ -90,3 +92,46 @@ def test_thread_group_failure_does_not_hang():
     assert threading.active_count() < 50
     # the group is usable again
     assert group.run(lambda r: group.all_reduce(r)(torch.ones(1)).item()) == [2.0, 2.0]
+
+
+def test_groups_on_node_hosted_stores_reduce_independently():
+    """What the nodes do: each hosts its ranks' store (a port the kernel assigned, so no other
+    process can hold it) and every rank joins as a client. Two TP=3 groups, ranks as threads."""
+    stores = [Rendezvous(), Rendezvous()]
+    assert stores[0].port != stores[1].port and all(s.port > 0 for s in stores)
+    assert stores[0].init_method == f"tcpstore://127.0.0.1:{stores[0].port}"
+    results: dict[tuple[int, int], torch.Tensor] = {}
+
+    def rank(group: int, r: int) -> None:
+        with init_tp_group(3, r, stores[group].init_method, device="cpu", timeout_s=30.0) as tp:
+            results[(group, r)] = tp.all_reduce(torch.full((2,), 100.0 * group + r))
+
+    threads = [threading.Thread(target=rank, args=(g, r)) for g in range(2) for r in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert len(results) == 6
+    for (group, _), total in results.items():
+        assert torch.equal(total, torch.full((2,), 300.0 * group + 3))
+    for s in stores:
+        s.close()
+        s.close()  # idempotent
+
+
+def test_rendezvous_for_group():
+    assert Rendezvous.for_group(1) == ("", None)
+    assert Rendezvous.for_group(4, "tcp://127.0.0.1:5") == ("tcp://127.0.0.1:5", None)
+    init, store = Rendezvous.for_group(2)
+    with store:
+        assert init == store.init_method and init.startswith("tcpstore://")
+
+
+def test_rendezvous_that_nobody_hosts_is_a_startup_error_naming_it():
+    """A rank whose store is gone fails in bounded time with the address, instead of blocking
+    the process (a rank host) that starts it."""
+    store = Rendezvous()
+    init = store.init_method
+    store.close()
+    with pytest.raises(StartupError, match=f"rank 1 of 2: no rendezvous at {init}"):
+        init_tp_group(2, 1, init, device="cpu", timeout_s=1.0)
