@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Callable, Sequence
 import zmq
 
 from statebridge.connector import messages as m
+from statebridge.connector.local import LocalChannel, LocalDealer, LocalRouter
 from statebridge.connector.opcounts import counter as _op_counter
 from statebridge.errors import (
     AuthenticationError,
@@ -555,11 +556,15 @@ _MORE_NOBLOCK = int(zmq.SNDMORE | zmq.NOBLOCK)
 _RCVMORE = int(zmq.RCVMORE)
 _EVENTS = int(zmq.EVENTS)
 _POLLIN = int(zmq.POLLIN)
+_LOCAL = (LocalRouter, LocalDealer)
 
 
-def _send_frames(sock: zmq.Socket, frames: list) -> None:
+def _send_frames(sock: "zmq.Socket | LocalChannel", frames: list) -> None:
     """Send ``frames`` as one zmq message without blocking (zmq.Again when the peer's queue
-    is full)."""
+    is full). A :class:`~statebridge.connector.local.LocalChannel` takes them itself."""
+    if type(sock) in _LOCAL:
+        sock.send_frames(frames)
+        return
     last = len(frames) - 1
     for i, frame in enumerate(frames):
         _raw_send(sock, frame, _NOBLOCK if i == last else _MORE_NOBLOCK)
@@ -569,6 +574,8 @@ def _recv_frames(sock: zmq.Socket) -> list | None:
     """The frames of the next zmq message (bytes); None when none is waiting. (Asking
     ZMQ_EVENTS first: a recv that finds nothing raises zmq.Again, and building that exception
     costs more than the question -- every drain of a socket ends with one.)"""
+    if type(sock) in _LOCAL:
+        return sock.recv_frames()
     if not _raw_get(sock, _EVENTS) & _POLLIN:
         return None
     try:
@@ -727,7 +734,7 @@ def send_dealer(sock: zmq.Socket, message: m.Message) -> None:
         return
     data = m.encode(message)
     try:
-        _raw_send(sock, data, _NOBLOCK)
+        _send_frames(sock, [data])
     except zmq.Again:
         log.warning("dropped %s: queue full", type(message).__name__)
 

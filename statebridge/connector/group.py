@@ -13,6 +13,7 @@ or exits; either fails :meth:`RankGroup.wait_ready` at once with that rank's err
 
 from __future__ import annotations
 
+import functools
 import logging
 import multiprocessing
 import threading
@@ -25,6 +26,7 @@ from typing import Any, Callable, Sequence
 from statebridge.config import ConnectorConfig
 from statebridge.connector import control as c
 from statebridge.connector import messages as m
+from statebridge.connector.local import LocalRouter
 from statebridge.connector.rank import RankSetup, rank_main
 from statebridge.connector.ledger import Ledger, Record
 from statebridge.errors import (
@@ -104,6 +106,7 @@ class _RankState:
     address: bytes = b""
     pid: int = 0
     lost: bool = False
+    sock: object = None              # where its hello came from: the local channel (or router)
 
 
 def _mib(nbytes: int) -> str:
@@ -122,12 +125,14 @@ class RankGroup:
                  config: ConnectorConfig | None = None, node_id: str | None = None,
                  port: int = 0, launcher: Launcher | None = spawn_launcher,
                  region_align: int = 16, model: str | None = None, model_dir: str = "",
-                 dist_init: str = "", dist_store: Any = None, checksums: bool = False,
+                 dist_init: "str | Callable[[], tuple[str, Any]]" = "",
+                 checksums: bool = False,
                  kv_layout: str = DEFAULT_KV_LAYOUT, block_size: int = DEFAULT_BLOCK_SIZE,
                  num_blocks: int | None = None) -> None:
-        # The store behind ``dist_init`` when the node hosts it (e.g. a models.Rendezvous):
-        # kept while the ranks live, its close() called after they stopped.
-        self.dist_store = dist_store
+        # ``dist_init`` as a callable: called once this group's sockets are bound, it returns
+        # (init_method, store) -- the node's rendezvous store (models.Rendezvous), kept while
+        # the ranks live and closed after they stopped.
+        self.dist_store: Any = None
         self.config = config or ConnectorConfig()
         self.spec = spec
         self.tp_size = tp_size
@@ -161,6 +166,16 @@ class RankGroup:
             self.loop.stop()
             raise
         self.loop.add_reader(self.router, self._on_router)
+        # The ranks' channel: a Unix socket the loop thread serves itself (connector/local.py:
+        # no zmq I/O-thread wake-ups on the 10 per-request messages between ranks and us).
+        try:
+            self.local = LocalRouter(self.node_id,
+                                     max_frame=c.frame_cap(self.config.max_message_bytes))
+        except BaseException:
+            self.loop.stop()
+            self.router.close(0)
+            raise
+        self.loop.add_fd(self.local.fileno(), functools.partial(self._on_router, self.local))
         self.ranks = [_RankState() for _ in range(tp_size)]
         self._by_identity: dict[bytes, int] = {}
         self.rank_watch = c.PeerWatch(self.config.peer_timeout)
@@ -180,6 +195,8 @@ class RankGroup:
         self.loop.call_every(self.config.heartbeat_interval, self._tick)
         self.loop.start()
         self.handles: list[RankHandle] = []
+        if callable(dist_init):
+            dist_init, self.dist_store = dist_init()
         if launcher is not None:
             setups = [RankSetup(role=self.role, coordinator=f"{self.config.bind_host}:{self.port}",
                                 tp_rank=r, tp_size=tp_size, spec_json=spec.to_json(),
@@ -187,6 +204,7 @@ class RankGroup:
                                 node_id=self.node_id, config=self.config,
                                 region_align=region_align, checksums=checksums,
                                 model_dir=model_dir, dist_init=dist_init,
+                                local_coordinator=self.local.address,
                                 kv_layout=self.kv_layout, block_size=block_size,
                                 num_blocks=self.num_blocks,
                                 log_level=_rank_log_level(),
@@ -288,21 +306,24 @@ class RankGroup:
             raise IncompatiblePeerError(f"peer {info.node_id!r}: {e}") from None
 
     # -- messages --------------------------------------------------------------------------
-    def _on_router(self) -> None:
+    def _on_router(self, sock=None) -> None:
+        """Messages from the ROUTER (peers; ranks started without a local channel) or, with
+        ``sock``, from the ranks' local channel: dispatched alike."""
+        sock = self.router if sock is None else sock
         while True:
-            got = c.recv_router(self.router, self.config.max_message_bytes)
+            got = c.recv_router(sock, self.config.max_message_bytes)
             if got is None:
                 return
             identity, msg = got
             if isinstance(msg, ProtocolError):
                 self.counters.add("protocol_errors")
                 log.warning("%s: bad message from %r: %s", self.node_id, identity, msg)
-                c.send_router(self.router, identity,
+                c.send_router(sock, identity,
                               m.Error(kind=type(msg).__name__, message=str(msg)))
                 continue
             rank = self._by_identity.get(identity)
             if isinstance(msg, m.RankHello):
-                self._on_rank_hello(identity, msg)
+                self._on_rank_hello(identity, msg, sock)
             elif isinstance(msg, m.RankFailed):
                 self._on_rank_failed(msg)
             elif rank is not None:
@@ -318,14 +339,15 @@ class RankGroup:
             else:
                 self._on_peer_message(identity, msg)
 
-    def _on_rank_hello(self, identity: bytes, msg: m.RankHello) -> None:
+    def _on_rank_hello(self, identity: bytes, msg: m.RankHello, sock=None) -> None:
         r = msg.tp_rank
+        sock = self.router if sock is None else sock
         if not 0 <= r < self.tp_size or self.ranks[r].identity not in (None, identity):
             self.counters.add("protocol_errors")
-            c.send_router(self.router, identity, m.Error(
+            c.send_router(sock, identity, m.Error(
                 kind="ProtocolError", message=f"rank {r} is not a free rank of TP {self.tp_size}"))
             return
-        self.ranks[r] = _RankState(identity, msg.address, msg.pid)
+        self.ranks[r] = _RankState(identity, msg.address, msg.pid, sock=sock)
         self._by_identity[identity] = r
         self.rank_watch.heard(r)
         if all(s.identity is not None for s in self.ranks) and not self._start_errors:
@@ -350,11 +372,15 @@ class RankGroup:
     def to_rank(self, rank: int, msg: m.Message) -> None:
         state = self.ranks[rank]
         if state.identity is not None and not state.lost:
-            c.send_router(self.router, state.identity, msg)
+            c.send_router(state.sock, state.identity, msg)
 
     def to_ranks(self, msg: m.Message) -> None:
-        c.send_router_many(self.router, [s.identity for s in self.ranks
-                                         if s.identity is not None and not s.lost], msg)
+        live = [s for s in self.ranks if s.identity is not None and not s.lost]
+        if live and all(s.sock is live[0].sock for s in live):
+            c.send_router_many(live[0].sock, [s.identity for s in live], msg)
+            return
+        for s in live:                  # ranks on both channels (a hand-made setup)
+            c.send_router(s.sock, s.identity, msg)
 
     def fail_on_ranks(self, record: Record, kind: FailureKind, message: str,
                       lost_node: str = "") -> bool:
@@ -444,6 +470,7 @@ class RankGroup:
             h.stop(max(0.1, deadline - time.monotonic()))
         self.loop.stop()
         self.router.close(0)
+        self.local.close()
         if self.dist_store is not None:
             self.dist_store.close()
             self.dist_store = None

@@ -38,6 +38,7 @@ import torch
 
 from statebridge.config import ConnectorConfig
 from statebridge.connector import control as c
+from statebridge.connector.local import LocalDealer
 from statebridge.connector import messages as m
 from statebridge.connector.ledger import RequestKey
 from statebridge.errors import FailureKind, ProtocolError, StatebridgeError, kind_of
@@ -120,6 +121,9 @@ class RankSetup:
     kv_layout: str = "HB"                                       # KV block pool (spec.kv)
     block_size: int = 16
     num_blocks: int = 0                                         # 0: no KV pool
+    #: The coordinator's local channel (connector/local.py), used instead of ``coordinator``
+    #: when set: ranks always run on their coordinator's machine.
+    local_coordinator: str = ""
 
 
 class KVBlocks:
@@ -231,9 +235,15 @@ class RankWorker:
         self.model: RankModel = load_callable(setup.model)(setup, self.cache, self.kv)
         self.model.worker = self
         self.loop = c.EventLoop(f"{setup.role}-rank{setup.tp_rank}")
-        self.sock = c.connect_dealer(self.loop.context, setup.coordinator,
-                                     keys=CurveKeys.from_config(self.config))
-        self.loop.add_reader(self.sock, self._on_message)
+        if setup.local_coordinator:
+            self.sock = LocalDealer(setup.local_coordinator,
+                                    name=f"{setup.role}-rank{setup.tp_rank}",
+                                    max_frame=c.frame_cap(self.config.max_message_bytes))
+            self.loop.add_fd(self.sock.fileno(), self._on_message)
+        else:
+            self.sock = c.connect_dealer(self.loop.context, setup.coordinator,
+                                         keys=CurveKeys.from_config(self.config))
+            self.loop.add_reader(self.sock, self._on_message)
         self.routes: dict[str, list[_Route]] = {}        # peer node -> this rank's pairs
         self.kv_routes: dict[str, list[_KVRoute]] = {}   # peer node -> this rank's KV pairs
         #: Requests queued for or on the compute thread -> None, or why they were cancelled.

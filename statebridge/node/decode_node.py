@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import collections
 import itertools
+import functools
 import logging
 import time
 from dataclasses import dataclass, field
@@ -128,17 +129,12 @@ class DecodeNode:
         nc = self.node_config
         self.config = config or ConnectorConfig()
         spec = check_checkpoint(model_dir, tp_size, nc.rank_model)
-        dist_init, store = Rendezvous.for_group(tp_size, dist_init or "")
-        try:
-            self.coordinator = DecodeCoordinator(
-                spec, tp_size, nc.layout, nc.num_pages, config=self.config, launcher=launcher,
-                model=nc.rank_model, model_dir=model_dir, dist_init=dist_init,
-                dist_store=store, kv_layout=nc.kv_layout, block_size=nc.block_size,
-                num_blocks=nc.num_blocks(spec, tp_size))
-        except BaseException:
-            if store is not None:
-                store.close()
-            raise
+        self.coordinator = DecodeCoordinator(
+            spec, tp_size, nc.layout, nc.num_pages, config=self.config, launcher=launcher,
+            model=nc.rank_model, model_dir=model_dir,
+            dist_init=functools.partial(Rendezvous.for_group, tp_size, dist_init or ""),
+            kv_layout=nc.kv_layout, block_size=nc.block_size,
+            num_blocks=nc.num_blocks(spec, tp_size))
         self.kv = spec.kv is not None
         self.loop = self.coordinator.loop
         self.counters = c.Counters()

@@ -3,6 +3,7 @@ run the model (N-1 prefill of each request) and send the state to the decode ran
 
 from __future__ import annotations
 
+import functools
 import logging
 
 from statebridge.config import ConnectorConfig, NodeConfig
@@ -31,17 +32,12 @@ def start_prefill_node(model_dir: str, tp_size: int, *, port: int = 0, layout: s
                                         block_size=block_size, kv_blocks=kv_blocks)
     layout = nc.layout
     spec = check_checkpoint(model_dir, tp_size, nc.rank_model)
-    dist_init, store = Rendezvous.for_group(tp_size)
-    try:
-        server = PrefillServer(spec, tp_size, layout, nc.num_pages, config=config, port=port,
-                               launcher=launcher, model=nc.rank_model, model_dir=model_dir,
-                               dist_init=dist_init, dist_store=store,
-                               kv_layout=nc.kv_layout, block_size=nc.block_size,
-                               num_blocks=nc.num_blocks(spec, tp_size))
-    except BaseException:
-        if store is not None:
-            store.close()
-        raise
+    # The rendezvous store binds its (kernel-assigned) port after the server bound ``port``.
+    server = PrefillServer(spec, tp_size, layout, nc.num_pages, config=config, port=port,
+                           launcher=launcher, model=nc.rank_model, model_dir=model_dir,
+                           dist_init=functools.partial(Rendezvous.for_group, tp_size),
+                           kv_layout=nc.kv_layout, block_size=nc.block_size,
+                           num_blocks=nc.num_blocks(spec, tp_size))
     try:
         server.wait_ready()
     except BaseException:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import socket
 
 import pytest
 import torch
@@ -12,7 +13,6 @@ from safetensors.torch import load_file, save_file
 
 from statebridge.testing.hosts import RankHostPool
 from statebridge.errors import ConfigError, NotReadyError, ShapeError
-from statebridge.net import free_port
 from statebridge.node.client import Client
 from statebridge.node.decode_node import DecodeNode
 from statebridge.node.prefill_node import start_prefill_node
@@ -37,9 +37,13 @@ def pools():
 def test_decode_node_started_first_answers_not_ready_then_serves(pools, hf_models):
     prefill_hosts, decode_hosts = pools
     hf = hf_models["lfm2"]
-    port = free_port()
+    # Hold the prefill node's port (bound, not listening) while the decode node takes its
+    # own ports from the kernel, so none of them can be this one.
+    reservation = socket.socket()
+    reservation.bind(("127.0.0.1", 0))
+    port = reservation.getsockname()[1]
     address = f"127.0.0.1:{port}"
-    with DecodeNode(hf.path, 2, [address], num_pages=8, config=FAST, wait_prefill=0,
+    with reservation, DecodeNode(hf.path, 2, [address], num_pages=8, config=FAST, wait_prefill=0,
                     launcher=decode_hosts.launcher()) as node, \
             Client(node.address, timeout=60) as client:
         status = client.status()
@@ -47,6 +51,7 @@ def test_decode_node_started_first_answers_not_ready_then_serves(pools, hf_model
         assert status.prefill_nodes == ()
         with pytest.raises(NotReadyError, match="no prefill server connected"):
             client.generate(PROMPTS[1], max_new_tokens=2)
+        reservation.close()
         server = start_prefill_node(hf.path, 2, port=port, num_pages=8, config=FAST,
                                     launcher=prefill_hosts.launcher())
         try:
