@@ -33,6 +33,7 @@ MAX_BYTES = 1 << 20
 def _receiver(kind: str, n: int, q) -> None:
     if kind == "zmq":
         sock, port = c.bind_router(zmq.Context.instance(), "127.0.0.1", 0)
+        sock.setsockopt(zmq.RCVHWM, 0)    # back to back: nothing dropped at the high-water mark
         address, fd = f"127.0.0.1:{port}", None
     else:
         sock = LocalRouter("bench", max_frame=c.frame_cap(MAX_BYTES))
@@ -64,6 +65,7 @@ def _pace(n: int, gap: float, send) -> float:
 def _sender(kind: str, address: str, n: int, gap: float, q) -> None:
     if kind == "zmq":
         sock = c.connect_dealer(zmq.Context.instance(), address)
+        sock.setsockopt(zmq.SNDHWM, 0)
         time.sleep(0.3)                  # connected before the clock starts
     else:
         sock = LocalDealer(address, max_frame=c.frame_cap(MAX_BYTES))

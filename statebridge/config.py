@@ -29,6 +29,10 @@ class ConnectorConfig:
     - ``keys_dir``: a directory written by ``statebridge keygen``; when set, every control socket
       uses CurveZMQ and listening sockets admit only the public keys in it (see
       :mod:`statebridge.security`). ``key_name``: the key pair this process dials with.
+    - ``local_ranks``: rank processes reach their coordinator over a Unix socket that both
+      loop threads serve themselves (:mod:`statebridge.connector.local`; admitted: processes of
+      the node's own user) instead of zmq over TCP, whose I/O threads cost two more wake-ups
+      per message. Off: the zmq path (CurveZMQ with ``keys_dir``), e.g. to compare.
     """
 
     bind_host: str = "127.0.0.1"
@@ -43,6 +47,7 @@ class ConnectorConfig:
     torch_threads: int = 1
     keys_dir: str = ""
     key_name: str = "node"
+    local_ranks: bool = True
 
     def __post_init__(self) -> None:
         for name in ("heartbeat_interval", "peer_timeout", "lease_timeout", "transfer_timeout",

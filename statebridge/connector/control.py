@@ -1,11 +1,18 @@
 """The zmq control plane: one event loop thread per component, codec-checked messages,
 heartbeats, bounded waits.
 
-Topology (every arrow a zmq connection carrying :mod:`~statebridge.connector.messages`)::
+Topology (every arrow a connection carrying :mod:`~statebridge.connector.messages`)::
 
-    decode rank 0..D-1 --DEALER--> decode coordinator (ROUTER)
-                                   decode coordinator --DEALER--> prefill server (ROUTER)
-    prefill rank 0..P-1 --DEALER----------------------------------> prefill server (ROUTER)
+    decode rank 0..D-1 --LocalDealer--> decode coordinator (LocalRouter)
+                                        decode coordinator --DEALER--> prefill server (ROUTER)
+    prefill rank 0..P-1 --LocalDealer---------------------------------> prefill server
+                                                                        (LocalRouter)
+
+Between nodes (and for clients) the connections are zmq. A coordinator and its own ranks share
+a machine, and their channel is a Unix socket served by the two loop threads themselves
+(:mod:`~statebridge.connector.local`: no zmq I/O threads, so a message wakes one thread, not
+three); ``ConnectorConfig.local_ranks=False`` puts the ranks on the zmq ROUTER instead. The
+send and receive helpers here take either kind of socket.
 
 A component owns its sockets and touches them only from its loop thread (zmq sockets are not
 thread-safe); other threads hand work to the loop with :meth:`EventLoop.call_soon`. Every

@@ -204,7 +204,8 @@ class RankGroup:
                                 node_id=self.node_id, config=self.config,
                                 region_align=region_align, checksums=checksums,
                                 model_dir=model_dir, dist_init=dist_init,
-                                local_coordinator=self.local.address,
+                                local_coordinator=(self.local.address
+                                                   if self.config.local_ranks else ""),
                                 kv_layout=self.kv_layout, block_size=block_size,
                                 num_blocks=self.num_blocks,
                                 log_level=_rank_log_level(),

@@ -48,6 +48,9 @@ def transfer_round(pools, spec_name, src_tp, dst_tp, src_layout, dst_layout, con
                               launcher=decode_hosts.launcher(), checksums=True) as decode:
         server.wait_ready()
         decode.connect(server.address)
+        for group in (server, decode):           # the ranks' channel is the one configured
+            channel = group.local if config.local_ranks else group.router
+            assert all(r.sock is channel for r in group.ranks)
         ids = [f"req-{i}-{uuid.uuid4().hex[:6]}" for i in range(REQUESTS)]
         submitted = time.monotonic()
         futures = [decode.submit(rid, random_prompt(rng)) for rid in ids]
@@ -107,3 +110,12 @@ def test_transfers_with_ucx_endpoint_error_handling(pools):
     results, prefill_stats, _ = transfer_round(pools, "mamba2-g8", 2, 4, "DLS", "DLS",
                                                config=FAST.replace(ucx_error_handling=True))
     assert len(results) == REQUESTS and prefill_stats["requests"] == REQUESTS
+
+
+@pytest.mark.timeout(180)
+def test_transfers_with_ranks_on_zmq(pools):
+    """``local_ranks=False``: ranks reach their coordinators over zmq (the path CurveZMQ
+    covers) and move the same bytes."""
+    results, prefill_stats, decode_stats = transfer_round(
+        pools, "mamba2-g1", 2, 4, "DLS", "DLS", config=FAST.replace(local_ranks=False))
+    assert len(results) == REQUESTS and decode_stats["transfers_ok"] == REQUESTS
