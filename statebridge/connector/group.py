@@ -343,6 +343,14 @@ class RankGroup:
     def _on_rank_hello(self, identity: bytes, msg: m.RankHello, sock=None) -> None:
         r = msg.tp_rank
         sock = self.router if sock is None else sock
+        if self.config.local_ranks and sock is self.router:
+            # Our ranks come over the local channel: a rank slot is never given to a network
+            # peer (which could otherwise take one before the rank process connects).
+            self.counters.add("protocol_errors")
+            c.send_router(sock, identity, m.Error(
+                kind="ProtocolError", message=f"RankHello for rank {r} over the network: this "
+                                              f"node's ranks connect over its local channel"))
+            return
         if not 0 <= r < self.tp_size or self.ranks[r].identity not in (None, identity):
             self.counters.add("protocol_errors")
             c.send_router(sock, identity, m.Error(

@@ -36,8 +36,8 @@ its prompt and the tokens generated so far). Either way no other request is touc
 from __future__ import annotations
 
 import collections
-import itertools
 import functools
+import itertools
 import logging
 import time
 from dataclasses import dataclass, field

@@ -162,3 +162,34 @@ def test_nobody_listening_is_a_config_error_naming_the_address():
     router.close()
     with pytest.raises(ConfigError, match="statebridge/gone/"):
         LocalDealer(address, max_frame=CAP)
+
+
+def test_a_group_gives_rank_slots_only_over_its_local_channel():
+    """A network peer cannot take a rank slot (before the rank connects) when ranks use the
+    local channel; the same hello over the local channel is taken."""
+    from statebridge.connector.prefill import PrefillServer
+
+    from ._helpers import FAST, SPECS
+
+    hello = m.RankHello(tp_rank=0, address=b"ucx-address", pid=os.getpid())
+    with PrefillServer(SPECS["mamba2-g1"], 2, "DLS", num_pages=2, config=FAST,
+                       launcher=None) as server:
+        tcp = c.connect_dealer(zmq.Context.instance(), server.address)
+        try:
+            tcp.send(m.encode(hello))
+            assert tcp.poll(5000), "no answer to a network RankHello"
+            reply = c._decode_batch(tcp.recv_multipart(), CAP)[0]
+            assert isinstance(reply, m.Error) and "over the network" in reply.message
+        finally:
+            tcp.close(0)
+        assert server.ranks[0].identity is None
+        local = LocalDealer(server.local.address, max_frame=CAP)
+        try:
+            local.send_frames([m.encode(hello)])
+            deadline = time.monotonic() + 5
+            while server.ranks[0].identity is None:
+                assert time.monotonic() < deadline, "the local RankHello was not taken"
+                time.sleep(0.01)
+            assert server.ranks[0].sock is server.local and server.ranks[0].pid == os.getpid()
+        finally:
+            local.close()

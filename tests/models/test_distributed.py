@@ -40,22 +40,29 @@ def test_bad_group_arguments(args, kwargs, match):
         init_tp_group(*args, **kwargs)
 
 
-def test_two_private_gloo_groups_in_one_process():
-    """init_tp_group builds private groups (what the rank hosts need): two TP=2 groups, their
-    ranks as threads of this process, reduce independently; torch's default group stays unset."""
-    inits = [f"tcp://127.0.0.1:{free_port()}" for _ in range(2)]
+def reduce_in_threads(inits: list[str], tp_size: int) -> dict[tuple[int, int], torch.Tensor]:
+    """One private gloo group per init method, its ranks as threads of this process; rank r of
+    group g all-reduces ``10 * g + r``. The results by (group, rank)."""
     results: dict[tuple[int, int], torch.Tensor] = {}
 
     def rank(group: int, r: int) -> None:
-        with init_tp_group(2, r, inits[group], device="cpu", timeout_s=30.0) as tp:
+        with init_tp_group(tp_size, r, inits[group], device="cpu", timeout_s=30.0) as tp:
             assert tp.backend == "gloo" and tp.process_group is not None
             results[(group, r)] = tp.all_reduce(torch.full((3,), 10.0 * group + r))
 
-    threads = [threading.Thread(target=rank, args=(g, r)) for g in range(2) for r in range(2)]
+    threads = [threading.Thread(target=rank, args=(g, r))
+               for g in range(len(inits)) for r in range(tp_size)]
     for t in threads:
         t.start()
     for t in threads:
         t.join(60)
+    return results
+
+
+def test_two_private_gloo_groups_in_one_process():
+    """init_tp_group builds private groups (what the rank hosts need): two TP=2 groups, their
+    ranks as threads of this process, reduce independently; torch's default group stays unset."""
+    results = reduce_in_threads([f"tcp://127.0.0.1:{free_port()}" for _ in range(2)], 2)
     assert sorted(results) == [(0, 0), (0, 1), (1, 0), (1, 1)]
     for (group, _), total in results.items():
         assert torch.equal(total, torch.full((3,), 20.0 * group + 1))
@@ -100,20 +107,10 @@ def test_groups_on_node_hosted_stores_reduce_independently():
     stores = [Rendezvous(), Rendezvous()]
     assert stores[0].port != stores[1].port and all(s.port > 0 for s in stores)
     assert stores[0].init_method == f"tcpstore://127.0.0.1:{stores[0].port}"
-    results: dict[tuple[int, int], torch.Tensor] = {}
-
-    def rank(group: int, r: int) -> None:
-        with init_tp_group(3, r, stores[group].init_method, device="cpu", timeout_s=30.0) as tp:
-            results[(group, r)] = tp.all_reduce(torch.full((2,), 100.0 * group + r))
-
-    threads = [threading.Thread(target=rank, args=(g, r)) for g in range(2) for r in range(3)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(60)
+    results = reduce_in_threads([s.init_method for s in stores], 3)
     assert len(results) == 6
     for (group, _), total in results.items():
-        assert torch.equal(total, torch.full((2,), 300.0 * group + 3))
+        assert torch.equal(total, torch.full((3,), 30.0 * group + 3))
     for s in stores:
         s.close()
         s.close()  # idempotent
