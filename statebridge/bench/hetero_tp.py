@@ -107,7 +107,8 @@ CELL_FIELDS = ("pair", "layout", "preset", "gbps", "messages_per_request",
                "vllm_way_nixl_calls_per_request", "nixl_calls_per_request",
                "nixl_cpu_us_per_request", "copy_limit_gbps", "ratio_to_copy_limit",
                "control_messages_per_request", "ucx_operations_per_request",
-               "cpu_us_per_request", "low_load_latency_p50_ms", "low_load_latency_p99_ms",
+               "cpu_us_per_request", "wakeups_per_request",
+               "low_load_latency_p50_ms", "low_load_latency_p99_ms",
                "low_load_final_to_held_p50_ms", "low_load_final_to_held_p99_ms",
                "vllm_way_low_load_latency_p50_ms", "vllm_way_low_load_latency_p99_ms",
                "vllm_way_low_load_final_to_held_p50_ms",
@@ -277,6 +278,30 @@ def _cpu_snapshot(groups: dict[str, list[int]]) -> dict[str, float]:
     return {name: sum(_cpu_seconds(pid) for pid in pids) for name, pids in groups.items()}
 
 
+def _sleeps(pid: int) -> int:
+    """Voluntary context switches of every thread of ``pid``: each is a thread going to sleep,
+    i.e. one wake-up to come (zmq's I/O threads, UCX's, compute threads included)."""
+    total = 0
+    try:
+        tasks = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return 0
+    for tid in tasks:
+        try:
+            with open(f"/proc/{pid}/task/{tid}/status") as f:
+                for line in f:
+                    if line.startswith("voluntary_ctxt_switches:"):
+                        total += int(line.split()[1])
+                        break
+        except OSError:                           # the thread ended meanwhile
+            pass
+    return total
+
+
+def _sleeps_snapshot(groups: dict[str, list[int]]) -> dict[str, int]:
+    return {name: sum(_sleeps(pid) for pid in pids) for name, pids in groups.items()}
+
+
 def _reset_peak_rss(pid: int) -> bool:
     """Reset process ``pid``'s peak RSS (VmHWM) to its current RSS (``/proc/PID/clear_refs``
     ``5``, Linux >= 4.0); False where that is refused."""
@@ -406,11 +431,11 @@ def _statebridge_cell(spec: StateSpec, src_tp: int, dst_tp: int, layout: str,
                       "prefill_ranks": prefill_hosts.pids[:src_tp],
                       "decode_ranks": decode_hosts.pids[:dst_tp]}
             ops0 = _opcounts_snapshot(prefill_hosts, decode_hosts, src_tp, dst_tp)
-            cpu0 = _cpu_snapshot(groups)
+            cpu0, sleeps0 = _cpu_snapshot(groups), _sleeps_snapshot(groups)
             started = time.perf_counter()
             results = _run_requests(decode, a.requests, c, "req-", a.timeout, tokens)
             wall = time.perf_counter() - started
-            cpu1 = _cpu_snapshot(groups)
+            cpu1, sleeps1 = _cpu_snapshot(groups), _sleeps_snapshot(groups)
             dst_staging = np.max([r.rank_staging_bytes for r in results], axis=0) - dst_staging0
             time.sleep(0.05)                      # the last RankDone of the prefill side
             src_staging = np.array(server.stats()["rank_staging_bytes"]) - src_staging0
@@ -446,6 +471,8 @@ def _statebridge_cell(spec: StateSpec, src_tp: int, dst_tp: int, layout: str,
         "cpu_us_per_request": {k: (cpu1[k] - cpu0[k]) / len(results) * 1e6 for k in groups},
     })
     out["cpu_us_per_request"]["total"] = sum(out["cpu_us_per_request"].values())
+    out["wakeups_per_request"] = {k: (sleeps1[k] - sleeps0[k]) / len(results) for k in groups}
+    out["wakeups_per_request"]["total"] = sum(out["wakeups_per_request"].values())
     out.update(_per_request_counts(ops0, ops1, len(results)))
     out.update({"low_load_requests": len(low), "low_load_latency_p50_ms": None,
                 "low_load_latency_p99_ms": None, "low_load_rank_transfer_p50_ms": None,

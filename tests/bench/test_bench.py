@@ -247,3 +247,16 @@ def test_peak_rss_reads_and_resets_this_process():
     del grown
     assert tracker.read()["me"][0] >= base + 60
     assert hetero_tp._PeakRss({"me": [pid]}).read()["me"][0] < base + 60   # reset again
+
+
+@pytest.mark.timeout(120)
+def test_wakeups_per_request_are_counted_by_process_group(report):
+    """Every process sleeps and is woken at least once per request somewhere (a transfer
+    wakes the decode ranks); the split adds up."""
+    for cell in report["cells"]:
+        wake = cell["wakeups_per_request"]
+        assert set(wake) == {"bench_process", "prefill_ranks", "decode_ranks", "total"}
+        assert all(v >= 0 for v in wake.values())
+        assert wake["decode_ranks"] > 0 and wake["bench_process"] > 0, wake
+        assert math.isclose(wake["total"], wake["bench_process"] + wake["prefill_ranks"]
+                            + wake["decode_ranks"], rel_tol=1e-9)
