@@ -187,13 +187,10 @@ def init_tp_group(tp_size: int, tp_rank: int, init_method: str | None = None, *,
         torch.cuda.set_device(device)
     collective_timeout = datetime.timedelta(
         seconds=timeout_s if collective_timeout_s is None else collective_timeout_s)
-    try:
-        if hosted:
-            store = dist.TCPStore(host, port, None, False,
-                                  timeout=datetime.timedelta(seconds=timeout_s))
-        else:
-            store = dist.TCPStore(host, port, tp_size, tp_rank == 0,
-                                  timeout=datetime.timedelta(seconds=timeout_s))
+    try:       # hosted: every rank is a client; else rank 0 hosts the store
+        store = dist.TCPStore(host, port, None if hosted else tp_size,
+                              not hosted and tp_rank == 0,
+                              timeout=datetime.timedelta(seconds=timeout_s))
     except (RuntimeError, OSError) as e:     # torch's DistNetworkError / DistStoreError
         raise StartupError(f"TP rank {tp_rank} of {tp_size}: no rendezvous at {init_method} "
                            f"within {timeout_s:g} s ({type(e).__name__}: "
