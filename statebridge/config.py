@@ -33,6 +33,12 @@ class ConnectorConfig:
       loop threads serve themselves (:mod:`statebridge.connector.local`; admitted: processes of
       the node's own user) instead of zmq over TCP, whose I/O threads cost two more wake-ups
       per message. Off: the zmq path (CurveZMQ with ``keys_dir``), e.g. to compare.
+    - ``send_reap_interval``: how long a prefill rank may sleep through the completions of
+      sends that its receivers read by themselves (same host, shared memory) before it reaps
+      them -- so a freed prefill page waits at most this much longer -- used only while sends
+      finish at least that often (see :meth:`RankWorker._before_sleep
+      <statebridge.connector.rank.RankWorker._before_sleep>`). 0: a rank always wakes for
+      each completion.
     """
 
     bind_host: str = "127.0.0.1"
@@ -48,6 +54,7 @@ class ConnectorConfig:
     keys_dir: str = ""
     key_name: str = "node"
     local_ranks: bool = True
+    send_reap_interval: float = 0.005
 
     def __post_init__(self) -> None:
         for name in ("heartbeat_interval", "peer_timeout", "lease_timeout", "transfer_timeout",
@@ -55,6 +62,12 @@ class ConnectorConfig:
             value = getattr(self, name)
             if not isinstance(value, (int, float)) or value <= 0:
                 raise ConfigError(f"{name} must be a positive number of seconds, got {value!r}")
+        if isinstance(self.send_reap_interval, bool) \
+                or not isinstance(self.send_reap_interval, (int, float)) \
+                or not 0 <= self.send_reap_interval <= self.heartbeat_interval:
+            raise ConfigError(f"send_reap_interval must be 0 to heartbeat_interval "
+                              f"({self.heartbeat_interval}) seconds, got "
+                              f"{self.send_reap_interval!r}")
         if self.peer_timeout <= self.heartbeat_interval:
             raise ConfigError(f"peer_timeout {self.peer_timeout} must exceed heartbeat_interval "
                               f"{self.heartbeat_interval}")

@@ -100,7 +100,9 @@ class EventLoop:
         self.idle_poll: float = 0.05           # seconds to sleep in poll when nothing is due
         self.busy_check: Callable[[], bool] | None = None   # when true, poll without sleeping long
         self.on_idle: Callable[[], None] | None = None      # called every iteration
-        self.before_sleep: Callable[[], bool] | None = None  # False: not safe to sleep now
+        #: Called before the loop sleeps: False, do not sleep now; True, sleep; a number,
+        #: sleep at most that many seconds.
+        self.before_sleep: Callable[[], "bool | float"] | None = None
         self.slow_handler = 0.25                            # log handlers slower than this
         #: Calls handed to this loop from other threads (call_soon / call): each is a wake-up
         #: and a thread switch; the decode node's per-request path makes none.
@@ -118,6 +120,11 @@ class EventLoop:
         """Poll a raw file descriptor (e.g. UCX's epoll fd) beside the sockets."""
         self._handlers[fd] = handler  # type: ignore[index]
         self._poller.register(fd, zmq.POLLIN)
+
+    def watch_fd(self, fd: int, on: bool) -> None:
+        """Poll an fd registered with :meth:`add_fd` (``on``), or leave it out of the poll
+        until it is turned on again."""
+        self._poller.register(fd, zmq.POLLIN if on else 0)
 
     def remove_reader(self, sock: zmq.Socket) -> None:
         if sock in self._handlers:
@@ -225,8 +232,12 @@ class EventLoop:
                 timeout = min(timeout, max(0.0, self._timers[0][0] - now))
             if self._calls or (self.busy_check is not None and self.busy_check()):
                 timeout = 0.0 if self._calls else min(timeout, 0.0005)
-            if timeout > 0 and self.before_sleep is not None and not self.before_sleep():
-                timeout = 0.0
+            if timeout > 0 and self.before_sleep is not None:
+                cap = self.before_sleep()
+                if cap is False:
+                    timeout = 0.0
+                elif cap is not True:
+                    timeout = min(timeout, cap)
             try:
                 events = dict(self._poller.poll(int(timeout * 1000) if timeout >= 0.001 else
                                                 (0 if timeout == 0 else 1)))

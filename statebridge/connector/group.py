@@ -39,6 +39,7 @@ from statebridge.errors import (
     StartupError,
     StatebridgeError,
 )
+from statebridge.net import host_id, same_host
 from statebridge.security import CurveKeys
 from statebridge.state.cache import PagePool
 from statebridge.state.kv import DEFAULT_BLOCK_SIZE, DEFAULT_KV_LAYOUT, BlockGeometry, BlockPool
@@ -259,7 +260,7 @@ class RankGroup:
                            region_align=self.region_align, num_pages=self.num_pages,
                            spec_json=self.spec.to_json(), rank_addresses=self.rank_addresses,
                            kv_layout=self.kv_layout, block_size=self.block_size,
-                           num_blocks=self.num_blocks)
+                           num_blocks=self.num_blocks, host_id=host_id())
 
     def rank_connect(self, info: m.GroupInfo) -> m.RankConnect:
         """What the ranks need to plan and connect to the (checked) peer group ``info``."""
@@ -267,7 +268,8 @@ class RankGroup:
                              peer_tp_size=info.tp_size, peer_layout=info.layout,
                              peer_page_size=info.page_size, peer_region_align=info.region_align,
                              peer_addresses=info.rank_addresses, peer_kv_layout=info.kv_layout,
-                             peer_block_size=info.block_size, peer_num_blocks=info.num_blocks)
+                             peer_block_size=info.block_size, peer_num_blocks=info.num_blocks,
+                             peer_same_host=same_host(info.host_id))
 
     def check_peer_info(self, info: m.GroupInfo) -> PageGeometry:
         """The peer's page geometry, or IncompatiblePeerError/ConfigError naming the value."""

@@ -64,7 +64,7 @@ __all__ = [
     "RankShutdown", "RankLocalPrefill", "RankFailed",
 ]
 
-PROTOCOL_VERSION = 5
+PROTOCOL_VERSION = 6
 #: Default largest message accepted by :func:`decode` (a prompt of 1M tokens fits).
 MAX_MESSAGE_BYTES = 16 * 1024 * 1024
 
@@ -240,6 +240,9 @@ class GroupInfo(Message):
     kv_layout: str = "HB"
     block_size: int = 16
     num_blocks: int = 0
+    #: :func:`statebridge.net.host_id` of the node's machine ("" unknown): a peer group on the
+    #: same host moves state over shared memory, which the receiver reads by itself.
+    host_id: str = ""
 
 
 @message
@@ -316,6 +319,8 @@ class RankConnect(Message):
     peer_kv_layout: str = "HB"
     peer_block_size: int = 16
     peer_num_blocks: int = 0
+    #: The peer group runs on this host (equal, known :attr:`GroupInfo.host_id`).
+    peer_same_host: bool = False
 
 
 @message

@@ -8,7 +8,10 @@ Every thread adds to its own :class:`collections.Counter` (no lock, no lost incr
   :func:`~statebridge.connector.control.send_dealer`), counted before coalescing into batches;
 - ``control_received``: control messages decoded from zmq frames (one per message of a batch);
 - ``ucx_ops``: UCX tag sends and receives posted by :class:`~statebridge.connector.data.transport.Transport`
-  (one per run posted zero-copy, one per staging buffer).
+  (one per run posted zero-copy, one per staging buffer);
+- ``unattended_sleeps``: rank loop sleeps that left UCX's events unpolled because every pending
+  request was a send its receiver reads by itself (:meth:`RankWorker._before_sleep
+  <statebridge.connector.rank.RankWorker._before_sleep>`).
 """
 
 from __future__ import annotations

@@ -5,8 +5,7 @@ The parent talks to it through :class:`Agent`: every call is bounded in time, a 
 child comes back as :class:`AgentError` with the child's traceback, and the child exits on its
 own when the pipe closes or its lifetime runs out, so a broken test leaves no orphan behind.
 Handles stay in the child and are named by integer ids. Between commands the agent keeps its
-transport progressing, as a rank loop does: a UCX rendezvous transfer (8 KiB and more) moves
-only while both sides progress.
+transport progressing, as a rank loop does (a send handle completes at its sender's progress).
 """
 
 from __future__ import annotations

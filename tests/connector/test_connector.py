@@ -12,6 +12,8 @@ import pytest
 
 from statebridge.connector.decode import DecodeCoordinator
 from statebridge.connector.prefill import PrefillServer
+from statebridge.state.plan import TransferPlan
+from statebridge.state.spec import StateSpec
 from statebridge.testing import stable_seed
 from statebridge.testing.hosts import RankHostPool
 
@@ -26,6 +28,12 @@ from ._helpers import (
 
 pytestmark = [pytest.mark.ucx, pytest.mark.multiprocess]
 
+# Runs of 16-64 KiB (UCX rendezvous: the receiver reads them out of the sender's memory).
+WIDE = StateSpec.from_config(
+    {"model_type": "mamba2", "hidden_size": 256, "expand": 2, "head_dim": 16, "state_size": 32,
+     "n_groups": 4, "conv_kernel": 4, "num_hidden_layers": 4, "torch_dtype": "bfloat16"},
+    ssm_dtype="float32")
+WAVES = 10
 TP_PAIRS = [(1, 1), (1, 2), (2, 1), (2, 4), (4, 2), (1, 4), (4, 1), (2, 8)]
 LAYOUTS = ["LDS", "DLS", "LSD"]
 REQUESTS = 16
@@ -38,9 +46,13 @@ def pools():
         yield prefill_hosts, decode_hosts
 
 
-def transfer_round(pools, spec_name, src_tp, dst_tp, src_layout, dst_layout, config=FAST):
+def transfer_round(pools, spec_name, src_tp, dst_tp, src_layout, dst_layout, config=FAST,
+                   rounds=1):
+    """``rounds`` waves of REQUESTS requests in flight together, each checked byte for byte;
+    the last wave's results, the prefill server's stats (plus the prefill ranks'
+    ``unattended_sleeps`` over all waves) and the decode coordinator's."""
     prefill_hosts, decode_hosts = pools
-    spec = SPECS[spec_name]
+    spec = {**SPECS, "mamba2-wide": WIDE}[spec_name]
     rng = np.random.default_rng(stable_seed(spec_name, src_tp, dst_tp, src_layout, dst_layout))
     with PrefillServer(spec, src_tp, src_layout, num_pages=REQUESTS + 2, config=config,
                        launcher=prefill_hosts.launcher()) as server, \
@@ -51,33 +63,47 @@ def transfer_round(pools, spec_name, src_tp, dst_tp, src_layout, dst_layout, con
         for group in (server, decode):           # the ranks' channel is the one configured
             channel = group.local if config.local_ranks else group.router
             assert all(r.sock is channel for r in group.ranks)
-        ids = [f"req-{i}-{uuid.uuid4().hex[:6]}" for i in range(REQUESTS)]
-        submitted = time.monotonic()
-        futures = [decode.submit(rid, random_prompt(rng)) for rid in ids]
-        results = [f.result(timeout=60) for f in futures]
-        # Rank timestamps, one clock for the machine: submitted < state final on the prefill
-        # ranks < held by every decode rank < now.
-        # (The prefill side records a request once its sends completed: just after the
-        # decode side holds it.)
-        wait_until(lambda: len(server.state_final_times(decode.node_id, ids)) == len(ids), 10,
-                   "state-final times recorded")
-        finals = server.state_final_times(decode.node_id, ids + ["never-sent"])
-        assert set(finals) == set(ids)
-        now = time.monotonic()
-        for r in results:
-            assert submitted < finals[r.request_id] < r.held_at < now, \
-                (submitted, finals[r.request_id], r.held_at, now)
-        for rid, result in zip(ids, results):
-            assert result.request_id == rid
-            expected = tuple(expected_checksum(decode.geometry, rid, r) for r in range(dst_tp))
-            assert result.checksums == expected, f"{rid}: decode pages differ from the oracle"
-        pages = {r.page for r in results}
-        assert len(pages) == REQUESTS                      # every request its own page
-        for result in results:
-            decode.release(result)
+        sleeps = unattended_sleeps(prefill_hosts, src_tp)
+        for _ in range(rounds):
+            results = _wave(server, decode, rng, dst_tp)
         wait_until(lambda: server.stats()["pages_used"] == 0, 10, "prefill pages freed")
         assert decode.stats()["pages_used"] == 0
-        return results, server.stats(), decode.stats()
+        prefill_stats = dict(server.stats(),
+                             unattended_sleeps=unattended_sleeps(prefill_hosts, src_tp) - sleeps)
+        return results, prefill_stats, decode.stats()
+
+
+def _wave(server, decode, rng, dst_tp):
+    ids = [f"req-{i}-{uuid.uuid4().hex[:6]}" for i in range(REQUESTS)]
+    submitted = time.monotonic()
+    futures = [decode.submit(rid, random_prompt(rng)) for rid in ids]
+    results = [f.result(timeout=60) for f in futures]
+    # Rank timestamps, one clock for the machine: submitted < state final on the prefill
+    # ranks < held by every decode rank < now.
+    # (The prefill side records a request once its sends completed: just after the
+    # decode side holds it.)
+    wait_until(lambda: len(server.state_final_times(decode.node_id, ids)) == len(ids), 10,
+               "state-final times recorded")
+    finals = server.state_final_times(decode.node_id, ids + ["never-sent"])
+    assert set(finals) == set(ids)
+    now = time.monotonic()
+    for r in results:
+        assert submitted < finals[r.request_id] < r.held_at < now, \
+            (submitted, finals[r.request_id], r.held_at, now)
+    for rid, result in zip(ids, results):
+        assert result.request_id == rid
+        expected = tuple(expected_checksum(decode.geometry, rid, r) for r in range(dst_tp))
+        assert result.checksums == expected, f"{rid}: decode pages differ from the oracle"
+    pages = {r.page for r in results}
+    assert len(pages) == REQUESTS                      # every request its own page
+    for result in results:
+        decode.release(result)
+    return results
+
+
+def unattended_sleeps(hosts, ranks: int) -> int:
+    """Loop sleeps of the first ``ranks`` hosts' ranks with UCX's events left unpolled."""
+    return sum(c.get("unattended_sleeps", 0) for c in hosts.opcounts(ranks))
 
 
 CASES = [pytest.param(spec, p, d, layout, layout, id=f"{spec}-{p}x{d}-{layout}")
@@ -110,6 +136,8 @@ def test_transfers_with_ucx_endpoint_error_handling(pools):
     results, prefill_stats, _ = transfer_round(pools, "mamba2-g8", 2, 4, "DLS", "DLS",
                                                config=FAST.replace(ucx_error_handling=True))
     assert len(results) == REQUESTS and prefill_stats["requests"] == REQUESTS
+    # Over TCP the sender pushes the bytes: its loop never sleeps through a send.
+    assert prefill_stats["unattended_sleeps"] == 0
 
 
 @pytest.mark.timeout(180)
@@ -119,3 +147,28 @@ def test_transfers_with_ranks_on_zmq(pools):
     results, prefill_stats, decode_stats = transfer_round(
         pools, "mamba2-g1", 2, 4, "DLS", "DLS", config=FAST.replace(local_ranks=False))
     assert len(results) == REQUESTS and decode_stats["transfers_ok"] == REQUESTS
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("src_tp,dst_tp,src_layout,dst_layout",
+                         [(2, 4, "DLS", "DLS"), (4, 1, "DLS", "DLS"), (2, 2, "LSD", "DLS")],
+                         ids=["2x4", "4x1", "2x2-staged"])
+def test_prefill_ranks_sleep_through_sends_their_receivers_read(pools, src_tp, dst_tp,
+                                                                 src_layout, dst_layout):
+    """Same host, shared memory: a prefill rank whose pending requests are all sends sleeps
+    without polling UCX (the decode ranks read the bytes by themselves) and reaps the
+    completions later -- still byte-exact, every page freed (checked in transfer_round)."""
+    plan = TransferPlan.build(WIDE, src_tp, src_layout, dst_tp, dst_layout)
+    # Every pair sends a message of 8 KiB or more: a rendezvous the receiver reads (smaller
+    # messages are eager, and their sends complete inside the post).
+    largest = [int(p.pack[:, 2].sum() if p.staged else p.runs[:, 2].max())
+               for p in plan.pairs.values()]
+    assert min(largest) >= 8192, largest
+    # Waves of requests for long enough that the ranks see sends finish more often than
+    # once per send_reap_interval (raised here: this test runs slowly, with checksums).
+    results, prefill_stats, decode_stats = transfer_round(
+        pools, "mamba2-wide", src_tp, dst_tp, src_layout, dst_layout, rounds=WAVES,
+        config=FAST.replace(send_reap_interval=0.1))
+    assert decode_stats["transfers_ok"] == WAVES * REQUESTS
+    assert prefill_stats["requests"] == WAVES * REQUESTS
+    assert prefill_stats["unattended_sleeps"] > 0

@@ -10,6 +10,7 @@ prompts of at most 8 tokens) serve every test of the module.
 from __future__ import annotations
 
 import json
+import re
 import uuid
 
 import pytest
@@ -76,6 +77,14 @@ def test_message_size_limit_names_both_sizes():
             ConnectorConfig(max_message_bytes=bad)
     with pytest.raises(ConfigError, match="max_inflight_per_peer .* got 0"):
         ConnectorConfig(max_inflight_per_peer=0)
+    for bad in (-0.001, 0.6, True, "5ms"):
+        with pytest.raises(ConfigError, match=f"send_reap_interval must be 0 to "
+                                              f"heartbeat_interval \\(0.5\\) seconds, got "
+                                              f"{re.escape(repr(bad))}"):
+            ConnectorConfig(send_reap_interval=bad)
+    assert ConnectorConfig(send_reap_interval=0).send_reap_interval == 0
+    assert ConnectorConfig.from_env({"STATEBRIDGE_SEND_REAP_INTERVAL": "0.002"}) \
+        .send_reap_interval == 0.002
 
 
 @pytest.mark.timeout(60)

@@ -443,3 +443,60 @@ def test_killed_peer_detected_by_ucx_error_handling(agents, record_property):
     record_property("ucx_peer_loss_detection_s", detections)
     print(f"UCX error handling noticed the SIGKILL after "
           + ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in detections.items()))
+
+
+@pytest.mark.ucx
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("src_layout,dst_layout", [("DLS", "DLS"), ("LSD", "DLS")],
+                         ids=["zero-copy", "staged"])
+def test_receiver_reads_while_the_sender_is_stopped(agents, src_layout, dst_layout):
+    """Over shared memory a rendezvous message (8 KiB and more) is read by the receiver out of
+    the sender's memory: the receive completes while the sender does not run at all, and the
+    send completes at the sender's next progress. This is what lets a prefill rank sleep
+    through its sends (``Transport.sends_complete_unattended``)."""
+    import os
+    import signal
+
+    plan = TransferPlan.build(SPEC, 2, src_layout, 2, dst_layout)
+    a, b, _ = agents
+    cluster = Cluster(plan, {0: a}, {0: b})
+    (pair,) = cluster.pairs()
+    largest = int(pair.pack[:, 2].sum()) if pair.staged else int(pair.runs[:, 2].max())
+    assert largest >= 8192
+    recvs = cluster.post_recvs(9, SRC_PAGE, DST_PAGE)
+    sends = cluster.post_sends(9, SRC_PAGE, DST_PAGE)
+    a.call("progress", 0.0)                # as a rank loop: one progress after posting
+    os.kill(a.pid, signal.SIGSTOP)
+    try:
+        for agent, hid in recvs:
+            result = agent.call("wait", hid, 10.0, timeout=20)
+            assert result["ok"], result
+    finally:
+        os.kill(a.pid, signal.SIGCONT)
+    cluster.expect(SRC_PAGE, DST_PAGE)
+    cluster.assert_destinations()
+    wait_ok(sends)
+
+
+@pytest.mark.ucx
+@pytest.mark.parametrize("same_host,error_handling,tls,expected", [
+    (True, False, None, True),
+    (False, False, None, False),
+    (True, True, None, False),
+    (True, False, "tcp,self", False),
+    (True, False, "sm,self", True),
+    (True, False, "cma,tcp,self", True),
+    (True, False, "^cma", False),
+    (True, False, "^tcp", True),
+])
+def test_sends_complete_unattended_only_where_the_receiver_reads(same_host, error_handling, tls,
+                                                               expected):
+    from statebridge.connector.data import Transport, alloc_buffer, configure_ucx_env
+
+    configure_ucx_env()
+    options = {"TLS": tls} if tls else None
+    t = Transport(alloc_buffer(4096), error_handling=error_handling, ucx_options=options)
+    try:
+        assert t.sends_complete_unattended(same_host) is expected
+    finally:
+        t.close()

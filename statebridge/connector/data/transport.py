@@ -19,11 +19,15 @@ once and never sleeps; :meth:`TransferHandle.wait` progresses, arms the worker a
 poller through :meth:`Transport.fileno` / :meth:`Transport.arm` (sleeping on the zmq socket and
 UCX together) and :meth:`Transport.progress`.
 
-Caveat measured here: a rendezvous transfer (>= 8 KiB with ucxx's ``UCX_RNDV_THRESH=8192``;
-"zero-copy read from remote" over cma) moves only while BOTH sides progress -- a receiver
-progressing alone completed none of four 64 KiB messages in 2 s. A rank that computes while its
-sends are in flight must keep calling :meth:`TransferHandle.done` / :meth:`Transport.progress`
-(the connector computes in another thread and keeps its loop progressing).
+Who must progress: between two processes of one host over shared memory (error handling off,
+``UCX_TLS`` allowing cma), a message of 8 KiB or more (ucxx's ``UCX_RNDV_THRESH=8192``) is a
+rendezvous "zero-copy read from remote": the sender posts a request-to-send inside
+``tag_send``, and the RECEIVER copies the bytes out of the sender's memory (``process_vm_readv``)
+and acknowledges. So the receive completes while the sender sleeps, even while it is stopped
+(``tests/connector/test_transport.py::test_receiver_reads_while_the_sender_is_stopped``); the
+send handle completes at the sender's next progress after the acknowledgement
+(:meth:`sends_complete_unattended` says when this holds). Over TCP (error handling on, another
+host) the sender pushes the data and must keep progressing.
 
 ``benchmarks/results/transport-2026-12-02.json`` (2 shared cores, load average 1.3 at the start;
 one sender and one receiver process, N messages in flight, shared memory, THP buffers), GB/s;
@@ -64,6 +68,7 @@ from __future__ import annotations
 
 import collections
 import logging
+import os
 import select
 from typing import Any, Callable, Mapping
 
@@ -179,6 +184,7 @@ class Transport:
         self._size = buffer.numel()
 
         options = {str(k): str(v) for k, v in (ucx_options or {}).items()}
+        self._tls = options.get("TLS", os.environ.get("UCX_TLS", ""))
         self._context = ucx_api.UCXContext(
             options, feature_flags=(ucx_api.Feature.TAG, ucx_api.Feature.WAKEUP))
         self._worker: Any = None
@@ -327,6 +333,22 @@ class Transport:
         return (f"Transport({self.name!r}, {self._size} B, peers={len(self._peers)}, "
                 f"outstanding={len(self._outstanding)}, error_handling={self.error_handling}"
                 f"{', closed' if self._closed else ''})")
+
+    def sends_complete_unattended(self, same_host: bool) -> bool:
+        """Whether this transport's sends to a peer on this host (``same_host``) move without
+        this side's progress: the receiver reads them (cma rendezvous; see the module
+        docstring), so a sender may sleep through them and reap the completions later. False
+        with endpoint error handling (UCX then uses TCP, where the sender pushes the bytes)
+        or when ``UCX_TLS`` leaves out cma."""
+        if not same_host or self.error_handling:
+            return False
+        tls = [t.strip() for t in self._tls.split(",") if t.strip()]
+        if not tls:
+            return True
+        if tls[0].startswith("^"):                 # an exclusion list
+            excluded = {tls[0][1:], *tls[1:]}
+            return not excluded & {"cma", "sm", "shm"}
+        return bool(set(tls) & {"all", "cma", "sm", "shm"})
 
     # -- posting ----------------------------------------------------------------------------------
     def post_send(self, peer_id: str, generation: int, src_rank: int, runs: object, *,
