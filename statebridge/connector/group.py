@@ -39,7 +39,7 @@ from statebridge.errors import (
     StartupError,
     StatebridgeError,
 )
-from statebridge.net import host_id, same_host
+from statebridge.net import host_id
 from statebridge.security import CurveKeys
 from statebridge.state.cache import PagePool
 from statebridge.state.kv import DEFAULT_BLOCK_SIZE, DEFAULT_KV_LAYOUT, BlockGeometry, BlockPool
@@ -269,7 +269,7 @@ class RankGroup:
                              peer_page_size=info.page_size, peer_region_align=info.region_align,
                              peer_addresses=info.rank_addresses, peer_kv_layout=info.kv_layout,
                              peer_block_size=info.block_size, peer_num_blocks=info.num_blocks,
-                             peer_same_host=same_host(info.host_id))
+                             peer_host_id=info.host_id)
 
     def check_peer_info(self, info: m.GroupInfo) -> PageGeometry:
         """The peer's page geometry, or IncompatiblePeerError/ConfigError naming the value."""

@@ -319,8 +319,8 @@ class RankConnect(Message):
     peer_kv_layout: str = "HB"
     peer_block_size: int = 16
     peer_num_blocks: int = 0
-    #: The peer group runs on this host (equal, known :attr:`GroupInfo.host_id`).
-    peer_same_host: bool = False
+    #: The peer node's :attr:`GroupInfo.host_id` (the rank compares it with its own).
+    peer_host_id: str = ""
 
 
 @message

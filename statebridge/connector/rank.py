@@ -43,6 +43,7 @@ from statebridge.connector import messages as m
 from statebridge.connector.ledger import RequestKey
 from statebridge.connector.opcounts import counter as _op_counter
 from statebridge.errors import FailureKind, ProtocolError, StatebridgeError, kind_of
+from statebridge.net import same_host
 from statebridge.security import CurveKeys
 from statebridge.state.cache import StateCache, page_checksum
 from statebridge.state.kv import BlockGeometry, KVPairPlan, KVPlan, blocks_for
@@ -301,7 +302,8 @@ class RankWorker:
         request (README, "Prefill ranks sleep through their sends"). Fewer completions (long
         transfers, low load) keep the loop armed: the clock would only add wake-ups. Receives
         (decode ranks), and sends that need this side's progress (TCP: UCX endpoint error
-        handling, another host), keep it armed too.
+        handling, another host), keep it armed too. Where UCX needs the sender after all (the
+        wire-up of a new endpoint's first transfer), the transfer waits at most the interval.
         """
         now = time.monotonic()
         if now - self._rate_since >= _SEND_RATE_WINDOW_S:
@@ -398,7 +400,7 @@ class RankWorker:
                 if peer in self.transport.peers:
                     self.transport.fail_peer(peer, f"{msg.peer_node} connected again")
         routes = self.routes[msg.peer_node] = self._routes(msg.peer_node, peer_geo)
-        if self.transport.sends_complete_unattended(msg.peer_same_host):
+        if self.transport.sends_complete_unattended(same_host(msg.peer_host_id)):
             self.unattended_nodes.add(msg.peer_node)
         else:
             self.unattended_nodes.discard(msg.peer_node)

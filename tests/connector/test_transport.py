@@ -453,7 +453,11 @@ def test_receiver_reads_while_the_sender_is_stopped(agents, src_layout, dst_layo
     """Over shared memory a rendezvous message (8 KiB and more) is read by the receiver out of
     the sender's memory: the receive completes while the sender does not run at all, and the
     send completes at the sender's next progress. This is what lets a prefill rank sleep
-    through its sends (``Transport.sends_complete_unattended``)."""
+    through its sends (``Transport.sends_complete_unattended``).
+
+    Once the endpoints are wired up: the very first transfer after connecting once (of ~10
+    runs) did not complete with its sender stopped (UCX finishing the endpoints' wire-up
+    needs both sides), so a first round runs with both sides awake."""
     import os
     import signal
 
@@ -463,6 +467,7 @@ def test_receiver_reads_while_the_sender_is_stopped(agents, src_layout, dst_layo
     (pair,) = cluster.pairs()
     largest = int(pair.pack[:, 2].sum()) if pair.staged else int(pair.runs[:, 2].max())
     assert largest >= 8192
+    wait_ok(cluster.post_recvs(8, SRC_PAGE, DST_PAGE) + cluster.post_sends(8, SRC_PAGE, DST_PAGE))
     recvs = cluster.post_recvs(9, SRC_PAGE, DST_PAGE)
     sends = cluster.post_sends(9, SRC_PAGE, DST_PAGE)
     a.call("progress", 0.0)                # as a rank loop: one progress after posting

@@ -23,7 +23,8 @@ Who must progress: between two processes of one host over shared memory (error h
 ``UCX_TLS`` allowing cma), a message of 8 KiB or more (ucxx's ``UCX_RNDV_THRESH=8192``) is a
 rendezvous "zero-copy read from remote": the sender posts a request-to-send inside
 ``tag_send``, and the RECEIVER copies the bytes out of the sender's memory (``process_vm_readv``)
-and acknowledges. So the receive completes while the sender sleeps, even while it is stopped
+and acknowledges. So once the endpoints are wired up (their first transfer needs both sides),
+the receive completes while the sender sleeps, even while it is stopped
 (``tests/connector/test_transport.py::test_receiver_reads_while_the_sender_is_stopped``); the
 send handle completes at the sender's next progress after the acknowledgement
 (:meth:`sends_complete_unattended` says when this holds). Over TCP (error handling on, another
