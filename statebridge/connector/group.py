@@ -106,6 +106,7 @@ class _RankState:
     identity: bytes | None = None
     address: bytes = b""
     pid: int = 0
+    shm_fd: int = -1
     lost: bool = False
     sock: object = None              # where its hello came from: the local channel (or router)
 
@@ -260,7 +261,23 @@ class RankGroup:
                            region_align=self.region_align, num_pages=self.num_pages,
                            spec_json=self.spec.to_json(), rank_addresses=self.rank_addresses,
                            kv_layout=self.kv_layout, block_size=self.block_size,
-                           num_blocks=self.num_blocks, host_id=host_id())
+                           num_blocks=self.num_blocks, host_id=host_id(),
+                           **self._shared_map_info())
+
+    def _shared_map_info(self) -> dict:
+        """GroupInfo's shared-map fields: a decode group reads shared maps when its config
+        says so; a prefill group serves them when, besides, every rank's buffer is one."""
+        from statebridge.connector.data import shared
+
+        if not self.config.shared_map or not shared.available():
+            return {}
+        if self.role != "prefill":
+            return {"shared_map": True}
+        fds = tuple(s.shm_fd for s in self.ranks)
+        if any(fd < 0 for fd in fds):
+            return {}
+        return {"shared_map": True, "rank_pids": tuple(s.pid for s in self.ranks),
+                "rank_shm_fds": fds, "shared_map_min_bytes": self.config.shared_map_min_bytes}
 
     def rank_connect(self, info: m.GroupInfo) -> m.RankConnect:
         """What the ranks need to plan and connect to the (checked) peer group ``info``."""
@@ -269,7 +286,9 @@ class RankGroup:
                              peer_page_size=info.page_size, peer_region_align=info.region_align,
                              peer_addresses=info.rank_addresses, peer_kv_layout=info.kv_layout,
                              peer_block_size=info.block_size, peer_num_blocks=info.num_blocks,
-                             peer_host_id=info.host_id)
+                             peer_host_id=info.host_id, peer_shared_map=info.shared_map,
+                             peer_pids=info.rank_pids, peer_shm_fds=info.rank_shm_fds,
+                             peer_shared_map_min_bytes=info.shared_map_min_bytes)
 
     def check_peer_info(self, info: m.GroupInfo) -> PageGeometry:
         """The peer's page geometry, or IncompatiblePeerError/ConfigError naming the value."""
@@ -302,6 +321,16 @@ class RankGroup:
         if len(info.rank_addresses) != info.tp_size:
             raise IncompatiblePeerError(f"peer {info.node_id!r}: {len(info.rank_addresses)} "
                                         f"addresses for TP size {info.tp_size}")
+        if (info.rank_pids or info.rank_shm_fds) and not (
+                len(info.rank_pids) == len(info.rank_shm_fds) == info.tp_size
+                and all(p > 0 for p in info.rank_pids)
+                and all(fd >= 0 for fd in info.rank_shm_fds)):
+            raise IncompatiblePeerError(f"peer {info.node_id!r}: shared-map pids "
+                                        f"{list(info.rank_pids)} / fds {list(info.rank_shm_fds)} "
+                                        f"for TP size {info.tp_size}")
+        if info.shared_map_min_bytes < 0:
+            raise IncompatiblePeerError(f"peer {info.node_id!r}: shared_map_min_bytes "
+                                        f"{info.shared_map_min_bytes} < 0")
         try:
             return PageGeometry(spec, info.tp_size, info.layout, region_align=info.region_align,
                                 page_size=info.page_size)
@@ -358,7 +387,7 @@ class RankGroup:
             c.send_router(sock, identity, m.Error(
                 kind="ProtocolError", message=f"rank {r} is not a free rank of TP {self.tp_size}"))
             return
-        self.ranks[r] = _RankState(identity, msg.address, msg.pid, sock=sock)
+        self.ranks[r] = _RankState(identity, msg.address, msg.pid, msg.shm_fd, sock=sock)
         self._by_identity[identity] = r
         self.rank_watch.heard(r)
         if all(s.identity is not None for s in self.ranks) and not self._start_errors:

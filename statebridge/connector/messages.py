@@ -64,7 +64,7 @@ __all__ = [
     "RankShutdown", "RankLocalPrefill", "RankFailed",
 ]
 
-PROTOCOL_VERSION = 6
+PROTOCOL_VERSION = 7
 #: Default largest message accepted by :func:`decode` (a prompt of 1M tokens fits).
 MAX_MESSAGE_BYTES = 16 * 1024 * 1024
 
@@ -243,6 +243,14 @@ class GroupInfo(Message):
     #: :func:`statebridge.net.host_id` of the node's machine ("" unknown): a peer group on the
     #: same host moves state over shared memory, which the receiver reads by itself.
     host_id: str = ""
+    #: Same-host shared-map reads (``connector/data/shared.py``): this group takes part (a
+    #: prefill group's rank buffers are memfds, a decode group reads them); a prefill group
+    #: also lists each rank's pid and buffer descriptor. Protocol 7.
+    shared_map: bool = False
+    rank_pids: tuple[int, ...] = ()
+    rank_shm_fds: tuple[int, ...] = ()
+    #: A prefill group's ``ConnectorConfig.shared_map_min_bytes``: which pairs go that way.
+    shared_map_min_bytes: int = 0
 
 
 @message
@@ -303,6 +311,8 @@ class RankHello(Message):
     tp_rank: int
     address: bytes
     pid: int
+    #: The rank's page buffer as a memfd a same-host reader may map (-1: not shared).
+    shm_fd: int = -1
 
 
 @message
@@ -321,6 +331,11 @@ class RankConnect(Message):
     peer_num_blocks: int = 0
     #: The peer node's :attr:`GroupInfo.host_id` (the rank compares it with its own).
     peer_host_id: str = ""
+    #: The peer's :attr:`GroupInfo.shared_map`, ``rank_pids`` and ``rank_shm_fds``.
+    peer_shared_map: bool = False
+    peer_pids: tuple[int, ...] = ()
+    peer_shm_fds: tuple[int, ...] = ()
+    peer_shared_map_min_bytes: int = 0
 
 
 @message

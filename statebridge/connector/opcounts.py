@@ -11,7 +11,11 @@ Every thread adds to its own :class:`collections.Counter` (no lock, no lost incr
   (one per run posted zero-copy, one per staging buffer);
 - ``unattended_sleeps``: rank loop sleeps that left UCX's events unpolled because every pending
   request was a send its receiver reads by itself (:meth:`RankWorker._before_sleep
-  <statebridge.connector.rank.RankWorker._before_sleep>`).
+  <statebridge.connector.rank.RankWorker._before_sleep>`);
+- ``shared_map_reads``: a decode rank's copies of one request's runs from one prefill rank out
+  of that rank's shared map (:meth:`RankWorker._do_reads
+  <statebridge.connector.rank.RankWorker._do_reads>`); each also counts its "ready" and "done"
+  notices in ``ucx_ops``.
 """
 
 from __future__ import annotations

@@ -40,6 +40,7 @@ from statebridge.config import ConnectorConfig
 from statebridge.connector import control as c
 from statebridge.connector.local import LocalDealer
 from statebridge.connector import messages as m
+from statebridge.connector.data import shared
 from statebridge.connector.ledger import RequestKey
 from statebridge.connector.opcounts import counter as _op_counter
 from statebridge.errors import FailureKind, ProtocolError, StatebridgeError, kind_of
@@ -177,6 +178,7 @@ class _Route:
     peer: str
     template: "RunTemplate | None"
     staged_bytes: int
+    shm: bool = False                  # read out of the prefill rank's shared map (zero-copy)
 
 
 @dataclass(frozen=True)
@@ -192,6 +194,18 @@ class _KVRoute:
 
 
 @dataclass
+class _Read:
+    """A decode rank's shared-map read of one request from one prefill rank: its "ready"
+    receive, then the copy of the pair's recurrent runs out of the mapping."""
+
+    pending: "_Pending"
+    peer_rank: int
+    peer: str
+    handle: object                     # the "ready" notice's TransferHandle
+    slot: int                          # the notice's slot in this rank's buffer
+
+
+@dataclass
 class _Pending:
     key: RequestKey
     page: int
@@ -204,6 +218,7 @@ class _Pending:
     kv_tokens: int = 0
     final_at: float = 0.0              # prefill rank: time.monotonic() when the state was final
     attended: bool = True              # needs this rank's progress to finish (see _before_sleep)
+    unread: int = 0                    # decode rank: shared-map reads not yet copied
 
 
 class RankWorker:
@@ -227,13 +242,28 @@ class RankWorker:
             self.kv_geometry = BlockGeometry(self.spec.kv, setup.tp_size, setup.kv_layout,
                                              setup.block_size, setup.num_blocks)
         self.kv_base = -(-pages_bytes // 64) * 64 if self.kv_geometry else pages_bytes
-        self.buffer = alloc_buffer(self.kv_base + (self.kv_geometry.nbytes
-                                                   if self.kv_geometry else 0))
+        kv_bytes = self.kv_geometry.nbytes if self.kv_geometry else 0
+        # Last, a 64-byte slot per (page, peer rank) for the notices of shared-map reads.
+        self.ctl_base = -(-(self.kv_base + kv_bytes) // 64) * 64
+        nbytes = self.ctl_base + setup.num_pages * _CTL_PEERS * _CTL_SLOT
+        #: A prefill rank's buffer is a memfd that same-host decode ranks map and read
+        #: (``shared_map``); otherwise huge-page-backed anonymous memory.
+        self.shared_buffer: shared.SharedBuffer | None = None
+        if setup.role == "prefill" and self.config.shared_map and shared.available() \
+                and self.geometry.page_size >= self.config.shared_map_min_bytes:
+            self.shared_buffer = shared.SharedBuffer(
+                nbytes, f"statebridge-prefill-rank{setup.tp_rank}")
+            self.buffer = self.shared_buffer.tensor
+        else:
+            self.buffer = alloc_buffer(nbytes)
+        self._buf = self.buffer.numpy()
+        self._words = self._buf[self.ctl_base:].view(np.int64)
         self.cache = StateCache(self.geometry, setup.num_pages,
                                 buffer=self.buffer[:pages_bytes])
         self.kv: KVBlocks | None = None
         if self.kv_geometry is not None:
-            self.kv = KVBlocks(self.kv_geometry, self.buffer[self.kv_base:], self.kv_base)
+            self.kv = KVBlocks(self.kv_geometry,
+                               self.buffer[self.kv_base:self.kv_base + kv_bytes], self.kv_base)
         self.transport = Transport(self.buffer, error_handling=self.config.ucx_error_handling)
         self.model: RankModel = load_callable(setup.model)(setup, self.cache, self.kv)
         self.model.worker = self
@@ -249,6 +279,13 @@ class RankWorker:
             self.loop.add_reader(self.sock, self._on_message)
         self.routes: dict[str, list[_Route]] = {}        # peer node -> this rank's pairs
         self.kv_routes: dict[str, list[_KVRoute]] = {}   # peer node -> this rank's KV pairs
+        #: Peer node -> the peer ranks this rank reads from (decode) or notifies (prefill)
+        #: through shared maps, in order; decode: UCX peer id -> the mapping (or why not).
+        self.shm_peers: dict[str, list[tuple[int, str]]] = {}
+        self.peer_maps: dict[str, "shared.PeerMap | StatebridgeError"] = {}
+        self._reads: list[_Read] = []          # decode: reads whose notice is awaited
+        self._answers: list = []               # decode: "done" sends still in flight
+        self._serial = 0                       # prefill: numbers its requests' "done" tags
         #: Requests queued for or on the compute thread -> None, or why they were cancelled.
         self.computing: dict[RequestKey, tuple[str, str] | None] = {}
         self._model_handlers = self.model.handlers()
@@ -286,7 +323,8 @@ class RankWorker:
         self.loop.on_idle = self._poll_transfers
         self.loop.call_every(self.config.heartbeat_interval, self._heartbeat)
         self._send(m.RankHello(tp_rank=setup.tp_rank, address=self.transport.address,
-                               pid=os.getpid()))
+                               pid=os.getpid(), shm_fd=self.shared_buffer.fd
+                               if self.shared_buffer is not None else -1))
 
     def _before_sleep(self) -> "bool | float":
         """Before the loop sleeps: arm UCX and sleep on its fd as well, or -- when every pending
@@ -333,7 +371,11 @@ class RankWorker:
         for p in list(self.pending.values()):
             for h in p.handles:
                 h.cancel()
+        for h in self._answers:
+            h.cancel()
         self.pending.clear()
+        self._reads.clear()
+        self._answers.clear()
         self._attended = 0
         self.transport.close()
         self.loop.stop()
@@ -399,12 +441,23 @@ class RankWorker:
             for peer in self._peers_of(msg.peer_node):
                 if peer in self.transport.peers:
                     self.transport.fail_peer(peer, f"{msg.peer_node} connected again")
-        routes = self.routes[msg.peer_node] = self._routes(msg.peer_node, peer_geo)
+        shm = self._shared_map_min_bytes(msg) if self._shared_map_with(msg) else None
+        routes = self.routes[msg.peer_node] = self._routes(msg.peer_node, peer_geo, shm)
         if self.transport.sends_complete_unattended(same_host(msg.peer_host_id)):
             self.unattended_nodes.add(msg.peer_node)
         else:
             self.unattended_nodes.discard(msg.peer_node)
         kv_routes = self.kv_routes[msg.peer_node] = self._kv_routes(msg, routes)
+        peers = sorted({(r.peer_rank, r.peer) for r in routes if r.shm})
+        self.shm_peers[msg.peer_node] = peers
+        if self.setup.role == "decode":
+            for peer_rank, peer in peers:
+                try:
+                    self.peer_maps[peer] = shared.PeerMap(msg.peer_pids[peer_rank],
+                                                          msg.peer_shm_fds[peer_rank])
+                except StatebridgeError as e:     # its requests fail, naming it
+                    log.error("decode rank %d: %s", self.setup.tp_rank, e)
+                    self.peer_maps[peer] = e
         connected = set()
         for route in [*routes, *kv_routes]:
             if route.peer not in connected:
@@ -413,10 +466,29 @@ class RankWorker:
         log.info("%s rank %d: connected to %s (%d ranks, %s)", self.setup.role,
                  self.setup.tp_rank, msg.peer_node, msg.peer_tp_size, msg.peer_layout)
 
-    def _routes(self, node: str, peer_geo: PageGeometry) -> list["_Route"]:
+    def _shared_map_with(self, msg: m.RankConnect) -> bool:
+        """Whether this rank and the peer group of ``msg`` move zero-copy pairs through shared
+        maps: both groups take part (config ``shared_map``; a prefill rank's buffer is a
+        memfd), one host, at most :data:`_CTL_PEERS` ranks a side. Both sides decide alike."""
+        mine = self.config.shared_map and shared.available() and (
+            self.setup.role == "decode" or self.shared_buffer is not None)
+        return bool(mine and msg.peer_shared_map and same_host(msg.peer_host_id)
+                    and max(self.setup.tp_size, msg.peer_tp_size) <= _CTL_PEERS
+                    and (self.setup.role == "prefill"
+                         or len(msg.peer_pids) == len(msg.peer_shm_fds) == msg.peer_tp_size))
+
+    def _shared_map_min_bytes(self, msg: m.RankConnect) -> int:
+        """The prefill group's threshold: a pair goes through the shared map when its runs
+        move at least this many bytes per request."""
+        return self.config.shared_map_min_bytes if self.setup.role == "prefill" \
+            else msg.peer_shared_map_min_bytes
+
+    def _routes(self, node: str, peer_geo: PageGeometry,
+                shm: int | None = None) -> list["_Route"]:
         """This rank's pairs with ``node`` (whose ranks have ``peer_geo``), each with its UCX
         peer and, for zero-copy pairs, the runs checked once as a
-        :class:`~statebridge.connector.data.RunTemplate`."""
+        :class:`~statebridge.connector.data.RunTemplate`. With ``shm`` (a byte threshold)
+        zero-copy pairs moving at least that much per request read out of the shared map."""
         routes = []
         if self.setup.role == "prefill":
             plan = TransferPlan(self.geometry, peer_geo)
@@ -428,7 +500,9 @@ class RankWorker:
             peer_rank = pair.dst_rank if direction == "send" else pair.src_rank
             template = None if pair.staged else self.transport.template(pair.runs, direction)
             staged_bytes = int(pair.pack[:, 2].sum()) if pair.staged else 0
-            routes.append(_Route(pair, peer_rank, f"{node}/{peer_rank}", template, staged_bytes))
+            routes.append(_Route(pair, peer_rank, f"{node}/{peer_rank}", template, staged_bytes,
+                                 shm=shm is not None and template is not None
+                                 and pair.nbytes >= shm))
         return routes
 
     def _kv_routes(self, msg: m.RankConnect, routes: list["_Route"]) -> list["_KVRoute"]:
@@ -602,6 +676,10 @@ class RankWorker:
         try:
             for route in routes:
                 pair = route.pair
+                if route.shm:                    # read out of the shared map: no post
+                    pending.nbytes += pair.nbytes
+                    pending.messages += pair.messages
+                    continue
                 if route.template is None and direction == "send":
                     handle = transport.post_send_staged(
                         route.peer, generation, pair.src_rank,
@@ -619,6 +697,9 @@ class RankWorker:
             if kv is not None:
                 node, src_blocks, dst_blocks = kv
                 self._post_kv(pending, node, direction, src_blocks, dst_blocks)
+            shm_peers = self.shm_peers.get(pending.key.peer_node)
+            if shm_peers:
+                self._post_notices(pending, shm_peers, direction, base)
         except StatebridgeError as e:
             self._post_failed(pending, e)
             return
@@ -626,6 +707,97 @@ class RankWorker:
             or pending.key.peer_node not in self.unattended_nodes
         self._attended += pending.attended
         self.pending[pending.key] = pending
+
+    def _post_notices(self, pending: "_Pending", peers: list[tuple[int, str]], direction: str,
+                      base: int) -> None:
+        """Shared-map reads of the request: a prefill rank writes the "ready" notice of each
+        peer rank into its slot (the page's offset and its own serial for the request), posts
+        the receive of the "done" answer, then sends the notice; a decode rank posts the
+        receive of the notice (the copy follows in :meth:`_do_reads`)."""
+        from statebridge.connector.data.tags import DONE_INDEX, READY_INDEX
+
+        transport, key, words = self.transport, pending.key, self._words
+        if direction == "send":
+            self._serial = serial = (self._serial + 1) & 0xFFFFFFFF
+            for peer_rank, peer in peers:
+                slot = self._slot(pending.page, peer_rank)
+                w = (slot - self.ctl_base) // 8
+                words[w] = base
+                words[w + 1] = serial
+                pending.handles.append(transport.post_notice(
+                    "recv", peer, serial, peer_rank, DONE_INDEX, slot + _NOTICE_BYTES,
+                    _ANSWER_BYTES))
+                pending.handles.append(transport.post_notice(
+                    "send", peer, key.generation, self.setup.tp_rank, READY_INDEX, slot,
+                    _NOTICE_BYTES))
+            return
+        for peer_rank, peer in peers:
+            slot = self._slot(pending.page, peer_rank)
+            handle = transport.post_notice("recv", peer, key.generation, peer_rank, READY_INDEX,
+                                           slot, _NOTICE_BYTES)
+            pending.handles.append(handle)
+            pending.unread += 1
+            self._reads.append(_Read(pending, peer_rank, peer, handle, slot))
+
+    def _slot(self, page: int, peer_rank: int) -> int:
+        return self.ctl_base + (page * _CTL_PEERS + peer_rank) * _CTL_SLOT
+
+    def _do_reads(self) -> None:
+        """Decode rank: for each shared-map read whose notice came, copy the pair's runs out
+        of the prefill rank's mapping into this rank's page, then answer "done" (the prefill
+        rank frees its page once every reader answered). A read whose notice was cancelled
+        copies nothing; a request that failed meanwhile copies nothing and answers. At most
+        :data:`_READ_BUDGET` bytes per loop pass (the loop comes straight back for the rest):
+        heartbeats and cancels are never held up by a backlog of copies."""
+        from statebridge.connector.data.tags import DONE_INDEX
+
+        waiting, copied = [], 0
+        words = self._words
+        for read in self._reads:
+            handle = read.handle
+            if copied >= _READ_BUDGET or not handle.finished():
+                waiting.append(read)
+                continue
+            p = read.pending
+            p.unread -= 1
+            if handle.error is not None:
+                continue
+            w = (read.slot - self.ctl_base) // 8
+            if p.failure is None:
+                try:
+                    copied += self._copy_read(read, int(words[w]))
+                except StatebridgeError as e:
+                    p.failure = (kind_of(e).value, f"shared-map read failed: {e}")
+                    for h in p.handles:
+                        if not h.done():
+                            h.cancel()
+            words[w + _NOTICE_BYTES // 8] = serial = int(words[w + 1])
+            try:
+                self._answers.append(self.transport.post_notice(
+                    "send", read.peer, serial, self.setup.tp_rank, DONE_INDEX,
+                    read.slot + _NOTICE_BYTES, _ANSWER_BYTES))
+            except StatebridgeError as e:         # the prefill side's lease covers it
+                log.warning("decode rank %d: answering %s failed: %s", self.setup.tp_rank,
+                            read.peer, e)
+        self._reads = waiting
+        if copied >= _READ_BUDGET and waiting:
+            self.loop.call_soon(lambda: None)    # no sleep before the next pass
+
+    def _copy_read(self, read: _Read, src_page: int) -> int:
+        """Copy the runs of the pair (this rank, ``read.peer_rank``) of the request out of the
+        source page at offset ``src_page`` of the peer's mapping into this rank's page."""
+        src = self.peer_maps.get(read.peer)
+        if not isinstance(src, shared.PeerMap):
+            raise src if isinstance(src, StatebridgeError) else StatebridgeError(
+                f"no shared map of {read.peer!r}")
+        p = read.pending
+        shift = np.array([src_page, self.cache.page_offset(p.page), 0], dtype=np.int64)
+        copied = 0
+        for route in self.routes.get(p.key.peer_node, ()):
+            if route.shm and route.peer_rank == read.peer_rank:
+                copied += shared.copy_runs(self._buf, src, route.pair.runs + shift)
+        _op_counter()["shared_map_reads"] += 1
+        return copied
 
     def _post_failed(self, pending: "_Pending", error: StatebridgeError) -> None:
         """A post raised (peer declared lost, transport closed, bad runs): the request fails
@@ -727,9 +899,13 @@ class RankWorker:
         :data:`_FULL_SCAN_S` it looks at all of them (a transfer that finished out of order
         waits at most that long). Transfer timeouts are checked every :data:`_TIMEOUT_SCAN_S`.
         """
-        if not self.pending:
+        if not self.pending and not self._answers:
             return
         self.transport.progress()
+        if self._reads:
+            self._do_reads()
+        if self._answers:
+            self._answers = [h for h in self._answers if not h.finished()]
         now = time.perf_counter()
         ready = []
         misses = 0
@@ -738,7 +914,8 @@ class RankWorker:
             self._next_full_scan = now + _FULL_SCAN_S
         for key, p in self.pending.items():
             handles = p.handles
-            if not handles or handles[-1].finished() and all(h.finished() for h in handles):
+            if not p.unread and (not handles or handles[-1].finished()
+                                 and all(h.finished() for h in handles)):
                 ready.append(key)
             else:
                 misses += 1
@@ -805,6 +982,16 @@ _TIMEOUT_SCAN_S = 0.1
 _SCAN_AHEAD = 4
 _FULL_SCAN_S = 0.002
 
+
+#: Shared-map reads: most ranks of a peer group (a notice slot per page and peer rank), and
+#: the slot's bytes: the "ready" notice (the source page's offset and the prefill rank's
+#: serial of the request: 2 x int64) then the "done" answer (the serial).
+_CTL_PEERS = 64
+_CTL_SLOT = 32
+_NOTICE_BYTES = 16
+_ANSWER_BYTES = 8
+#: Most bytes a decode rank copies out of shared maps in one loop pass (see _do_reads).
+_READ_BUDGET = 64 << 20
 
 #: Window over which a rank measures how often its unattended sends finish.
 _SEND_RATE_WINDOW_S = 0.25

@@ -106,6 +106,20 @@ def unattended_sleeps(hosts, ranks: int) -> int:
     return sum(c.get("unattended_sleeps", 0) for c in hosts.opcounts(ranks))
 
 
+def shared_map_reads(hosts, ranks: int) -> int:
+    """Shared-map reads (one request from one prefill rank) of the first ``ranks`` hosts."""
+    return sum(c.get("shared_map_reads", 0) for c in hosts.opcounts(ranks))
+
+
+#: Every zero-copy pair reads out of the prefill rank's shared map, however small.
+SHM = FAST.replace(shared_map_min_bytes=0)
+SHM_CASES = [pytest.param(spec, p, d, sl, dl, id=f"{spec}-{p}x{d}-{sl}-{dl}")
+             for spec, p, d, sl, dl in [
+                 ("mamba2-wide", 2, 4, "DLS", "DLS"), ("mamba2-wide", 4, 1, "DLS", "DLS"),
+                 ("mamba2-g1", 1, 2, "LDS", "LDS"), ("mamba2-g1", 2, 4, "LSD", "DLS"),
+                 ("shortconv", 4, 2, "LSD", "LSD"), ("shortconv", 1, 8, "DLS", "DLS")]]
+
+
 CASES = [pytest.param(spec, p, d, layout, layout, id=f"{spec}-{p}x{d}-{layout}")
          for spec in SPECS for (p, d) in TP_PAIRS for layout in LAYOUTS]
 CASES += [pytest.param("mamba2-g1", 2, 4, "LSD", "DLS", id="mamba2-g1-2x4-LSD-to-DLS"),
@@ -172,3 +186,54 @@ def test_prefill_ranks_sleep_through_sends_their_receivers_read(pools, src_tp, d
     assert decode_stats["transfers_ok"] == WAVES * REQUESTS
     assert prefill_stats["requests"] == WAVES * REQUESTS
     assert prefill_stats["unattended_sleeps"] > 0
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("spec_name,src_tp,dst_tp,src_layout,dst_layout", SHM_CASES)
+def test_shared_map_reads_are_byte_exact(pools, spec_name, src_tp, dst_tp, src_layout,
+                                         dst_layout):
+    """Same host, ``shared_map``: each decode rank copies its zero-copy pairs' runs out of a
+    read-only map of the prefill rank's buffer (staged pairs still go over UCX), byte for byte,
+    every page freed on both sides; one read per zero-copy pair and request, counted."""
+    spec = {**SPECS, "mamba2-wide": WIDE}[spec_name]
+    plan = TransferPlan.build(spec, src_tp, src_layout, dst_tp, dst_layout)
+    zero_copy = sum(not p.staged for p in plan.pairs.values())
+    _, decode_hosts = pools
+    before = shared_map_reads(decode_hosts, dst_tp)
+    results, prefill_stats, decode_stats = transfer_round(
+        pools, spec_name, src_tp, dst_tp, src_layout, dst_layout, config=SHM, rounds=2)
+    assert decode_stats["transfers_ok"] == 2 * REQUESTS
+    assert shared_map_reads(decode_hosts, dst_tp) - before == 2 * REQUESTS * zero_copy
+    if not any(p.staged for p in plan.pairs.values()):
+        assert max(b for r in results for b in r.rank_staging_bytes) == 0
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("config", [FAST, SHM.replace(shared_map=False)],
+                         ids=["below-threshold", "shared-map-off"])
+def test_small_pairs_or_shared_map_off_go_over_ucx(pools, config):
+    """Pairs under ``shared_map_min_bytes`` (the tiny specs under the 4 MiB default), or
+    ``shared_map`` off on both groups: no shared-map read, UCX carries every byte."""
+    _, decode_hosts = pools
+    before = shared_map_reads(decode_hosts, 4)
+    transfer_round(pools, "mamba2-wide", 2, 4, "DLS", "DLS", config=config)
+    assert shared_map_reads(decode_hosts, 4) == before
+
+
+@pytest.mark.timeout(180)
+def test_a_decode_group_without_shared_map_is_served_over_ucx(pools):
+    """The two groups decide alike: a prefill group serving shared maps and a decode group
+    that does not read them move everything over UCX, byte for byte."""
+    prefill_hosts, decode_hosts = pools
+    rng = np.random.default_rng(7)
+    before = shared_map_reads(decode_hosts, 2)
+    with PrefillServer(WIDE, 2, "DLS", num_pages=REQUESTS + 2, config=SHM,
+                       launcher=prefill_hosts.launcher()) as server, \
+            DecodeCoordinator(WIDE, 2, "DLS", num_pages=REQUESTS + 2,
+                              config=SHM.replace(shared_map=False),
+                              launcher=decode_hosts.launcher(), checksums=True) as decode:
+        server.wait_ready()
+        decode.connect(server.address)
+        _wave(server, decode, rng, 2)
+        wait_until(lambda: server.stats()["pages_used"] == 0, 10, "prefill pages freed")
+    assert shared_map_reads(decode_hosts, 2) == before

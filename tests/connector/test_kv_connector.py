@@ -18,6 +18,7 @@ from statebridge.connector.prefill import PrefillServer
 from statebridge.errors import CacheFullError, IncompatiblePeerError, PeerLostError
 from statebridge.state.kv import blocks_for
 from statebridge.state.sharding import kv_heads
+from statebridge.state.plan import TransferPlan
 from statebridge.state.spec import StateSpec
 from statebridge.testing.hosts import RankHostPool
 from statebridge.testing.synthetic import global_kv, request_seed
@@ -85,13 +86,13 @@ def check_result(decode, spec, result, rid, tokens):
         for r in range(decode.tp_size)), f"{rid} ({tokens} tokens): KV differs from the oracle"
 
 
-def kv_round(pools, spec_name, src_tp, dst_tp, src_kv="HB", dst_kv="HB"):
+def kv_round(pools, spec_name, src_tp, dst_tp, src_kv="HB", dst_kv="HB", config=FAST):
     prefill_hosts, decode_hosts = pools
     spec = KV_SPECS[spec_name]
     n = len(LENGTHS)
-    with PrefillServer(spec, src_tp, "DLS", num_pages=n + 2, config=FAST, kv_layout=src_kv,
+    with PrefillServer(spec, src_tp, "DLS", num_pages=n + 2, config=config, kv_layout=src_kv,
                        block_size=BS, launcher=prefill_hosts.launcher()) as server, \
-            DecodeCoordinator(spec, dst_tp, "DLS", num_pages=n + 2, config=FAST,
+            DecodeCoordinator(spec, dst_tp, "DLS", num_pages=n + 2, config=config,
                               kv_layout=dst_kv, block_size=BS, num_blocks=160,
                               launcher=decode_hosts.launcher(), checksums=True) as decode:
         server.wait_ready()
@@ -121,11 +122,25 @@ CASES += [pytest.param("hybrid-kv2", 2, 4, "HB", "LH", id="kv2-2x4-HB-to-LH"),
           pytest.param("hybrid-kv4", 4, 1, "BH", "HB", id="kv4-4x1-BH-to-HB")]
 
 
+#: Recurrent pairs read out of the prefill rank's shared map (any size); KV over UCX.
+SHM = FAST.replace(shared_map_min_bytes=0)
+CASES += [pytest.param("hybrid-kv2", 2, 4, "HB", "HB", SHM, id="kv2-2x4-shared-map"),
+          pytest.param("hybrid-kv4", 4, 1, "HB", "HB", SHM, id="kv4-4x1-shared-map")]
+
+
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize("spec_name,src_tp,dst_tp,src_kv,dst_kv", CASES)
+@pytest.mark.parametrize("spec_name,src_tp,dst_tp,src_kv,dst_kv,config",
+                         [c if len(c.values) == 6 else pytest.param(*c.values, FAST, id=c.id)
+                          for c in CASES])
 def test_kv_moves_byte_exact_and_blocks_are_freed(pools, spec_name, src_tp, dst_tp, src_kv,
-                                                   dst_kv):
-    results, p_stats, d_stats = kv_round(pools, spec_name, src_tp, dst_tp, src_kv, dst_kv)
+                                                   dst_kv, config):
+    reads = sum(c.get("shared_map_reads", 0) for c in pools[1].opcounts(dst_tp))
+    results, p_stats, d_stats = kv_round(pools, spec_name, src_tp, dst_tp, src_kv, dst_kv,
+                                         config)
+    reads = sum(c.get("shared_map_reads", 0) for c in pools[1].opcounts(dst_tp)) - reads
+    # With SHM every request is one read per (decode rank, prefill rank) pair of the page.
+    pairs = len(TransferPlan.build(KV_SPECS[spec_name], src_tp, "DLS", dst_tp, "DLS").pairs)
+    assert reads == (len(LENGTHS) * pairs if config is SHM else 0)
     assert p_stats["requests"] == len(LENGTHS) and d_stats["transfers_ok"] == len(LENGTHS)
     # Page layouts pair (DLS both sides) and KV runs are always zero-copy: no staging at all.
     staging = [b for r in results for b in r.rank_staging_bytes] + p_stats["rank_staging_bytes"]
@@ -343,8 +358,10 @@ def test_decode_node_requests_waiting_for_kv_blocks_wait_in_order(pools, tmp_pat
 
 
 @pytest.mark.timeout(120)
+@pytest.mark.parametrize("config", [FAST, SHM], ids=["ucx", "shared-map"])
 def test_frozen_prefill_rank_resumed_cannot_write_into_a_reused_page_or_blocks(pools,
-                                                                              monkeypatch):
+                                                                              monkeypatch,
+                                                                              config):
     """The receiver stays in control of its memory: a prefill rank SIGSTOPped while it
     computes a request is declared lost, the decode side fails the request and reuses its page
     and KV blocks (the pools hold exactly one request) for another request, then the rank is
@@ -356,9 +373,9 @@ def test_frozen_prefill_rank_resumed_cannot_write_into_a_reused_page_or_blocks(p
     _, decode_hosts = pools
     spec = KV_SPECS["hybrid-kv2"]
     tokens = 3 * BS + 1                                   # 4 blocks: the decode pool's all
-    server = PrefillServer(spec, 2, "DLS", num_pages=2, config=FAST, block_size=BS,
+    server = PrefillServer(spec, 2, "DLS", num_pages=2, config=config, block_size=BS,
                            num_blocks=8, model=SLOW)      # spawned ranks: real processes
-    decode = DecodeCoordinator(spec, 2, "DLS", num_pages=1, config=FAST, block_size=BS,
+    decode = DecodeCoordinator(spec, 2, "DLS", num_pages=1, config=config, block_size=BS,
                                num_blocks=4, launcher=decode_hosts.launcher(), checksums=True,
                                model="tests.connector._helpers:QueryModel")
     reports: dict[int, list] = {}

@@ -25,6 +25,8 @@ import numpy as np
 from statebridge.errors import ConfigError
 
 __all__ = [
+    "DONE_INDEX",
+    "READY_INDEX",
     "STAGED_INDEX",
     "TAG_GENERATION_BITS",
     "TAG_INDEX_BITS",
@@ -41,8 +43,13 @@ MAX_SRC_RANK = (1 << TAG_SRC_RANK_BITS) - 1
 MAX_INDEX = (1 << TAG_INDEX_BITS) - 1
 #: Index of a staged pair's single message (never a zero-copy run index).
 STAGED_INDEX = MAX_INDEX
-#: Most zero-copy runs of one post: their indices are 0 .. STAGED_INDEX - 1.
-MAX_RUNS = STAGED_INDEX
+#: Shared-map reads (``shared.py``): the prefill rank's "ready" notice of a rank pair (the
+#: tag's generation and source rank as for its runs), and the decode rank's "done" answer (the
+#: generation field carries the prefill rank's own serial, the rank field the decode rank).
+READY_INDEX = MAX_INDEX - 1
+DONE_INDEX = MAX_INDEX - 2
+#: Most zero-copy runs of one post: their indices are 0 .. MAX_RUNS - 1.
+MAX_RUNS = DONE_INDEX
 
 
 def check_field(name: str, value: object, maximum: int) -> int:

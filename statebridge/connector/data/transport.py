@@ -85,6 +85,8 @@ from statebridge.connector.data.tags import (
     MAX_GENERATION,
     MAX_RUNS,
     MAX_SRC_RANK,
+    DONE_INDEX,
+    READY_INDEX,
     STAGED_INDEX,
     make_tag,
 )
@@ -150,7 +152,7 @@ class Transport:
     """
 
     #: Handle kinds a completed handle is counted under (see :meth:`stats`).
-    _DONE_COUNTERS = _done_counters(("zero_copy", "staged"))
+    _DONE_COUNTERS = _done_counters(("zero_copy", "staged", "notice"))
 
     def __init__(self, buffer: torch.Tensor, *, error_handling: bool = False,
                  ucx_options: Mapping[str, str] | None = None,
@@ -463,6 +465,31 @@ class Transport:
                                    requests, staging,
                                    lambda: copy_runs(staging.numpy(), unpack_runs, page))
 
+    def post_notice(self, direction: str, peer_id: str, generation: int, src_rank: int,
+                    index: int, offset: int, nbytes: int, *,
+                    request_id: str | None = None) -> TransferHandle:
+        """One small tagged message of a shared-map read (``shared.py``) to or from
+        ``buffer[offset:offset + nbytes]``: the "ready" notice (``index`` :data:`READY_INDEX`)
+        or the "done" answer (:data:`DONE_INDEX`), with tag ``(generation, src_rank, index)``.
+        Small enough to go eagerly: a send completes without the peer."""
+        if direction not in ("send", "recv"):
+            raise ConfigError(f"direction must be 'send' or 'recv', got {direction!r}")
+        if index not in (READY_INDEX, DONE_INDEX):
+            raise ConfigError(f"notice index must be READY_INDEX or DONE_INDEX, got {index!r}")
+        if type(offset) is not int or type(nbytes) is not int or offset < 0 or nbytes <= 0 \
+                or offset + nbytes > self._size:
+            raise ConfigError(f"notice [{offset!r}, +{nbytes!r}) is outside the "
+                              f"{self._size}-byte buffer")
+        tag = make_tag(generation, src_rank, index)
+        endpoint = self._endpoint(peer_id)
+        op = endpoint.tag_send if direction == "send" else endpoint.tag_recv
+        requests = self._post_one(op, self._np[offset:offset + nbytes], tag, peer_id)
+        handle = TransferHandle(self, direction=direction, kind="notice", peer_id=peer_id,
+                                generation=generation, src_rank=src_rank, nbytes=nbytes,
+                                messages=1, request_id=request_id, requests=requests)
+        self._outstanding[id(handle)] = handle
+        return handle
+
     def _staged_handle(self, direction: str, peer_id: str | None, generation: int,
                        src_rank: int, nbytes: int, request_id: str | None, requests: list,
                        staging: torch.Tensor, on_success) -> TransferHandle:
@@ -574,6 +601,8 @@ class Transport:
             "zero_copy_messages_received": c.get("zero_copy_messages_received", 0),
             "staged_messages_sent": c.get("staged_messages_sent", 0),
             "staged_messages_received": c.get("staged_messages_received", 0),
+            "notice_messages_sent": c.get("notice_messages_sent", 0),
+            "notice_messages_received": c.get("notice_messages_received", 0),
             "staging_buffers_used": c.get("staging_buffers_used", 0),
             "staging_bytes": c.get("staging_bytes", 0),
             "staging_buffers_allocated": pool.allocations,

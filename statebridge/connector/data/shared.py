@@ -1,0 +1,109 @@
+"""Same-host reads out of a peer's shared mapping: the prefill rank's buffer as a memfd that the
+decode rank maps read-only and copies its runs from.
+
+On one host UCX moves a large message as a cma rendezvous: the receiver copies it out of the
+sender's memory with ``process_vm_readv``, which pins and copies 4 KiB at a time in the kernel.
+Copying out of a mapping of the sender's buffer instead, with streaming stores
+(:mod:`statebridge._copy`), measured 8.1 vs 6.3 GB/s per core here (3 MiB runs, 16.0 vs 12.5
+with two readers; README, "Reading state out of a shared map"). It is the CPU analogue of what
+UCX's ``cuda_ipc`` does between GPUs of one node: map the peer's memory, copy with the local
+engine.
+
+The receiver stays in control of its memory: only the decode rank writes into its pages, with
+its own code, into a request it announced; the prefill rank never writes anywhere but its own
+buffer. The prefill side holds its page until every reader said it is done (a small UCX message,
+as the rendezvous' acknowledgement was), exactly as long as it held it for UCX's reads.
+
+Opening a peer's memfd (``/proc/<pid>/fd/<fd>``) needs the same permission as
+``process_vm_readv`` (ptrace access to the peer): where cma works, this works.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+
+import numpy as np
+import torch
+
+from statebridge.errors import ConfigError, TransferError
+
+try:
+    from statebridge import _copy
+except ImportError:  # pragma: no cover -- built by `pip install`; see available()
+    _copy = None
+
+__all__ = ["SharedBuffer", "PeerMap", "available", "copy_runs", "streaming"]
+
+
+def available() -> bool:
+    """Whether the compiled copy (:mod:`statebridge._copy`) is importable."""
+    return _copy is not None
+
+
+def streaming() -> bool:
+    """Whether large runs are copied with non-temporal stores (AVX2)."""
+    return bool(_copy is not None and _copy.STREAMING)
+
+
+if _copy is not None and os.environ.get("STATEBRIDGE_STREAMING_COPY", "1") == "0":
+    _copy.set_streaming(False)
+
+
+class SharedBuffer:
+    """A zeroed buffer of ``nbytes`` in a memfd mapped shared: a uint8 tensor over it
+    (:attr:`tensor`) and the descriptor (:attr:`fd`) a reader on this host opens through
+    ``/proc/<pid>/fd/<fd>``. Kept open for the process's life (a rank's page buffer)."""
+
+    def __init__(self, nbytes: int, name: str = "statebridge") -> None:
+        if isinstance(nbytes, bool) or not isinstance(nbytes, int) or nbytes < 0:
+            raise ConfigError(f"nbytes must be a non-negative integer, got {nbytes!r}")
+        self.nbytes = nbytes
+        self.fd = os.memfd_create(name, os.MFD_CLOEXEC)   # readers open /proc/<pid>/fd/<fd>
+        try:
+            os.ftruncate(self.fd, max(1, nbytes))
+            self._map = mmap.mmap(self.fd, max(1, nbytes), flags=mmap.MAP_SHARED)
+        except BaseException:
+            os.close(self.fd)
+            raise
+        self.tensor = torch.from_numpy(np.frombuffer(self._map, dtype=np.uint8, count=nbytes))
+
+
+class PeerMap:
+    """A read-only mapping of a same-host peer's :class:`SharedBuffer` (process ``pid``,
+    descriptor ``fd``): :attr:`address` and :attr:`nbytes` for :func:`copy_runs`.
+    :class:`TransferError` naming the pid and fd when it cannot be opened."""
+
+    def __init__(self, pid: int, fd: int) -> None:
+        path = f"/proc/{pid}/fd/{fd}"
+        try:
+            f = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        except OSError as e:
+            raise TransferError(f"cannot open the peer's shared buffer {path}: {e}") from None
+        try:
+            self.nbytes = os.fstat(f).st_size
+            self._map = mmap.mmap(f, self.nbytes, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
+        except (OSError, ValueError) as e:
+            raise TransferError(f"cannot map the peer's shared buffer {path}: {e}") from None
+        finally:
+            os.close(f)
+        self.pid, self.fd = pid, fd
+        self._array = np.frombuffer(self._map, dtype=np.uint8)
+        self.address = self._array.ctypes.data
+
+    def __repr__(self) -> str:
+        return f"PeerMap(pid={self.pid}, fd={self.fd}, nbytes={self.nbytes})"
+
+
+def copy_runs(dst: np.ndarray, src: PeerMap, runs: np.ndarray) -> int:
+    """Copy each ``(src offset, dst offset, length)`` row of ``runs`` from the peer's mapping
+    into ``dst`` (this process's buffer), GIL released; every row is checked against both
+    sizes first (:class:`TransferError` naming the row, nothing copied). Returns the bytes."""
+    if _copy is None:
+        raise TransferError("statebridge._copy is not built: reinstall statebridge "
+                            "(pip install -e .) with a C compiler")
+    runs = np.ascontiguousarray(runs, dtype=np.int64)
+    try:
+        return _copy.copy_runs(dst.ctypes.data, dst.nbytes, src.address, src.nbytes, runs)
+    except ValueError as e:
+        raise TransferError(f"shared-map read from pid {src.pid}: {e}") from None

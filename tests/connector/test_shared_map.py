@@ -1,0 +1,119 @@
+"""Shared-map reads (statebridge/connector/data/shared.py and the C copy in statebridge/_copy.c):
+the copy against numpy, its bounds checks, and a mapping of another process's memfd."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+
+import numpy as np
+import pytest
+
+from statebridge.config import ConnectorConfig
+from statebridge.connector.data import shared
+from statebridge.connector.data.tags import (
+    DONE_INDEX,
+    MAX_INDEX,
+    MAX_RUNS,
+    READY_INDEX,
+    STAGED_INDEX,
+)
+from statebridge.errors import ConfigError, TransferError
+
+
+def test_the_compiled_copy_is_built():
+    """`pip install -e .` builds statebridge._copy (CI installs exactly so)."""
+    assert shared.available()
+
+
+def _own_map(buf: shared.SharedBuffer) -> shared.PeerMap:
+    import os
+
+    return shared.PeerMap(os.getpid(), buf.fd)
+
+
+@pytest.mark.parametrize("streaming", [True, False])
+def test_copy_runs_matches_numpy(streaming):
+    """Rows of every size (below and above the streaming threshold, unaligned ends) land
+    exactly where numpy puts them; bytes outside the rows stay as they were."""
+    from statebridge import _copy
+
+    rng = np.random.default_rng(3)
+    src = shared.SharedBuffer(4 << 20)
+    src.tensor.numpy()[:] = rng.integers(0, 256, src.nbytes, dtype=np.uint8)
+    peer = _own_map(src)
+    dst = np.full(4 << 20, 0xAB, dtype=np.uint8)
+    expect = dst.copy()
+    runs = np.array([[0, 7, 1], [100, 3 << 20, 200_001], [1 << 20, 1, 65_536 + 33],
+                     [2 << 20, (2 << 20) + 5, 1_000_000], [17, 999_000, 0]], dtype=np.int64)
+    for s, d, n in runs:
+        expect[d:d + n] = src.tensor.numpy()[s:s + n]
+    old = _copy.set_streaming(streaming)
+    try:
+        assert shared.copy_runs(dst, peer, runs) == int(runs[:, 2].sum())
+    finally:
+        _copy.set_streaming(old)
+    assert np.array_equal(dst, expect)
+
+
+@pytest.mark.parametrize("row", [[0, 0, 5 << 20], [(4 << 20) - 3, 0, 4], [0, (1 << 20) - 1, 2],
+                                 [-1, 0, 1], [0, -8, 1], [0, 0, -1]])
+def test_a_run_outside_either_buffer_is_refused_and_nothing_is_copied(row):
+    src = shared.SharedBuffer(4 << 20)
+    src.tensor.numpy()[:] = 1
+    dst = np.zeros(1 << 20, dtype=np.uint8)
+    runs = np.array([[0, 0, 64], row], dtype=np.int64)
+    with pytest.raises(TransferError, match=r"run 1 \(src -?\d+, dst -?\d+, -?\d+ bytes\)"):
+        shared.copy_runs(dst, _own_map(src), runs)
+    assert not dst.any()                      # the good first row was not copied either
+
+
+def _serve(conn) -> None:
+    import os
+
+    buf = shared.SharedBuffer(1 << 20, "test-peer")
+    buf.tensor.numpy()[:] = np.arange(1 << 20, dtype=np.int64).astype(np.uint8)
+    conn.send((os.getpid(), buf.fd))
+    conn.recv()                               # keep the buffer until the reader is done
+
+
+def test_a_peer_process_buffer_is_read_through_its_memfd():
+    ctx = mp.get_context("spawn")
+    here, there = ctx.Pipe()
+    proc = ctx.Process(target=_serve, args=(there,))
+    proc.start()
+    try:
+        pid, fd = here.recv()
+        peer = shared.PeerMap(pid, fd)
+        assert peer.nbytes == 1 << 20
+        dst = np.zeros(4096, dtype=np.uint8)
+        shared.copy_runs(dst, peer, np.array([[1000, 0, 4096]], dtype=np.int64))
+        assert np.array_equal(dst, (np.arange(1000, 5096) % 256).astype(np.uint8))
+        # The map is read-only: nothing here can write into the peer's memory.
+        with pytest.raises((TypeError, ValueError)):
+            np.frombuffer(peer._map, dtype=np.uint8)[0] = 1
+    finally:
+        here.send("done")
+        proc.join(10)
+
+
+def test_a_buffer_that_cannot_be_opened_is_a_transfer_error_naming_it():
+    with pytest.raises(TransferError, match=r"/proc/\d+/fd/987654"):
+        shared.PeerMap(1, 987654)
+
+
+def test_notice_tags_never_meet_run_or_staged_tags():
+    assert len({READY_INDEX, DONE_INDEX, STAGED_INDEX}) == 3
+    assert max(READY_INDEX, DONE_INDEX, STAGED_INDEX) <= MAX_INDEX
+    assert MAX_RUNS <= min(READY_INDEX, DONE_INDEX, STAGED_INDEX)
+
+
+@pytest.mark.parametrize("value", [-1, 1.5, True, "4M"])
+def test_shared_map_min_bytes_is_checked(value):
+    with pytest.raises(ConfigError, match="shared_map_min_bytes"):
+        ConnectorConfig(shared_map_min_bytes=value)
+
+
+def test_shared_map_settings_come_from_the_environment():
+    c = ConnectorConfig.from_env({"STATEBRIDGE_SHARED_MAP": "0",
+                                  "STATEBRIDGE_SHARED_MAP_MIN_BYTES": "65536"})
+    assert c.shared_map is False and c.shared_map_min_bytes == 65536
