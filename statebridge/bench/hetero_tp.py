@@ -26,8 +26,8 @@ import json
 import logging
 import os
 import platform
-import queue
 import sys
+import threading
 import time
 import uuid
 from pathlib import Path
@@ -236,41 +236,56 @@ class _LineRate:
 
 def _run_requests(decode, count: int, concurrency: int, prefix: str,
                   timeout: float, tokens: int = 1) -> list:
-    """``count`` requests, ``concurrency`` in flight; results are released as they complete.
-    Submits and releases go to the coordinator in batches (one thread handoff per batch), and
-    completions arrive on a queue (``concurrent.futures.wait`` would hook and unhook every
-    future in flight on each call)."""
-    results = []
-    finished: queue.SimpleQueue = queue.SimpleQueue()
-    inflight = 0
-    submitted = 0
-    deadline = time.monotonic() + timeout
-    while submitted < count or inflight:
-        room = min(count - submitted, concurrency - inflight)
-        if room > 0:
-            items = [(f"{prefix}{i}-{uuid.uuid4().hex[:6]}", (i % 1000,) * tokens)
-                     for i in range(submitted, submitted + room)]
+    """``count`` requests, ``concurrency`` in flight, driven on the decode coordinator's loop
+    thread the way the decode node drives its own (:meth:`DecodeCoordinator.start` /
+    :meth:`~DecodeCoordinator.free` with a callback): a completed request's page is freed and
+    the next request started in the same loop pass, with no thread hand-off per request (the
+    NIXL and vLLM's-way loops likewise start the next read from their own loop). The calling
+    thread only waits for the round to end; the first failure ends it and is raised."""
+    state = {"next": 0, "inflight": 0, "error": None}
+    results: list = []
+    finished = threading.Event()
+
+    def start_more() -> None:
+        while state["next"] < count and state["inflight"] < concurrency \
+                and state["error"] is None:
+            i = state["next"]
             try:
-                started = decode.submit_many(items)
+                decode.start(f"{prefix}{i}-{uuid.uuid4().hex[:6]}", (i % 1000,) * tokens,
+                             on_done)
             except CacheFullError:
-                started = []
-            for future in started:
-                future.add_done_callback(finished.put)
-            inflight += len(started)
-            submitted += len(started)
-        try:
-            done = [finished.get(timeout=max(0.0, deadline - time.monotonic()))]
-        except queue.Empty:
-            raise TimeoutError(f"{inflight} requests not done after {timeout} s") from None
-        while True:
-            try:
-                done.append(finished.get_nowait())
-            except queue.Empty:
-                break
-        inflight -= len(done)
-        batch = [f.result() for f in done]
-        results.extend(batch)
-        decode.release_many(batch)
+                if not state["inflight"]:
+                    state["error"] = CacheFullError(f"no page free with nothing in flight "
+                                                    f"(request {i} of {count})")
+                    finished.set()
+                return                    # back-pressure: the next completion starts more
+            except Exception as e:  # noqa: BLE001 -- ends the round, raised by the caller
+                state["error"] = e
+                if not state["inflight"]:
+                    finished.set()
+                return
+            state["next"] = i + 1
+            state["inflight"] += 1
+
+    def on_done(result, error) -> None:
+        state["inflight"] -= 1
+        if error is not None:
+            if state["error"] is None:
+                state["error"] = error
+        else:
+            results.append(result)
+            decode.free(result.request_id)
+            start_more()
+        if len(results) == count or (state["error"] is not None and not state["inflight"]):
+            finished.set()
+
+    if count:
+        decode.loop.call(start_more)
+        if not finished.wait(timeout):
+            raise TimeoutError(f"{count - len(results)} of {count} requests not done after "
+                               f"{timeout} s")
+    if state["error"] is not None:
+        raise state["error"]
     return results
 
 
