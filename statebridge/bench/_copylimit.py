@@ -18,6 +18,12 @@ the cells move it between many pages. This measures the copy itself the way the 
   for any run layout of the same bytes.
 
 GB/s = requests x bytes per request / (last copier's end - start).
+
+``mechanism="shared_map"`` measures the copy statebridge's same-host shared-map reads do
+(:mod:`statebridge.connector.data.shared`): the sources' pages are a memfd
+(:class:`~statebridge.connector.data.shared.SharedBuffer`, 4 KiB pages: shared memory gets
+no transparent huge pages here), each copier maps it read-only and copies each pair's range
+with :func:`~statebridge.connector.data.shared.copy_runs`. Everything else is the same.
 """
 
 from __future__ import annotations
@@ -43,31 +49,55 @@ def _libc():
     return libc
 
 
-def _source_main(conn, nbytes: int) -> None:
+def _source_main(conn, nbytes: int, mechanism: str = "cma") -> None:
     from statebridge.connector.data import alloc_buffer
+    from statebridge.connector.data.shared import SharedBuffer
 
     try:                                     # let sibling processes read us (Yama ptrace_scope)
         ctypes.CDLL(None).prctl(0x59616d61, ctypes.c_ulong(-1 & 0xFFFFFFFFFFFFFFFF), 0, 0, 0)
     except Exception:  # noqa: BLE001
         pass
-    buf = alloc_buffer(max(1, nbytes), huge_pages=True)
+    shared = SharedBuffer(max(1, nbytes)) if mechanism == "shared_map" else None
+    buf = shared.tensor if shared is not None else alloc_buffer(max(1, nbytes), huge_pages=True)
     view = buf.numpy()
     view[:] = 7                               # real pages, not the zero page
-    conn.send(buf.data_ptr())
+    conn.send((buf.data_ptr(), shared.fd if shared is not None else -1))
     conn.recv()                               # held until the driver is done
 
 
 def _copier_main(conn, sources: list, pairs: list, src_page_bytes: list, request_bytes: int,
-                 first: int, step: int, requests: int, pages: int, dst_pages: int) -> None:
-    """``sources``: [(pid, address)]; ``pairs``: [(src rank, offset in the source page,
-    offset in the destination page, bytes)]."""
+                 first: int, step: int, requests: int, pages: int, dst_pages: int,
+                 mechanism: str = "cma") -> None:
+    """``sources``: [(pid, address, memfd)]; ``pairs``: [(src rank, offset in the source
+    page, offset in the destination page, bytes)]."""
+    import numpy as np
+
     from statebridge.connector.data import alloc_buffer
+    from statebridge.connector.data.shared import PeerMap, copy_runs
 
     libc = _libc()
     dst = alloc_buffer(max(1, dst_pages * request_bytes), huge_pages=True)
     dst.numpy()[:] = 0
     base = dst.data_ptr()
     local, remote = _IoVec(), _IoVec()
+    if mechanism == "shared_map":
+        maps = [PeerMap(pid, fd) for pid, _addr, fd in sources]
+        row = np.zeros((1, 3), dtype=np.int64)
+        conn.send(("ready", None))
+        start_at = conn.recv()
+        while time.perf_counter() < start_at:
+            time.sleep(0.0005)
+        t0, c0 = time.perf_counter(), time.process_time()
+        slot, view = 0, dst.numpy()
+        for i in range(first, requests, step):
+            src_page = i % pages
+            for s, src_off, dst_off, n in pairs:
+                row[0] = (src_page * src_page_bytes[s] + src_off,
+                          slot * request_bytes + dst_off, n)
+                copy_runs(view, maps[s], row)
+            slot = (slot + 1) % dst_pages
+        conn.send(("ok", (t0, time.perf_counter(), time.process_time() - c0)))
+        return
     conn.send(("ready", None))
     start_at = conn.recv()                    # every copier ready: start together
     while time.perf_counter() < start_at:
@@ -77,7 +107,7 @@ def _copier_main(conn, sources: list, pairs: list, src_page_bytes: list, request
     for i in range(first, requests, step):
         src_page = i % pages
         for s, src_off, dst_off, n in pairs:
-            pid, addr = sources[s]
+            pid, addr, _fd = sources[s]
             remote.base = addr + src_page * src_page_bytes[s] + src_off
             remote.len = n
             local.base = base + slot * request_bytes + dst_off
@@ -92,9 +122,13 @@ def _copier_main(conn, sources: list, pairs: list, src_page_bytes: list, request
 
 
 def copy_limit(pair_bytes: Sequence[tuple[int, int, int]], *, src_tp: int, requests: int,
-               pages: int, copiers: int | None = None, timeout: float = 300.0) -> dict:
+               pages: int, copiers: int | None = None, timeout: float = 300.0,
+               mechanism: str = "cma") -> dict:
     """``pair_bytes``: [(src rank, dst rank, bytes per request)] of a plan. Returns GB/s over
-    ``requests`` requests, the copiers, and their CPU seconds per request."""
+    ``requests`` requests, the copiers, and their CPU seconds per request. ``mechanism``:
+    ``"cma"`` (``process_vm_readv``) or ``"shared_map"`` (see the module docstring)."""
+    if mechanism not in ("cma", "shared_map"):
+        raise ValueError(f"mechanism must be 'cma' or 'shared_map', got {mechanism!r}")
     copiers = copiers or os.cpu_count() or 1
     pages = max(1, pages)
     ctx = multiprocessing.get_context("spawn")
@@ -111,21 +145,22 @@ def copy_limit(pair_bytes: Sequence[tuple[int, int, int]], *, src_tp: int, reque
         sources = []
         for s in range(src_tp):
             parent, child = ctx.Pipe()
-            p = ctx.Process(target=_source_main, args=(child, pages * src_page[s]), daemon=True)
+            p = ctx.Process(target=_source_main, args=(child, pages * src_page[s], mechanism),
+                            daemon=True)
             p.start()
             procs.append(p)
             conns.append(parent)
         for s in range(src_tp):
             if not conns[s].poll(120):
                 raise RuntimeError("copy-limit source did not start")
-            sources.append((procs[s].pid, conns[s].recv()))
+            sources.append((procs[s].pid, *conns[s].recv()))
         dst_pages = max(1, -(-pages // copiers))
         workers = []
         for k in range(copiers):
             parent, child = ctx.Pipe()
             p = ctx.Process(target=_copier_main, daemon=True, args=(
                 child, sources, pairs, src_page, request_bytes, k, copiers, requests, pages,
-                dst_pages))
+                dst_pages, mechanism))
             p.start()
             procs.append(p)
             workers.append(parent)
@@ -153,6 +188,6 @@ def copy_limit(pair_bytes: Sequence[tuple[int, int, int]], *, src_tp: int, reque
                 p.join(2)
     wall = max(r[1] for r in results) - min(r[0] for r in results)
     return {"gbps": requests * request_bytes / wall / 1e9, "seconds": wall,
-            "bytes_per_request": request_bytes, "copiers": copiers,
+            "bytes_per_request": request_bytes, "copiers": copiers, "mechanism": mechanism,
             "calls_per_request": len(pairs),
             "cpu_us_per_request": sum(r[2] for r in results) / requests * 1e6}

@@ -106,6 +106,8 @@ CELL_FIELDS = ("pair", "layout", "preset", "gbps", "messages_per_request",
                "vllm_way_cpu_us_per_request", "vllm_way_descriptors_per_request",
                "vllm_way_nixl_calls_per_request", "nixl_calls_per_request",
                "nixl_cpu_us_per_request", "copy_limit_gbps", "ratio_to_copy_limit",
+               "shared_map_copy_limit_gbps", "ratio_to_shared_map_copy_limit",
+               "shared_map_reads_per_request",
                "control_messages_per_request", "ucx_operations_per_request",
                "cpu_us_per_request", "wakeups_per_request",
                "low_load_latency_p50_ms", "low_load_latency_p99_ms",
@@ -552,6 +554,9 @@ def _per_request_counts(ops0: dict, ops1: dict, requests: int) -> dict:
         split = {g: per(keys, g) for g in ops0}
         out[f"{field}_per_request"] = sum(split.values())
         out[f"{field}_per_request_by_process"] = split
+    # decode ranks' copies out of a prefill rank's shared map (one per rank pair per request
+    # where the pair is large enough; 0: UCX moved every byte)
+    out["shared_map_reads_per_request"] = sum(per(("shared_map_reads",), g) for g in ops0)
     return out
 
 
@@ -798,9 +803,30 @@ def _copy_limit_cell(plan, spec, src_tp, dst_tp, preset, a, cache, cell) -> dict
     the same bytes for every layout, so measured once per (preset, pair)."""
     out = {"copy_limit_gbps": None, "ratio_to_copy_limit": None,
            "copy_limit_note": "disabled by --no-copy-limit" if a.no_copy_limit else None,
-           "copy_limit_cpu_us_per_request": None, "copy_limit_copiers": None}
+           "copy_limit_cpu_us_per_request": None, "copy_limit_copiers": None,
+           "shared_map_copy_limit_gbps": None, "ratio_to_shared_map_copy_limit": None,
+           "shared_map_copy_limit_note": "disabled by --no-copy-limit" if a.no_copy_limit
+           else None}
     if a.no_copy_limit:
         return out
+    if cell.get("shared_map_reads_per_request"):
+        # The same bytes copied the way the cell's shared-map reads copy them (memfd source,
+        # streaming copy): the limit of the mechanism statebridge used, beside cma's.
+        skey = (preset, src_tp, dst_tp, "shared_map")
+        try:
+            if skey not in cache:
+                from statebridge.bench._copylimit import copy_limit
+
+                cache[skey] = copy_limit(_pair_bytes(plan, spec, a), src_tp=src_tp,
+                                         requests=a.requests, pages=a.concurrency,
+                                         timeout=a.timeout, mechanism="shared_map")
+            out["shared_map_copy_limit_gbps"] = cache[skey]["gbps"]
+            out["ratio_to_shared_map_copy_limit"] = _ratio(cell["gbps"], cache[skey]["gbps"])
+        except Exception as e:  # noqa: BLE001 -- recorded
+            out["shared_map_copy_limit_note"] = f"shared-map copy limit failed: {e}"[:300]
+    else:
+        out["shared_map_copy_limit_note"] = "no shared-map read in this cell: UCX moved " \
+                                            "every byte"
     key = (preset, src_tp, dst_tp)
     try:
         if key not in cache:

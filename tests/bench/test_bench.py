@@ -68,7 +68,10 @@ def test_comparison_figures_are_measured_or_explained(report):
                                    ("nixl_gbps", "ratio_to_nixl", "nixl_note"),
                                    ("vllm_way_gbps", "ratio_to_vllm_way", "nixl_note"),
                                    ("copy_limit_gbps", "ratio_to_copy_limit",
-                                    "copy_limit_note")):
+                                    "copy_limit_note"),
+                                   ("shared_map_copy_limit_gbps",
+                                    "ratio_to_shared_map_copy_limit",
+                                    "shared_map_copy_limit_note")):
             if cell[value] is None:
                 assert cell[ratio] is None and cell[note], f"{value} null without a reason"
             else:
@@ -148,6 +151,9 @@ def test_counts_per_request_match_the_plan(report):
         assert cell["low_load_requests"] == 6
         assert cell["copy_limit_copiers"] == (__import__("os").cpu_count() or 1)
         assert cell["copy_limit_bytes_per_request"] == cell["bytes_per_request"]
+        # tiny pairs are far below shared_map_min_bytes: UCX moves them, no shared-map limit
+        assert cell["shared_map_reads_per_request"] == 0
+        assert cell["shared_map_copy_limit_gbps"] is None
 
 
 @pytest.mark.timeout(180)
@@ -260,3 +266,24 @@ def test_wakeups_per_request_are_counted_by_process_group(report):
         assert wake["decode_ranks"] > 0 and wake["bench_process"] > 0, wake
         assert math.isclose(wake["total"], wake["bench_process"] + wake["prefill_ranks"]
                             + wake["decode_ranks"], rel_tol=1e-9)
+
+
+@pytest.mark.timeout(180)
+def test_shared_map_cells_count_their_reads_and_measure_that_copy_limit(tmp_path, monkeypatch):
+    """Every pair through the shared map (threshold 0 from the environment, as the nodes read
+    it): one read per rank pair per request, counted; UCX carries only the notices (ready and
+    done, posted by both sides); both copy limits measured."""
+    monkeypatch.setenv("STATEBRIDGE_SHARED_MAP_MIN_BYTES", "0")
+    out = tmp_path / "shm.json"
+    assert hetero_tp.main(["--preset", "tiny", "--pairs", "2x1", "--layouts", "DLS",
+                           "--requests", "16", "--concurrency", "4", "--check-requests", "2",
+                           "--no-nixl", "--no-line-rate", "--low-load-requests", "0",
+                           "--json", str(out), "--quiet"]) == 0
+    cell = json.loads(out.read_text())["cells"][0]
+    plan = TransferPlan.build(hetero_tp.preset_spec("tiny"), 2, "DLS", 1)
+    assert cell["checked_requests"] == 2                       # byte-exact
+    assert cell["shared_map_reads_per_request"] == len(plan.pairs) == 2
+    assert cell["ucx_operations_per_request"] == 4 * len(plan.pairs)
+    assert cell["messages_per_request"] == plan.messages_per_request
+    assert _positive(cell["copy_limit_gbps"]) and _positive(cell["shared_map_copy_limit_gbps"])
+    assert _positive(cell["ratio_to_shared_map_copy_limit"])
