@@ -243,7 +243,7 @@ class RankWorker:
                                              setup.block_size, setup.num_blocks)
         self.kv_base = -(-pages_bytes // 64) * 64 if self.kv_geometry else pages_bytes
         kv_bytes = self.kv_geometry.nbytes if self.kv_geometry else 0
-        # Last, a 64-byte slot per (page, peer rank) for the notices of shared-map reads.
+        # Last, a slot per (page, peer rank) for the notices of shared-map reads.
         self.ctl_base = -(-(self.kv_base + kv_bytes) // 64) * 64
         nbytes = self.ctl_base + setup.num_pages * _CTL_PEERS * _CTL_SLOT
         #: A prefill rank's buffer is a memfd that same-host decode ranks map and read

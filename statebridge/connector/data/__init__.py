@@ -28,7 +28,10 @@ One concern per module:
 - ``staging``: the pool of staging buffers of staged pairs;
 - ``guard``: messages no announced receive takes (UCX's unexpected queue);
 - ``transport``: :class:`Transport` -- worker, endpoints, posting, progress, counters (with the
-  measurements behind its choices: progress, error handling).
+  measurements behind its choices: progress, error handling);
+- ``shared``: same-host shared-map reads -- a prefill rank's buffer as a memfd, a decode rank's
+  read-only map of it, and the run copy (:mod:`statebridge._copy`); the rank decides which
+  pairs go that way (``ConnectorConfig.shared_map``), UCX carries their small notices.
 
 Sizes: a message LONGER than the receive it matches fails that handle with a
 :class:`~statebridge.errors.TransferError` (UCX truncates it; nothing lands in the page; counted

@@ -46,10 +46,6 @@ def streaming() -> bool:
     return bool(_copy is not None and _copy.STREAMING)
 
 
-if _copy is not None and os.environ.get("STATEBRIDGE_STREAMING_COPY", "1") == "0":
-    _copy.set_streaming(False)
-
-
 class SharedBuffer:
     """A zeroed buffer of ``nbytes`` in a memfd mapped shared: a uint8 tensor over it
     (:attr:`tensor`) and the descriptor (:attr:`fd`) a reader on this host opens through
