@@ -377,7 +377,10 @@ class RankWorker:
         self._reads.clear()
         self._answers.clear()
         self._attended = 0
+        self.peer_maps.clear()
         self.transport.close()
+        if self.shared_buffer is not None:
+            self.shared_buffer.close()
         self.loop.stop()
         self.sock.close(0)
 
@@ -385,6 +388,7 @@ class RankWorker:
         c.send_dealer(self.sock, message)
 
     def _heartbeat(self) -> None:
+        self._drop_dead_maps()
         self._heartbeats += 1
         self._send(m.Heartbeat(node_id=f"{self.setup.node_id}/{self.setup.tp_rank}",
                                seq=self._heartbeats))
@@ -465,6 +469,16 @@ class RankWorker:
                 self.transport.connect(route.peer, msg.peer_addresses[route.peer_rank])
         log.info("%s rank %d: connected to %s (%d ranks, %s)", self.setup.role,
                  self.setup.tp_rank, msg.peer_node, msg.peer_tp_size, msg.peer_layout)
+
+    def _drop_dead_maps(self) -> None:
+        """Unmap the buffers of prefill ranks whose process has exited: a mapping keeps the
+        memfd's memory alive, and a restarted prefill node comes back under a new node id (its
+        old maps would never be replaced). A read of a dropped peer fails, naming it."""
+        for peer, mapped in list(self.peer_maps.items()):
+            if isinstance(mapped, shared.PeerMap) and not shared.process_alive(mapped.pid):
+                log.info("decode rank %d: %s exited, unmapping its buffer", self.setup.tp_rank,
+                         peer)
+                del self.peer_maps[peer]
 
     def _shared_map_with(self, msg: m.RankConnect) -> bool:
         """Whether this rank and the peer group of ``msg`` move zero-copy pairs through shared

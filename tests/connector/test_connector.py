@@ -237,3 +237,47 @@ def test_a_decode_group_without_shared_map_is_served_over_ucx(pools):
         _wave(server, decode, rng, 2)
         wait_until(lambda: server.stats()["pages_used"] == 0, 10, "prefill pages freed")
     assert shared_map_reads(decode_hosts, 2) == before
+
+
+def _memfd_links(pid: int) -> list[str]:
+    """The prefill buffers process ``pid`` holds open (descriptors) or mapped."""
+    import os
+
+    out = []
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            target = os.readlink(f"/proc/{pid}/fd/{fd}")
+        except OSError:
+            continue
+        if "memfd:statebridge-prefill" in target:
+            out.append(f"fd {fd}: {target}")
+    with open(f"/proc/{pid}/maps") as f:
+        out += [line.strip() for line in f if "memfd:statebridge-prefill" in line]
+    return out
+
+
+@pytest.mark.timeout(180)
+def test_shared_buffers_are_released_when_their_ranks_end(pools):
+    """A prefill rank closes its memfd when it ends (a rank host outlives its ranks), and a
+    decode rank unmaps the buffer of a prefill rank whose process exited (a restarted prefill
+    node comes back under a new node id: nothing would ever replace the old mapping)."""
+    prefill_hosts, decode_hosts = pools
+    transfer_round(pools, "mamba2-wide", 2, 2, "DLS", "DLS", config=SHM)
+    wait_until(lambda: not any(
+        line.startswith("fd") for p in prefill_hosts.pids[:2] for line in _memfd_links(p)),
+        10, "prefill rank hosts closed their memfds")
+    rng = np.random.default_rng(11)
+    server = PrefillServer(WIDE, 2, "DLS", num_pages=REQUESTS + 2, config=SHM)  # own processes
+    try:
+        with DecodeCoordinator(WIDE, 2, "DLS", num_pages=REQUESTS + 2, config=SHM,
+                               launcher=decode_hosts.launcher(), checksums=True) as decode:
+            server.wait_ready()
+            decode.connect(server.address)
+            _wave(server, decode, rng, 2)
+            decoders = decode_hosts.pids[:2]
+            assert all(_memfd_links(p) for p in decoders), "decode ranks map the buffers"
+            server.close()                      # the prefill rank processes exit
+            wait_until(lambda: not any(_memfd_links(p) for p in decoders), 10,
+                       "decode ranks unmapped the exited prefill ranks' buffers")
+    finally:
+        server.close()

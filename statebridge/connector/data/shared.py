@@ -20,8 +20,10 @@ Opening a peer's memfd (``/proc/<pid>/fd/<fd>``) needs the same permission as
 
 from __future__ import annotations
 
+import ctypes
 import mmap
 import os
+import weakref
 
 import numpy as np
 import torch
@@ -33,7 +35,13 @@ try:
 except ImportError:  # pragma: no cover -- built by `pip install`; see available()
     _copy = None
 
-__all__ = ["SharedBuffer", "PeerMap", "available", "copy_runs", "streaming"]
+_LIBC = ctypes.CDLL(None, use_errno=True)
+_LIBC.mmap.restype = ctypes.c_void_p
+_LIBC.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int,
+                       ctypes.c_int, ctypes.c_long]
+_LIBC.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+
+__all__ = ["SharedBuffer", "PeerMap", "available", "copy_runs", "process_alive", "streaming"]
 
 
 def available() -> bool:
@@ -56,13 +64,30 @@ class SharedBuffer:
             raise ConfigError(f"nbytes must be a non-negative integer, got {nbytes!r}")
         self.nbytes = nbytes
         self.fd = os.memfd_create(name, os.MFD_CLOEXEC)   # readers open /proc/<pid>/fd/<fd>
+        size = max(1, nbytes)
         try:
-            os.ftruncate(self.fd, max(1, nbytes))
-            self._map = mmap.mmap(self.fd, max(1, nbytes), flags=mmap.MAP_SHARED)
+            os.ftruncate(self.fd, size)
+            # libc's mmap, not Python's: mmap.mmap keeps a dup of the descriptor open for as
+            # long as the mapping lives, which would keep the memfd open after close().
+            addr = _LIBC.mmap(None, size, mmap.PROT_READ | mmap.PROT_WRITE, mmap.MAP_SHARED,
+                              self.fd, 0)
+            if addr in (None, ctypes.c_void_p(-1).value):
+                raise OSError(ctypes.get_errno(), f"mmap of {size} bytes failed")
         except BaseException:
             os.close(self.fd)
             raise
-        self.tensor = torch.from_numpy(np.frombuffer(self._map, dtype=np.uint8, count=nbytes))
+        raw = (ctypes.c_uint8 * size).from_address(addr)
+        weakref.finalize(raw, _LIBC.munmap, addr, size)     # when the last view is gone
+        self.tensor = torch.from_numpy(np.frombuffer(raw, dtype=np.uint8, count=nbytes))
+        # The descriptor keeps the memfd's memory alive beside the mapping: closed with the
+        # buffer (close() or garbage collection), so a process that outlives its rank (a
+        # test's rank host) does not hold a dead rank's pages.
+        self._closer = weakref.finalize(self, os.close, self.fd)
+
+    def close(self) -> None:
+        """Close the descriptor (the mapping stays valid; the memory goes with it): readers
+        that already mapped the buffer keep reading, new ones cannot open it."""
+        self._closer()
 
 
 class PeerMap:
@@ -89,6 +114,17 @@ class PeerMap:
 
     def __repr__(self) -> str:
         return f"PeerMap(pid={self.pid}, fd={self.fd}, nbytes={self.nbytes})"
+
+
+def process_alive(pid: int) -> bool:
+    """Whether process ``pid`` still exists (a mapped peer's owner)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 def copy_runs(dst: np.ndarray, src: PeerMap, runs: np.ndarray) -> int:
