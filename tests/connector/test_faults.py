@@ -295,3 +295,37 @@ def test_stale_generation_messages_are_ignored(prefill_hosts, decode_hosts, monk
                    "stale abort counted")
         assert decode.stats().get("stale_messages", 0) == 1
         wait_until(lambda: server.stats()["pages_used"] == 0, 10, "prefill pages freed")
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("fields,needle", [
+    ({"rank_pids": (1,), "rank_shm_fds": (3,)}, "shared-map pids [1] / fds [3] for TP size 2"),
+    ({"rank_pids": (0, 5), "rank_shm_fds": (3, 4)}, "shared-map pids [0, 5]"),
+    ({"rank_pids": (7, 8), "rank_shm_fds": (3, -1)}, "fds [3, -1]"),
+    ({"shared_map_min_bytes": -1}, "shared_map_min_bytes -1 < 0"),
+], ids=["short", "pid-0", "negative-fd", "negative-threshold"])
+def test_bad_shared_map_fields_in_group_info_are_refused(prefill_hosts, decode_hosts, fields,
+                                                         needle):
+    """A GroupInfo whose shared-map fields do not fit its TP size is refused naming them; the
+    server keeps serving."""
+    import dataclasses
+
+    with PrefillServer(SPEC, 2, "DLS", num_pages=4, config=FAST,
+                       launcher=prefill_hosts.launcher()) as server, \
+            DecodeCoordinator(SPEC, 2, "DLS", num_pages=4, config=FAST, checksums=True,
+                              launcher=decode_hosts.launcher()) as decode:
+        server.wait_ready()
+        decode.wait_ready()
+        sock = raw_peer(server.address)
+        compat = m.compat_hash(SPEC.to_json())
+        sock.send(m.encode(m.Hello(compat_hash=compat, node_id="odd", role="decode")))
+        assert isinstance(m.decode(sock.recv()), m.Hello)
+        info = dataclasses.replace(decode.loop.call(decode.group_info), node_id="odd", **fields)
+        sock.send(m.encode(info))
+        reply = m.decode(sock.recv())
+        assert isinstance(reply, m.Reject) and needle in reply.reason, reply
+        sock.close(0)
+        assert server.stats()["incompatible_peers"] == 1
+        decode.connect(server.address)
+        rid = ids(1)[0]
+        check_ok(decode, decode.submit(rid, [1, 2]), rid)
