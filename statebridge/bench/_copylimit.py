@@ -75,29 +75,27 @@ def _copier_main(conn, sources: list, pairs: list, src_page_bytes: list, request
     from statebridge.connector.data import alloc_buffer
     from statebridge.connector.data.shared import PeerMap, copy_runs
 
-    libc = _libc()
     dst = alloc_buffer(max(1, dst_pages * request_bytes), huge_pages=True)
     dst.numpy()[:] = 0
-    base = dst.data_ptr()
-    local, remote = _IoVec(), _IoVec()
     if mechanism == "shared_map":
         maps = [PeerMap(pid, fd) for pid, _addr, fd in sources]
-        row = np.zeros((1, 3), dtype=np.int64)
-        conn.send(("ready", None))
-        start_at = conn.recv()
-        while time.perf_counter() < start_at:
-            time.sleep(0.0005)
-        t0, c0 = time.perf_counter(), time.process_time()
-        slot, view = 0, dst.numpy()
-        for i in range(first, requests, step):
-            src_page = i % pages
-            for s, src_off, dst_off, n in pairs:
-                row[0] = (src_page * src_page_bytes[s] + src_off,
-                          slot * request_bytes + dst_off, n)
-                copy_runs(view, maps[s], row)
-            slot = (slot + 1) % dst_pages
-        conn.send(("ok", (t0, time.perf_counter(), time.process_time() - c0)))
-        return
+        row, view = np.zeros((1, 3), dtype=np.int64), dst.numpy()
+
+        def copy(s: int, src: int, at: int, n: int) -> str | None:
+            row[0] = (src, at, n)
+            copy_runs(view, maps[s], row)
+            return None
+    else:
+        libc, base = _libc(), dst.data_ptr()
+        local, remote = _IoVec(), _IoVec()
+
+        def copy(s: int, src: int, at: int, n: int) -> str | None:
+            pid, addr, _fd = sources[s]
+            remote.base, remote.len = addr + src, n
+            local.base, local.len = base + at, n
+            got = libc.process_vm_readv(pid, ctypes.byref(local), 1, ctypes.byref(remote), 1, 0)
+            return None if got == n else (f"process_vm_readv: {got} of {n} bytes, "
+                                          f"errno {ctypes.get_errno()}")
     conn.send(("ready", None))
     start_at = conn.recv()                    # every copier ready: start together
     while time.perf_counter() < start_at:
@@ -107,15 +105,10 @@ def _copier_main(conn, sources: list, pairs: list, src_page_bytes: list, request
     for i in range(first, requests, step):
         src_page = i % pages
         for s, src_off, dst_off, n in pairs:
-            pid, addr, _fd = sources[s]
-            remote.base = addr + src_page * src_page_bytes[s] + src_off
-            remote.len = n
-            local.base = base + slot * request_bytes + dst_off
-            local.len = n
-            got = libc.process_vm_readv(pid, ctypes.byref(local), 1, ctypes.byref(remote), 1, 0)
-            if got != n:
-                conn.send(("error", f"process_vm_readv: {got} of {n} bytes, "
-                                    f"errno {ctypes.get_errno()}"))
+            error = copy(s, src_page * src_page_bytes[s] + src_off,
+                         slot * request_bytes + dst_off, n)
+            if error is not None:
+                conn.send(("error", error))
                 return
         slot = (slot + 1) % dst_pages
     conn.send(("ok", (t0, time.perf_counter(), time.process_time() - c0)))
