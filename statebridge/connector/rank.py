@@ -41,6 +41,7 @@ from statebridge.connector import control as c
 from statebridge.connector.local import LocalDealer
 from statebridge.connector import messages as m
 from statebridge.connector.data import shared
+from statebridge.connector.data.tags import DONE_INDEX, READY_INDEX
 from statebridge.connector.ledger import RequestKey
 from statebridge.connector.opcounts import counter as _op_counter
 from statebridge.errors import FailureKind, ProtocolError, StatebridgeError, kind_of
@@ -283,6 +284,7 @@ class RankWorker:
         #: through shared maps, in order; decode: UCX peer id -> the mapping (or why not).
         self.shm_peers: dict[str, list[tuple[int, str]]] = {}
         self.peer_maps: dict[str, "shared.PeerMap | StatebridgeError"] = {}
+        self.shm_runs: dict[str, np.ndarray] = {}       # UCX peer id -> its pairs' runs
         self._reads: list[_Read] = []          # decode: reads whose notice is awaited
         self._answers: list = []               # decode: "done" sends still in flight
         self._serial = 0                       # prefill: numbers its requests' "done" tags
@@ -454,6 +456,9 @@ class RankWorker:
         kv_routes = self.kv_routes[msg.peer_node] = self._kv_routes(msg, routes)
         peers = sorted({(r.peer_rank, r.peer) for r in routes if r.shm})
         self.shm_peers[msg.peer_node] = peers
+        # Per peer rank, its shared-map pairs' runs relative to the two pages (fixed per peer).
+        self.shm_runs.update({peer: np.concatenate(
+            [r.pair.runs for r in routes if r.shm and r.peer == peer]) for _, peer in peers})
         if self.setup.role == "decode":
             for peer_rank, peer in peers:
                 try:
@@ -728,8 +733,6 @@ class RankWorker:
         peer rank into its slot (the page's offset and its own serial for the request), posts
         the receive of the "done" answer, then sends the notice; a decode rank posts the
         receive of the notice (the copy follows in :meth:`_do_reads`)."""
-        from statebridge.connector.data.tags import DONE_INDEX, READY_INDEX
-
         transport, key, words = self.transport, pending.key, self._words
         if direction == "send":
             self._serial = serial = (self._serial + 1) & 0xFFFFFFFF
@@ -763,8 +766,6 @@ class RankWorker:
         copies nothing; a request that failed meanwhile copies nothing and answers. At most
         :data:`_READ_BUDGET` bytes per loop pass (the loop comes straight back for the rest):
         heartbeats and cancels are never held up by a backlog of copies."""
-        from statebridge.connector.data.tags import DONE_INDEX
-
         waiting, copied = [], 0
         words = self._words
         for read in self._reads:
@@ -804,12 +805,9 @@ class RankWorker:
         if not isinstance(src, shared.PeerMap):
             raise src if isinstance(src, StatebridgeError) else StatebridgeError(
                 f"no shared map of {read.peer!r}")
-        p = read.pending
-        shift = np.array([src_page, self.cache.page_offset(p.page), 0], dtype=np.int64)
-        copied = 0
-        for route in self.routes.get(p.key.peer_node, ()):
-            if route.shm and route.peer_rank == read.peer_rank:
-                copied += shared.copy_runs(self._buf, src, route.pair.runs + shift)
+        shift = np.array([src_page, self.cache.page_offset(read.pending.page), 0],
+                         dtype=np.int64)
+        copied = shared.copy_runs(self._buf, src, self.shm_runs[read.peer] + shift)
         _op_counter()["shared_map_reads"] += 1
         return copied
 
