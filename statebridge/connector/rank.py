@@ -40,7 +40,7 @@ from statebridge.config import ConnectorConfig
 from statebridge.connector import control as c
 from statebridge.connector.local import LocalDealer
 from statebridge.connector import messages as m
-from statebridge.connector.data import shared
+from statebridge.connector.data import RunTemplate, shared
 from statebridge.connector.data.tags import DONE_INDEX, READY_INDEX
 from statebridge.connector.ledger import RequestKey
 from statebridge.connector.opcounts import counter as _op_counter
@@ -48,7 +48,7 @@ from statebridge.errors import FailureKind, ProtocolError, StatebridgeError, kin
 from statebridge.net import same_host
 from statebridge.security import CurveKeys
 from statebridge.state.cache import StateCache, page_checksum
-from statebridge.state.kv import BlockGeometry, KVPairPlan, KVPlan, blocks_for
+from statebridge.state.kv import BlockGeometry, KVPairPlan, KVPlan, blocks_for, range_start
 from statebridge.state.layout import PageGeometry
 from statebridge.state.plan import PairPlan, TransferPlan
 from statebridge.state.spec import StateSpec
@@ -192,6 +192,20 @@ class _KVRoute:
     peer_rank: int
     peer: str
     index0: int
+    #: (block count, column) -> the checked runs of blocks [0, count) (see template())
+    _templates: dict = field(default_factory=dict, repr=False, compare=False)
+
+    def template(self, blocks: int, col: int) -> RunTemplate:
+        """The pair's runs for ``blocks`` consecutive blocks on both sides, relative to the
+        first block, checked once per block count (a request posts them at its block base)."""
+        key = (blocks, col)
+        template = self._templates.get(key)
+        if template is None:
+            if len(self._templates) >= _KV_TEMPLATES:
+                self._templates.clear()
+            template = self._templates[key] = RunTemplate(self.pair.contiguous_runs(blocks),
+                                                          col, "KV runs")
+        return template
 
 
 @dataclass
@@ -549,20 +563,38 @@ class RankWorker:
                  src_blocks, dst_blocks) -> None:
         """Post this rank's KV runs of the request (absolute offsets: the pool's base added on
         this rank's side); raises StatebridgeError when a post fails (the handles posted so
-        far are in ``pending``)."""
-        from statebridge.connector.data import RunTemplate
+        far are in ``pending``).
 
+        Block tables that are ranges of consecutive ids on both sides (the prefill side's
+        always is; the decode side's allocator prefers them) post the pair's template for that
+        many blocks at this side's first block: per request only the base is added and
+        checked. Other tables build and check their runs for the request."""
         col = 0 if direction == "send" else 1
-        shift = np.zeros(3, dtype=np.int64)
-        shift[col] = self.kv_base
+        routes = self.kv_routes.get(node, ())
+        if not routes:
+            return
+        n = len(dst_blocks)
+        start = None
+        if n and len(src_blocks) == n:
+            start = range_start(src_blocks if col == 0 else dst_blocks)
+        contiguous = start is not None \
+            and range_start(dst_blocks if col == 0 else src_blocks) is not None
         generation = pending.key.generation
-        for route in self.kv_routes.get(node, ()):
-            runs = route.pair.runs(src_blocks, dst_blocks)
-            if not len(runs):
+        for route in routes:
+            pair = route.pair
+            if contiguous:
+                template = route.template(n, col)
+                base = self.kv_base + start * (pair.src_block_stride if col == 0
+                                               else pair.dst_block_stride)
+            else:
+                shift = np.zeros(3, dtype=np.int64)
+                shift[col] = self.kv_base
+                template, base = RunTemplate(pair.runs(src_blocks, dst_blocks) + shift, col,
+                                             "KV runs"), 0
+            if not len(template):
                 continue
-            template = RunTemplate(runs + shift, col, "KV runs")
             handle = self.transport.post_runs(direction, route.peer, generation,
-                                              route.pair.src_rank, 0, template,
+                                              pair.src_rank, base, template,
                                               index0=route.index0)
             pending.handles.append(handle)
             pending.nbytes += template.nbytes
@@ -985,6 +1017,9 @@ class RankWorker:
                               kv_checksum=kv_checksum, state_final_at=state_final_at,
                               held_at=held_at))
 
+
+#: Block counts whose KV templates a KV route keeps (cleared when full).
+_KV_TEMPLATES = 256
 
 #: Seconds between scans of the pending transfers for timeouts (transfer timeouts are tens
 #: of seconds; scanning on every loop pass cost O(pending) per pass).

@@ -47,7 +47,7 @@ from statebridge.state.sharding import kv_heads
 from statebridge.state.spec import KVSpec
 
 __all__ = ["KV_AXES", "KV_LAYOUT_PRESETS", "DEFAULT_KV_LAYOUT", "DEFAULT_BLOCK_SIZE", "KVLayout",
-           "BlockGeometry", "BlockPool", "KVPairPlan", "KVPlan", "blocks_for"]
+           "BlockGeometry", "BlockPool", "KVPairPlan", "KVPlan", "blocks_for", "range_start"]
 
 KV_AXES = "BHLCTE"
 KV_LAYOUT_PRESETS: dict[str, str] = {"HB": "HBLCTE", "BH": "BHLCTE", "LH": "BLCHTE"}
@@ -270,7 +270,7 @@ class BlockPool:
     def free(self, blocks: Sequence[int]) -> None:
         """Return ``blocks`` (DoubleFreeError / UnknownPageError naming the id; nothing is
         freed then)."""
-        start = _range_start(blocks) if type(blocks) in (range, list, tuple) and len(blocks) \
+        start = range_start(blocks) if type(blocks) in (range, list, tuple) and len(blocks) \
             else None
         if start is not None:
             # one range of consecutive ids (what allocate prefers): a slice, not a gather
@@ -310,9 +310,9 @@ class BlockPool:
 _CONTIGUOUS_CACHE = 256
 
 
-def _range_start(blocks: Sequence[int]) -> int | None:
-    """The first id when ``blocks`` are consecutive increasing ids, else None (C-level:
-    about a microsecond for a table of 64)."""
+def range_start(blocks: Sequence[int]) -> int | None:
+    """The first id when ``blocks`` (not empty) are consecutive increasing ids, else None
+    (C-level: about a microsecond for a table of 64)."""
     if type(blocks) is range:
         return blocks.start if blocks.step == 1 or len(blocks) == 1 else None
     first = blocks[0]
@@ -350,23 +350,30 @@ class KVPairPlan:
                               f"{len(dst_blocks)} destination")
         if not len(src_blocks):
             return _EMPTY
-        s0, d0 = _range_start(src_blocks), _range_start(dst_blocks)
+        s0, d0 = range_start(src_blocks), range_start(dst_blocks)
         if s0 is not None and d0 is not None:
             # Both tables are ranges of consecutive ids (the common case: the allocator
             # prefers them, the prefill side only has them). Runs depend on the block ids
             # only through ``id x stride``, so the runs of blocks [0, n) on both sides,
             # shifted, are the answer: computed once per n.
-            runs = self._contiguous.get(len(src_blocks))
-            if runs is None:
-                runs = self._runs(range(len(src_blocks)), range(len(dst_blocks)))
-                if len(self._contiguous) >= _CONTIGUOUS_CACHE:
-                    self._contiguous.clear()
-                self._contiguous[len(src_blocks)] = runs
-            out = runs.copy()
+            out = self.contiguous_runs(len(src_blocks)).copy()
             out[:, 0] += s0 * self.src_block_stride
             out[:, 1] += d0 * self.dst_block_stride
             return out
         return self._runs(src_blocks, dst_blocks)
+
+    def contiguous_runs(self, blocks: int) -> np.ndarray:
+        """The runs of blocks ``[0, blocks)`` on both sides (read-only, cached per count): a
+        request whose tables start at ids ``s0`` and ``d0`` moves these runs shifted by
+        ``s0 x src_block_stride`` and ``d0 x dst_block_stride``."""
+        runs = self._contiguous.get(blocks)
+        if runs is None:
+            runs = self._runs(range(blocks), range(blocks))
+            runs.flags.writeable = False
+            if len(self._contiguous) >= _CONTIGUOUS_CACHE:
+                self._contiguous.clear()
+            self._contiguous[blocks] = runs
+        return runs
 
     def _runs(self, src_blocks: Sequence[int], dst_blocks: Sequence[int]) -> np.ndarray:
         """:meth:`runs` for any tables (block by block, then coalesced)."""

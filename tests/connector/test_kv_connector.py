@@ -157,6 +157,40 @@ def test_kv_moves_byte_exact_and_blocks_are_freed(pools, spec_name, src_tp, dst_
 
 
 @pytest.mark.timeout(120)
+@pytest.mark.parametrize("spec_name,src_tp,dst_tp", [("hybrid-kv2", 2, 4), ("hybrid-kv4", 4, 1),
+                                                     ("hybrid-kv2", 1, 1)])
+def test_a_scattered_decode_block_table_moves_byte_exact(pools, spec_name, src_tp, dst_tp):
+    """Requests whose decode blocks are one range post each pair's runs from a template (the
+    base added per request); a table with holes builds its runs per request. The prefill side
+    must take the same path for the tags to pair: a fragmented decode pool forces one."""
+    prefill_hosts, decode_hosts = pools
+    spec = KV_SPECS[spec_name]
+    with PrefillServer(spec, src_tp, "DLS", num_pages=6, config=FAST, block_size=BS,
+                       num_blocks=16, launcher=prefill_hosts.launcher()) as server, \
+            DecodeCoordinator(spec, dst_tp, "DLS", num_pages=6, config=FAST, block_size=BS,
+                              num_blocks=6, launcher=decode_hosts.launcher(),
+                              checksums=True) as decode:
+        server.wait_ready()
+        decode.connect(server.address)
+        rids = ids(4)
+        first = [decode.submit(rid, prompt_of(2 * BS)).result(timeout=30) for rid in rids[:3]]
+        for rid, result in zip(rids, first):
+            check_result(decode, spec, result, rid, 2 * BS)
+            assert list(result.blocks) == list(range(result.blocks[0], result.blocks[0] + 2))
+        decode.release(first[0])
+        decode.release(first[2])
+        result = decode.submit(rids[3], prompt_of(4 * BS - 3)).result(timeout=30)
+        # the only free blocks are the two holes: 4 blocks that are not one range
+        assert sorted(result.blocks) == sorted([*first[0].blocks, *first[2].blocks])
+        assert list(result.blocks) != list(range(result.blocks[0], result.blocks[0] + 4))
+        check_result(decode, spec, result, rids[3], 4 * BS - 3)
+        decode.release(first[1])
+        decode.release(result)
+        wait_until(lambda: server.stats()["blocks_used"] == 0, 10, "prefill blocks freed")
+        assert decode.stats()["blocks_used"] == 0
+
+
+@pytest.mark.timeout(120)
 def test_decode_block_exhaustion_is_cache_full_with_numbers_and_leaks_nothing(pools):
     prefill_hosts, decode_hosts = pools
     spec = KV_SPECS["hybrid-kv2"]

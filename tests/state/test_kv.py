@@ -240,6 +240,24 @@ def test_hb_contiguous_is_one_run_per_head(num_kv_heads, src_tp, dst_tp):
     assert runs == {k: n * len(ranges) for k, n in expected.items()}
 
 
+@pytest.mark.parametrize("layout", ["HB", "BH", "LH"])
+def test_contiguous_runs_are_read_only_and_shift_by_the_block_strides(layout):
+    """What a rank posts for consecutive block ids (the template of blocks [0, n) at the
+    tables' first blocks) is what the plan computes for those tables, and the cached runs
+    cannot be changed by a caller."""
+    kv = heads_kv(3)
+    plan = KVPlan(BlockGeometry(kv, 2, layout, 16, SRC_BLOCKS),
+                  BlockGeometry(kv, 4, layout, 16, DST_BLOCKS))
+    for pair in plan:
+        runs = pair.contiguous_runs(5)
+        assert not runs.flags.writeable
+        with pytest.raises(ValueError):
+            runs[0, 0] = 1
+        shifted = runs + np.array([7 * pair.src_block_stride, 3 * pair.dst_block_stride, 0])
+        np.testing.assert_array_equal(pair.runs(range(7, 12), list(range(3, 8))), shifted)
+        np.testing.assert_array_equal(pair.runs(range(5), range(5)), runs)
+
+
 @pytest.mark.parametrize("num_kv_heads", KV_HEAD_COUNTS)
 @pytest.mark.parametrize("src_tp,dst_tp", ALL_TP_PAIRS)
 def test_bh_runs_are_one_per_block_unless_whole_blocks_move(num_kv_heads, src_tp, dst_tp):
