@@ -6,6 +6,9 @@ not the transfer. :class:`PageOnceModel` fills a page with the full synthetic st
 request that uses it and afterwards only stamps the request's 8-byte seed into the page's first
 state bytes. Request ids starting with :data:`CHECK_PREFIX` are always filled in full, so the
 decode side's checksums of those requests can be compared with the oracle (byte-exactness).
+A prefill rank's KV block pool is written once in full before any request: the timed requests
+move whatever their blocks hold, and a block never written would be read from the kernel's
+zero page (cache-hot, no memory traffic), where the NIXL yardstick's sources are written.
 """
 
 from __future__ import annotations
@@ -26,6 +29,11 @@ class PageOnceModel(SyntheticModel):
         super().__init__(setup, cache, kv)
         self._filled: set[int] = set()
         self._stamp_at = min(r.offset for r in cache.geometry.regions)
+        if kv is not None and setup.role == "prefill":
+            # Write the whole KV pool once, before any request: the timed requests move what
+            # the blocks hold, and blocks never written would be read from the kernel's zero
+            # page (cache-hot, no memory traffic) -- unlike the NIXL yardstick's sources.
+            kv.buffer.fill_(0x5A)
 
     def prefill(self, page: int, prompt: tuple[int, ...], request_id: str,
                 blocks: tuple[int, ...] = ()) -> None:

@@ -1,0 +1,37 @@
+"""The benchmark's stand-in prefill model moves real memory, as the yardsticks' sources do."""
+
+from __future__ import annotations
+
+import torch
+
+from statebridge.bench._model import PageOnceModel
+from statebridge.bench.hetero_tp import preset_spec
+from statebridge.connector.rank import KVBlocks, RankSetup
+from statebridge.state.cache import StateCache
+from statebridge.state.kv import BlockGeometry
+from statebridge.state.layout import PageGeometry
+
+
+def _model(role: str) -> tuple[PageOnceModel, KVBlocks]:
+    spec = preset_spec("tiny-hybrid")
+    cache = StateCache(PageGeometry(spec, 1, "DLS"), 2)
+    geo = BlockGeometry(spec.kv, 1, "HB", 16, 8)
+    kv = KVBlocks(geo, torch.zeros(geo.nbytes, dtype=torch.uint8), 0)
+    setup = RankSetup(role=role, coordinator="", tp_rank=0, tp_size=1, spec_json=spec.to_json(),
+                      layout="DLS", num_pages=2, node_id="n")
+    return PageOnceModel(setup, cache, kv), kv
+
+
+def test_a_prefill_ranks_kv_pool_is_written_before_any_request():
+    # Timed requests move whatever their blocks hold; a block never written would be read
+    # from the kernel's zero page (cache-hot), unlike the NIXL yardstick's written sources.
+    model, kv = _model("prefill")
+    assert int((kv.buffer == 0).sum()) == 0
+    before = kv.buffer.clone()
+    model.prefill_kv((0, 1, 2), 40, "timed-7")       # timed: moves what the blocks hold
+    assert torch.equal(kv.buffer, before)
+
+
+def test_a_decode_ranks_kv_pool_is_left_to_the_transfers():
+    _, kv = _model("decode")
+    assert int(kv.buffer.count_nonzero()) == 0
