@@ -35,6 +35,11 @@ per-request messages inside a group (:attr:`Message.BATCH` types) that an event 
 one peer in one iteration leave as one frame of value rows (:func:`encode_rows`, read with
 :func:`decode_frame`; readers outside the connector only ever get single messages).
 
+Version 7: same-host shared-map reads (:class:`GroupInfo` ``shared_map*``). Version 8: a
+hybrid link that reads shared maps moves attention KV (and every zero-copy recurrent pair)
+that way too, and the "ready" notice a prefill rank sends per pair is 32 bytes: the page's
+offset, its serial, its KV pool's base and the request's first block.
+
 Layers above the connector (the decode node's stepping and front door) declare their own
 messages with :func:`message`; they travel through the same codec.
 """
@@ -64,7 +69,7 @@ __all__ = [
     "RankShutdown", "RankLocalPrefill", "RankFailed",
 ]
 
-PROTOCOL_VERSION = 7
+PROTOCOL_VERSION = 8
 #: Default largest message accepted by :func:`decode` (a prompt of 1M tokens fits).
 MAX_MESSAGE_BYTES = 16 * 1024 * 1024
 

@@ -192,6 +192,7 @@ class _KVRoute:
     peer_rank: int
     peer: str
     index0: int
+    shm: bool = False                  # read out of the prefill rank's shared map
     #: (block count, column) -> the checked runs of blocks [0, count) (see template())
     _templates: dict = field(default_factory=dict, repr=False, compare=False)
 
@@ -211,7 +212,7 @@ class _KVRoute:
 @dataclass
 class _Read:
     """A decode rank's shared-map read of one request from one prefill rank: its "ready"
-    receive, then the copy of the pair's recurrent runs out of the mapping."""
+    receive, then the copy of the pair's recurrent runs and KV runs out of the mapping."""
 
     pending: "_Pending"
     peer_rank: int
@@ -262,10 +263,12 @@ class RankWorker:
         self.ctl_base = -(-(self.kv_base + kv_bytes) // 64) * 64
         nbytes = self.ctl_base + setup.num_pages * _CTL_PEERS * _CTL_SLOT
         #: A prefill rank's buffer is a memfd that same-host decode ranks map and read
-        #: (``shared_map``); otherwise huge-page-backed anonymous memory.
+        #: (``shared_map``: pages of at least the threshold, or a KV pool); otherwise
+        #: huge-page-backed anonymous memory.
         self.shared_buffer: shared.SharedBuffer | None = None
         if setup.role == "prefill" and self.config.shared_map and shared.available() \
-                and self.geometry.page_size >= self.config.shared_map_min_bytes:
+                and (self.geometry.page_size >= self.config.shared_map_min_bytes
+                     or self.kv_geometry is not None):
             self.shared_buffer = shared.SharedBuffer(
                 nbytes, f"statebridge-prefill-rank{setup.tp_rank}")
             self.buffer = self.shared_buffer.tensor
@@ -299,6 +302,7 @@ class RankWorker:
         self.shm_peers: dict[str, list[tuple[int, str]]] = {}
         self.peer_maps: dict[str, "shared.PeerMap | StatebridgeError"] = {}
         self.shm_runs: dict[str, np.ndarray] = {}       # UCX peer id -> its pairs' runs
+        self.shm_kv: dict[str, list[_KVRoute]] = {}     # UCX peer id -> its shared-map KV pairs
         self._reads: list[_Read] = []          # decode: reads whose notice is awaited
         self._answers: list = []               # decode: "done" sends still in flight
         self._serial = 0                       # prefill: numbers its requests' "done" tags
@@ -462,17 +466,24 @@ class RankWorker:
                 if peer in self.transport.peers:
                     self.transport.fail_peer(peer, f"{msg.peer_node} connected again")
         shm = self._shared_map_min_bytes(msg) if self._shared_map_with(msg) else None
-        routes = self.routes[msg.peer_node] = self._routes(msg.peer_node, peer_geo, shm)
+        # A hybrid link reads KV out of the map, and then every zero-copy recurrent pair too:
+        # the pair's one notice covers both (both sides know both pools: they decide alike).
+        kv_shm = shm is not None and self.kv_geometry is not None and bool(msg.peer_num_blocks)
+        routes = self.routes[msg.peer_node] = self._routes(msg.peer_node, peer_geo,
+                                                           0 if kv_shm else shm)
         if self.transport.sends_complete_unattended(same_host(msg.peer_host_id)):
             self.unattended_nodes.add(msg.peer_node)
         else:
             self.unattended_nodes.discard(msg.peer_node)
-        kv_routes = self.kv_routes[msg.peer_node] = self._kv_routes(msg, routes)
-        peers = sorted({(r.peer_rank, r.peer) for r in routes if r.shm})
+        kv_routes = self.kv_routes[msg.peer_node] = self._kv_routes(msg, routes, kv_shm)
+        peers = sorted({(r.peer_rank, r.peer) for r in [*routes, *kv_routes] if r.shm})
         self.shm_peers[msg.peer_node] = peers
         # Per peer rank, its shared-map pairs' runs relative to the two pages (fixed per peer).
         self.shm_runs.update({peer: np.concatenate(
-            [r.pair.runs for r in routes if r.shm and r.peer == peer]) for _, peer in peers})
+            [r.pair.runs for r in routes if r.shm and r.peer == peer]
+            or [np.zeros((0, 3), dtype=np.int64)]) for _, peer in peers})
+        self.shm_kv.update({peer: [r for r in kv_routes if r.shm and r.peer == peer]
+                            for _, peer in peers})
         if self.setup.role == "decode":
             for peer_rank, peer in peers:
                 try:
@@ -502,7 +513,9 @@ class RankWorker:
     def _shared_map_with(self, msg: m.RankConnect) -> bool:
         """Whether this rank and the peer group of ``msg`` move zero-copy pairs through shared
         maps: both groups take part (config ``shared_map``; a prefill rank's buffer is a
-        memfd), one host, at most :data:`_CTL_PEERS` ranks a side. Both sides decide alike."""
+        memfd), one host, at most :data:`_CTL_PEERS` ranks a side. Both sides decide alike.
+        Which pairs: recurrent pairs of at least the prefill group's threshold; on a hybrid
+        link (KV pools on both sides) every KV pair and every zero-copy recurrent pair."""
         mine = self.config.shared_map and shared.available() and (
             self.setup.role == "decode" or self.shared_buffer is not None)
         return bool(mine and msg.peer_shared_map and same_host(msg.peer_host_id)
@@ -538,8 +551,10 @@ class RankWorker:
                                  and pair.nbytes >= shm))
         return routes
 
-    def _kv_routes(self, msg: m.RankConnect, routes: list["_Route"]) -> list["_KVRoute"]:
-        """This rank's KV pairs with the peer of ``msg`` (none without KV on both sides)."""
+    def _kv_routes(self, msg: m.RankConnect, routes: list["_Route"],
+                   shm: bool = False) -> list["_KVRoute"]:
+        """This rank's KV pairs with the peer of ``msg`` (none without KV on both sides);
+        ``shm``: read out of the shared map."""
         if self.kv_geometry is None or not msg.peer_num_blocks:
             return []
         peer_geo = BlockGeometry(self.spec.kv, msg.peer_tp_size, msg.peer_kv_layout,
@@ -556,7 +571,7 @@ class RankWorker:
         for pair in pairs:
             peer_rank = pair.dst_rank if self.setup.role == "prefill" else pair.src_rank
             out.append(_KVRoute(pair, peer_rank, f"{msg.peer_node}/{peer_rank}",
-                                recurrent.get(peer_rank, 0)))
+                                recurrent.get(peer_rank, 0), shm))
         return out
 
     def _post_kv(self, pending: "_Pending", node: str, direction: str,
@@ -582,6 +597,12 @@ class RankWorker:
         generation = pending.key.generation
         for route in routes:
             pair = route.pair
+            if route.shm:                        # read out of the shared map: no post
+                nruns = pair.contiguous_runs(n) if contiguous else pair.runs(src_blocks,
+                                                                             dst_blocks)
+                pending.nbytes += int(nruns[:, 2].sum())
+                pending.messages += len(nruns)
+                continue
             if contiguous:
                 template = route.template(n, col)
                 base = self.kv_base + start * (pair.src_block_stride if col == 0
@@ -762,9 +783,10 @@ class RankWorker:
     def _post_notices(self, pending: "_Pending", peers: list[tuple[int, str]], direction: str,
                       base: int) -> None:
         """Shared-map reads of the request: a prefill rank writes the "ready" notice of each
-        peer rank into its slot (the page's offset and its own serial for the request), posts
-        the receive of the "done" answer, then sends the notice; a decode rank posts the
-        receive of the notice (the copy follows in :meth:`_do_reads`)."""
+        peer rank into its slot (the page's offset, its own serial for the request, its KV
+        pool's base and the request's first block), posts the receive of the "done" answer,
+        then sends the notice; a decode rank posts the receive of the notice (the copy follows
+        in :meth:`_do_reads`)."""
         transport, key, words = self.transport, pending.key, self._words
         if direction == "send":
             self._serial = serial = (self._serial + 1) & 0xFFFFFFFF
@@ -773,6 +795,8 @@ class RankWorker:
                 w = (slot - self.ctl_base) // 8
                 words[w] = base
                 words[w + 1] = serial
+                words[w + 2] = self.kv_base
+                words[w + 3] = pending.blocks[0] if pending.blocks else 0
                 pending.handles.append(transport.post_notice(
                     "recv", peer, serial, peer_rank, DONE_INDEX, slot + _NOTICE_BYTES,
                     _ANSWER_BYTES))
@@ -812,7 +836,7 @@ class RankWorker:
             w = (read.slot - self.ctl_base) // 8
             if p.failure is None:
                 try:
-                    copied += self._copy_read(read, int(words[w]))
+                    copied += self._copy_read(read, w)
                 except StatebridgeError as e:
                     p.failure = (kind_of(e).value, f"shared-map read failed: {e}")
                     for h in p.handles:
@@ -830,16 +854,34 @@ class RankWorker:
         if copied >= _READ_BUDGET and waiting:
             self.loop.call_soon(lambda: None)    # no sleep before the next pass
 
-    def _copy_read(self, read: _Read, src_page: int) -> int:
+    def _copy_read(self, read: _Read, w: int) -> int:
         """Copy the runs of the pair (this rank, ``read.peer_rank``) of the request out of the
-        source page at offset ``src_page`` of the peer's mapping into this rank's page."""
+        peer's mapping into this rank's page and KV blocks; the notice at word ``w`` gave the
+        source page's offset, the source KV pool's base and the source table's first block
+        (the prefill side's table is always one range of consecutive blocks)."""
         src = self.peer_maps.get(read.peer)
         if not isinstance(src, shared.PeerMap):
             raise src if isinstance(src, StatebridgeError) else StatebridgeError(
                 f"no shared map of {read.peer!r}")
-        shift = np.array([src_page, self.cache.page_offset(read.pending.page), 0],
-                         dtype=np.int64)
-        copied = shared.copy_runs(self._buf, src, self.shm_runs[read.peer] + shift)
+        words, p = self._words, read.pending
+        runs = self.shm_runs[read.peer] + np.array(
+            [words[w], self.cache.page_offset(p.page), 0], dtype=np.int64)
+        kv = self.shm_kv.get(read.peer)
+        if kv and p.blocks:
+            parts = [runs]
+            src_base, first, n = int(words[w + 2]), int(words[w + 3]), len(p.blocks)
+            start = range_start(p.blocks)
+            for route in kv:
+                pair = route.pair
+                if start is not None:
+                    parts.append(pair.contiguous_runs(n) + np.array(
+                        [src_base + first * pair.src_block_stride,
+                         self.kv_base + start * pair.dst_block_stride, 0], dtype=np.int64))
+                else:
+                    parts.append(pair.runs(range(first, first + n), p.blocks) + np.array(
+                        [src_base, self.kv_base, 0], dtype=np.int64))
+            runs = np.concatenate(parts)
+        copied = shared.copy_runs(self._buf, src, runs)
         _op_counter()["shared_map_reads"] += 1
         return copied
 
@@ -1034,8 +1076,8 @@ _FULL_SCAN_S = 0.002
 #: the slot's bytes: the "ready" notice (the source page's offset and the prefill rank's
 #: serial of the request: 2 x int64) then the "done" answer (the serial).
 _CTL_PEERS = 64
-_CTL_SLOT = 32
-_NOTICE_BYTES = 16
+_CTL_SLOT = 64
+_NOTICE_BYTES = 32
 _ANSWER_BYTES = 8
 #: Most bytes a decode rank copies out of shared maps in one loop pass (see _do_reads).
 _READ_BUDGET = 64 << 20

@@ -213,8 +213,11 @@ def test_hybrid_cells_move_state_and_kv_as_planned(hybrid_report):
             assert cell["vllm_way_descriptors_per_request"] == \
                 vllm_descriptors_per_request(vllm_plan, 3)
             _check_vllm_way_counts(cell, p, d)
-        # every rank pair's data-plane runs, posted once by the sender and once by the receiver
-        assert cell["ucx_operations_per_request"] == 2 * cell["messages_per_request"]
+        # One host: the decode ranks read pages and KV out of the prefill ranks' shared maps,
+        # one read per rank pair; UCX carries each pair's "ready" and "done" notices, posted by
+        # both sides (the runs' count does not enter).
+        assert cell["shared_map_reads_per_request"] == len(state.pairs) == 2
+        assert cell["ucx_operations_per_request"] == 4 * len(state.pairs)
 
 
 @pytest.mark.timeout(300)

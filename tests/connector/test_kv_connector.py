@@ -16,7 +16,7 @@ import torch
 from statebridge.connector.decode import DecodeCoordinator
 from statebridge.connector.prefill import PrefillServer
 from statebridge.errors import CacheFullError, IncompatiblePeerError, PeerLostError
-from statebridge.state.kv import blocks_for
+from statebridge.state.kv import BlockGeometry, KVPlan, blocks_for
 from statebridge.state.sharding import kv_heads
 from statebridge.state.plan import TransferPlan
 from statebridge.state.spec import StateSpec
@@ -122,10 +122,24 @@ CASES += [pytest.param("hybrid-kv2", 2, 4, "HB", "LH", id="kv2-2x4-HB-to-LH"),
           pytest.param("hybrid-kv4", 4, 1, "BH", "HB", id="kv4-4x1-BH-to-HB")]
 
 
-#: Recurrent pairs read out of the prefill rank's shared map (any size); KV over UCX.
-SHM = FAST.replace(shared_map_min_bytes=0)
-CASES += [pytest.param("hybrid-kv2", 2, 4, "HB", "HB", SHM, id="kv2-2x4-shared-map"),
-          pytest.param("hybrid-kv4", 4, 1, "HB", "HB", SHM, id="kv4-4x1-shared-map")]
+#: On one host (the default) a hybrid link reads pages and KV out of the prefill rank's
+#: shared map; with ``shared_map`` off every byte goes over UCX.
+UCX = FAST.replace(shared_map=False)
+CASES += [pytest.param("hybrid-kv2", p, d, "HB", "HB", UCX, id=f"kv2-{p}x{d}-ucx")
+          for p, d in [(2, 4), (1, 8)]]
+CASES += [pytest.param("hybrid-kv4", 4, 1, "HB", "HB", UCX, id="kv4-4x1-ucx"),
+          pytest.param("hybrid-kv2", 2, 4, "HB", "LH", UCX, id="kv2-2x4-HB-to-LH-ucx"),
+          pytest.param("hybrid-kv4", 4, 1, "BH", "HB", UCX, id="kv4-4x1-BH-to-HB-ucx")]
+
+
+def rank_pairs(spec_name: str, src_tp: int, dst_tp: int) -> int:
+    """(prefill rank, decode rank) pairs that move recurrent state or KV: one shared-map read
+    each per request."""
+    spec = KV_SPECS[spec_name]
+    state = TransferPlan.build(spec, src_tp, "DLS", dst_tp, "DLS").pairs
+    kv = KVPlan(BlockGeometry(spec.kv, src_tp, "HB", BS, 1),
+                BlockGeometry(spec.kv, dst_tp, "HB", BS, 1))
+    return len(set(state) | set(kv.pairs))
 
 
 @pytest.mark.timeout(240)
@@ -138,9 +152,9 @@ def test_kv_moves_byte_exact_and_blocks_are_freed(pools, spec_name, src_tp, dst_
     results, p_stats, d_stats = kv_round(pools, spec_name, src_tp, dst_tp, src_kv, dst_kv,
                                          config)
     reads = sum(c.get("shared_map_reads", 0) for c in pools[1].opcounts(dst_tp)) - reads
-    # With SHM every request is one read per (decode rank, prefill rank) pair of the page.
-    pairs = len(TransferPlan.build(KV_SPECS[spec_name], src_tp, "DLS", dst_tp, "DLS").pairs)
-    assert reads == (len(LENGTHS) * pairs if config is SHM else 0)
+    # Through the shared map every request is one read per rank pair; over UCX none.
+    assert reads == (len(LENGTHS) * rank_pairs(spec_name, src_tp, dst_tp)
+                     if config.shared_map else 0)
     assert p_stats["requests"] == len(LENGTHS) and d_stats["transfers_ok"] == len(LENGTHS)
     # Page layouts pair (DLS both sides) and KV runs are always zero-copy: no staging at all.
     staging = [b for r in results for b in r.rank_staging_bytes] + p_stats["rank_staging_bytes"]
@@ -157,17 +171,19 @@ def test_kv_moves_byte_exact_and_blocks_are_freed(pools, spec_name, src_tp, dst_
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("spec_name,src_tp,dst_tp", [("hybrid-kv2", 2, 4), ("hybrid-kv4", 4, 1),
-                                                     ("hybrid-kv2", 1, 1)])
-def test_a_scattered_decode_block_table_moves_byte_exact(pools, spec_name, src_tp, dst_tp):
+@pytest.mark.parametrize("spec_name,src_tp,dst_tp,config", [
+    ("hybrid-kv2", 2, 4, FAST), ("hybrid-kv4", 4, 1, FAST), ("hybrid-kv2", 1, 1, FAST),
+    ("hybrid-kv2", 2, 4, UCX), ("hybrid-kv4", 4, 1, UCX)])
+def test_a_scattered_decode_block_table_moves_byte_exact(pools, spec_name, src_tp, dst_tp,
+                                                         config):
     """Requests whose decode blocks are one range post each pair's runs from a template (the
     base added per request); a table with holes builds its runs per request. The prefill side
     must take the same path for the tags to pair: a fragmented decode pool forces one."""
     prefill_hosts, decode_hosts = pools
     spec = KV_SPECS[spec_name]
-    with PrefillServer(spec, src_tp, "DLS", num_pages=6, config=FAST, block_size=BS,
+    with PrefillServer(spec, src_tp, "DLS", num_pages=6, config=config, block_size=BS,
                        num_blocks=16, launcher=prefill_hosts.launcher()) as server, \
-            DecodeCoordinator(spec, dst_tp, "DLS", num_pages=6, config=FAST, block_size=BS,
+            DecodeCoordinator(spec, dst_tp, "DLS", num_pages=6, config=config, block_size=BS,
                               num_blocks=6, launcher=decode_hosts.launcher(),
                               checksums=True) as decode:
         server.wait_ready()
@@ -392,7 +408,7 @@ def test_decode_node_requests_waiting_for_kv_blocks_wait_in_order(pools, tmp_pat
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("config", [FAST, SHM], ids=["ucx", "shared-map"])
+@pytest.mark.parametrize("config", [UCX, FAST], ids=["ucx", "shared-map"])
 def test_frozen_prefill_rank_resumed_cannot_write_into_a_reused_page_or_blocks(pools,
                                                                               monkeypatch,
                                                                               config):
