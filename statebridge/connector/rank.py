@@ -797,12 +797,15 @@ class RankWorker:
                 words[w + 1] = serial
                 words[w + 2] = self.kv_base
                 words[w + 3] = pending.blocks[0] if pending.blocks else 0
-                pending.handles.append(transport.post_notice(
-                    "recv", peer, serial, peer_rank, DONE_INDEX, slot + _NOTICE_BYTES,
-                    _ANSWER_BYTES))
-                pending.handles.append(transport.post_notice(
-                    "send", peer, key.generation, self.setup.tp_rank, READY_INDEX, slot,
-                    _NOTICE_BYTES))
+                answer = transport.post_notice("recv", peer, serial, peer_rank, DONE_INDEX,
+                                               slot + _NOTICE_BYTES, _ANSWER_BYTES)
+                try:
+                    pending.handles.append(transport.post_notice(
+                        "send", peer, key.generation, self.setup.tp_rank, READY_INDEX, slot,
+                        _NOTICE_BYTES))
+                finally:
+                    # the answer finishes last: _poll_transfers looks at the last handle first
+                    pending.handles.append(answer)
             return
         for peer_rank, peer in peers:
             slot = self._slot(pending.page, peer_rank)
