@@ -49,7 +49,7 @@ class ConnectorConfig:
       recurrent pair through the map, whatever their size: one notice per rank pair covers
       both. Measured here (README, "Reading state out of a shared map" and "Written KV
       sources, and attention KV through the shared map"): Mamba2-2.7B's 10-21 MB pairs 1.2x
-      faster; LFM2-1.2B hybrid at 1,024 tokens 1.05-1.19x.
+      faster; LFM2-1.2B hybrid at 1,024 tokens 1.05-1.21x.
     """
 
     bind_host: str = "127.0.0.1"
