@@ -1076,8 +1076,9 @@ _FULL_SCAN_S = 0.002
 
 
 #: Shared-map reads: most ranks of a peer group (a notice slot per page and peer rank), and
-#: the slot's bytes: the "ready" notice (the source page's offset and the prefill rank's
-#: serial of the request: 2 x int64) then the "done" answer (the serial).
+#: the slot's bytes: the "ready" notice (the source page's offset, the prefill rank's serial
+#: of the request, its KV pool's base and the request's first block: 4 x int64) then the
+#: "done" answer (the serial).
 _CTL_PEERS = 64
 _CTL_SLOT = 64
 _NOTICE_BYTES = 32

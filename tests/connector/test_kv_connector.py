@@ -86,12 +86,14 @@ def check_result(decode, spec, result, rid, tokens):
         for r in range(decode.tp_size)), f"{rid} ({tokens} tokens): KV differs from the oracle"
 
 
-def kv_round(pools, spec_name, src_tp, dst_tp, src_kv="HB", dst_kv="HB", config=FAST):
+def kv_round(pools, spec_name, src_tp, dst_tp, src_kv="HB", dst_kv="HB", config=FAST,
+             src_layout="DLS"):
     prefill_hosts, decode_hosts = pools
     spec = KV_SPECS[spec_name]
     n = len(LENGTHS)
-    with PrefillServer(spec, src_tp, "DLS", num_pages=n + 2, config=config, kv_layout=src_kv,
-                       block_size=BS, launcher=prefill_hosts.launcher()) as server, \
+    with PrefillServer(spec, src_tp, src_layout, num_pages=n + 2, config=config,
+                       kv_layout=src_kv, block_size=BS,
+                       launcher=prefill_hosts.launcher()) as server, \
             DecodeCoordinator(spec, dst_tp, "DLS", num_pages=n + 2, config=config,
                               kv_layout=dst_kv, block_size=BS, num_blocks=160,
                               launcher=decode_hosts.launcher(), checksums=True) as decode:
@@ -168,6 +170,22 @@ def test_kv_moves_byte_exact_and_blocks_are_freed(pools, spec_name, src_tp, dst_
             * spec.kv.itemsize
         recurrent.add(r.nbytes - kv_bytes)
     assert len(recurrent) == 1 and recurrent.pop() > 0
+
+
+@pytest.mark.timeout(120)
+def test_staged_pages_go_over_ucx_while_kv_reads_the_shared_map(pools):
+    """Page layouts that differ (LSD -> DLS) stage the recurrent pairs: those go over UCX as
+    packed messages, while the KV of the same rank pairs is read out of the shared map --
+    one read per rank pair with KV, byte-exact, everything freed."""
+    spec_name, src_tp, dst_tp = "hybrid-kv2", 2, 4
+    reads = sum(c.get("shared_map_reads", 0) for c in pools[1].opcounts(dst_tp))
+    results, p_stats, _ = kv_round(pools, spec_name, src_tp, dst_tp, src_layout="LSD")
+    reads = sum(c.get("shared_map_reads", 0) for c in pools[1].opcounts(dst_tp)) - reads
+    spec = KV_SPECS[spec_name]
+    kv = KVPlan(BlockGeometry(spec.kv, src_tp, "HB", BS, 1),
+                BlockGeometry(spec.kv, dst_tp, "HB", BS, 1))
+    assert reads == len(LENGTHS) * len(kv.pairs)
+    assert max(b for r in results for b in r.rank_staging_bytes) > 0   # pages were staged
 
 
 @pytest.mark.timeout(120)
