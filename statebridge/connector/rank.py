@@ -597,12 +597,6 @@ class RankWorker:
         generation = pending.key.generation
         for route in routes:
             pair = route.pair
-            if route.shm:                        # read out of the shared map: no post
-                nruns = pair.contiguous_runs(n) if contiguous else pair.runs(src_blocks,
-                                                                             dst_blocks)
-                pending.nbytes += int(nruns[:, 2].sum())
-                pending.messages += len(nruns)
-                continue
             if contiguous:
                 template = route.template(n, col)
                 base = self.kv_base + start * (pair.src_block_stride if col == 0
@@ -612,6 +606,10 @@ class RankWorker:
                 shift[col] = self.kv_base
                 template, base = RunTemplate(pair.runs(src_blocks, dst_blocks) + shift, col,
                                              "KV runs"), 0
+            if route.shm:                        # read out of the shared map: counted only
+                pending.nbytes += template.nbytes
+                pending.messages += len(template)
+                continue
             if not len(template):
                 continue
             handle = self.transport.post_runs(direction, route.peer, generation,
@@ -871,19 +869,10 @@ class RankWorker:
             [words[w], self.cache.page_offset(p.page), 0], dtype=np.int64)
         kv = self.shm_kv.get(read.peer)
         if kv and p.blocks:
-            parts = [runs]
-            src_base, first, n = int(words[w + 2]), int(words[w + 3]), len(p.blocks)
-            start = range_start(p.blocks)
-            for route in kv:
-                pair = route.pair
-                if start is not None:
-                    parts.append(pair.contiguous_runs(n) + np.array(
-                        [src_base + first * pair.src_block_stride,
-                         self.kv_base + start * pair.dst_block_stride, 0], dtype=np.int64))
-                else:
-                    parts.append(pair.runs(range(first, first + n), p.blocks) + np.array(
-                        [src_base, self.kv_base, 0], dtype=np.int64))
-            runs = np.concatenate(parts)
+            first, n = int(words[w + 3]), len(p.blocks)
+            pools = np.array([words[w + 2], self.kv_base, 0], dtype=np.int64)
+            runs = np.concatenate([runs, *(route.pair.runs(range(first, first + n), p.blocks)
+                                           + pools for route in kv)])
         copied = shared.copy_runs(self._buf, src, runs)
         _op_counter()["shared_map_reads"] += 1
         return copied
