@@ -865,15 +865,23 @@ class RankWorker:
             raise src if isinstance(src, StatebridgeError) else StatebridgeError(
                 f"no shared map of {read.peer!r}")
         words, p = self._words, read.pending
-        runs = self.shm_runs[read.peer] + np.array(
-            [words[w], self.cache.page_offset(p.page), 0], dtype=np.int64)
+        # The cached run tables go to the copy as they are, with the request's bases (the C
+        # copy shifts and checks every row): no per-request arrays.
+        groups = [(self.shm_runs[read.peer], int(words[w]), self.cache.page_offset(p.page))]
         kv = self.shm_kv.get(read.peer)
         if kv and p.blocks:
             first, n = int(words[w + 3]), len(p.blocks)
-            pools = np.array([words[w + 2], self.kv_base, 0], dtype=np.int64)
-            runs = np.concatenate([runs, *(route.pair.runs(range(first, first + n), p.blocks)
-                                           + pools for route in kv)])
-        copied = shared.copy_runs(self._buf, src, runs)
+            src_pool, d0 = int(words[w + 2]), range_start(p.blocks)
+            for route in kv:
+                pair = route.pair
+                if d0 is None:                  # a scattered decode table: its own runs
+                    groups.append((pair.runs(range(first, first + n), p.blocks), src_pool,
+                                   self.kv_base))
+                else:
+                    groups.append((pair.contiguous_runs(n),
+                                   src_pool + first * pair.src_block_stride,
+                                   self.kv_base + d0 * pair.dst_block_stride))
+        copied = shared.copy_groups(self._buf, src, groups)
         _op_counter()["shared_map_reads"] += 1
         return copied
 

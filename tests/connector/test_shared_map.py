@@ -62,9 +62,68 @@ def test_a_run_outside_either_buffer_is_refused_and_nothing_is_copied(row):
     src.tensor.numpy()[:] = 1
     dst = np.zeros(1 << 20, dtype=np.uint8)
     runs = np.array([[0, 0, 64], row], dtype=np.int64)
-    with pytest.raises(TransferError, match=r"run 1 \(src -?\d+, dst -?\d+, -?\d+ bytes\)"):
+    with pytest.raises(TransferError,
+                       match=r"run 1 of group 0 \(src -?\d+ \+ 0, dst -?\d+ \+ 0, -?\d+ bytes\)"):
         shared.copy_runs(dst, _own_map(src), runs)
     assert not dst.any()                      # the good first row was not copied either
+
+
+@pytest.mark.parametrize("streaming", [True, False])
+def test_copy_groups_shift_each_group_by_its_bases(streaming):
+    """Each (runs, src_add, dst_add) group lands where numpy puts its rows shifted by the two
+    bases (the cached tables of a rank pair plus one request's page and block bases)."""
+    from statebridge import _copy
+
+    rng = np.random.default_rng(5)
+    src = shared.SharedBuffer(4 << 20)
+    src.tensor.numpy()[:] = rng.integers(0, 256, src.nbytes, dtype=np.uint8)
+    dst = np.full(4 << 20, 0x11, dtype=np.uint8)
+    expect = dst.copy()
+    a = np.array([[0, 0, 70_000], [80_000, 100_000, 13]], dtype=np.int64)
+    b = np.array([[5, 9, 1_000]], dtype=np.int64)
+    groups = [(a, 1 << 20, 3), (b, 77, (2 << 20) + 1), (a, 0, 3 << 20)]
+    for runs, sa, da in groups:
+        for s, d, n in runs:
+            expect[da + d:da + d + n] = src.tensor.numpy()[sa + s:sa + s + n]
+    old = _copy.set_streaming(streaming)
+    try:
+        got = shared.copy_groups(dst, _own_map(src), groups)
+    finally:
+        _copy.set_streaming(old)
+    assert got == 2 * int(a[:, 2].sum()) + int(b[:, 2].sum())
+    assert np.array_equal(dst, expect)
+
+
+@pytest.mark.parametrize("groups, match", [
+    ([(np.array([[0, 0, 8]]), 0, 0), (np.array([[0, 0, 8]]), 0, (1 << 20) - 4)],
+     r"run 0 of group 1 \(src 0 \+ 0, dst 0 \+ 1048572, 8 bytes\)"),
+    ([(np.array([[0, 0, 8]]), (1 << 63) - 1, 0)], r"run 0 of group 0 \(src 0 \+ 9223372036854775807"),
+    ([(np.array([[-9, 0, 8]]), 8, 0)], r"run 0 of group 0 \(src -9 \+ 8"),
+])
+def test_copy_groups_check_every_shifted_row_before_copying(groups, match):
+    """A shifted row outside either span (an overflowing base too) is refused naming its group
+    and row, and no group is copied."""
+    src = shared.SharedBuffer(4 << 20)
+    src.tensor.numpy()[:] = 1
+    dst = np.zeros(1 << 20, dtype=np.uint8)
+    with pytest.raises(TransferError, match=match):
+        shared.copy_groups(dst, _own_map(src), groups)
+    assert not dst.any()
+
+
+def test_copy_groups_refuse_malformed_groups():
+    from statebridge import _copy
+
+    src = shared.SharedBuffer(1 << 20)
+    dst = np.zeros(1 << 20, dtype=np.uint8)
+    peer = _own_map(src)
+    ok = np.zeros((1, 3), dtype=np.int64)
+    with pytest.raises(TransferError, match="65 groups, at most 64"):
+        shared.copy_groups(dst, peer, [(ok, 0, 0)] * 65)
+    with pytest.raises(TransferError, match="not rows of 3 int64"):
+        shared.copy_groups(dst, peer, [(ok, 0, 0), (np.zeros(4, dtype=np.int64), 0, 0)])
+    with pytest.raises(TypeError, match=r"a group is \(runs, src_add, dst_add\)"):
+        _copy.copy_groups(dst.ctypes.data, dst.nbytes, peer.address, peer.nbytes, [(ok, 0)])
 
 
 def _serve(conn) -> None:

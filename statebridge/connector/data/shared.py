@@ -131,11 +131,19 @@ def copy_runs(dst: np.ndarray, src: PeerMap, runs: np.ndarray) -> int:
     """Copy each ``(src offset, dst offset, length)`` row of ``runs`` from the peer's mapping
     into ``dst`` (this process's buffer), GIL released; every row is checked against both
     sizes first (:class:`TransferError` naming the row, nothing copied). Returns the bytes."""
+    return copy_groups(dst, src, ((np.ascontiguousarray(runs, dtype=np.int64), 0, 0),))
+
+
+def copy_groups(dst: np.ndarray, src: PeerMap,
+                groups: "list[tuple[np.ndarray, int, int]] | tuple") -> int:
+    """:func:`copy_runs` for several ``(runs, src_add, dst_add)`` groups in one call: each
+    group's rows are shifted by its two bases in C, so a rank passes its cached run tables
+    as they are (C-contiguous int64 ``[n, 3]``) and only a request's bases change. Every row
+    of every group is checked before anything is copied."""
     if _copy is None:
         raise TransferError("statebridge._copy is not built: reinstall statebridge "
                             "(pip install -e .) with a C compiler")
-    runs = np.ascontiguousarray(runs, dtype=np.int64)
     try:
-        return _copy.copy_runs(dst.ctypes.data, dst.nbytes, src.address, src.nbytes, runs)
+        return _copy.copy_groups(dst.ctypes.data, dst.nbytes, src.address, src.nbytes, groups)
     except ValueError as e:
         raise TransferError(f"shared-map read from pid {src.pid}: {e}") from None
