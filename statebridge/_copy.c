@@ -5,11 +5,17 @@
  * from src_addr + src_add + src_off to dst_addr + dst_add + dst_off, after checking every
  * shifted row lies inside both spans (ValueError naming the row otherwise; nothing is copied
  * then). copy_groups does the same for several (runs, src_add, dst_add) groups in one call:
- * a rank's cached run tables are used as they are, only the request's bases are passed. Runs of NT_MIN bytes or more are copied with
- * non-temporal stores where the CPU has AVX2: a copied state is read by the decode kernels
- * later, not at once, and streaming stores skip the read-for-ownership of the destination
- * (measured here: 8.1 vs 6.3 GB/s per core for process_vm_readv, 6.7 for memcpy; README,
- * "Reading state out of a shared map"). Shorter runs use memcpy.
+ * a rank's cached run tables are used as they are, only the request's bases are passed.
+ * Runs of NT_MIN bytes or more are copied with non-temporal stores where the CPU has AVX2:
+ * a copied state is read by the decode kernels later, not at once, and streaming stores skip
+ * the read-for-ownership of the destination (measured here: 8.1 vs 6.3 GB/s per core for
+ * process_vm_readv, 6.7 for memcpy; README, "Reading state out of a shared map"). Shorter runs
+ * use memcpy.
+ *
+ * answer(addr, size, offset, expected, value) is the reader's "done": a compare-and-swap of
+ * one word of the control area in the peer's buffer, from the pending mark the peer wrote for
+ * this request to the request's serial. A late answer of an earlier request that used the
+ * same slot finds another mark and writes nothing.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -206,6 +212,25 @@ static PyObject *copy_groups(PyObject *self, PyObject *args)
     return run_groups(g, ng, dst_addr, dst_size, src_addr, src_size);
 }
 
+static PyObject *answer(PyObject *self, PyObject *args)
+{
+    unsigned long long addr;
+    Py_ssize_t size;
+    long long offset, expected, value;
+    if (!PyArg_ParseTuple(args, "KnLLL", &addr, &size, &offset, &expected, &value))
+        return NULL;
+    if (offset < 0 || offset % 8 != 0 || offset > (long long)size - 8) {
+        PyErr_Format(PyExc_ValueError, "answer word at offset %lld is not an aligned word of "
+                     "the %zd-byte buffer", offset, size);
+        return NULL;
+    }
+    int64_t want = expected;
+    int swapped = __atomic_compare_exchange_n((int64_t *)(uintptr_t)(addr + offset), &want,
+                                              (int64_t)value, 0, __ATOMIC_SEQ_CST,
+                                              __ATOMIC_SEQ_CST);
+    return PyBool_FromLong(swapped);
+}
+
 static PyObject *set_streaming(PyObject *self, PyObject *arg)
 {
     int on = PyObject_IsTrue(arg);
@@ -232,6 +257,12 @@ static PyMethodDef methods[] = {
      "copy_runs for each (runs, src_add, dst_add) of ``groups`` (at most 64) in one call: "
      "every row of every group is checked first (nothing copied on error), then all are "
      "copied with the GIL released once."},
+    {"answer", answer, METH_VARARGS,
+     "answer(addr, size, offset, expected, value) -> bool.\n\n"
+     "Atomically replace the int64 word at addr + offset by ``value`` if it holds "
+     "``expected`` (compare-and-swap, a full barrier: every read of the copy before it is "
+     "done); False when it held anything else. ValueError when the word is not an aligned "
+     "word inside ``size`` bytes."},
     {NULL, NULL, 0, NULL},
 };
 

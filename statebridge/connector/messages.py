@@ -69,7 +69,7 @@ __all__ = [
     "RankShutdown", "RankLocalPrefill", "RankFailed",
 ]
 
-PROTOCOL_VERSION = 8
+PROTOCOL_VERSION = 9
 #: Default largest message accepted by :func:`decode` (a prompt of 1M tokens fits).
 MAX_MESSAGE_BYTES = 16 * 1024 * 1024
 

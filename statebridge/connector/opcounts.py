@@ -14,8 +14,8 @@ Every thread adds to its own :class:`collections.Counter` (no lock, no lost incr
   <statebridge.connector.rank.RankWorker._before_sleep>`);
 - ``shared_map_reads``: a decode rank's copies of one request's runs from one prefill rank out
   of that rank's shared map (:meth:`RankWorker._do_reads
-  <statebridge.connector.rank.RankWorker._do_reads>`); each also counts its "ready" and "done"
-  notices in ``ucx_ops``.
+  <statebridge.connector.rank.RankWorker._do_reads>`); each also counts its "ready" notice
+  in ``ucx_ops`` (posted by both sides; the answer is a word in the prefill rank's memory).
 """
 
 from __future__ import annotations

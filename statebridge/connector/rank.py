@@ -26,6 +26,7 @@ import functools
 import hashlib
 import importlib
 import logging
+import mmap
 import os
 import queue
 import threading
@@ -41,7 +42,7 @@ from statebridge.connector import control as c
 from statebridge.connector.local import LocalDealer
 from statebridge.connector import messages as m
 from statebridge.connector.data import RunTemplate, shared
-from statebridge.connector.data.tags import DONE_INDEX, READY_INDEX
+from statebridge.connector.data.tags import READY_INDEX
 from statebridge.connector.ledger import RequestKey
 from statebridge.connector.opcounts import counter as _op_counter
 from statebridge.errors import FailureKind, ProtocolError, StatebridgeError, kind_of
@@ -235,6 +236,10 @@ class _Pending:
     final_at: float = 0.0              # prefill rank: time.monotonic() when the state was final
     attended: bool = True              # needs this rank's progress to finish (see _before_sleep)
     unread: int = 0                    # decode rank: shared-map reads not yet copied
+    #: prefill rank: the control words its shared-map readers answer in (word index, peer),
+    #: and the request's serial they write there
+    answers: list = field(default_factory=list)
+    serial: int = 0
 
 
 class RankWorker:
@@ -259,8 +264,9 @@ class RankWorker:
                                              setup.block_size, setup.num_blocks)
         self.kv_base = -(-pages_bytes // 64) * 64 if self.kv_geometry else pages_bytes
         kv_bytes = self.kv_geometry.nbytes if self.kv_geometry else 0
-        # Last, a slot per (page, peer rank) for the notices of shared-map reads.
-        self.ctl_base = -(-(self.kv_base + kv_bytes) // 64) * 64
+        # Last, a slot per (page, peer rank) for the notices of shared-map reads, from a page
+        # boundary: decode ranks map these words (and nothing before them) writable to answer.
+        self.ctl_base = -(-(self.kv_base + kv_bytes) // mmap.PAGESIZE) * mmap.PAGESIZE
         nbytes = self.ctl_base + setup.num_pages * _CTL_PEERS * _CTL_SLOT
         #: A prefill rank's buffer is a memfd that same-host decode ranks map and read
         #: (``shared_map``: pages of at least the threshold, or a KV pool); otherwise
@@ -304,8 +310,8 @@ class RankWorker:
         self.shm_runs: dict[str, np.ndarray] = {}       # UCX peer id -> its pairs' runs
         self.shm_kv: dict[str, list[_KVRoute]] = {}     # UCX peer id -> its shared-map KV pairs
         self._reads: list[_Read] = []          # decode: reads whose notice is awaited
-        self._answers: list = []               # decode: "done" sends still in flight
-        self._serial = 0                       # prefill: numbers its requests' "done" tags
+        self._awaiting = 0                     # prefill: pending requests with answers to come
+        self._serial = 0                       # prefill: numbers its requests' answers
         #: Requests queued for or on the compute thread -> None, or why they were cancelled.
         self.computing: dict[RequestKey, tuple[str, str] | None] = {}
         self._model_handlers = self.model.handlers()
@@ -362,6 +368,8 @@ class RankWorker:
         (decode ranks), and sends that need this side's progress (TCP: UCX endpoint error
         handling, another host), keep it armed too. Where UCX needs the sender after all (the
         wire-up of a new endpoint's first transfer), the transfer waits at most the interval.
+        Shared-map readers answer in this rank's memory, which no fd signals: while any
+        request waits for answers, an armed sleep lasts at most the interval too.
         """
         now = time.monotonic()
         if now - self._rate_since >= _SEND_RATE_WINDOW_S:
@@ -376,7 +384,11 @@ class RankWorker:
         if unattended:
             _op_counter()["unattended_sleeps"] += 1
             return reap
-        return self.transport.arm()
+        armed = self.transport.arm()
+        if armed and self._awaiting:
+            # Shared-map readers answer in memory, which wakes nobody: look again by the clock.
+            return reap or _ANSWER_POLL_S
+        return armed
 
     # -- lifecycle --------------------------------------------------------------------------
     def run(self) -> None:
@@ -391,12 +403,9 @@ class RankWorker:
         for p in list(self.pending.values()):
             for h in p.handles:
                 h.cancel()
-        for h in self._answers:
-            h.cancel()
         self.pending.clear()
         self._reads.clear()
-        self._answers.clear()
-        self._attended = 0
+        self._attended = self._awaiting = 0
         self.peer_maps.clear()
         self.transport.close()
         if self.shared_buffer is not None:
@@ -465,6 +474,7 @@ class RankWorker:
             for peer in self._peers_of(msg.peer_node):
                 if peer in self.transport.peers:
                     self.transport.fail_peer(peer, f"{msg.peer_node} connected again")
+                self._fail_answers(peer, f"{msg.peer_node} connected again")
         shm = self._shared_map_min_bytes(msg) if self._shared_map_with(msg) else None
         # A hybrid link reads KV out of the map, and then every zero-copy recurrent pair too:
         # the pair's one notice covers both (both sides know both pools: they decide alike).
@@ -776,18 +786,20 @@ class RankWorker:
         pending.attended = direction != "send" \
             or pending.key.peer_node not in self.unattended_nodes
         self._attended += pending.attended
+        self._awaiting += bool(pending.answers)
         self.pending[pending.key] = pending
 
     def _post_notices(self, pending: "_Pending", peers: list[tuple[int, str]], direction: str,
                       base: int) -> None:
         """Shared-map reads of the request: a prefill rank writes the "ready" notice of each
         peer rank into its slot (the page's offset, its own serial for the request, its KV
-        pool's base and the request's first block), posts the receive of the "done" answer,
-        then sends the notice; a decode rank posts the receive of the notice (the copy follows
-        in :meth:`_do_reads`)."""
+        pool's base, the request's first block, and where to answer), marks the slot's answer
+        word pending, then sends the notice; a decode rank posts the receive of the notice
+        (the copy and the answer follow in :meth:`_do_reads`)."""
         transport, key, words = self.transport, pending.key, self._words
         if direction == "send":
             self._serial = serial = (self._serial + 1) & 0xFFFFFFFF
+            pending.serial = serial
             for peer_rank, peer in peers:
                 slot = self._slot(pending.page, peer_rank)
                 w = (slot - self.ctl_base) // 8
@@ -795,15 +807,12 @@ class RankWorker:
                 words[w + 1] = serial
                 words[w + 2] = self.kv_base
                 words[w + 3] = pending.blocks[0] if pending.blocks else 0
-                answer = transport.post_notice("recv", peer, serial, peer_rank, DONE_INDEX,
-                                               slot + _NOTICE_BYTES, _ANSWER_BYTES)
-                try:
-                    pending.handles.append(transport.post_notice(
-                        "send", peer, key.generation, self.setup.tp_rank, READY_INDEX, slot,
-                        _NOTICE_BYTES))
-                finally:
-                    # the answer finishes last: _poll_transfers looks at the last handle first
-                    pending.handles.append(answer)
+                words[w + 4] = slot + _NOTICE_BYTES
+                words[w + _ANSWER_WORD] = _PENDING | serial
+                pending.answers.append((w + _ANSWER_WORD, peer))
+                pending.handles.append(transport.post_notice(
+                    "send", peer, key.generation, self.setup.tp_rank, READY_INDEX, slot,
+                    _NOTICE_BYTES))
             return
         for peer_rank, peer in peers:
             slot = self._slot(pending.page, peer_rank)
@@ -812,6 +821,24 @@ class RankWorker:
             pending.handles.append(handle)
             pending.unread += 1
             self._reads.append(_Read(pending, peer_rank, peer, handle, slot))
+
+    def _answered(self, p: "_Pending") -> bool:
+        """Prefill rank: whether every shared-map reader of ``p`` answered (or ``p`` failed:
+        then nothing waits for them; a reader still copying reads, it writes nothing here)."""
+        if p.failure is not None:
+            return True
+        words, serial = self._words, p.serial
+        for w, _ in p.answers:
+            if words[w] != serial:
+                return False
+        return True
+
+    def _fail_answers(self, peer: str, reason: str) -> None:
+        """Prefill rank: requests waiting for an answer of ``peer`` (declared lost, or its node
+        connected again) fail now instead of at their transfer timeout."""
+        for p in self.pending.values():
+            if p.failure is None and any(q == peer for _, q in p.answers):
+                p.failure = (FailureKind.PEER_LOST.value, reason)
 
     def _slot(self, page: int, peer_rank: int) -> int:
         return self.ctl_base + (page * _CTL_PEERS + peer_rank) * _CTL_SLOT
@@ -843,17 +870,25 @@ class RankWorker:
                     for h in p.handles:
                         if not h.done():
                             h.cancel()
-            words[w + _NOTICE_BYTES // 8] = serial = int(words[w + 1])
-            try:
-                self._answers.append(self.transport.post_notice(
-                    "send", read.peer, serial, self.setup.tp_rank, DONE_INDEX,
-                    read.slot + _NOTICE_BYTES, _ANSWER_BYTES))
-            except StatebridgeError as e:         # the prefill side's lease covers it
-                log.warning("decode rank %d: answering %s failed: %s", self.setup.tp_rank,
-                            read.peer, e)
+            self._answer(read, int(words[w + 4]), int(words[w + 1]))
         self._reads = waiting
         if copied >= _READ_BUDGET and waiting:
             self.loop.call_soon(lambda: None)    # no sleep before the next pass
+
+    def _answer(self, read: _Read, offset: int, serial: int) -> None:
+        """Tell the prefill rank of ``read`` that this rank is done with its page: swap the
+        pending mark in the answer word its notice named for the request's serial."""
+        src = self.peer_maps.get(read.peer)
+        try:
+            if not isinstance(src, shared.PeerMap):
+                raise src if isinstance(src, StatebridgeError) else StatebridgeError(
+                    f"no shared map of {read.peer!r}")
+            if not src.answer(offset, _PENDING | serial, serial):
+                log.info("decode rank %d: %s no longer waits for serial %d (answer word at "
+                         "%d)", self.setup.tp_rank, read.peer, serial, offset)
+        except StatebridgeError as e:             # the prefill side's timeout covers it
+            log.warning("decode rank %d: answering %s failed: %s", self.setup.tp_rank,
+                        read.peer, e)
 
     def _copy_read(self, read: _Read, w: int) -> int:
         """Copy the runs of the pair (this rank, ``read.peer_rank``) of the request out of the
@@ -955,6 +990,7 @@ class RankWorker:
         if msg.lost_node:
             for peer in self._peers_of(msg.lost_node):
                 self.transport.fail_peer(peer, f"peer node {msg.lost_node} lost")
+                self._fail_answers(peer, f"peer node {msg.lost_node} lost")
         key = RequestKey(msg.peer_node, msg.request_id, msg.generation)
         kind = msg.kind or FailureKind.ABORTED.value
         if key in self.computing:
@@ -985,13 +1021,11 @@ class RankWorker:
         :data:`_FULL_SCAN_S` it looks at all of them (a transfer that finished out of order
         waits at most that long). Transfer timeouts are checked every :data:`_TIMEOUT_SCAN_S`.
         """
-        if not self.pending and not self._answers:
+        if not self.pending:
             return
         self.transport.progress()
         if self._reads:
             self._do_reads()
-        if self._answers:
-            self._answers = [h for h in self._answers if not h.finished()]
         now = time.perf_counter()
         ready = []
         misses = 0
@@ -1001,7 +1035,8 @@ class RankWorker:
         for key, p in self.pending.items():
             handles = p.handles
             if not p.unread and (not handles or handles[-1].finished()
-                                 and all(h.finished() for h in handles)):
+                                 and all(h.finished() for h in handles)) \
+                    and (not p.answers or self._answered(p)):
                 ready.append(key)
             else:
                 misses += 1
@@ -1026,6 +1061,7 @@ class RankWorker:
         """A request whose handles are all finished: answer the coordinator with its outcome."""
         p = self.pending.pop(key)
         self._attended -= p.attended
+        self._awaiting -= bool(p.answers)
         self._sends_settled += not p.attended
         kind, message = p.failure or ("", "")
         if not kind:
@@ -1073,13 +1109,18 @@ _FULL_SCAN_S = 0.002
 
 
 #: Shared-map reads: most ranks of a peer group (a notice slot per page and peer rank), and
-#: the slot's bytes: the "ready" notice (the source page's offset, the prefill rank's serial
-#: of the request, its KV pool's base and the request's first block: 4 x int64) then the
-#: "done" answer (the serial).
+#: the slot's bytes: the "ready" notice, then the answer word.
 _CTL_PEERS = 64
 _CTL_SLOT = 64
-_NOTICE_BYTES = 32
-_ANSWER_BYTES = 8
+#: A notice: the source page's offset, the serial, the KV pool's base, the first block, and
+#: the byte offset of the answer word in the prefill rank's buffer (its slot's next word).
+_NOTICE_BYTES = 40
+#: The answer word's index in a slot: _PENDING | serial while the reader has not answered,
+#: the serial once it has (compare-and-swap by the reader, shared.PeerMap.answer).
+_ANSWER_WORD = _NOTICE_BYTES // 8
+_PENDING = 1 << 62
+#: How often a prefill rank looks at its answer words when ``send_reap_interval`` is 0.
+_ANSWER_POLL_S = 0.001
 #: Most bytes a decode rank copies out of shared maps in one loop pass (see _do_reads).
 _READ_BUDGET = 64 << 20
 

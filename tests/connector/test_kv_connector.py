@@ -15,7 +15,12 @@ import torch
 
 from statebridge.connector.decode import DecodeCoordinator
 from statebridge.connector.prefill import PrefillServer
-from statebridge.errors import CacheFullError, IncompatiblePeerError, PeerLostError
+from statebridge.errors import (
+    CacheFullError,
+    IncompatiblePeerError,
+    PeerLostError,
+    TransferError,
+)
 from statebridge.state.kv import BlockGeometry, KVPlan, blocks_for
 from statebridge.state.sharding import kv_heads
 from statebridge.state.plan import TransferPlan
@@ -294,6 +299,100 @@ def test_peers_with_different_block_sizes_are_refused(pools):
         with pytest.raises(IncompatiblePeerError, match="16 tokens, we have 32|32 tokens, we "
                                                         "have 16"):
             decode.connect(server.address)
+
+
+@pytest.mark.timeout(150)
+def test_sigkill_decode_rank_during_shared_map_reads_frees_prefill_pages_and_blocks(pools,
+                                                                                   monkeypatch):
+    """A decode rank killed while the prefill ranks wait for its shared-map answers (words in
+    their own memory: no message, no failed UCX handle tells them): its requests fail, and the
+    prefill pages and blocks come back without waiting for a transfer timeout."""
+    prefill_hosts, _ = pools
+    monkeypatch.setenv("STATEBRIDGE_TEST_PREFILL_DELAY", "0.3")
+    spec = KV_SPECS["hybrid-kv2"]
+    config = FAST.replace(transfer_timeout=120.0)
+    server = PrefillServer(spec, 2, "DLS", num_pages=16, config=config, block_size=BS,
+                           model=SLOW, launcher=prefill_hosts.launcher())
+    decode = DecodeCoordinator(spec, 2, "DLS", num_pages=16, config=config, block_size=BS,
+                               checksums=True)                         # spawned: killable
+    try:
+        server.wait_ready()
+        decode.connect(server.address)
+        first = ids(1)[0]
+        result = decode.submit(first, prompt_of(2 * BS)).result(timeout=30)
+        check_result(decode, spec, result, first, 2 * BS)
+        decode.release(result)
+        lengths = [BS + 1, 4 * BS, 1, 2 * BS + 3, 5 * BS, BS]
+        futures = [decode.submit(rid, prompt_of(t)) for rid, t in zip(ids(6), lengths)]
+        time.sleep(0.1)
+        os.kill(decode.handles[0].pid, signal.SIGSTOP)   # reads nothing, answers nothing
+        time.sleep(0.8)                 # the first prefills are done: their pages wait for it
+        killed_at = time.monotonic()
+        os.kill(decode.handles[0].pid, signal.SIGKILL)
+        for f in futures:
+            with pytest.raises(PeerLostError, match="decode rank 0"):
+                f.result(timeout=config.peer_timeout + 5)
+        wait_until(lambda: server.stats()["pages_used"] == 0
+                   and server.stats()["blocks_used"] == 0, 15, "prefill pages and blocks")
+        assert time.monotonic() - killed_at < config.peer_timeout + 10 < config.transfer_timeout
+        assert decode.stats()["pages_used"] == 0 and decode.stats()["blocks_used"] == 0
+        assert server.stats()["healthy"]
+    finally:
+        decode.close()
+        server.close()
+
+
+@pytest.mark.timeout(150)
+def test_frozen_decode_ranks_hold_prefill_pages_until_the_lease_and_late_answers_harm_nothing(
+        pools, monkeypatch):
+    """Decode ranks frozen (SIGSTOP) before they read: no answer comes, so the prefill ranks
+    hold their pages and blocks (a reader may still be copying them) until the lease ends the
+    requests. Thawed, the ranks answer requests that are gone; the prefill side serves the
+    next requests out of the same pages and slots, byte-exact, and frees everything."""
+    prefill_hosts, _ = pools
+    monkeypatch.setenv("STATEBRIDGE_TEST_PREFILL_DELAY", "0.5")
+    spec = KV_SPECS["hybrid-kv2"]
+    config = FAST.replace(lease_timeout=2.0, peer_timeout=60.0, transfer_timeout=60.0)
+    server = PrefillServer(spec, 2, "DLS", num_pages=3, config=config, block_size=BS,
+                           num_blocks=16, model=SLOW, launcher=prefill_hosts.launcher())
+    decode = DecodeCoordinator(spec, 2, "DLS", num_pages=4, config=config, block_size=BS,
+                               checksums=True)                         # spawned: stoppable
+    frozen = [h.pid for h in decode.handles]
+    try:
+        server.wait_ready()
+        decode.wait_ready()
+        decode.connect(server.address)
+        futures = [decode.submit(rid, prompt_of(2 * BS + 1)) for rid in ids(3)]
+        time.sleep(0.2)                               # every receive posted; prefills running
+        for pid in frozen:
+            os.kill(pid, signal.SIGSTOP)
+        wait_until(lambda: server.stats()["pages_used"] == 3, 5, "prefill pages held")
+        time.sleep(0.8)                               # notices sent: waiting for answers
+        assert server.stats()["pages_used"] == 3 and server.stats()["blocks_used"] == 9
+        took = wait_until(lambda: server.stats()["pages_used"] == 0
+                          and server.stats()["blocks_used"] == 0, 20, "lease expiry")
+        assert server.stats()["leases_expired"] == 3
+        assert took < config.lease_timeout + 10
+        for pid in frozen:
+            os.kill(pid, signal.SIGCONT)
+        for f in futures:
+            with pytest.raises(TransferError):
+                f.result(timeout=30)
+        rids = ids(6)                                 # the same 3 pages and slots, twice over
+        for rid in rids:
+            result = decode.submit(rid, prompt_of(3 * BS)).result(timeout=30)
+            check_result(decode, spec, result, rid, 3 * BS)
+            decode.release(result)
+        wait_until(lambda: server.stats()["pages_used"] == 0
+                   and server.stats()["blocks_used"] == 0, 10, "prefill pages and blocks")
+    finally:
+        for pid in frozen:
+            try:
+                os.kill(pid, signal.SIGCONT)
+            except ProcessLookupError:
+                pass
+        decode.close()
+        server.close()
 
 
 @pytest.mark.timeout(150)

@@ -11,7 +11,6 @@ import pytest
 from statebridge.config import ConnectorConfig
 from statebridge.connector.data import shared
 from statebridge.connector.data.tags import (
-    DONE_INDEX,
     MAX_INDEX,
     MAX_RUNS,
     READY_INDEX,
@@ -161,9 +160,9 @@ def test_a_buffer_that_cannot_be_opened_is_a_transfer_error_naming_it():
 
 
 def test_notice_tags_never_meet_run_or_staged_tags():
-    assert len({READY_INDEX, DONE_INDEX, STAGED_INDEX}) == 3
-    assert max(READY_INDEX, DONE_INDEX, STAGED_INDEX) <= MAX_INDEX
-    assert MAX_RUNS <= min(READY_INDEX, DONE_INDEX, STAGED_INDEX)
+    assert len({READY_INDEX, STAGED_INDEX}) == 2
+    assert max(READY_INDEX, STAGED_INDEX) <= MAX_INDEX
+    assert MAX_RUNS <= min(READY_INDEX, STAGED_INDEX)
 
 
 @pytest.mark.parametrize("value", [-1, 1.5, True, "4M"])
@@ -176,3 +175,35 @@ def test_shared_map_settings_come_from_the_environment():
     c = ConnectorConfig.from_env({"STATEBRIDGE_SHARED_MAP": "0",
                                   "STATEBRIDGE_SHARED_MAP_MIN_BYTES": "65536"})
     assert c.shared_map is False and c.shared_map_min_bytes == 65536
+
+
+def test_an_answer_swaps_only_the_pending_mark_of_its_own_request():
+    """A reader's "done" is a compare-and-swap of one control word of the prefill buffer: it
+    lands only over the mark of the request it read; a late answer of an earlier request that
+    used the same slot writes nothing. Bytes around the word are untouched."""
+    import mmap
+
+    from statebridge.connector.rank import _PENDING
+
+    src = shared.SharedBuffer(3 * mmap.PAGESIZE)
+    words = src.tensor.numpy().view(np.int64)
+    peer = _own_map(src)
+    w = (2 * mmap.PAGESIZE + 40) // 8                      # a word in the buffer's last page
+    words[w] = _PENDING | 7                                # request of serial 7 waits
+    assert not peer.answer(w * 8, _PENDING | 6, 6)         # serial 6: gone, writes nothing
+    assert words[w] == _PENDING | 7
+    assert peer.answer(w * 8, _PENDING | 7, 7)
+    assert words[w] == 7
+    assert not peer.answer(w * 8, _PENDING | 7, 7)         # answered once
+    words[w - 1] = _PENDING | 9                            # a word of a lower page: mapped on
+    assert not peer.answer((w - 1) * 8 - mmap.PAGESIZE, _PENDING | 9, 9)
+    assert peer.answer((w - 1) * 8, _PENDING | 9, 9) and words[w - 1] == 9
+    assert np.count_nonzero(words) == 2
+
+
+@pytest.mark.parametrize("offset", [-8, 4, 3 * 4096 - 4, 3 * 4096, 1 << 40])
+def test_an_answer_outside_the_buffer_or_unaligned_is_refused(offset):
+    src = shared.SharedBuffer(3 * 4096)
+    with pytest.raises(TransferError, match=f"answer word at offset {offset} is not an aligned"):
+        _own_map(src).answer(offset, 1, 2)
+    assert not src.tensor.numpy().any()

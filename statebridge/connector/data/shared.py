@@ -11,8 +11,14 @@ engine.
 
 The receiver stays in control of its memory: only the decode rank writes into its pages, with
 its own code, into a request it announced; the prefill rank never writes anywhere but its own
-buffer. The prefill side holds its page until every reader said it is done (a small UCX message,
-as the rendezvous' acknowledgement was), exactly as long as it held it for UCX's reads.
+buffer. The prefill side holds its page until every reader said it is done, exactly as long as
+it held it for UCX's reads. A reader says so in the prefill rank's own control words (protocol
+9; a small UCX message before): each notice names a word holding a pending mark for the
+request, and the reader swaps that mark for the request's serial with one compare-and-swap
+(:meth:`PeerMap.answer`) through a read-write mapping of the buffer's tail. The prefill rank
+reads the word when it looks at its pending requests; no message, no wake-up. A late answer of
+an earlier request of the same slot finds another mark and writes nothing, and no reader ever
+maps the prefill rank's pages or blocks writable.
 
 Opening a peer's memfd (``/proc/<pid>/fd/<fd>``) needs the same permission as
 ``process_vm_readv`` (ptrace access to the peer): where cma works, this works.
@@ -41,7 +47,8 @@ _LIBC.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_
                        ctypes.c_int, ctypes.c_long]
 _LIBC.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
 
-__all__ = ["SharedBuffer", "PeerMap", "available", "copy_runs", "process_alive", "streaming"]
+__all__ = ["SharedBuffer", "PeerMap", "available", "copy_groups", "copy_runs", "process_alive",
+           "streaming"]
 
 
 def available() -> bool:
@@ -91,26 +98,54 @@ class SharedBuffer:
 
 
 class PeerMap:
-    """A read-only mapping of a same-host peer's :class:`SharedBuffer` (process ``pid``,
-    descriptor ``fd``): :attr:`address` and :attr:`nbytes` for :func:`copy_runs`.
+    """A mapping of a same-host peer's :class:`SharedBuffer` (process ``pid``, descriptor
+    ``fd``): read-only over the whole buffer (:attr:`address` and :attr:`nbytes` for
+    :func:`copy_groups`), and read-write over the control words at its end only, mapped at the
+    first :meth:`answer` (from the page of that word to the end; lower words later extend it).
     :class:`TransferError` naming the pid and fd when it cannot be opened."""
 
     def __init__(self, pid: int, fd: int) -> None:
         path = f"/proc/{pid}/fd/{fd}"
         try:
-            f = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+            f = os.open(path, os.O_RDWR | os.O_CLOEXEC)
         except OSError as e:
             raise TransferError(f"cannot open the peer's shared buffer {path}: {e}") from None
         try:
             self.nbytes = os.fstat(f).st_size
             self._map = mmap.mmap(f, self.nbytes, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
         except (OSError, ValueError) as e:
-            raise TransferError(f"cannot map the peer's shared buffer {path}: {e}") from None
-        finally:
             os.close(f)
-        self.pid, self.fd = pid, fd
+            raise TransferError(f"cannot map the peer's shared buffer {path}: {e}") from None
+        self.pid, self.fd, self._path = pid, fd, path
+        self._fd = f
+        weakref.finalize(self, os.close, f)
         self._array = np.frombuffer(self._map, dtype=np.uint8)
         self.address = self._array.ctypes.data
+        self._rw: mmap.mmap | None = None
+        self._rw_start = self.nbytes
+        self._rw_address = 0
+
+    def answer(self, offset: int, expected: int, value: int) -> bool:
+        """Compare-and-swap the int64 word at byte ``offset`` of the peer's buffer from
+        ``expected`` to ``value`` (:func:`statebridge._copy.answer`); False when it held
+        something else. :class:`TransferError` when the word is outside the buffer or the
+        control words cannot be mapped."""
+        if type(offset) is not int or not 0 <= offset <= self.nbytes - 8 or offset % 8:
+            raise TransferError(f"answer word at offset {offset!r} is not an aligned word of "
+                                f"the {self.nbytes}-byte buffer of pid {self.pid}")
+        if offset < self._rw_start:
+            start = offset - offset % mmap.PAGESIZE
+            try:
+                rw = mmap.mmap(self._fd, self.nbytes - start, flags=mmap.MAP_SHARED,
+                               prot=mmap.PROT_READ | mmap.PROT_WRITE, offset=start)
+            except (OSError, ValueError) as e:
+                raise TransferError(f"cannot map the control words of {self._path} from "
+                                    f"{start}: {e}") from None
+            array = np.frombuffer(rw, dtype=np.uint8)
+            self._rw, self._rw_array, self._rw_start = rw, array, start
+            self._rw_address = array.ctypes.data
+        return _copy.answer(self._rw_address, self.nbytes - self._rw_start,
+                            offset - self._rw_start, expected, value)
 
     def __repr__(self) -> str:
         return f"PeerMap(pid={self.pid}, fd={self.fd}, nbytes={self.nbytes})"

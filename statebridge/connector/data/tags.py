@@ -25,7 +25,6 @@ import numpy as np
 from statebridge.errors import ConfigError
 
 __all__ = [
-    "DONE_INDEX",
     "READY_INDEX",
     "STAGED_INDEX",
     "TAG_GENERATION_BITS",
@@ -44,12 +43,10 @@ MAX_INDEX = (1 << TAG_INDEX_BITS) - 1
 #: Index of a staged pair's single message (never a zero-copy run index).
 STAGED_INDEX = MAX_INDEX
 #: Shared-map reads (``shared.py``): the prefill rank's "ready" notice of a rank pair (the
-#: tag's generation and source rank as for its runs), and the decode rank's "done" answer (the
-#: generation field carries the prefill rank's own serial, the rank field the decode rank).
+#: tag's generation and source rank as for its runs). The decode rank answers in memory.
 READY_INDEX = MAX_INDEX - 1
-DONE_INDEX = MAX_INDEX - 2
 #: Most zero-copy runs of one post: their indices are 0 .. MAX_RUNS - 1.
-MAX_RUNS = DONE_INDEX
+MAX_RUNS = READY_INDEX
 
 
 def check_field(name: str, value: object, maximum: int) -> int:

@@ -85,7 +85,6 @@ from statebridge.connector.data.tags import (
     MAX_GENERATION,
     MAX_RUNS,
     MAX_SRC_RANK,
-    DONE_INDEX,
     READY_INDEX,
     STAGED_INDEX,
     make_tag,
@@ -469,13 +468,13 @@ class Transport:
                     index: int, offset: int, nbytes: int, *,
                     request_id: str | None = None) -> TransferHandle:
         """One small tagged message of a shared-map read (``shared.py``) to or from
-        ``buffer[offset:offset + nbytes]``: the "ready" notice (``index`` :data:`READY_INDEX`)
-        or the "done" answer (:data:`DONE_INDEX`), with tag ``(generation, src_rank, index)``.
+        ``buffer[offset:offset + nbytes]``: the "ready" notice (``index`` :data:`READY_INDEX`),
+        with tag ``(generation, src_rank, index)``.
         Small enough to go eagerly: a send completes without the peer."""
         if direction not in ("send", "recv"):
             raise ConfigError(f"direction must be 'send' or 'recv', got {direction!r}")
-        if index not in (READY_INDEX, DONE_INDEX):
-            raise ConfigError(f"notice index must be READY_INDEX or DONE_INDEX, got {index!r}")
+        if index != READY_INDEX:
+            raise ConfigError(f"notice index must be READY_INDEX, got {index!r}")
         if type(offset) is not int or type(nbytes) is not int or offset < 0 or nbytes <= 0 \
                 or offset + nbytes > self._size:
             raise ConfigError(f"notice [{offset!r}, +{nbytes!r}) is outside the "
