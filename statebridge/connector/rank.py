@@ -32,7 +32,7 @@ import queue
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Callable
+from typing import Callable
 
 import numpy as np
 import torch
@@ -53,9 +53,6 @@ from statebridge.state.kv import BlockGeometry, KVPairPlan, KVPlan, blocks_for, 
 from statebridge.state.layout import PageGeometry
 from statebridge.state.plan import PairPlan, TransferPlan
 from statebridge.state.spec import StateSpec
-
-if TYPE_CHECKING:
-    from statebridge.connector.data import RunTemplate
 
 log = logging.getLogger(__name__)
 

@@ -86,6 +86,18 @@ def wait_until(predicate, timeout: float, what: str) -> float:
     raise AssertionError(f"{what}: not true after {timeout} s")
 
 
+def thaw(*pids: int) -> None:
+    """SIGCONT every process of ``pids`` that still exists (a test's cleanup after SIGSTOP)."""
+    import os
+    import signal
+
+    for pid in pids:
+        try:
+            os.kill(pid, signal.SIGCONT)
+        except ProcessLookupError:
+            pass
+
+
 def random_prompt(rng: np.random.Generator) -> tuple[int, ...]:
     return tuple(int(x) for x in rng.integers(0, 1000, size=int(rng.integers(1, 9))))
 

@@ -19,7 +19,7 @@ from statebridge.errors import AbortedError, IncompatiblePeerError, PeerLostErro
 from statebridge.state.spec import StateSpec
 from statebridge.testing.hosts import RankHostPool
 
-from ._helpers import FAST, SPECS, expected_checksum, log_to_stderr, wait_until
+from ._helpers import FAST, SPECS, expected_checksum, log_to_stderr, thaw, wait_until
 
 pytestmark = [pytest.mark.ucx, pytest.mark.multiprocess]
 
@@ -185,11 +185,7 @@ def test_lease_expiry_frees_prefill_pages_when_the_decode_ranks_freeze(prefill_h
             with pytest.raises(TransferError):
                 f.result(timeout=30)
     finally:
-        for pid in frozen:
-            try:
-                os.kill(pid, signal.SIGCONT)
-            except ProcessLookupError:
-                pass
+        thaw(*frozen)
         server.close()
         decode.close()
 

@@ -28,7 +28,7 @@ from statebridge.state.spec import StateSpec
 from statebridge.testing.hosts import RankHostPool
 from statebridge.testing.synthetic import global_kv, request_seed
 
-from ._helpers import FAST, expected_checksum, log_to_stderr, wait_until
+from ._helpers import FAST, expected_checksum, log_to_stderr, thaw, wait_until
 
 pytestmark = [pytest.mark.ucx, pytest.mark.multiprocess]
 
@@ -386,11 +386,7 @@ def test_frozen_decode_ranks_hold_prefill_pages_until_the_lease_and_late_answers
         wait_until(lambda: server.stats()["pages_used"] == 0
                    and server.stats()["blocks_used"] == 0, 10, "prefill pages and blocks")
     finally:
-        for pid in frozen:
-            try:
-                os.kill(pid, signal.SIGCONT)
-            except ProcessLookupError:
-                pass
+        thaw(*frozen)
         decode.close()
         server.close()
 
@@ -582,9 +578,6 @@ def test_frozen_prefill_rank_resumed_cannot_write_into_a_reused_page_or_blocks(p
         assert held(1) == want, "a page or KV block was written after the decode side freed it"
         decode.release(result)
     finally:
-        try:
-            os.kill(frozen, signal.SIGCONT)
-        except ProcessLookupError:
-            pass
+        thaw(frozen)
         server.close()
         decode.close()
