@@ -38,7 +38,9 @@ class ConnectorConfig:
       them -- so a freed prefill page waits at most this much longer -- used only while sends
       finish at least that often (see :meth:`RankWorker._before_sleep
       <statebridge.connector.rank.RankWorker._before_sleep>`). 0: a rank always wakes for
-      each completion.
+      each completion. Also how often a prefill rank looks at the answer words of its
+      shared-map readers while answers are due (0: every millisecond): an answer is a word
+      in its memory, which wakes nobody.
     - ``shared_map``: on one host a decode rank copies its runs out of a read-only mapping of
       the prefill rank's buffer (a memfd; :mod:`statebridge.connector.data.shared`) instead of
       receiving them over UCX's cma rendezvous; both groups must have it on. Off: UCX carries
