@@ -1,11 +1,11 @@
 /* statebridge._copy: copy a request's runs out of a peer's shared mapping, GIL released.
  *
- * copy_runs(dst_addr, dst_size, src_addr, src_size, runs, src_add=0, dst_add=0) copies every
- * row (src_off, dst_off, nbytes) of ``runs`` (a C-contiguous int64 buffer of shape (n, 3))
- * from src_addr + src_add + src_off to dst_addr + dst_add + dst_off, after checking every
- * shifted row lies inside both spans (ValueError naming the row otherwise; nothing is copied
- * then). copy_groups does the same for several (runs, src_add, dst_add) groups in one call:
- * a rank's cached run tables are used as they are, only the request's bases are passed.
+ * copy_groups(dst_addr, dst_size, src_addr, src_size, groups) copies, for each group
+ * (runs, src_add, dst_add), every row (src_off, dst_off, nbytes) of ``runs`` (a C-contiguous
+ * int64 buffer of shape (n, 3)) from src_addr + src_add + src_off to dst_addr + dst_add +
+ * dst_off, after checking every shifted row of every group lies inside both spans (ValueError
+ * naming the group and row otherwise; nothing is copied then): a rank's cached run tables are
+ * passed as they are, only the request's bases change.
  * Runs of NT_MIN bytes or more are copied with non-temporal stores where the CPU has AVX2:
  * a copied state is read by the decode kernels later, not at once, and streaming stores skip
  * the read-for-ownership of the destination (measured here: 8.1 vs 6.3 GB/s per core for
@@ -162,20 +162,6 @@ static PyObject *run_groups(group_t *g, Py_ssize_t ng, unsigned long long dst_ad
     return bad ? NULL : PyLong_FromLongLong(total);
 }
 
-static PyObject *copy_runs(PyObject *self, PyObject *args)
-{
-    unsigned long long dst_addr, src_addr;
-    Py_ssize_t dst_size, src_size;
-    PyObject *runs;
-    group_t g = {0};
-    if (!PyArg_ParseTuple(args, "KnKnO|LL", &dst_addr, &dst_size, &src_addr, &src_size, &runs,
-                          &g.src_add, &g.dst_add))
-        return NULL;
-    if (take_rows(runs, &g) < 0)
-        return NULL;
-    return run_groups(&g, 1, dst_addr, dst_size, src_addr, src_size);
-}
-
 static PyObject *copy_groups(PyObject *self, PyObject *args)
 {
     unsigned long long dst_addr, src_addr;
@@ -245,18 +231,13 @@ static PyMethodDef methods[] = {
     {"set_streaming", set_streaming, METH_O,
      "set_streaming(on) -> the previous setting: non-temporal stores for large runs (only "
      "where the CPU has AVX2)."},
-    {"copy_runs", copy_runs, METH_VARARGS,
-     "copy_runs(dst_addr, dst_size, src_addr, src_size, runs, src_add=0, dst_add=0) -> "
-     "bytes copied.\n\n"
-     "Copy each (src_off, dst_off, nbytes) row of the int64 buffer ``runs`` from "
-     "src_addr + src_add to dst_addr + dst_add (checked against both sizes first: ValueError, "
-     "nothing copied). Releases the GIL; runs of 64 KiB or more use non-temporal stores where "
-     "the CPU has AVX2."},
     {"copy_groups", copy_groups, METH_VARARGS,
      "copy_groups(dst_addr, dst_size, src_addr, src_size, groups) -> bytes copied.\n\n"
-     "copy_runs for each (runs, src_add, dst_add) of ``groups`` (at most 64) in one call: "
-     "every row of every group is checked first (nothing copied on error), then all are "
-     "copied with the GIL released once."},
+     "Copy each (src_off, dst_off, nbytes) row of the int64 buffer ``runs`` of each "
+     "(runs, src_add, dst_add) of ``groups`` (at most 64) from src_addr + src_add to "
+     "dst_addr + dst_add: every row of every group is checked against both sizes first "
+     "(ValueError, nothing copied), then all are copied with the GIL released once; runs of "
+     "64 KiB or more use non-temporal stores where the CPU has AVX2."},
     {"answer", answer, METH_VARARGS,
      "answer(addr, size, offset, expected, value) -> bool.\n\n"
      "Atomically replace the int64 word at addr + offset by ``value`` if it holds "
@@ -268,7 +249,7 @@ static PyMethodDef methods[] = {
 
 static struct PyModuleDef module = {
     PyModuleDef_HEAD_INIT, "statebridge._copy",
-    "Run copies out of a peer's shared mapping (see copy_runs).", -1, methods,
+    "Run copies out of a peer's shared mapping (see copy_groups).", -1, methods,
 };
 
 PyMODINIT_FUNC PyInit__copy(void)
