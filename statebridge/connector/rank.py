@@ -872,15 +872,20 @@ class RankWorker:
         if copied >= _READ_BUDGET and waiting:
             self.loop.call_soon(lambda: None)    # no sleep before the next pass
 
+    def _peer_map(self, peer: str) -> shared.PeerMap:
+        """The mapping of ``peer``'s buffer; the error that kept it from being mapped (or that
+        it was dropped) otherwise."""
+        src = self.peer_maps.get(peer)
+        if not isinstance(src, shared.PeerMap):
+            raise src if isinstance(src, StatebridgeError) else StatebridgeError(
+                f"no shared map of {peer!r}")
+        return src
+
     def _answer(self, read: _Read, offset: int, serial: int) -> None:
         """Tell the prefill rank of ``read`` that this rank is done with its page: swap the
         pending mark in the answer word its notice named for the request's serial."""
-        src = self.peer_maps.get(read.peer)
         try:
-            if not isinstance(src, shared.PeerMap):
-                raise src if isinstance(src, StatebridgeError) else StatebridgeError(
-                    f"no shared map of {read.peer!r}")
-            if not src.answer(offset, _PENDING | serial, serial):
+            if not self._peer_map(read.peer).answer(offset, _PENDING | serial, serial):
                 log.info("decode rank %d: %s no longer waits for serial %d (answer word at "
                          "%d)", self.setup.tp_rank, read.peer, serial, offset)
         except StatebridgeError as e:             # the prefill side's timeout covers it
@@ -892,10 +897,7 @@ class RankWorker:
         peer's mapping into this rank's page and KV blocks; the notice at word ``w`` gave the
         source page's offset, the source KV pool's base and the source table's first block
         (the prefill side's table is always one range of consecutive blocks)."""
-        src = self.peer_maps.get(read.peer)
-        if not isinstance(src, shared.PeerMap):
-            raise src if isinstance(src, StatebridgeError) else StatebridgeError(
-                f"no shared map of {read.peer!r}")
+        src = self._peer_map(read.peer)
         words, p = self._words, read.pending
         # The cached run tables go to the copy as they are, with the request's bases (the C
         # copy shifts and checks every row): no per-request arrays.

@@ -482,20 +482,8 @@ class Transport:
         tag = make_tag(generation, src_rank, index)
         endpoint = self._endpoint(peer_id)
         op = endpoint.tag_send if direction == "send" else endpoint.tag_recv
-        # A notice slot is the same few bytes request after request: its ucxx view is cached
-        # with the page slices' (see _post_runs).
-        key, arrays = (offset, nbytes), self._arrays
-        array = arrays.get(key)
-        if array is None:
-            if len(arrays) > _MAX_CACHED_ARRAYS:
-                arrays.clear()
-            array = arrays[key] = self._Array(self._mv[offset:offset + nbytes])
-        _op_counter()["ucx_ops"] += 1
-        try:
-            requests = [op(array, self._Tag(tag))]
-        except Exception as e:  # noqa: BLE001 -- ucxx raises its own exception types
-            raise TransferError(f"{self.name}: posting to {peer_id!r} failed: {e}",
-                                peer=peer_id) from e
+        # A notice slot is the same few bytes request after request: its view is cached.
+        requests = self._post_one(op, self._view(offset, nbytes), tag, peer_id)
         handle = TransferHandle(self, direction=direction, kind="notice", peer_id=peer_id,
                                 generation=generation, src_rank=src_rank, nbytes=nbytes,
                                 messages=1, request_id=request_id, requests=requests)
@@ -651,22 +639,14 @@ class Transport:
 
     def _post_runs(self, op, base: int, template: RunTemplate, tag0: int,
                    peer_id: str | None) -> list:
-        """One UCX request per run of the page buffer, straight from/into its memory. The
-        buffer views (ucxx ``Array``, ~3 us each to build) are cached per (offset, length):
-        a rank posts the same few page slices over and over."""
-        Tag, arrays = self._Tag, self._arrays
-        if len(arrays) > _MAX_CACHED_ARRAYS:
-            arrays.clear()
+        """One UCX request per run of the page buffer, straight from/into its memory (views
+        from :meth:`_view`)."""
+        Tag, view = self._Tag, self._view
         requests: list = []
         try:
             tag = tag0
             for off, n in zip(template.offsets, template.lengths):
-                key = (base + off, n)
-                array = arrays.get(key)
-                if array is None:
-                    start = base + off
-                    array = arrays[key] = self._Array(self._mv[start:start + n])
-                requests.append(op(array, Tag(tag)))
+                requests.append(op(view(base + off, n), Tag(tag)))
                 tag += 1
         except Exception as e:  # noqa: BLE001 -- ucxx raises its own exception types
             requests.clear()      # dropping ucxx's requests cancels what was posted
@@ -675,11 +655,24 @@ class Transport:
         _op_counter()["ucx_ops"] += len(requests)
         return requests
 
-    def _post_one(self, op, array: np.ndarray | None, tag: int, peer_id: str | None) -> list:
-        """One UCX request for a staging buffer (``array`` None: ``op`` needs no buffer)."""
+    def _view(self, start: int, n: int):
+        """The ucxx view of ``buffer[start:start + n]`` (~3 us to build), cached per (start,
+        length): a rank posts the same few page slices and notice slots over and over."""
+        arrays = self._arrays
+        array = arrays.get((start, n))
+        if array is None:
+            if len(arrays) > _MAX_CACHED_ARRAYS:
+                arrays.clear()
+            array = arrays[start, n] = self._Array(self._mv[start:start + n])
+        return array
+
+    def _post_one(self, op, array, tag: int, peer_id: str | None) -> list:
+        """One UCX request for a staging buffer or a cached view (``array`` None: ``op`` needs
+        no buffer)."""
         _op_counter()["ucx_ops"] += 1
         try:
-            return [op(None if array is None else self._Array(array), self._Tag(tag))]
+            return [op(array if array is None or not isinstance(array, np.ndarray)
+                       else self._Array(array), self._Tag(tag))]
         except Exception as e:  # noqa: BLE001
             raise TransferError(f"{self.name}: posting to {peer_id!r} failed: {e}",
                                 peer=peer_id) from e
