@@ -233,6 +233,7 @@ class _Pending:
     final_at: float = 0.0              # prefill rank: time.monotonic() when the state was final
     attended: bool = True              # needs this rank's progress to finish (see _before_sleep)
     unread: int = 0                    # decode rank: shared-map reads not yet copied
+    first_block: int | None = None     # decode rank: its table's first id when one range
     #: prefill rank: the control words its shared-map readers answer in (word index, peer),
     #: and the request's serial they write there
     answers: list = field(default_factory=list)
@@ -469,9 +470,8 @@ class RankWorker:
             # The same node connected again (it re-dialed after a cut link or a restart): its
             # old endpoints may be broken; fresh ones for the new connection.
             for peer in self._peers_of(msg.peer_node):
-                if peer in self.transport.peers:
-                    self.transport.fail_peer(peer, f"{msg.peer_node} connected again")
-                self._fail_answers(peer, f"{msg.peer_node} connected again")
+                self._fail_peer(peer, f"{msg.peer_node} connected again",
+                                transport=peer in self.transport.peers)
         shm = self._shared_map_min_bytes(msg) if self._shared_map_with(msg) else None
         # A hybrid link reads KV out of the map, and then every zero-copy recurrent pair too:
         # the pair's one notice covers both (both sides know both pools: they decide alike).
@@ -582,7 +582,7 @@ class RankWorker:
         return out
 
     def _post_kv(self, pending: "_Pending", node: str, direction: str,
-                 src_blocks, dst_blocks) -> None:
+                 src_blocks, dst_blocks, dst_start: "int | None | bool" = False) -> None:
         """Post this rank's KV runs of the request (absolute offsets: the pool's base added on
         this rank's side); raises StatebridgeError when a post fails (the handles posted so
         far are in ``pending``).
@@ -590,17 +590,20 @@ class RankWorker:
         Block tables that are ranges of consecutive ids on both sides (the prefill side's
         always is; the decode side's allocator prefers them) post the pair's template for that
         many blocks at this side's first block: per request only the base is added and
-        checked. Other tables build and check their runs for the request."""
+        checked. Other tables build and check their runs for the request. ``dst_start``: the
+        destination table's :func:`range_start` when the caller has it (False: compute it)."""
         col = 0 if direction == "send" else 1
         routes = self.kv_routes.get(node, ())
         if not routes:
             return
         n = len(dst_blocks)
         start = None
+        if dst_start is False:
+            dst_start = range_start(dst_blocks) if n else None
         if n and len(src_blocks) == n:
-            start = range_start(src_blocks if col == 0 else dst_blocks)
+            start = range_start(src_blocks) if col == 0 else dst_start
         contiguous = start is not None \
-            and range_start(dst_blocks if col == 0 else src_blocks) is not None
+            and (dst_start if col == 0 else range_start(src_blocks)) is not None
         generation = pending.key.generation
         for route in routes:
             pair = route.pair
@@ -830,9 +833,13 @@ class RankWorker:
                 return False
         return True
 
-    def _fail_answers(self, peer: str, reason: str) -> None:
-        """Prefill rank: requests waiting for an answer of ``peer`` (declared lost, or its node
-        connected again) fail now instead of at their transfer timeout."""
+    def _fail_peer(self, peer: str, reason: str, *, transport: bool = True) -> None:
+        """``peer`` is gone (declared lost, or its node connected again): its UCX handles fail
+        (``transport``: the transport declares it lost), and so do the requests waiting for its
+        shared-map answers, which no handle stands for -- now, not at their transfer
+        timeout."""
+        if transport:
+            self.transport.fail_peer(peer, reason)
         for p in self.pending.values():
             if p.failure is None and any(q == peer for _, q in p.answers):
                 p.failure = (FailureKind.PEER_LOST.value, reason)
@@ -905,7 +912,7 @@ class RankWorker:
         kv = self.shm_kv.get(read.peer)
         if kv and p.blocks:
             first, n = int(words[w + 3]), len(p.blocks)
-            src_pool, d0 = int(words[w + 2]), range_start(p.blocks)
+            src_pool, d0 = int(words[w + 2]), p.first_block
             for route in kv:
                 pair = route.pair
                 if d0 is None:                  # a scattered decode table: its own runs
@@ -972,13 +979,14 @@ class RankWorker:
                 self._done(key, FailureKind.TRANSFER_ERROR, str(e))
                 return
         pending = _Pending(key, msg.page, [], time.perf_counter(), blocks=msg.blocks,
-                           kv_tokens=msg.kv_tokens)
+                           kv_tokens=msg.kv_tokens,
+                           first_block=range_start(msg.blocks) if msg.blocks else None)
         self._post_routes(pending, routes, "recv", self.cache.page_offset(msg.page))
         if msg.blocks and pending.key in self.pending:
             try:
                 # The source range's start does not change the runs' sizes or order.
                 self._post_kv(pending, msg.peer_node, "recv", range(len(msg.blocks)),
-                              msg.blocks)
+                              msg.blocks, pending.first_block)
             except StatebridgeError as e:                 # settled by the next poll
                 pending.failure = (kind_of(e).value, f"posting KV receives failed: {e}")
                 for h in pending.handles:
@@ -988,8 +996,7 @@ class RankWorker:
     def _on_cancel(self, msg: m.RankCancel) -> None:
         if msg.lost_node:
             for peer in self._peers_of(msg.lost_node):
-                self.transport.fail_peer(peer, f"peer node {msg.lost_node} lost")
-                self._fail_answers(peer, f"peer node {msg.lost_node} lost")
+                self._fail_peer(peer, f"peer node {msg.lost_node} lost")
         key = RequestKey(msg.peer_node, msg.request_id, msg.generation)
         kind = msg.kind or FailureKind.ABORTED.value
         if key in self.computing:
