@@ -32,8 +32,9 @@ def _own_map(buf: shared.SharedBuffer) -> shared.PeerMap:
 
 @pytest.mark.parametrize("streaming", [True, False])
 def test_copy_runs_matches_numpy(streaming):
-    """Rows of every size (below and above the streaming threshold, unaligned ends) land
-    exactly where numpy puts them; bytes outside the rows stay as they were."""
+    """Rows of every size (below and above the streaming threshold, unaligned ends, one that
+    ends at the source's last byte, where the streaming copy's prefetch stops) land exactly
+    where numpy puts them; bytes outside the rows stay as they were."""
     from statebridge import _copy
 
     rng = np.random.default_rng(3)
@@ -43,7 +44,9 @@ def test_copy_runs_matches_numpy(streaming):
     dst = np.full(4 << 20, 0xAB, dtype=np.uint8)
     expect = dst.copy()
     runs = np.array([[0, 7, 1], [100, 3 << 20, 200_001], [1 << 20, 1, 65_536 + 33],
-                     [2 << 20, (2 << 20) + 5, 1_000_000], [17, 999_000, 0]], dtype=np.int64)
+                     [2 << 20, (2 << 20) + 5, 1_000_000], [17, 999_000, 0],
+                     [(4 << 20) - 300_001, 1_100_000, 300_001]],     # ends at the source's end
+                    dtype=np.int64)
     for s, d, n in runs:
         expect[d:d + n] = src.tensor.numpy()[s:s + n]
     old = _copy.set_streaming(streaming)
