@@ -9,8 +9,8 @@
  * Runs of NT_MIN bytes or more are copied with non-temporal stores where the CPU has AVX2:
  * a copied state is read by the decode kernels later, not at once, and streaming stores skip
  * the read-for-ownership of the destination (measured here: 8.1 vs 6.3 GB/s per core for
- * process_vm_readv, 6.7 for memcpy; README, "Reading state out of a shared map"). Shorter runs
- * use memcpy.
+ * process_vm_readv, 6.7 for memcpy; README, "Reading state out of a shared map"), prefetching
+ * the source a few KiB ahead (PREFETCH_AHEAD). Shorter runs use memcpy.
  *
  * answer(addr, size, offset, expected, value) is the reader's "done": a compare-and-swap of
  * one word of the control area in the peer's buffer, from the pending mark the peer wrote for
