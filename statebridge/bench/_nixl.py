@@ -829,8 +829,9 @@ class NixlPool:
                 except RuntimeError:
                     pass
         wall = max(r["end"] for r in results) - min(r["start"] for r in results)
-        # A request is done when every destination rank holds it; ranks run in lock step per
-        # slot, so per-request latency is the slowest rank's latency of that request.
+        # Each destination rank runs its own window of ``concurrency`` reads (no join across
+        # ranks: a rank starts its next read when its own read of a slot ends); a request's
+        # latency is the slowest rank's latency of it.
         lat = np.max(np.array([r["latencies"] for r in results]), axis=0)
         nbytes = requests * plan.bytes_per_request
         calls: dict[str, float] = {}
