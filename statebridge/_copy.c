@@ -32,7 +32,12 @@
  * copiers at once, 3 MiB runs out of a memfd into huge pages, 7.8-8.2 GB/s per core without,
  * 8.9-9.1 with 3 KiB (2 KiB 8.8, 4-12 KiB 8.6-8.9; the same hint into L1 gained nothing at 4-8
  * KiB, the non-temporal hint halved the rate). */
+#ifndef PREFETCH_AHEAD                  /* benchmarks/copy_prefetch.c builds other values */
 #define PREFETCH_AHEAD 3072
+#endif
+#ifndef PREFETCH_HINT
+#define PREFETCH_HINT _MM_HINT_T1
+#endif
 
 #if defined(__x86_64__)
 __attribute__((target("avx2")))
@@ -44,13 +49,15 @@ static void nt_copy(char *d, const char *s, size_t n)
     memcpy(d, s, head);
     size_t i = head;
     for (; i + 256 <= n; i += 256) {
+#if PREFETCH_AHEAD > 0
         if (i + PREFETCH_AHEAD + 256 <= n) {       /* never past the run */
             const char *p = s + i + PREFETCH_AHEAD;
-            _mm_prefetch(p, _MM_HINT_T1);
-            _mm_prefetch(p + 64, _MM_HINT_T1);
-            _mm_prefetch(p + 128, _MM_HINT_T1);
-            _mm_prefetch(p + 192, _MM_HINT_T1);
+            _mm_prefetch(p, PREFETCH_HINT);
+            _mm_prefetch(p + 64, PREFETCH_HINT);
+            _mm_prefetch(p + 128, PREFETCH_HINT);
+            _mm_prefetch(p + 192, PREFETCH_HINT);
         }
+#endif
         __m256i a = _mm256_loadu_si256((const __m256i *)(s + i));
         __m256i b = _mm256_loadu_si256((const __m256i *)(s + i + 32));
         __m256i c = _mm256_loadu_si256((const __m256i *)(s + i + 64));
