@@ -29,6 +29,7 @@ class PageOnceModel(SyntheticModel):
         super().__init__(setup, cache, kv)
         self._filled: set[int] = set()
         self._stamp_at = min(r.offset for r in cache.geometry.regions)
+        self._bytes = cache.buffer.numpy()       # the stamp: numpy slicing, not torch's
         if kv is not None and setup.role == "prefill":
             # Write the whole KV pool once, before any request: the timed requests move what
             # the blocks hold, and blocks never written would be read from the kernel's zero
@@ -41,8 +42,9 @@ class PageOnceModel(SyntheticModel):
             super().prefill(page, prompt, request_id, blocks)
             self._filled.add(page)
             return
-        seed = np.frombuffer(request_id.encode()[-8:].rjust(8, b"\0"), dtype=np.uint8)
-        self.cache.page_bytes(page)[self._stamp_at:self._stamp_at + 8].numpy()[:] = seed
+        at = self.cache.page_offset(page) + self._stamp_at
+        self._bytes[at:at + 8] = np.frombuffer(request_id.encode()[-8:].rjust(8, b"\0"),
+                                               dtype=np.uint8)
 
     def prefill_kv(self, blocks: tuple[int, ...], tokens: int, request_id: str) -> None:
         """The synthetic KV for check requests only: the timed ones move whatever the blocks

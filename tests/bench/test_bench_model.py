@@ -35,3 +35,16 @@ def test_a_prefill_ranks_kv_pool_is_written_before_any_request():
 def test_a_decode_ranks_kv_pool_is_left_to_the_transfers():
     _, kv = _model("decode")
     assert int(kv.buffer.count_nonzero()) == 0
+
+
+def test_a_page_after_its_first_request_gets_only_the_next_requests_seed():
+    model, _ = _model("prefill")
+    cache = model.cache
+    model.prefill(1, (1, 2, 3), "timed-first")              # first use: the full state
+    full = cache.page_bytes(1).clone()
+    model.prefill(1, (1, 2, 3), "timed-00000042")
+    at = model._stamp_at
+    page = cache.page_bytes(1)
+    assert bytes(page[at:at + 8].numpy()) == b"00000042"
+    assert torch.equal(page[:at], full[:at]) and torch.equal(page[at + 8:], full[at + 8:])
+    assert int(cache.page_bytes(0).count_nonzero()) == 0     # the other page untouched
