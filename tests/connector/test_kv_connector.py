@@ -91,6 +91,14 @@ def check_result(decode, spec, result, rid, tokens):
         for r in range(decode.tp_size)), f"{rid} ({tokens} tokens): KV differs from the oracle"
 
 
+def serve_one(decode, spec, rid, tokens, timeout=30):
+    """Submit one request of ``tokens`` prompt tokens, check its pages and KV against the
+    oracle, release it."""
+    result = decode.submit(rid, prompt_of(tokens)).result(timeout=timeout)
+    check_result(decode, spec, result, rid, tokens)
+    decode.release(result)
+
+
 def kv_round(pools, spec_name, src_tp, dst_tp, src_kv="HB", dst_kv="HB", config=FAST,
              src_layout="DLS"):
     prefill_hosts, decode_hosts = pools
@@ -318,10 +326,7 @@ def test_sigkill_decode_rank_during_shared_map_reads_frees_prefill_pages_and_blo
     try:
         server.wait_ready()
         decode.connect(server.address)
-        first = ids(1)[0]
-        result = decode.submit(first, prompt_of(2 * BS)).result(timeout=30)
-        check_result(decode, spec, result, first, 2 * BS)
-        decode.release(result)
+        serve_one(decode, spec, ids(1)[0], 2 * BS)
         lengths = [BS + 1, 4 * BS, 1, 2 * BS + 3, 5 * BS, BS]
         futures = [decode.submit(rid, prompt_of(t)) for rid, t in zip(ids(6), lengths)]
         time.sleep(0.1)
@@ -380,9 +385,7 @@ def test_frozen_decode_ranks_hold_prefill_pages_until_the_lease_and_late_answers
                 f.result(timeout=30)
         rids = ids(6)                                 # the same 3 pages and slots, twice over
         for rid in rids:
-            result = decode.submit(rid, prompt_of(3 * BS)).result(timeout=30)
-            check_result(decode, spec, result, rid, 3 * BS)
-            decode.release(result)
+            serve_one(decode, spec, rid, 3 * BS)
         wait_until(lambda: server.stats()["pages_used"] == 0
                    and server.stats()["blocks_used"] == 0, 10, "prefill pages and blocks")
     finally:
@@ -404,10 +407,7 @@ def test_sigkill_prefill_rank_during_kv_fails_its_requests_and_leaks_no_block(po
     try:
         server.wait_ready()
         decode.connect(server.address)
-        first = ids(1)[0]
-        result = decode.submit(first, prompt_of(3 * BS + 2)).result(timeout=30)
-        check_result(decode, spec, result, first, 3 * BS + 2)
-        decode.release(result)
+        serve_one(decode, spec, ids(1)[0], 3 * BS + 2)
         rids = ids(6)
         lengths = [BS + 1, 4 * BS, 1, 2 * BS + 3, 5 * BS, BS]
         futures = [decode.submit(rid, prompt_of(t)) for rid, t in zip(rids, lengths)]
