@@ -98,6 +98,10 @@ TRANSPORTS: dict[str, tuple[bool, str, bool]] = {
 }
 DEFAULT_TP = (1, 2, 4, 8)
 LAYOUTS = ("LSD", "LDS", "DLS")
+#: Completions closer than the round's mean gap over this belong to one burst
+#: (:func:`completions_per_burst`).
+BURST_GAP_FACTOR = 4.0
+
 CELL_FIELDS = ("pair", "layout", "preset", "gbps", "messages_per_request",
                "staging_bytes_per_request", "latency_p50_ms", "latency_p99_ms",
                "line_rate_gbps", "ratio_to_line_rate", "nixl_gbps", "ratio_to_nixl",
@@ -109,7 +113,7 @@ CELL_FIELDS = ("pair", "layout", "preset", "gbps", "messages_per_request",
                "shared_map_copy_limit_gbps", "ratio_to_shared_map_copy_limit",
                "shared_map_reads_per_request",
                "control_messages_per_request", "ucx_operations_per_request",
-               "cpu_us_per_request", "wakeups_per_request",
+               "cpu_us_per_request", "wakeups_per_request", "completions_per_burst",
                "low_load_latency_p50_ms", "low_load_latency_p99_ms",
                "low_load_final_to_held_p50_ms", "low_load_final_to_held_p99_ms",
                "vllm_way_low_load_latency_p50_ms", "vllm_way_low_load_latency_p99_ms",
@@ -490,6 +494,7 @@ def _statebridge_cell(spec: StateSpec, src_tp: int, dst_tp: int, layout: str,
     out["cpu_us_per_request"]["total"] = sum(out["cpu_us_per_request"].values())
     out["wakeups_per_request"] = {k: (sleeps1[k] - sleeps0[k]) / len(results) for k in groups}
     out["wakeups_per_request"]["total"] = sum(out["wakeups_per_request"].values())
+    out["completions_per_burst"] = completions_per_burst([r.held_at for r in results])
     out.update(_per_request_counts(ops0, ops1, len(results)))
     out.update({"low_load_requests": len(low), "low_load_latency_p50_ms": None,
                 "low_load_latency_p99_ms": None, "low_load_rank_transfer_p50_ms": None,
@@ -558,6 +563,21 @@ def _per_request_counts(ops0: dict, ops1: dict, requests: int) -> dict:
     # where the pair is large enough; 0: UCX moved every byte)
     out["shared_map_reads_per_request"] = sum(per(("shared_map_reads",), g) for g in ops0)
     return out
+
+
+def completions_per_burst(times: Sequence[float], factor: float = BURST_GAP_FACTOR) -> float:
+    """How bunched a round's completions are: the mean number of completions per burst, where
+    completions less than ``1/factor`` of the round's mean gap apart belong to one burst. A
+    steady stream gives about 1 (a Poisson stream ~1.3); a round in which requests advance in
+    lock step (those in flight finish together, then restart together) gives about the
+    concurrency, and cores wait while the next batch goes round the control plane."""
+    t = np.sort(np.asarray(times, dtype=float))
+    if len(t) < 2:
+        return float(len(t))
+    mean = (t[-1] - t[0]) / (len(t) - 1)
+    if mean <= 0:
+        return float(len(t))
+    return len(t) / (1 + int(np.count_nonzero(np.diff(t) >= mean / factor)))
 
 
 def _ratio(x: float | None, y: float | None) -> float | None:

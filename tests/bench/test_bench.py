@@ -290,3 +290,21 @@ def test_shared_map_cells_count_their_reads_and_measure_that_copy_limit(tmp_path
     assert cell["messages_per_request"] == plan.messages_per_request
     assert _positive(cell["copy_limit_gbps"]) and _positive(cell["shared_map_copy_limit_gbps"])
     assert _positive(cell["ratio_to_shared_map_copy_limit"])
+
+
+@pytest.mark.timeout(120)
+def test_completions_per_burst_is_reported_within_its_bounds(report):
+    for cell in report["cells"]:
+        assert 1.0 <= cell["completions_per_burst"] <= 16, cell["completions_per_burst"]
+
+
+@pytest.mark.parametrize("times, expected", [
+    ([0.0, 1.0, 2.0, 3.0, 4.0], 1.0),                              # a steady stream
+    ([0.0, 0.01, 0.02, 10.0, 10.01, 10.02, 20.0, 20.01, 20.02], 3.0),   # lock step, 3 at a time
+    ([5.0, 0.0, 0.01, 5.01], 2.0),                                 # order does not matter
+    ([1.0, 1.0, 1.0], 3.0),                                        # all at once: one burst
+    ([2.0], 1.0),
+    ([], 0.0),
+])
+def test_completions_per_burst_counts_bunched_completions(times, expected):
+    assert hetero_tp.completions_per_burst(times) == pytest.approx(expected)
