@@ -582,7 +582,7 @@ class RankWorker:
         return out
 
     def _post_kv(self, pending: "_Pending", node: str, direction: str,
-                 src_blocks, dst_blocks, dst_start: "int | None | bool" = False) -> None:
+                 src_blocks, dst_blocks, *, dst_start: int | None) -> None:
         """Post this rank's KV runs of the request (absolute offsets: the pool's base added on
         this rank's side); raises StatebridgeError when a post fails (the handles posted so
         far are in ``pending``).
@@ -591,15 +591,13 @@ class RankWorker:
         always is; the decode side's allocator prefers them) post the pair's template for that
         many blocks at this side's first block: per request only the base is added and
         checked. Other tables build and check their runs for the request. ``dst_start``: the
-        destination table's :func:`range_start` when the caller has it (False: compute it)."""
+        destination table's :func:`range_start` (None: not one range, or empty)."""
         col = 0 if direction == "send" else 1
         routes = self.kv_routes.get(node, ())
         if not routes:
             return
         n = len(dst_blocks)
         start = None
-        if dst_start is False:
-            dst_start = range_start(dst_blocks) if n else None
         if n and len(src_blocks) == n:
             start = range_start(src_blocks) if col == 0 else dst_start
         contiguous = start is not None \
@@ -776,7 +774,8 @@ class RankWorker:
                 pending.messages += pair.messages
             if kv is not None:
                 node, src_blocks, dst_blocks = kv
-                self._post_kv(pending, node, direction, src_blocks, dst_blocks)
+                self._post_kv(pending, node, direction, src_blocks, dst_blocks,
+                              dst_start=range_start(dst_blocks) if dst_blocks else None)
             shm_peers = self.shm_peers.get(pending.key.peer_node)
             if shm_peers:
                 self._post_notices(pending, shm_peers, direction, base)
@@ -986,7 +985,7 @@ class RankWorker:
             try:
                 # The source range's start does not change the runs' sizes or order.
                 self._post_kv(pending, msg.peer_node, "recv", range(len(msg.blocks)),
-                              msg.blocks, pending.first_block)
+                              msg.blocks, dst_start=pending.first_block)
             except StatebridgeError as e:                 # settled by the next poll
                 pending.failure = (kind_of(e).value, f"posting KV receives failed: {e}")
                 for h in pending.handles:

@@ -119,7 +119,7 @@ class Bench:
     def rogue_send(self, generation: int, index: int, nbytes: int):
         """One raw tagged message (a UCX request; ``.completed`` once the rank took it)."""
         (request,) = self.rogue._post_one(self.rogue._endpoint("dec").tag_send,
-                                          self.rogue._np[:nbytes],
+                                          self.rogue._view(0, nbytes),
                                           make_tag(generation, 0, index), "dec")
         return request
 

@@ -431,7 +431,8 @@ class Transport:
         try:
             copy_runs(self._np, pack_runs, staging.numpy())
             endpoint = self._endpoint(peer_id)
-            requests = self._post_one(endpoint.tag_send, staging.numpy()[:nbytes], tag, peer_id)
+            requests = self._post_one(endpoint.tag_send, self._Array(staging.numpy()[:nbytes]),
+                                      tag, peer_id)
         except BaseException:
             self._pool.release(staging)
             raise
@@ -455,7 +456,8 @@ class Transport:
             if peer_id is None:
                 self._check_open()
             target = self._worker if peer_id is None else self._endpoint(peer_id)
-            requests = self._post_one(target.tag_recv, staging.numpy()[:nbytes], tag, peer_id)
+            requests = self._post_one(target.tag_recv, self._Array(staging.numpy()[:nbytes]),
+                                      tag, peer_id)
         except BaseException:
             self._pool.release(staging)
             raise
@@ -667,12 +669,11 @@ class Transport:
         return array
 
     def _post_one(self, op, array, tag: int, peer_id: str | None) -> list:
-        """One UCX request for a staging buffer or a cached view (``array`` None: ``op`` needs
-        no buffer)."""
+        """One UCX request on ``array``: a ucxx view of this rank's buffer or of a staging
+        buffer (None: ``op`` needs no buffer)."""
         _op_counter()["ucx_ops"] += 1
         try:
-            return [op(array if array is None or not isinstance(array, np.ndarray)
-                       else self._Array(array), self._Tag(tag))]
+            return [op(array, self._Tag(tag))]
         except Exception as e:  # noqa: BLE001
             raise TransferError(f"{self.name}: posting to {peer_id!r} failed: {e}",
                                 peer=peer_id) from e
