@@ -17,6 +17,7 @@ from statebridge.hf_config import (
     MAMBA2_DEFAULTS,
     GraniteHybridModelConfig,
     Lfm2ModelConfig,
+    Mamba2Geometry,
     Mamba2ModelConfig,
     ModelConfig,
 )
@@ -252,6 +253,65 @@ def test_mamba_ssm_names_and_special_floats():
     assert ours.time_step_limit == (0.0, math.inf)
 
 
+#: One Mamba2 mixer written by each family: hidden 48, expand 2 (I = 96), 8 heads of 12,
+#: 2 groups of state 16, conv width 3, chunk 32, projection biases, no conv bias. Each family
+#: derives the size its transformers config derives (Mamba2 the heads, Granite the head width)
+#: or reads both, under its own spellings.
+MIXER_MAMBA2 = {"model_type": "mamba2", "num_hidden_layers": 2, "expand": 2, "chunk_size": 32,
+                "use_bias": True, "use_conv_bias": False}
+MIXER_MAMBA2_SPELLINGS = [
+    ("derived-heads", {"hidden_size": 48, "head_dim": 12, "state_size": 16, "n_groups": 2,
+                       "conv_kernel": 3}),
+    ("mamba_ssm-names", {"d_model": 48, "headdim": 12, "num_heads": 8, "d_state": 16,
+                         "ngroups": 2, "d_conv": 3}),
+]
+MIXER_GRANITE = {"model_type": "granitemoehybrid", "num_local_experts": 0, "hidden_size": 48,
+                 "layer_types": ["mamba", "attention"], "num_attention_heads": 4,
+                 "num_key_value_heads": 2, "mamba_expand": 2, "mamba_n_heads": 8,
+                 "mamba_d_state": 16, "mamba_n_groups": 2, "mamba_d_conv": 3,
+                 "mamba_chunk_size": 32, "mamba_proj_bias": True, "mamba_conv_bias": False}
+MIXER_GRANITE_SPELLINGS = [("auto-d-head", {"mamba_d_head": "auto"}),
+                           ("absent-d-head", {}),
+                           ("explicit-d-head", {"mamba_d_head": 12})]
+#: The one mixer's weights, sizes worked out by hand: in_proj rows z 96 + xBC 160 + dt 8.
+MIXER_WEIGHTS = {"in_proj.weight": (264, 48), "in_proj.bias": (264,),
+                 "conv1d.weight": (160, 1, 3), "dt_bias": (8,), "A_log": (8,), "D": (8,),
+                 "norm.weight": (96,), "out_proj.weight": (48, 96), "out_proj.bias": (48,)}
+
+
+@pytest.mark.parametrize("granite_extra", [c[1] for c in MIXER_GRANITE_SPELLINGS],
+                         ids=[c[0] for c in MIXER_GRANITE_SPELLINGS])
+@pytest.mark.parametrize("mamba2_extra", [c[1] for c in MIXER_MAMBA2_SPELLINGS],
+                         ids=[c[0] for c in MIXER_MAMBA2_SPELLINGS])
+def test_mamba2_and_granite_read_one_mixer_geometry(mamba2_extra, granite_extra):
+    """The same mixer written in Mamba2's keys and in Granite's ``mamba_*`` keys reads as one
+    geometry, with the same sizes, weights and state tensors."""
+    mamba2 = ModelConfig.from_dict({**MIXER_MAMBA2, **mamba2_extra})
+    granite = ModelConfig.from_dict({**MIXER_GRANITE, **granite_extra})
+    want = Mamba2Geometry(hidden_size=48, expand=2, num_heads=8, head_dim=12, n_groups=2,
+                          state_size=16, conv_kernel=3, chunk_size=32, proj_bias=True,
+                          conv_bias=False)
+    assert mamba2.mamba == granite.mamba == want
+    assert (want.intermediate_size, want.conv_dim) == (96, 160)
+    assert (mamba2.intermediate_size, mamba2.conv_dim) == (96, 160)
+    assert (granite.mamba_intermediate_size, granite.mamba_conv_dim) == (96, 160)
+    assert (granite.mamba_n_heads, granite.mamba_d_head, granite.mamba_d_state) == (8, 12, 16)
+    assert (mamba2.num_heads, mamba2.head_dim, mamba2.state_size) == (8, 12, 16)
+
+    def mixer_weights(config, prefix):
+        shapes = config.weight_shapes()
+        return {name[len(prefix):]: shape for name, shape in shapes.items()
+                if name.startswith(prefix)}
+    assert mixer_weights(mamba2, "backbone.layers.0.mixer.") == MIXER_WEIGHTS
+    assert mixer_weights(granite, "model.layers.0.mamba.") == MIXER_WEIGHTS
+
+    conv, ssm = StateSpec.from_config(mamba2).groups[0].tensors
+    assert (conv, ssm) == StateSpec.from_config(granite).groups[0].tensors
+    assert [(s.name, s.size, s.groups) for s in conv.segments] == [("x", 96, 1), ("B", 32, 2),
+                                                                  ("C", 32, 2)]
+    assert conv.inner_shape == (2,) and (ssm.channels, *ssm.inner_shape) == (8, 12, 16)
+
+
 LFM2 = {"model_type": "lfm2", "hidden_size": 64, "layer_types": ["conv"] * 2}
 MAMBA2 = {"model_type": "mamba2", "hidden_size": 64, "head_dim": 16, "n_groups": 2,
           "num_hidden_layers": 2}
@@ -275,8 +335,8 @@ GRANITE = {"model_type": "granitemoehybrid", "num_local_experts": 0, "hidden_siz
     ({**LFM2, "full_attn_idxs": ["0"], "layer_types": None}, ConfigError, ["'full_attn_idxs'"]),
     ({**LFM2, "block_ffn_dim_multiplier": "x"}, ConfigError, ["'block_ffn_dim_multiplier'"]),
     ({**MAMBA2, "num_heads": 5}, ConfigError, ["num_heads", "5"]),
-    ({**MAMBA2, "n_groups": 3}, ConfigError, ["n_groups 3"]),
-    ({**MAMBA2, "head_dim": 48}, ConfigError, ["head_dim 48"]),
+    ({**MAMBA2, "n_groups": 3}, ConfigError, ["num_heads=8", "n_groups=3"]),
+    ({**MAMBA2, "head_dim": 48}, ConfigError, ["head_dim=48", "2 * 64"]),
     ({**MAMBA2, "expand": 1.01}, ConfigError, ["expand", "1.01"]),
     ({**MAMBA2, "time_step_limit": [0.0]}, ConfigError, ["'time_step_limit'", "[0.0]"]),
     ({**MAMBA2, "hidden_act": 7}, ConfigError, ["'hidden_act'", "7"]),

@@ -12,6 +12,12 @@ checkpoint, read once, the way transformers reads it.
                                              |-> ModelRunner, Checkpoint (weight names, norms)
                                              '-> models.tp               (weight shards)
 
+One file per family (``lfm2.py``, ``mamba2.py``, ``granite.py``) on top of ``base.py``
+(:class:`ModelConfig`) and ``fields.py`` (one reader per field type). Mamba2 and Granite's
+Mamba2 layers share ONE mixer geometry, :class:`Mamba2Geometry` (``mixer.py``): each family
+only says where its ``config.json`` keeps each value, and ``config.mamba`` is the same object
+for the same mixer whichever family wrote it.
+
 Rules, in the order they apply:
 
 - **Defaults** are those of transformers' ``Lfm2Config`` / ``Mamba2Config`` /
@@ -59,8 +65,10 @@ from statebridge.hf_config.granite import (GRANITE_DEFAULTS, GRANITE_LAYER_TYPES
                                            GraniteHybridModelConfig)
 from statebridge.hf_config.lfm2 import LFM2_DEFAULTS, LFM2_LAYER_TYPES, Lfm2ModelConfig
 from statebridge.hf_config.mamba2 import MAMBA2_DEFAULTS, Mamba2ModelConfig
+from statebridge.hf_config.mixer import Mamba2Geometry
 
 __all__ = ["ModelConfig", "Lfm2ModelConfig", "Mamba2ModelConfig", "GraniteHybridModelConfig",
+           "Mamba2Geometry",
            "LFM2_DEFAULTS", "MAMBA2_DEFAULTS", "GRANITE_DEFAULTS", "ARCHITECTURES",
            "LFM2_LAYER_TYPES", "GRANITE_LAYER_TYPES", "DEFAULT_DTYPE",
            "read_config_json", "decode_special_floats", "encode_special_floats"]

@@ -11,7 +11,7 @@ from statebridge.errors import ConfigError, UnsupportedModelError
 from statebridge.hf_config.base import ModelConfig, _require_positive
 from statebridge.hf_config.fields import (_bool, _count, _dtype, _int, _layer_type_list,
                                           _positive, _rope_theta, _time_step_limit, _typed)
-from statebridge.hf_config.mamba2 import _mamba_mixer_shapes
+from statebridge.hf_config.mixer import Mamba2Geometry, MixerKeys
 
 #: GraniteMoeHybrid layer types as written in config.json (transformers' names and the legacy
 #: ones ``remap_legacy_layer_types`` renames) -> the state spec's names.
@@ -55,6 +55,15 @@ GRANITE_DEFAULTS: dict[str, Any] = {
     "rope_theta": 10_000.0,             # RotaryEmbeddingConfigMixin.default_theta
 }
 
+#: Where ``GraniteMoeHybridConfig`` keeps the Mamba2 layers' mixer geometry.
+GRANITE_KEYS = MixerKeys(
+    family="granitemoehybrid", derived="head_dim", expand=("mamba_expand",),
+    num_heads=("mamba_n_heads",), head_dim=("mamba_d_head",), n_groups=("mamba_n_groups",),
+    state_size=("mamba_d_state",), conv_kernel=("mamba_d_conv",),
+    chunk_size=("mamba_chunk_size",), proj_bias=("mamba_proj_bias",),
+    conv_bias=("mamba_conv_bias",))
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class GraniteHybridModelConfig(ModelConfig):
     """A dense GraniteMoeHybrid (Granite-4.0-H) config: Mamba2 layers (``"mamba2"``) and
@@ -64,8 +73,8 @@ class GraniteHybridModelConfig(ModelConfig):
 
     ``head_dim`` is the attention heads' width (``hidden_size // num_attention_heads`` unless the
     config carries ``head_dim``); ``mamba_*`` describe the mamba layers exactly as
-    ``GraniteMoeHybridMambaLayer`` reads them (see :attr:`mamba_intermediate_size`,
-    :attr:`mamba_conv_dim`). MoE (``num_local_experts > 0``) is refused; ``intermediate_size``
+    ``GraniteMoeHybridMambaLayer`` reads them; :attr:`mamba` is the same geometry in the names
+    both families share. MoE (``num_local_experts > 0``) is refused; ``intermediate_size``
     is the experts' width, kept because transformers reads it, unused by a dense model.
     """
 
@@ -107,25 +116,14 @@ class GraniteHybridModelConfig(ModelConfig):
                 f"served (dense Granite-4.0-H only, num_local_experts=0)")
         ModelConfig.__post_init__(self)
         _require_positive(self, "intermediate_size", "shared_intermediate_size",
-                          "num_attention_heads", "num_key_value_heads", "logits_scaling",
-                          "mamba_n_heads", "mamba_d_head", "mamba_d_state", "mamba_n_groups",
-                          "mamba_d_conv", "mamba_expand", "mamba_chunk_size")
+                          "num_attention_heads", "num_key_value_heads", "logits_scaling")
         if self.position_embedding_type not in GRANITE_POSITION_EMBEDDINGS:
             raise ConfigError(f"granitemoehybrid: position_embedding_type="
                               f"{self.position_embedding_type!r}; expected one of "
                               f"{list(GRANITE_POSITION_EMBEDDINGS)}")
-        # GraniteMoeHybridConfig.validate_architecture checks these two whatever the layers.
-        inner = self.mamba_expand * self.hidden_size
-        if inner != int(inner):
-            raise ConfigError(f"granitemoehybrid: mamba_expand * hidden_size = "
-                              f"{self.mamba_expand} * {self.hidden_size} is not an integer")
-        if self.mamba_n_heads * self.mamba_d_head != inner:
-            raise ConfigError(f"granitemoehybrid: mamba_n_heads * mamba_d_head = "
-                              f"{self.mamba_n_heads} * {self.mamba_d_head} != mamba_expand * "
-                              f"hidden_size = {int(inner)}")
-        if self.mamba_layers and self.mamba_n_heads % self.mamba_n_groups:
-            raise ConfigError(f"granitemoehybrid: mamba_n_heads={self.mamba_n_heads} is not a "
-                              f"multiple of mamba_n_groups={self.mamba_n_groups}")
+        # GraniteMoeHybridConfig.validate_architecture checks the sizes whatever the layers;
+        # heads per group matter only where there are mamba layers.
+        GRANITE_KEYS.check(self.mamba, grouped=bool(self.mamba_layers))
         if self.attention_layers:       # (without them the attention geometry is never used)
             _require_positive(self, "head_dim")
             if self.num_attention_heads % self.num_key_value_heads:
@@ -160,17 +158,9 @@ class GraniteHybridModelConfig(ModelConfig):
         else:
             head_dim = hidden // heads          # as GraniteMoeHybridAttention computes it
 
-        expand = _positive(config, "mamba_expand", default=d["mamba_expand"])
-        mamba_heads = _int(config, "mamba_n_heads", default=d["mamba_n_heads"])
-        d_head: Any = config.get("mamba_d_head")
-        if d_head is None or d_head == "auto":  # GraniteMoeHybridConfig.__post_init__
-            inner = expand * hidden
-            if inner != int(inner) or int(inner) % mamba_heads:
-                raise ConfigError(f"granitemoehybrid: mamba_n_heads={mamba_heads} does not "
-                                  f"divide mamba_expand * hidden_size = {expand} * {hidden}")
-            d_head = int(inner) // mamba_heads
-        else:
-            d_head = _int(config, "mamba_d_head", default=0)
+        if config.get("mamba_d_head") == "auto":   # GraniteMoeHybridConfig.__post_init__
+            config = {**config, "mamba_d_head": None}   # derived, as when absent
+        mixer = GRANITE_KEYS.read(config, d, hidden_size=hidden)
 
         def number(key: str) -> float:
             return float(_positive(config, key, default=d[key]))
@@ -203,15 +193,7 @@ class GraniteHybridModelConfig(ModelConfig):
             embedding_multiplier=number("embedding_multiplier"),
             residual_multiplier=number("residual_multiplier"),
             logits_scaling=number("logits_scaling"),
-            mamba_n_heads=mamba_heads,
-            mamba_d_head=d_head,
-            mamba_d_state=_int(config, "mamba_d_state", default=d["mamba_d_state"]),
-            mamba_n_groups=_int(config, "mamba_n_groups", default=d["mamba_n_groups"]),
-            mamba_d_conv=_int(config, "mamba_d_conv", default=d["mamba_d_conv"]),
-            mamba_expand=expand,
-            mamba_chunk_size=_int(config, "mamba_chunk_size", default=d["mamba_chunk_size"]),
-            mamba_conv_bias=_bool(config, "mamba_conv_bias", default=d["mamba_conv_bias"]),
-            mamba_proj_bias=_bool(config, "mamba_proj_bias", default=d["mamba_proj_bias"]),
+            **GRANITE_KEYS.attributes(mixer),
             time_step_limit=_time_step_limit(config, default=d["time_step_limit"]),
             rope_theta=(_rope_theta(config, default=d["rope_theta"]) if position == "rope"
                         else d["rope_theta"]),
@@ -223,15 +205,20 @@ class GraniteHybridModelConfig(ModelConfig):
         return tuple(i for i, t in enumerate(self.layer_types) if t == "mamba2")
 
     @property
+    def mamba(self) -> Mamba2Geometry:
+        """The Mamba2 layers' mixer geometry, in the names both families share."""
+        return GRANITE_KEYS.geometry(self)
+
+    @property
     def mamba_intermediate_size(self) -> int:
         """I = int(mamba_expand * hidden_size) = mamba_n_heads * mamba_d_head, as
         ``GraniteMoeHybridMambaLayer.intermediate_size``."""
-        return self.mamba_n_heads * self.mamba_d_head
+        return self.mamba.intermediate_size
 
     @property
     def mamba_conv_dim(self) -> int:
         """Channels of the depthwise conv: ``[x (I) | B (G*N) | C (G*N)]``."""
-        return self.mamba_intermediate_size + 2 * self.mamba_n_groups * self.mamba_d_state
+        return self.mamba.conv_dim
 
     @property
     def embedding_name(self) -> str:
@@ -248,8 +235,7 @@ class GraniteHybridModelConfig(ModelConfig):
         return self.position_embedding_type == "rope"
 
     def weight_shapes(self) -> dict[str, tuple[int, ...]]:
-        V, Hd, K = self.vocab_size, self.hidden_size, self.mamba_d_conv
-        inner, conv_dim, H = self.mamba_intermediate_size, self.mamba_conv_dim, self.mamba_n_heads
+        V, Hd, mixer = self.vocab_size, self.hidden_size, self.mamba
         D, S = self.head_dim, self.shared_intermediate_size
         q, kv = self.num_attention_heads * D, self.num_key_value_heads * D
         out: dict[str, tuple[int, ...]] = {self.embedding_name: (V, Hd)}
@@ -257,9 +243,7 @@ class GraniteHybridModelConfig(ModelConfig):
             p = f"model.layers.{i}."
             out[p + "input_layernorm.weight"] = (Hd,)
             if self.layer_types[i] == "mamba2":
-                out.update(_mamba_mixer_shapes(p + "mamba.", Hd, inner, conv_dim, H, K,
-                                               proj_bias=self.mamba_proj_bias,
-                                               conv_bias=self.mamba_conv_bias))
+                out.update(mixer.weight_shapes(p + "mamba."))
             else:
                 a = p + "self_attn."
                 for name, rows in (("q_proj", q), ("k_proj", kv), ("v_proj", kv)):

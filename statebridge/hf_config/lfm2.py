@@ -34,6 +34,7 @@ LFM2_DEFAULTS: dict[str, Any] = {
     "rope_theta": 1_000_000.0,          # Lfm2Config.default_theta
 }
 
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Lfm2ModelConfig(ModelConfig):
     """An LFM2 config: ShortConv layers (``"conv"``) and attention layers

@@ -7,9 +7,10 @@ from dataclasses import dataclass
 from typing import Any, ClassVar, Mapping
 
 from statebridge.errors import ConfigError
-from statebridge.hf_config.base import ModelConfig, _require_positive
+from statebridge.hf_config.base import ModelConfig
 from statebridge.hf_config.fields import (_bool, _dtype, _int, _positive, _time_step_limit,
                                           _typed)
+from statebridge.hf_config.mixer import Mamba2Geometry, MixerKeys
 
 #: ``Mamba2Config`` defaults (transformers 5) of every field the runtime reads. ``num_heads`` is
 #: derived when absent (see the module docstring); at these defaults it is transformers' 128.
@@ -32,26 +33,20 @@ MAMBA2_DEFAULTS: dict[str, Any] = {
     "tie_word_embeddings": False,
 }
 
-def _mamba_mixer_shapes(m: str, hidden: int, inner: int, conv_dim: int, heads: int, width: int,
-                        *, proj_bias: bool, conv_bias: bool) -> dict[str, tuple[int, ...]]:
-    """The weights of one Mamba2 mixer named ``m + name`` (``Mamba2Mixer`` and
-    ``GraniteMoeHybridMambaLayer`` save the same ones)."""
-    out: dict[str, tuple[int, ...]] = {m + "in_proj.weight": (inner + conv_dim + heads, hidden)}
-    if proj_bias:
-        out[m + "in_proj.bias"] = (inner + conv_dim + heads,)
-    out[m + "conv1d.weight"] = (conv_dim, 1, width)
-    if conv_bias:
-        out[m + "conv1d.bias"] = (conv_dim,)
-    out.update({m + "dt_bias": (heads,), m + "A_log": (heads,), m + "D": (heads,),
-                m + "norm.weight": (inner,), m + "out_proj.weight": (hidden, inner)})
-    if proj_bias:
-        out[m + "out_proj.bias"] = (hidden,)
-    return out
+
+#: Where ``Mamba2Config`` keeps the mixer geometry (then the original mamba_ssm names).
+MAMBA2_KEYS = MixerKeys(
+    family="mamba2", derived="num_heads", expand=("expand",), num_heads=("num_heads",),
+    head_dim=("head_dim", "headdim"), n_groups=("n_groups", "ngroups"),
+    state_size=("state_size", "d_state"), conv_kernel=("conv_kernel", "d_conv"),
+    chunk_size=("chunk_size",), proj_bias=("use_bias",), conv_bias=("use_conv_bias",))
+
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Mamba2ModelConfig(ModelConfig):
     """A Mamba2 config. Field names are ``Mamba2Config``'s (``norm_eps`` is
-    ``layer_norm_epsilon``: the eps of the block norms, the final norm and the gated norm)."""
+    ``layer_norm_epsilon``: the eps of the block norms, the final norm and the gated norm);
+    :attr:`mamba` is the mixer geometry in the names both Mamba2 families share."""
 
     model_type: ClassVar[str] = "mamba2"
 
@@ -70,18 +65,7 @@ class Mamba2ModelConfig(ModelConfig):
 
     def __post_init__(self) -> None:
         ModelConfig.__post_init__(self)
-        _require_positive(self, "expand", "num_heads", "head_dim", "state_size", "n_groups",
-                          "conv_kernel", "chunk_size")
-        inner = self.expand * self.hidden_size
-        if inner != int(inner):
-            raise ConfigError(f"mamba2: expand * hidden_size = {self.expand} * "
-                              f"{self.hidden_size} is not an integer")
-        if self.num_heads * self.head_dim != inner:
-            raise ConfigError(f"mamba2: num_heads * head_dim = {self.num_heads} * "
-                              f"{self.head_dim} != expand * hidden_size = {int(inner)}")
-        if self.num_heads % self.n_groups:
-            raise ConfigError(f"mamba2: num_heads {self.num_heads} is not a multiple of "
-                              f"n_groups {self.n_groups}")
+        MAMBA2_KEYS.check(self.mamba)
         if len(self.time_step_limit) != 2:
             raise ConfigError(f"mamba2: time_step_limit must be (min, max), got "
                               f"{self.time_step_limit!r}")
@@ -90,15 +74,7 @@ class Mamba2ModelConfig(ModelConfig):
     def _read(cls, config: Mapping[str, Any]) -> "Mamba2ModelConfig":
         d = MAMBA2_DEFAULTS
         hidden = _int(config, "hidden_size", "d_model", default=d["hidden_size"])
-        expand = _positive(config, "expand", default=d["expand"])
-        head_dim = _int(config, "head_dim", "headdim", default=d["head_dim"])
-        inner = expand * hidden
-        if inner != int(inner):
-            raise ConfigError(f"mamba2: expand * hidden_size = {expand} * {hidden} is not an "
-                              f"integer")
-        if config.get("num_heads") is None and int(inner) % head_dim:
-            raise ConfigError(f"mamba2: intermediate size {int(inner)} (expand * hidden_size) "
-                              f"is not a multiple of head_dim {head_dim}")
+        mixer = MAMBA2_KEYS.read(config, d, hidden_size=hidden)
         num_layers = _int(config, "num_hidden_layers", "n_layer", default=d["num_hidden_layers"])
         return cls(
             vocab_size=_int(config, "vocab_size", default=d["vocab_size"]),
@@ -110,29 +86,26 @@ class Mamba2ModelConfig(ModelConfig):
             dtype=_dtype(config),
             norm_eps=float(_positive(config, "layer_norm_epsilon",
                                      default=d["layer_norm_epsilon"])),
-            expand=expand,
-            num_heads=_int(config, "num_heads", default=int(inner) // head_dim),
-            head_dim=head_dim,
-            state_size=_int(config, "state_size", "d_state", default=d["state_size"]),
-            n_groups=_int(config, "n_groups", "ngroups", default=d["n_groups"]),
-            conv_kernel=_int(config, "conv_kernel", "d_conv", default=d["conv_kernel"]),
-            chunk_size=_int(config, "chunk_size", default=d["chunk_size"]),
-            use_bias=_bool(config, "use_bias", default=d["use_bias"]),
-            use_conv_bias=_bool(config, "use_conv_bias", default=d["use_conv_bias"]),
+            **MAMBA2_KEYS.attributes(mixer),
             hidden_act=_typed(config, "hidden_act", str, "a string", default=d["hidden_act"]),
             residual_in_fp32=_bool(config, "residual_in_fp32", default=d["residual_in_fp32"]),
             time_step_limit=_time_step_limit(config, default=d["time_step_limit"]),
         )
 
     @property
+    def mamba(self) -> Mamba2Geometry:
+        """Every layer's mixer geometry, in the names both families share."""
+        return MAMBA2_KEYS.geometry(self)
+
+    @property
     def intermediate_size(self) -> int:
         """I = expand * hidden_size = num_heads * head_dim."""
-        return self.num_heads * self.head_dim
+        return self.mamba.intermediate_size
 
     @property
     def conv_dim(self) -> int:
         """Channels of the depthwise conv: ``[x (I) | B (G*N) | C (G*N)]``."""
-        return self.intermediate_size + 2 * self.n_groups * self.state_size
+        return self.mamba.conv_dim
 
     @property
     def embedding_name(self) -> str:
@@ -142,15 +115,12 @@ class Mamba2ModelConfig(ModelConfig):
         return f"backbone.layers.{layer}.mixer."
 
     def weight_shapes(self) -> dict[str, tuple[int, ...]]:
-        V, Hd, H, K = self.vocab_size, self.hidden_size, self.num_heads, self.conv_kernel
-        inner, conv_dim = self.intermediate_size, self.conv_dim
+        V, Hd, mixer = self.vocab_size, self.hidden_size, self.mamba
         out: dict[str, tuple[int, ...]] = {self.embedding_name: (V, Hd)}
         for i in range(self.num_layers):
             p = f"backbone.layers.{i}."
             out[p + "norm.weight"] = (Hd,)
-            out.update(_mamba_mixer_shapes(p + "mixer.", Hd, inner, conv_dim, H, K,
-                                           proj_bias=self.use_bias,
-                                           conv_bias=self.use_conv_bias))
+            out.update(mixer.weight_shapes(p + "mixer."))
         out["backbone.norm_f.weight"] = (Hd,)
         if not self.tie_word_embeddings:
             out["lm_head.weight"] = (V, Hd)

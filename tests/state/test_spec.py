@@ -152,7 +152,7 @@ def test_from_pretrained_reads_a_directory(tmp_path):
     ({**LFM2_1_2B, "hidden_size": "big"}, {}, ConfigError, "'big'"),
     ({**MAMBA2_2_7B, "num_heads": 81}, {}, ConfigError, "81"),
     ({**MAMBA2_2_7B, "head_dim": 48}, {}, ConfigError, "48"),
-    ({**MAMBA2_2_7B, "n_groups": 3}, {}, ConfigError, "n_groups 3"),
+    ({**MAMBA2_2_7B, "n_groups": 3}, {}, ConfigError, "n_groups=3"),
     (MAMBA2_2_7B, {"ssm_dtype": "int8"}, ConfigError, "'int8'"),
     ({**GRANITE_4_0_H_1B, "layer_types": ["attention"] * 40}, {}, UnsupportedModelError,
      "no mamba layers"),
