@@ -294,7 +294,6 @@ def test_mamba2_and_granite_read_one_mixer_geometry(mamba2_extra, granite_extra)
     assert mamba2.mamba == granite.mamba == want
     assert (want.intermediate_size, want.conv_dim) == (96, 160)
     assert (mamba2.intermediate_size, mamba2.conv_dim) == (96, 160)
-    assert (granite.mamba_intermediate_size, granite.mamba_conv_dim) == (96, 160)
     assert (granite.mamba_n_heads, granite.mamba_d_head, granite.mamba_d_state) == (8, 12, 16)
     assert (mamba2.num_heads, mamba2.head_dim, mamba2.state_size) == (8, 12, 16)
 

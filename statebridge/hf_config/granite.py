@@ -210,17 +210,6 @@ class GraniteHybridModelConfig(ModelConfig):
         return GRANITE_KEYS.geometry(self)
 
     @property
-    def mamba_intermediate_size(self) -> int:
-        """I = int(mamba_expand * hidden_size) = mamba_n_heads * mamba_d_head, as
-        ``GraniteMoeHybridMambaLayer.intermediate_size``."""
-        return self.mamba.intermediate_size
-
-    @property
-    def mamba_conv_dim(self) -> int:
-        """Channels of the depthwise conv: ``[x (I) | B (G*N) | C (G*N)]``."""
-        return self.mamba.conv_dim
-
-    @property
     def embedding_name(self) -> str:
         return "model.embed_tokens.weight"
 

@@ -28,7 +28,6 @@ only ``narrow``s them, so a rank reads exactly its rows of the checkpoint.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
@@ -41,7 +40,7 @@ from statebridge.state.sharding import kv_heads, segment_is_replicated, shard_se
 from statebridge.state.spec import KVSpec, Segment, Sharding
 
 __all__ = ["shard_weight", "short_conv_from_hf", "mamba2_from_hf", "lfm2_mlp_from_hf",
-           "attention_from_hf", "granite_mlp_from_hf", "MambaDims"]
+           "attention_from_hf", "granite_mlp_from_hf"]
 
 
 def shard_weight(weight: Any, segments: Sequence[Segment], tp_size: int, tp_rank: int, *,
@@ -132,33 +131,6 @@ def short_conv_from_hf(config: Lfm2ModelConfig, weights: Mapping[str, Any], tp_s
                provider=provider)
 
 
-@dataclass(frozen=True)
-class MambaDims:
-    """The Mamba2 mixer's geometry, whatever config names it (``Mamba2Config`` or the
-    ``mamba_*`` fields of ``GraniteMoeHybridConfig``)."""
-
-    hidden_act: str
-    time_step_limit: tuple[float, float]
-    intermediate_size: int
-    num_heads: int
-    head_dim: int
-    n_groups: int
-    state_size: int
-    chunk_size: int
-    norm_eps: float
-
-    @classmethod
-    def of(cls, config: "Mamba2ModelConfig | GraniteHybridModelConfig") -> "MambaDims":
-        if isinstance(config, GraniteHybridModelConfig):
-            return cls(config.hidden_act, config.time_step_limit, config.mamba_intermediate_size,
-                       config.mamba_n_heads, config.mamba_d_head, config.mamba_n_groups,
-                       config.mamba_d_state, config.mamba_chunk_size, config.norm_eps)
-        _check_config(config, Mamba2ModelConfig)
-        return cls(config.hidden_act, config.time_step_limit, config.intermediate_size,
-                   config.num_heads, config.head_dim, config.n_groups, config.state_size,
-                   config.chunk_size, config.norm_eps)
-
-
 def mamba2_from_hf(config: "Mamba2ModelConfig | GraniteHybridModelConfig",
                    weights: Mapping[str, Any], tp_size: int = 1,
                    tp_rank: int = 0, *, all_reduce: AllReduce | None = None, prefix: str = "",
@@ -169,10 +141,12 @@ def mamba2_from_hf(config: "Mamba2ModelConfig | GraniteHybridModelConfig",
 
     ``all_reduce`` sums over the TP group; it is required when ``n_groups == 1 < tp_size`` (the
     gated norm's group then spans ranks). ``cls`` is the mixer class."""
-    dims = MambaDims.of(config)
-    if dims.hidden_act not in ("silu", "swish"):
-        raise ConfigError(f"Mamba2 hidden_act must be silu, got {dims.hidden_act!r}")
-    limit = dims.time_step_limit
+    if not isinstance(config, GraniteHybridModelConfig):
+        _check_config(config, Mamba2ModelConfig)
+    dims = config.mamba
+    if config.hidden_act not in ("silu", "swish"):
+        raise ConfigError(f"Mamba2 hidden_act must be silu, got {config.hidden_act!r}")
+    limit = config.time_step_limit
     if limit[0] > 0.0 or limit[1] != float("inf"):
         raise ConfigError(f"Mamba2 time_step_limit={limit} is not supported (only (0, inf))")
     inner, heads, groups = dims.intermediate_size, dims.num_heads, dims.n_groups
@@ -197,7 +171,7 @@ def mamba2_from_hf(config: "Mamba2ModelConfig | GraniteHybridModelConfig",
         n_groups_local=groups if replicated else groups // tp_size,
         norm_group_size=inner // groups,
         chunk_size=dims.chunk_size,
-        norm_eps=dims.norm_eps,
+        norm_eps=config.norm_eps,
         all_reduce=all_reduce,
         provider=provider,
     )

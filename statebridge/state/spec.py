@@ -45,6 +45,7 @@ from statebridge.errors import ConfigError, UnsupportedModelError
 from statebridge.hf_config import (
     GraniteHybridModelConfig,
     Lfm2ModelConfig,
+    Mamba2Geometry,
     Mamba2ModelConfig,
     ModelConfig,
 )
@@ -368,44 +369,38 @@ def _lfm2(config: Lfm2ModelConfig, conv_dtype: str, kv_dtype: str) -> StateSpec:
     return StateSpec("lfm2", _group_layers(layers), config.layer_types, kernel, kv)
 
 
-def _mamba2_tensors(*, what: str, intermediate: int, n_groups: int, d_state: int,
-                    n_heads: int, d_head: int, kernel: int, conv_dtype: str,
+def _mamba2_tensors(mixer: Mamba2Geometry, *, what: str, conv_dtype: str,
                     ssm_dtype: str) -> tuple[StateTensorSpec, StateTensorSpec]:
     """The conv and SSM state tensors of one Mamba2 mixer (Mamba2, GraniteMoeHybrid); ``what``
     names the kernel-width field in errors."""
+    kernel, groups = mixer.conv_kernel, mixer.n_groups
     if kernel < 2:
         raise ConfigError(f"{what} must be >= 2 to carry state, got {kernel}")
-    bc = n_groups * d_state
+    bc = groups * mixer.state_size
     conv = StateTensorSpec(
         name="conv", channel_axis="D",
-        segments=(Segment("x", intermediate, Sharding.SPLIT),
-                  Segment("B", bc, Sharding.GROUPED, n_groups),
-                  Segment("C", bc, Sharding.GROUPED, n_groups)),
+        segments=(Segment("x", mixer.intermediate_size, Sharding.SPLIT),
+                  Segment("B", bc, Sharding.GROUPED, groups),
+                  Segment("C", bc, Sharding.GROUPED, groups)),
         inner_axes=("S",), inner_shape=(kernel - 1,), dtype=conv_dtype)
     ssm = StateTensorSpec(
         name="ssm", channel_axis="H",
-        segments=(Segment("heads", n_heads, Sharding.SPLIT),),
-        inner_axes=("P", "N"), inner_shape=(d_head, d_state), dtype=ssm_dtype)
+        segments=(Segment("heads", mixer.num_heads, Sharding.SPLIT),),
+        inner_axes=("P", "N"), inner_shape=(mixer.head_dim, mixer.state_size), dtype=ssm_dtype)
     return conv, ssm
 
 
 def _mamba2(config: Mamba2ModelConfig, conv_dtype: str, ssm_dtype: str) -> StateSpec:
-    tensors = _mamba2_tensors(
-        what="mamba2: conv_kernel", intermediate=config.intermediate_size,
-        n_groups=config.n_groups, d_state=config.state_size, n_heads=config.num_heads,
-        d_head=config.head_dim, kernel=config.conv_kernel, conv_dtype=conv_dtype,
-        ssm_dtype=ssm_dtype)
+    tensors = _mamba2_tensors(config.mamba, what="mamba2: conv_kernel", conv_dtype=conv_dtype,
+                              ssm_dtype=ssm_dtype)
     layers = [(i, tensors) for i in range(config.num_layers)]
     return StateSpec("mamba2", _group_layers(layers), config.layer_types, config.conv_kernel)
 
 
 def _granite(config: GraniteHybridModelConfig, conv_dtype: str, ssm_dtype: str,
              kv_dtype: str) -> StateSpec:
-    tensors = _mamba2_tensors(
-        what="granitemoehybrid: mamba_d_conv", intermediate=config.mamba_intermediate_size,
-        n_groups=config.mamba_n_groups, d_state=config.mamba_d_state,
-        n_heads=config.mamba_n_heads, d_head=config.mamba_d_head, kernel=config.mamba_d_conv,
-        conv_dtype=conv_dtype, ssm_dtype=ssm_dtype)
+    tensors = _mamba2_tensors(config.mamba, what="granitemoehybrid: mamba_d_conv",
+                              conv_dtype=conv_dtype, ssm_dtype=ssm_dtype)
     layers = [(i, tensors) for i in config.mamba_layers]
     if not layers:
         raise UnsupportedModelError("granitemoehybrid: config has no mamba layers (layer_types "
