@@ -98,7 +98,6 @@ class EventLoop:
         self._closed = False
         self._thread: threading.Thread | None = None
         self.idle_poll: float = 0.05           # seconds to sleep in poll when nothing is due
-        self.busy_check: Callable[[], bool] | None = None   # when true, poll without sleeping long
         self.on_idle: Callable[[], None] | None = None      # called every iteration
         #: Called before the loop sleeps: False, do not sleep now; True, sleep; a number,
         #: sleep at most that many seconds.
@@ -230,8 +229,8 @@ class EventLoop:
             timeout = self.idle_poll
             if self._timers:
                 timeout = min(timeout, max(0.0, self._timers[0][0] - now))
-            if self._calls or (self.busy_check is not None and self.busy_check()):
-                timeout = 0.0 if self._calls else min(timeout, 0.0005)
+            if self._calls:
+                timeout = 0.0
             if timeout > 0 and self.before_sleep is not None:
                 cap = self.before_sleep()
                 if cap is False:
