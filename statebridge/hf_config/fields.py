@@ -68,9 +68,9 @@ def _int(config: Mapping[str, Any], *keys: str, default: int) -> int:
     return int(value)
 
 
-def _positive(config: Mapping[str, Any], key: str, *, default: float) -> float:
+def _positive(config: Mapping[str, Any], *keys: str, default: float) -> float:
     """A positive finite number, kept as given (``expand`` may be an int or a float)."""
-    _, value = _lookup(config, (key,))
+    key, value = _lookup(config, keys)
     if value is _ABSENT:
         return default
     if not _is_number(value) or not math.isfinite(value) or value <= 0:
@@ -88,9 +88,9 @@ def _count(config: Mapping[str, Any], key: str, *, default: int) -> int:
     return int(value)
 
 
-def _typed(config: Mapping[str, Any], key: str, kind: type, what: str, *, default: Any) -> Any:
+def _typed(config: Mapping[str, Any], kind: type, what: str, *keys: str, default: Any) -> Any:
     """A value of exactly ``kind`` (``bool`` or ``str``); ``what`` says which in errors."""
-    _, value = _lookup(config, (key,))
+    key, value = _lookup(config, keys)
     if value is _ABSENT:
         return default
     if not isinstance(value, kind):
@@ -98,8 +98,8 @@ def _typed(config: Mapping[str, Any], key: str, kind: type, what: str, *, defaul
     return value
 
 
-def _bool(config: Mapping[str, Any], key: str, *, default: bool) -> bool:
-    return _typed(config, key, bool, "true or false", default=default)
+def _bool(config: Mapping[str, Any], *keys: str, default: bool) -> bool:
+    return _typed(config, bool, "true or false", *keys, default=default)
 
 
 def _time_step_limit(config: Mapping[str, Any], *,

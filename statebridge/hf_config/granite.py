@@ -183,7 +183,7 @@ class GraniteHybridModelConfig(ModelConfig):
                                           default=d["shared_intermediate_size"]),
             num_local_experts=_count(config, "num_local_experts",
                                      default=d["num_local_experts"]),
-            hidden_act=_typed(config, "hidden_act", str, "a string", default=d["hidden_act"]),
+            hidden_act=_typed(config, str, "a string", "hidden_act", default=d["hidden_act"]),
             num_attention_heads=heads,
             num_key_value_heads=_int(config, "num_key_value_heads", default=heads),
             head_dim=head_dim,

@@ -87,7 +87,7 @@ class Mamba2ModelConfig(ModelConfig):
             norm_eps=float(_positive(config, "layer_norm_epsilon",
                                      default=d["layer_norm_epsilon"])),
             **MAMBA2_KEYS.attributes(mixer),
-            hidden_act=_typed(config, "hidden_act", str, "a string", default=d["hidden_act"]),
+            hidden_act=_typed(config, str, "a string", "hidden_act", default=d["hidden_act"]),
             residual_in_fp32=_bool(config, "residual_in_fp32", default=d["residual_in_fp32"]),
             time_step_limit=_time_step_limit(config, default=d["time_step_limit"]),
         )

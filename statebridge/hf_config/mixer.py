@@ -80,9 +80,10 @@ _POSITIVE = ("expand", "num_heads", "head_dim", "n_groups", "state_size", "conv_
 class MixerKeys:
     """Where one family's ``config.json`` keeps each :class:`Mamba2Geometry` field but
     ``hidden_size``: the key, then older spellings read when it is absent. The first key is
-    also the family config's attribute. ``derived`` is ``"num_heads"`` or ``"head_dim"``: the
-    one the family computes from ``expand * hidden_size`` and the other when absent (the other
-    has a default), as its transformers config does."""
+    also the family config's attribute and the key its errors name. ``derived`` is
+    ``"num_heads"`` or ``"head_dim"``: the size that, when absent, is ``expand * hidden_size``
+    divided by the other one (which has a default), as the family's transformers config
+    computes it."""
 
     family: str
     derived: Literal["num_heads", "head_dim"]
@@ -107,9 +108,9 @@ class MixerKeys:
             return _int(config, *getattr(self, field), default=defaults[self.name(field)])
 
         def flag(field: str) -> bool:
-            return _bool(config, self.name(field), default=defaults[self.name(field)])
+            return _bool(config, *getattr(self, field), default=defaults[self.name(field)])
 
-        expand = _positive(config, self.name("expand"), default=defaults[self.name("expand")])
+        expand = _positive(config, *self.expand, default=defaults[self.name("expand")])
         inner = expand * hidden_size
         if inner != int(inner):
             raise ConfigError(f"{self.family}: {self.name('expand')} * hidden_size = {expand} "
