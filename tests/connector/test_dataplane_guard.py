@@ -23,7 +23,8 @@ import pytest
 
 from statebridge.config import ConnectorConfig
 from statebridge.connector import messages as m
-from statebridge.connector.rank import RankSetup, RankWorker, _generation_after
+from statebridge.connector.rank import RankSetup, RankWorker
+from statebridge.connector.rank.worker import _generation_after
 from statebridge.connector.data import STAGED_INDEX, Transport, alloc_buffer, make_tag
 from statebridge.errors import ConfigError
 from statebridge.state.layout import PageGeometry

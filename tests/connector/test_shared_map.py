@@ -186,7 +186,7 @@ def test_an_answer_swaps_only_the_pending_mark_of_its_own_request():
     used the same slot writes nothing. Bytes around the word are untouched."""
     import mmap
 
-    from statebridge.connector.rank import _PENDING
+    from statebridge.connector.rank.worker import _PENDING
 
     src = shared.SharedBuffer(3 * mmap.PAGESIZE)
     words = src.tensor.numpy().view(np.int64)
