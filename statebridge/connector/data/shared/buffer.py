@@ -4,7 +4,7 @@ decode rank maps read-only and copies its runs from.
 On one host UCX moves a large message as a cma rendezvous: the receiver copies it out of the
 sender's memory with ``process_vm_readv``, which pins and copies 4 KiB at a time in the kernel.
 Copying out of a mapping of the sender's buffer instead, with streaming stores
-(:mod:`statebridge._copy`), measured 8.1 vs 6.3 GB/s per core here (3 MiB runs, 16.0 vs 12.5
+(:mod:`statebridge.connector.data.shared._copy`), measured 8.1 vs 6.3 GB/s per core here (3 MiB runs, 16.0 vs 12.5
 with two readers; README, "Reading state out of a shared map"). It is the CPU analogue of what
 UCX's ``cuda_ipc`` does between GPUs of one node: map the peer's memory, copy with the local
 engine.
@@ -37,7 +37,7 @@ import torch
 from statebridge.errors import ConfigError, TransferError
 
 try:
-    from statebridge import _copy
+    from statebridge.connector.data.shared import _copy
 except ImportError:  # pragma: no cover -- built by `pip install`; see available()
     _copy = None
 
@@ -52,7 +52,7 @@ __all__ = ["SharedBuffer", "PeerMap", "available", "copy_groups", "copy_runs", "
 
 
 def available() -> bool:
-    """Whether the compiled copy (:mod:`statebridge._copy`) is importable."""
+    """Whether the compiled copy (:mod:`statebridge.connector.data.shared._copy`) is importable."""
     return _copy is not None
 
 
@@ -127,7 +127,7 @@ class PeerMap:
 
     def answer(self, offset: int, expected: int, value: int) -> bool:
         """Compare-and-swap the int64 word at byte ``offset`` of the peer's buffer from
-        ``expected`` to ``value`` (:func:`statebridge._copy.answer`); False when it held
+        ``expected`` to ``value`` (:func:`statebridge.connector.data.shared._copy.answer`); False when it held
         something else. :class:`TransferError` when the word is outside the buffer or the
         control words cannot be mapped."""
         if type(offset) is not int or not 0 <= offset <= self.nbytes - 8 or offset % 8:
@@ -176,7 +176,7 @@ def copy_groups(dst: np.ndarray, src: PeerMap,
     as they are (C-contiguous int64 ``[n, 3]``) and only a request's bases change. Every row
     of every group is checked before anything is copied."""
     if _copy is None:
-        raise TransferError("statebridge._copy is not built: reinstall statebridge "
+        raise TransferError("statebridge.connector.data.shared._copy is not built: reinstall statebridge "
                             "(pip install -e .) with a C compiler")
     try:
         return _copy.copy_groups(dst.ctypes.data, dst.nbytes, src.address, src.nbytes, groups)
