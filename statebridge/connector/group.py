@@ -279,16 +279,11 @@ class RankGroup:
         return {"shared_map": True, "rank_pids": tuple(s.pid for s in self.ranks),
                 "rank_shm_fds": fds, "shared_map_min_bytes": self.config.shared_map_min_bytes}
 
-    def rank_connect(self, info: m.GroupInfo) -> m.RankConnect:
-        """What the ranks need to plan and connect to the (checked) peer group ``info``."""
-        return m.RankConnect(peer_node=info.node_id, peer_role=info.role,
-                             peer_tp_size=info.tp_size, peer_layout=info.layout,
-                             peer_page_size=info.page_size, peer_region_align=info.region_align,
-                             peer_addresses=info.rank_addresses, peer_kv_layout=info.kv_layout,
-                             peer_block_size=info.block_size, peer_num_blocks=info.num_blocks,
-                             peer_host_id=info.host_id, peer_shared_map=info.shared_map,
-                             peer_pids=info.rank_pids, peer_shm_fds=info.rank_shm_fds,
-                             peer_shared_map_min_bytes=info.shared_map_min_bytes)
+    def rank_connect(self, info: m.GroupInfo) -> m.GroupInfo:
+        """What the ranks get to plan and connect to the (checked) peer group ``info``: that
+        record itself, forwarded as it came -- one handshake record between the groups and
+        inside them, no copy of its fields to keep in step."""
+        return info
 
     def check_peer_info(self, info: m.GroupInfo) -> PageGeometry:
         """The peer's page geometry, or IncompatiblePeerError/ConfigError naming the value."""

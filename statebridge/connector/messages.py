@@ -37,8 +37,13 @@ one peer in one iteration leave as one frame of value rows (:func:`encode_rows`,
 
 Version 7: same-host shared-map reads (:class:`GroupInfo` ``shared_map*``). Version 8: a
 hybrid link that reads shared maps moves attention KV (and every zero-copy recurrent pair)
-that way too, and the "ready" notice a prefill rank sends per pair is 32 bytes: the page's
-offset, its serial, its KV pool's base and the request's first block.
+that way too. Version 9: a reader answers in the prefill rank's memory, not with a message.
+The "ready" notice a prefill rank sends per pair, and the answer word, are described in ONE
+place: :class:`~statebridge.connector.data.shared.NoticeSlot`.
+
+Version 10: a coordinator tells its ranks to connect to a peer group by forwarding the peer's
+checked :class:`GroupInfo` as it came (``RankConnect``, a hand-made copy of its fields with a
+``peer_`` prefix, is gone): one handshake record between groups and inside them.
 
 Layers above the connector (the decode node's stepping and front door) declare their own
 messages with :func:`message`; they travel through the same codec.
@@ -65,11 +70,11 @@ __all__ = [
     "MAX_BATCH_ROWS", "Tokens", "pack_tokens", "unpack_tokens", "token_count",
     "Hello", "Reject", "GroupInfo", "TransferRequest", "TransferFailed",
     "Abort", "Heartbeat", "Error", "Goodbye",
-    "RankHello", "RankConnect", "RankPrefill", "RankRecv", "RankDone", "RankCancel",
+    "RankHello", "RankPrefill", "RankRecv", "RankDone", "RankCancel",
     "RankShutdown", "RankLocalPrefill", "RankFailed",
 ]
 
-PROTOCOL_VERSION = 9
+PROTOCOL_VERSION = 10
 #: Default largest message accepted by :func:`decode` (a prompt of 1M tokens fits).
 MAX_MESSAGE_BYTES = 16 * 1024 * 1024
 
@@ -231,7 +236,9 @@ class Reject(Message):
 
 @message
 class GroupInfo(Message):
-    """Phase 2: everything a peer needs to plan and connect (one entry per TP rank)."""
+    """Phase 2: everything a peer needs to plan and connect (one entry per TP rank). Once
+    checked, the coordinator forwards it as it came to its own ranks: their command to open
+    UCX endpoints to that group and plan transfers with it."""
     node_id: str
     role: str
     tp_size: int
@@ -246,9 +253,10 @@ class GroupInfo(Message):
     block_size: int = 16
     num_blocks: int = 0
     #: :func:`statebridge.net.host_id` of the node's machine ("" unknown): a peer group on the
-    #: same host moves state over shared memory, which the receiver reads by itself.
+    #: same host moves state over shared memory, which the receiver reads by itself (a rank
+    #: compares it with its own).
     host_id: str = ""
-    #: Same-host shared-map reads (``connector/data/shared.py``): this group takes part (a
+    #: Same-host shared-map reads (``connector/data/shared/``): this group takes part (a
     #: prefill group's rank buffers are memfds, a decode group reads them); a prefill group
     #: also lists each rank's pid and buffer descriptor. Protocol 7.
     shared_map: bool = False
@@ -318,29 +326,6 @@ class RankHello(Message):
     pid: int
     #: The rank's page buffer as a memfd a same-host reader may map (-1: not shared).
     shm_fd: int = -1
-
-
-@message
-class RankConnect(Message):
-    """Coordinator -> rank: open UCX endpoints to a peer group and plan transfers with it."""
-    peer_node: str
-    peer_role: str
-    peer_tp_size: int
-    peer_layout: str
-    peer_page_size: int
-    peer_region_align: int
-    peer_addresses: tuple[bytes, ...]
-    #: The peer's KV block pool (``peer_num_blocks`` 0: none; no KV routes).
-    peer_kv_layout: str = "HB"
-    peer_block_size: int = 16
-    peer_num_blocks: int = 0
-    #: The peer node's :attr:`GroupInfo.host_id` (the rank compares it with its own).
-    peer_host_id: str = ""
-    #: The peer's :attr:`GroupInfo.shared_map`, ``rank_pids`` and ``rank_shm_fds``.
-    peer_shared_map: bool = False
-    peer_pids: tuple[int, ...] = ()
-    peer_shm_fds: tuple[int, ...] = ()
-    peer_shared_map_min_bytes: int = 0
 
 
 @message

@@ -61,15 +61,19 @@ class Bench:
                                                             dtype=np.uint8)
         self.rogue = Transport(alloc_buffer(1 << 20), name="rogue")
         self.rogue._np[:] = 0xAB
-        self.worker._on_connect(m.RankConnect(
-            peer_node="pf", peer_role="prefill", peer_tp_size=1, peer_layout=src_layout,
-            peer_page_size=src_geo.page_size, peer_region_align=16,
-            peer_addresses=(self.src.address,)))
+        self.worker._on_connect(self.peer_info(src_layout))
         self.src.connect("dec", self.worker.transport.address)
         self.rogue.connect("dec", self.worker.transport.address)
         self.page = self.worker.cache.buffer.numpy()
         self.page[:] = np.random.default_rng(2).integers(0, 256, self.page.size, dtype=np.uint8)
         self.expected = self.page.copy()                 # what the page buffer must hold
+
+    def peer_info(self, layout: str) -> m.GroupInfo:
+        """The prefill group's GroupInfo, as its coordinator would forward it to the rank."""
+        return m.GroupInfo(node_id="pf", role="prefill", tp_size=1, layout=layout,
+                           page_size=self.plan.src.page_size, region_align=16,
+                           num_pages=NUM_PAGES, spec_json=SPEC.to_json(),
+                           rank_addresses=(self.src.address,))
 
     @property
     def stats(self) -> dict:
@@ -287,13 +291,10 @@ def test_a_receive_that_cannot_be_posted_is_answered_at_once(bench):
 
 @pytest.mark.timeout(60)
 def test_a_node_connecting_again_gets_fresh_endpoints(bench):
-    """A RankConnect for a node the rank knows (it re-dialed after a cut link) replaces the
+    """A GroupInfo for a node the rank knows (it re-dialed after a cut link) replaces the
     old endpoints: the old one is failed (a lost peer), the new one carries transfers."""
     before = bench.worker.transport.stats()
-    bench.worker._on_connect(m.RankConnect(
-        peer_node="pf", peer_role="prefill", peer_tp_size=1, peer_layout="DLS",
-        peer_page_size=bench.plan.src.page_size, peer_region_align=16,
-        peer_addresses=(bench.src.address,)))
+    bench.worker._on_connect(bench.peer_info("DLS"))
     after = bench.worker.transport.stats()
     assert after["peers_failed"] == before["peers_failed"] + 1
     assert after["peers"] == before["peers"]

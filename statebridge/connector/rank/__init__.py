@@ -3,9 +3,8 @@
 A rank owns its :class:`~statebridge.state.cache.StateCache` (page memory) and its
 :class:`~statebridge.connector.data.Transport` (UCX worker). It talks only to its group's
 coordinator over one DEALER socket: it announces itself (``RankHello`` with its UCX address),
-heartbeats, and executes ``RankConnect`` / ``RankPrefill`` / ``RankRecv`` /
-``RankCancel``,
-answering each request with exactly one ``RankDone`` -- sent only once nothing of the request
+heartbeats, and executes ``GroupInfo`` (a peer group to connect to, forwarded by the
+coordinator) / ``RankPrefill`` / ``RankRecv`` / ``RankCancel``, answering each request with exactly one ``RankDone`` -- sent only once nothing of the request
 can still touch the page (transfers complete or cancelled). A request is named by its
 :class:`~statebridge.connector.ledger.RequestKey` ``(peer_node, request_id, generation)``, as on
 the coordinator.

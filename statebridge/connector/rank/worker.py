@@ -324,7 +324,7 @@ class RankWorker:
     def _handlers(self) -> dict:
         return {
             m.Heartbeat: lambda msg: None,
-            m.RankConnect: self._on_connect,
+            m.GroupInfo: self._on_connect,
             m.RankPrefill: self._on_prefill,
             m.RankRecv: self._on_recv,
             m.RankCancel: self._on_cancel,
@@ -332,28 +332,30 @@ class RankWorker:
             m.RankShutdown: lambda msg: self.loop.request_stop(),
         }
 
-    def _on_connect(self, msg: m.RankConnect) -> None:
-        peer_geo = PageGeometry(self.spec, msg.peer_tp_size, msg.peer_layout,
-                                region_align=msg.peer_region_align, page_size=msg.peer_page_size)
-        if msg.peer_node in self.routes:
+    def _on_connect(self, info: m.GroupInfo) -> None:
+        """The coordinator forwarded the checked GroupInfo of a peer group: plan the pairs with
+        it and open endpoints to its ranks."""
+        peer_geo = PageGeometry(self.spec, info.tp_size, info.layout,
+                                region_align=info.region_align, page_size=info.page_size)
+        if info.node_id in self.routes:
             # The same node connected again (it re-dialed after a cut link or a restart): its
             # old endpoints may be broken; fresh ones for the new connection.
-            for peer in self._peers_of(msg.peer_node):
-                self._fail_peer(peer, f"{msg.peer_node} connected again",
+            for peer in self._peers_of(info.node_id):
+                self._fail_peer(peer, f"{info.node_id} connected again",
                                 transport=peer in self.transport.peers)
-        shm = self._shared_map_min_bytes(msg) if self._shared_map_with(msg) else None
+        shm = self._shared_map_min_bytes(info) if self._shared_map_with(info) else None
         # A hybrid link reads KV out of the map, and then every zero-copy recurrent pair too:
         # the pair's one notice covers both (both sides know both pools: they decide alike).
-        kv_shm = shm is not None and self.kv_geometry is not None and bool(msg.peer_num_blocks)
-        routes = self.routes[msg.peer_node] = self._routes(msg.peer_node, peer_geo,
+        kv_shm = shm is not None and self.kv_geometry is not None and bool(info.num_blocks)
+        routes = self.routes[info.node_id] = self._routes(info.node_id, peer_geo,
                                                            0 if kv_shm else shm)
-        if self.transport.sends_complete_unattended(same_host(msg.peer_host_id)):
-            self.unattended_nodes.add(msg.peer_node)
+        if self.transport.sends_complete_unattended(same_host(info.host_id)):
+            self.unattended_nodes.add(info.node_id)
         else:
-            self.unattended_nodes.discard(msg.peer_node)
-        kv_routes = self.kv_routes[msg.peer_node] = self._kv_routes(msg, routes, kv_shm)
+            self.unattended_nodes.discard(info.node_id)
+        kv_routes = self.kv_routes[info.node_id] = self._kv_routes(info, routes, kv_shm)
         peers = sorted({(r.peer_rank, r.peer) for r in [*routes, *kv_routes] if r.shm})
-        self.shm_peers[msg.peer_node] = peers
+        self.shm_peers[info.node_id] = peers
         # Per peer rank, its shared-map pairs' runs relative to the two pages (fixed per peer).
         self.shm_runs.update({peer: np.concatenate(
             [r.pair.runs for r in routes if r.shm and r.peer == peer]
@@ -363,8 +365,8 @@ class RankWorker:
         if self.setup.role == "decode":
             for peer_rank, peer in peers:
                 try:
-                    self.peer_maps[peer] = shared.PeerMap(msg.peer_pids[peer_rank],
-                                                          msg.peer_shm_fds[peer_rank])
+                    self.peer_maps[peer] = shared.PeerMap(info.rank_pids[peer_rank],
+                                                          info.rank_shm_fds[peer_rank])
                 except StatebridgeError as e:     # its requests fail, naming it
                     log.error("decode rank %d: %s", self.setup.tp_rank, e)
                     self.peer_maps[peer] = e
@@ -372,9 +374,9 @@ class RankWorker:
         for route in [*routes, *kv_routes]:
             if route.peer not in connected:
                 connected.add(route.peer)
-                self.transport.connect(route.peer, msg.peer_addresses[route.peer_rank])
+                self.transport.connect(route.peer, info.rank_addresses[route.peer_rank])
         log.info("%s rank %d: connected to %s (%d ranks, %s)", self.setup.role,
-                 self.setup.tp_rank, msg.peer_node, msg.peer_tp_size, msg.peer_layout)
+                 self.setup.tp_rank, info.node_id, info.tp_size, info.layout)
 
     def _drop_dead_maps(self) -> None:
         """Unmap the buffers of prefill ranks whose process has exited: a mapping keeps the
@@ -386,24 +388,24 @@ class RankWorker:
                          peer)
                 del self.peer_maps[peer]
 
-    def _shared_map_with(self, msg: m.RankConnect) -> bool:
-        """Whether this rank and the peer group of ``msg`` move zero-copy pairs through shared
+    def _shared_map_with(self, info: m.GroupInfo) -> bool:
+        """Whether this rank and the peer group ``info`` move zero-copy pairs through shared
         maps: both groups take part (config ``shared_map``; a prefill rank's buffer is a
         memfd), one host, at most :data:`_CTL_PEERS` ranks a side. Both sides decide alike.
         Which pairs: recurrent pairs of at least the prefill group's threshold; on a hybrid
         link (KV pools on both sides) every KV pair and every zero-copy recurrent pair."""
         mine = self.config.shared_map and shared.available() and (
             self.setup.role == "decode" or self.shared_buffer is not None)
-        return bool(mine and msg.peer_shared_map and same_host(msg.peer_host_id)
-                    and max(self.setup.tp_size, msg.peer_tp_size) <= _CTL_PEERS
+        return bool(mine and info.shared_map and same_host(info.host_id)
+                    and max(self.setup.tp_size, info.tp_size) <= _CTL_PEERS
                     and (self.setup.role == "prefill"
-                         or len(msg.peer_pids) == len(msg.peer_shm_fds) == msg.peer_tp_size))
+                         or len(info.rank_pids) == len(info.rank_shm_fds) == info.tp_size))
 
-    def _shared_map_min_bytes(self, msg: m.RankConnect) -> int:
+    def _shared_map_min_bytes(self, info: m.GroupInfo) -> int:
         """The prefill group's threshold: a pair goes through the shared map when its runs
         move at least this many bytes per request."""
         return self.config.shared_map_min_bytes if self.setup.role == "prefill" \
-            else msg.peer_shared_map_min_bytes
+            else info.shared_map_min_bytes
 
     def _routes(self, node: str, peer_geo: PageGeometry,
                 shm: int | None = None) -> list["_Route"]:
@@ -427,14 +429,14 @@ class RankWorker:
                                  and pair.nbytes >= shm))
         return routes
 
-    def _kv_routes(self, msg: m.RankConnect, routes: list["_Route"],
+    def _kv_routes(self, info: m.GroupInfo, routes: list["_Route"],
                    shm: bool = False) -> list["_KVRoute"]:
-        """This rank's KV pairs with the peer of ``msg`` (none without KV on both sides);
+        """This rank's KV pairs with the peer group ``info`` (none without KV on both sides);
         ``shm``: read out of the shared map."""
-        if self.kv_geometry is None or not msg.peer_num_blocks:
+        if self.kv_geometry is None or not info.num_blocks:
             return []
-        peer_geo = BlockGeometry(self.spec.kv, msg.peer_tp_size, msg.peer_kv_layout,
-                                 msg.peer_block_size, msg.peer_num_blocks)
+        peer_geo = BlockGeometry(self.spec.kv, info.tp_size, info.kv_layout,
+                                 info.block_size, info.num_blocks)
         if self.setup.role == "prefill":
             plan = KVPlan(self.kv_geometry, peer_geo)
             pairs = plan.for_source(self.setup.tp_rank)
@@ -446,7 +448,7 @@ class RankWorker:
         out = []
         for pair in pairs:
             peer_rank = pair.dst_rank if self.setup.role == "prefill" else pair.src_rank
-            out.append(_KVRoute(pair, peer_rank, f"{msg.peer_node}/{peer_rank}",
+            out.append(_KVRoute(pair, peer_rank, f"{info.node_id}/{peer_rank}",
                                 recurrent.get(peer_rank, 0), shm))
         return out
 
