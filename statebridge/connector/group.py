@@ -266,15 +266,17 @@ class RankGroup:
 
     def _shared_map_info(self) -> dict:
         """GroupInfo's shared-map fields: a decode group reads shared maps when its config
-        says so; a prefill group serves them when, besides, every rank's buffer is one."""
+        says so; a prefill group serves them when the shared-map rule lets it serve some decode
+        group (its ranks chose memfd buffers by the same rule) and every rank listed one."""
         from statebridge.connector.data import shared
 
-        if not self.config.shared_map or not shared.available():
-            return {}
+        own = shared.MapSide.of_config(self.role, self.config, tp_size=self.tp_size,
+                                       page_size=self.geometry.page_size,
+                                       has_kv=self.num_blocks > 0)
         if self.role != "prefill":
-            return {"shared_map": True}
+            return {"shared_map": True} if own.takes_part else {}
         fds = tuple(s.shm_fd for s in self.ranks)
-        if any(fd < 0 for fd in fds):
+        if shared.map_threshold(own) is None or any(fd < 0 for fd in fds):
             return {}
         return {"shared_map": True, "rank_pids": tuple(s.pid for s in self.ranks),
                 "rank_shm_fds": fds, "shared_map_min_bytes": self.config.shared_map_min_bytes}

@@ -20,7 +20,8 @@ from statebridge.errors import ConfigError, TransferError
 
 
 def test_the_compiled_copy_is_built():
-    """`pip install -e .` builds statebridge.connector.data.shared._copy (CI installs exactly so)."""
+    """`pip install -e .` builds the C copy, statebridge.connector.data.shared._copy (CI
+    installs exactly so)."""
     assert shared.available()
 
 
@@ -186,21 +187,21 @@ def test_an_answer_swaps_only_the_pending_mark_of_its_own_request():
     used the same slot writes nothing. Bytes around the word are untouched."""
     import mmap
 
-    from statebridge.connector.rank.worker import _PENDING
+    from statebridge.connector.data.shared import PENDING
 
     src = shared.SharedBuffer(3 * mmap.PAGESIZE)
     words = src.tensor.numpy().view(np.int64)
     peer = _own_map(src)
     w = (2 * mmap.PAGESIZE + 40) // 8                      # a word in the buffer's last page
-    words[w] = _PENDING | 7                                # request of serial 7 waits
-    assert not peer.answer(w * 8, _PENDING | 6, 6)         # serial 6: gone, writes nothing
-    assert words[w] == _PENDING | 7
-    assert peer.answer(w * 8, _PENDING | 7, 7)
+    words[w] = PENDING | 7                                 # request of serial 7 waits
+    assert not peer.answer(w * 8, PENDING | 6, 6)          # serial 6: gone, writes nothing
+    assert words[w] == PENDING | 7
+    assert peer.answer(w * 8, PENDING | 7, 7)
     assert words[w] == 7
-    assert not peer.answer(w * 8, _PENDING | 7, 7)         # answered once
-    words[w - 1] = _PENDING | 9                            # a word of a lower page: mapped on
-    assert not peer.answer((w - 1) * 8 - mmap.PAGESIZE, _PENDING | 9, 9)
-    assert peer.answer((w - 1) * 8, _PENDING | 9, 9) and words[w - 1] == 9
+    assert not peer.answer(w * 8, PENDING | 7, 7)          # answered once
+    words[w - 1] = PENDING | 9                             # a word of a lower page: mapped on
+    assert not peer.answer((w - 1) * 8 - mmap.PAGESIZE, PENDING | 9, 9)
+    assert peer.answer((w - 1) * 8, PENDING | 9, 9) and words[w - 1] == 9
     assert np.count_nonzero(words) == 2
 
 

@@ -17,6 +17,13 @@ from statebridge.connector import control as c
 from statebridge.connector.local import LocalDealer
 from statebridge.connector import messages as m
 from statebridge.connector.data import RunTemplate, shared
+from statebridge.connector.data.shared import (
+    NOTICE_BYTES,
+    MapSide,
+    NoticeSlots,
+    map_threshold,
+    next_serial,
+)
 from statebridge.connector.data.tags import READY_INDEX
 from statebridge.connector.ledger import RequestKey
 from statebridge.connector.rank import KVBlocks, RankModel, RankSetup, kv_checksum, load_callable
@@ -85,7 +92,7 @@ class _Read:
     peer_rank: int
     peer: str
     handle: object                     # the "ready" notice's TransferHandle
-    slot: int                          # the notice's slot in this rank's buffer
+    slot: "shared.NoticeSlot"          # where the notice lands in this rank's buffer
 
 
 @dataclass
@@ -103,8 +110,8 @@ class _Pending:
     attended: bool = True              # needs this rank's progress to finish (see _before_sleep)
     unread: int = 0                    # decode rank: shared-map reads not yet copied
     first_block: int | None = None     # decode rank: its table's first id when one range
-    #: prefill rank: the control words its shared-map readers answer in (word index, peer),
-    #: and the request's serial they write there
+    #: prefill rank: the notice slots its shared-map readers answer in (slot, peer), and the
+    #: request's serial they write there
     answers: list = field(default_factory=list)
     serial: int = 0
 
@@ -134,21 +141,20 @@ class RankWorker:
         # Last, a slot per (page, peer rank) for the notices of shared-map reads, from a page
         # boundary: decode ranks map these words (and nothing before them) writable to answer.
         self.ctl_base = -(-(self.kv_base + kv_bytes) // mmap.PAGESIZE) * mmap.PAGESIZE
-        nbytes = self.ctl_base + setup.num_pages * _CTL_PEERS * _CTL_SLOT
-        #: A prefill rank's buffer is a memfd that same-host decode ranks map and read
-        #: (``shared_map``: pages of at least the threshold, or a KV pool); otherwise
-        #: huge-page-backed anonymous memory.
+        nbytes = self.ctl_base + NoticeSlots.nbytes(setup.num_pages)
+        #: A prefill rank's buffer is a memfd that same-host decode ranks map and read when
+        #: some decode group could (the shared-map rule); otherwise huge-page-backed
+        #: anonymous memory.
         self.shared_buffer: shared.SharedBuffer | None = None
-        if setup.role == "prefill" and self.config.shared_map and shared.available() \
-                and (self.geometry.page_size >= self.config.shared_map_min_bytes
-                     or self.kv_geometry is not None):
+        if setup.role == "prefill" and map_threshold(self._map_side()) is not None:
             self.shared_buffer = shared.SharedBuffer(
                 nbytes, f"statebridge-prefill-rank{setup.tp_rank}")
             self.buffer = self.shared_buffer.tensor
         else:
             self.buffer = alloc_buffer(nbytes)
         self._buf = self.buffer.numpy()
-        self._words = self._buf[self.ctl_base:].view(np.int64)
+        self.notices = NoticeSlots(self._buf[self.ctl_base:].view(np.int64), self.ctl_base,
+                                   setup.num_pages)
         self.cache = StateCache(self.geometry, setup.num_pages,
                                 buffer=self.buffer[:pages_bytes])
         self.kv: KVBlocks | None = None
@@ -343,17 +349,17 @@ class RankWorker:
             for peer in self._peers_of(info.node_id):
                 self._fail_peer(peer, f"{info.node_id} connected again",
                                 transport=peer in self.transport.peers)
-        shm = self._shared_map_min_bytes(info) if self._shared_map_with(info) else None
-        # A hybrid link reads KV out of the map, and then every zero-copy recurrent pair too:
-        # the pair's one notice covers both (both sides know both pools: they decide alike).
-        kv_shm = shm is not None and self.kv_geometry is not None and bool(info.num_blocks)
-        routes = self.routes[info.node_id] = self._routes(info.node_id, peer_geo,
-                                                           0 if kv_shm else shm)
+        # The shared-map rule, as both sides of the link see it: which pairs read out of the
+        # prefill rank's map (on a hybrid link, every KV pair and zero-copy recurrent pair).
+        own, peer_side = self._map_side(), MapSide.of_info(info)
+        shm = map_threshold(own, peer_side) if self.setup.role == "prefill" \
+            else map_threshold(peer_side, own)
+        routes = self.routes[info.node_id] = self._routes(info.node_id, peer_geo, shm)
         if self.transport.sends_complete_unattended(same_host(info.host_id)):
             self.unattended_nodes.add(info.node_id)
         else:
             self.unattended_nodes.discard(info.node_id)
-        kv_routes = self.kv_routes[info.node_id] = self._kv_routes(info, routes, kv_shm)
+        kv_routes = self.kv_routes[info.node_id] = self._kv_routes(info, routes, shm is not None)
         peers = sorted({(r.peer_rank, r.peer) for r in [*routes, *kv_routes] if r.shm})
         self.shm_peers[info.node_id] = peers
         # Per peer rank, its shared-map pairs' runs relative to the two pages (fixed per peer).
@@ -388,24 +394,11 @@ class RankWorker:
                          peer)
                 del self.peer_maps[peer]
 
-    def _shared_map_with(self, info: m.GroupInfo) -> bool:
-        """Whether this rank and the peer group ``info`` move zero-copy pairs through shared
-        maps: both groups take part (config ``shared_map``; a prefill rank's buffer is a
-        memfd), one host, at most :data:`_CTL_PEERS` ranks a side. Both sides decide alike.
-        Which pairs: recurrent pairs of at least the prefill group's threshold; on a hybrid
-        link (KV pools on both sides) every KV pair and every zero-copy recurrent pair."""
-        mine = self.config.shared_map and shared.available() and (
-            self.setup.role == "decode" or self.shared_buffer is not None)
-        return bool(mine and info.shared_map and same_host(info.host_id)
-                    and max(self.setup.tp_size, info.tp_size) <= _CTL_PEERS
-                    and (self.setup.role == "prefill"
-                         or len(info.rank_pids) == len(info.rank_shm_fds) == info.tp_size))
-
-    def _shared_map_min_bytes(self, info: m.GroupInfo) -> int:
-        """The prefill group's threshold: a pair goes through the shared map when its runs
-        move at least this many bytes per request."""
-        return self.config.shared_map_min_bytes if self.setup.role == "prefill" \
-            else info.shared_map_min_bytes
+    def _map_side(self) -> MapSide:
+        """This rank's group, for the shared-map rule (:func:`map_threshold`)."""
+        return MapSide.of_config(self.setup.role, self.config, tp_size=self.setup.tp_size,
+                                 page_size=self.geometry.page_size,
+                                 has_kv=self.kv_geometry is not None)
 
     def _routes(self, node: str, peer_geo: PageGeometry,
                 shm: int | None = None) -> list["_Route"]:
@@ -666,28 +659,23 @@ class RankWorker:
         pool's base, the request's first block, and where to answer), marks the slot's answer
         word pending, then sends the notice; a decode rank posts the receive of the notice
         (the copy and the answer follow in :meth:`_do_reads`)."""
-        transport, key, words = self.transport, pending.key, self._words
+        transport, key = self.transport, pending.key
         if direction == "send":
-            self._serial = serial = (self._serial + 1) & 0xFFFFFFFF
+            self._serial = serial = next_serial(self._serial)
             pending.serial = serial
+            first_block = pending.blocks[0] if pending.blocks else 0
             for peer_rank, peer in peers:
-                slot = self._slot(pending.page, peer_rank)
-                w = (slot - self.ctl_base) // 8
-                words[w] = base
-                words[w + 1] = serial
-                words[w + 2] = self.kv_base
-                words[w + 3] = pending.blocks[0] if pending.blocks else 0
-                words[w + 4] = slot + _NOTICE_BYTES
-                words[w + _ANSWER_WORD] = _PENDING | serial
-                pending.answers.append((w + _ANSWER_WORD, peer))
+                slot = self.notices.slot(pending.page, peer_rank)
+                slot.write(base, serial, self.kv_base, first_block)
+                pending.answers.append((slot, peer))
                 pending.handles.append(transport.post_notice(
-                    "send", peer, key.generation, self.setup.tp_rank, READY_INDEX, slot,
-                    _NOTICE_BYTES))
+                    "send", peer, key.generation, self.setup.tp_rank, READY_INDEX, slot.offset,
+                    NOTICE_BYTES))
             return
         for peer_rank, peer in peers:
-            slot = self._slot(pending.page, peer_rank)
+            slot = self.notices.slot(pending.page, peer_rank)
             handle = transport.post_notice("recv", peer, key.generation, peer_rank, READY_INDEX,
-                                           slot, _NOTICE_BYTES)
+                                           slot.offset, NOTICE_BYTES)
             pending.handles.append(handle)
             pending.unread += 1
             self._reads.append(_Read(pending, peer_rank, peer, handle, slot))
@@ -697,9 +685,9 @@ class RankWorker:
         then nothing waits for them; a reader still copying reads, it writes nothing here)."""
         if p.failure is not None:
             return True
-        words, serial = self._words, p.serial
-        for w, _ in p.answers:
-            if words[w] != serial:
+        serial = p.serial
+        for slot, _ in p.answers:
+            if not slot.answered(serial):
                 return False
         return True
 
@@ -714,9 +702,6 @@ class RankWorker:
             if p.failure is None and any(q == peer for _, q in p.answers):
                 p.failure = (FailureKind.PEER_LOST.value, reason)
 
-    def _slot(self, page: int, peer_rank: int) -> int:
-        return self.ctl_base + (page * _CTL_PEERS + peer_rank) * _CTL_SLOT
-
     def _do_reads(self) -> None:
         """Decode rank: for each shared-map read whose notice came, copy the pair's runs out
         of the prefill rank's mapping into this rank's page, then answer "done" (the prefill
@@ -725,7 +710,6 @@ class RankWorker:
         :data:`_READ_BUDGET` bytes per loop pass (the loop comes straight back for the rest):
         heartbeats and cancels are never held up by a backlog of copies."""
         waiting, copied = [], 0
-        words = self._words
         for read in self._reads:
             handle = read.handle
             if copied >= _READ_BUDGET or not handle.finished():
@@ -735,16 +719,16 @@ class RankWorker:
             p.unread -= 1
             if handle.error is not None:
                 continue
-            w = (read.slot - self.ctl_base) // 8
+            notice = read.slot.read()
             if p.failure is None:
                 try:
-                    copied += self._copy_read(read, w)
+                    copied += self._copy_read(read, notice)
                 except StatebridgeError as e:
                     p.failure = (kind_of(e).value, f"shared-map read failed: {e}")
                     for h in p.handles:
                         if not h.done():
                             h.cancel()
-            self._answer(read, int(words[w + 4]), int(words[w + 1]))
+            self._answer(read, notice)
         self._reads = waiting
         if copied >= _READ_BUDGET and waiting:
             self.loop.call_soon(lambda: None)    # no sleep before the next pass
@@ -758,31 +742,32 @@ class RankWorker:
                 f"no shared map of {peer!r}")
         return src
 
-    def _answer(self, read: _Read, offset: int, serial: int) -> None:
-        """Tell the prefill rank of ``read`` that this rank is done with its page: swap the
-        pending mark in the answer word its notice named for the request's serial."""
+    def _answer(self, read: _Read, notice: shared.Notice) -> None:
+        """Tell the prefill rank of ``read`` that this rank is done with its page (the
+        notice's answer, :meth:`~statebridge.connector.data.shared.Notice.answer`)."""
         try:
-            if not self._peer_map(read.peer).answer(offset, _PENDING | serial, serial):
+            if not notice.answer(self._peer_map(read.peer)):
                 log.info("decode rank %d: %s no longer waits for serial %d (answer word at "
-                         "%d)", self.setup.tp_rank, read.peer, serial, offset)
+                         "%d)", self.setup.tp_rank, read.peer, notice.serial,
+                         notice.answer_offset)
         except StatebridgeError as e:             # the prefill side's timeout covers it
             log.warning("decode rank %d: answering %s failed: %s", self.setup.tp_rank,
                         read.peer, e)
 
-    def _copy_read(self, read: _Read, w: int) -> int:
+    def _copy_read(self, read: _Read, notice: shared.Notice) -> int:
         """Copy the runs of the pair (this rank, ``read.peer_rank``) of the request out of the
-        peer's mapping into this rank's page and KV blocks; the notice at word ``w`` gave the
-        source page's offset, the source KV pool's base and the source table's first block
-        (the prefill side's table is always one range of consecutive blocks)."""
+        peer's mapping into this rank's page and KV blocks; the ``notice`` gave the source
+        page's offset, the source KV pool's base and the source table's first block (the
+        prefill side's table is always one range of consecutive blocks)."""
         src = self._peer_map(read.peer)
-        words, p = self._words, read.pending
+        p = read.pending
         # The cached run tables go to the copy as they are, with the request's bases (the C
         # copy shifts and checks every row): no per-request arrays.
-        groups = [(self.shm_runs[read.peer], int(words[w]), self.cache.page_offset(p.page))]
+        groups = [(self.shm_runs[read.peer], notice.page_offset, self.cache.page_offset(p.page))]
         kv = self.shm_kv.get(read.peer)
         if kv and p.blocks:
-            first, n = int(words[w + 3]), len(p.blocks)
-            src_pool, d0 = int(words[w + 2]), p.first_block
+            first, n = notice.first_block, len(p.blocks)
+            src_pool, d0 = notice.kv_base, p.first_block
             for route in kv:
                 pair = route.pair
                 if d0 is None:                  # a scattered decode table: its own runs
@@ -984,17 +969,6 @@ _SCAN_AHEAD = 4
 _FULL_SCAN_S = 0.002
 
 
-#: Shared-map reads: most ranks of a peer group (a notice slot per page and peer rank), and
-#: the slot's bytes: the "ready" notice, then the answer word.
-_CTL_PEERS = 64
-_CTL_SLOT = 64
-#: A notice: the source page's offset, the serial, the KV pool's base, the first block, and
-#: the byte offset of the answer word in the prefill rank's buffer (its slot's next word).
-_NOTICE_BYTES = 40
-#: The answer word's index in a slot: _PENDING | serial while the reader has not answered,
-#: the serial once it has (compare-and-swap by the reader, shared.PeerMap.answer).
-_ANSWER_WORD = _NOTICE_BYTES // 8
-_PENDING = 1 << 62
 #: How often a prefill rank looks at its answer words when ``send_reap_interval`` is 0.
 _ANSWER_POLL_S = 0.001
 #: Most bytes a decode rank copies out of shared maps in one loop pass (see _do_reads).
