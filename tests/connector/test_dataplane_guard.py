@@ -23,8 +23,9 @@ import pytest
 
 from statebridge.config import ConnectorConfig
 from statebridge.connector import messages as m
+from statebridge.connector.ledger import RequestKey
 from statebridge.connector.rank import RankSetup, RankWorker
-from statebridge.connector.rank.worker import _generation_after
+from statebridge.connector.rank.worker import generation_after
 from statebridge.connector.data import STAGED_INDEX, Transport, alloc_buffer, make_tag
 from statebridge.errors import ConfigError
 from statebridge.state.layout import PageGeometry
@@ -145,10 +146,10 @@ def bench(request):
 
 
 def test_generation_order_survives_the_wrap_around():
-    assert _generation_after(6, 5) and not _generation_after(5, 5)
-    assert not _generation_after(4, 5)
-    assert _generation_after(2, 0xFFFFFFFE)               # after 2**32 attempts
-    assert not _generation_after(0xFFFFFFFE, 2)
+    assert generation_after(6, 5) and not generation_after(5, 5)
+    assert not generation_after(4, 5)
+    assert generation_after(2, 0xFFFFFFFE)               # after 2**32 attempts
+    assert not generation_after(0xFFFFFFFE, 2)
 
 
 @pytest.mark.timeout(60)
@@ -284,7 +285,7 @@ def test_a_receive_that_cannot_be_posted_is_answered_at_once(bench):
     assert done.kind == "peer_lost", done
     assert "posting failed" in done.message and "pf/0" in done.message
     assert (done.request_id, done.generation) == ("r7", 7)
-    assert ("r7", 7) not in bench.worker.pending
+    assert RequestKey("pf", "r7", 7) not in bench.worker.pending
     assert time.monotonic() - started < CONFIG.transfer_timeout
     assert bench.worker.transport.stats()["handles_outstanding"] == 0
 

@@ -54,7 +54,7 @@ def test_cheap_result_is_not_held_behind_a_slow_step(worker):
     worker.loop.call_soon(lambda: (
         worker._on_local_prefill(m.RankLocalPrefill(request_id="p1", generation=5,
                                                     prompt=m.pack_tokens((1, 2, 3)), page=1)),
-        worker._compute_q.put(_step(1))))
+        worker.compute.submit_model(_step(1))))
     wait_until(lambda: len(worker.sent) >= 2, 10.0, "prefill done and step result")
     (t_done, done), (t_step, step) = worker.sent[:2]
     assert isinstance(done, m.RankDone) and (done.request_id, done.kind) == ("p1", "")

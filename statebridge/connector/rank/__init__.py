@@ -4,8 +4,9 @@ A rank owns its :class:`~statebridge.state.cache.StateCache` (page memory) and i
 :class:`~statebridge.connector.data.Transport` (UCX worker). It talks only to its group's
 coordinator over one DEALER socket: it announces itself (``RankHello`` with its UCX address),
 heartbeats, and executes ``GroupInfo`` (a peer group to connect to, forwarded by the
-coordinator) / ``RankPrefill`` / ``RankRecv`` / ``RankCancel``, answering each request with exactly one ``RankDone`` -- sent only once nothing of the request
-can still touch the page (transfers complete or cancelled). A request is named by its
+coordinator) / ``RankPrefill`` / ``RankRecv`` / ``RankCancel``, answering each request with
+exactly one ``RankDone`` -- sent only once nothing of the request can still touch the page
+(transfers complete or cancelled). A request is named by its
 :class:`~statebridge.connector.ledger.RequestKey` ``(peer_node, request_id, generation)``, as on
 the coordinator.
 
@@ -57,9 +58,10 @@ class RankModel:
                  kv: "KVBlocks | None" = None) -> None:
         self.setup = setup
         self.cache = cache
-        #: The RankWorker serving this model (set after construction), for models that report
-        #: on the rank (read-only use from the compute thread).
-        self.worker: "RankWorker | None" = None
+        #: The rank's transfer counters, for models that report on their rank: a snapshot
+        #: (any thread) of its transport's counters and ``pending`` / ``computing`` requests
+        #: (set by the rank after construction; :meth:`RankWorker.stats`).
+        self.rank_stats: Callable[[], dict] = dict
         #: The rank's KV block pool (None for a spec without KV).
         self.kv: "KVBlocks | None" = kv
 
