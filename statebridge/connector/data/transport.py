@@ -88,6 +88,7 @@ from statebridge.connector.data.tags import (
     READY_INDEX,
     STAGED_INDEX,
     make_tag,
+    pack_tag,
 )
 from statebridge.errors import (
     AbortedError,
@@ -401,7 +402,7 @@ class Transport:
                 or not 0 <= generation <= MAX_GENERATION or not 0 <= src_rank <= MAX_SRC_RANK:
             make_tag(generation, src_rank, 0)          # raises with the offending field
             generation, src_rank = int(generation), int(src_rank)
-        tag0 = (generation << 32) | (src_rank << 24) | index0
+        tag0 = pack_tag(generation, src_rank, index0)
         if send:
             op = self._endpoint(peer_id).tag_send
         elif peer_id is None:                      # a receive matching any peer
