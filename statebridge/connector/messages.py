@@ -554,9 +554,6 @@ def _from_body(cls: type, body: Any) -> Message:
 _new = object.__new__
 
 
-_SCALARS = {int: int, str: str, bytes: bytes, bool: bool, float: float}
-
-
 def _check(type_name: str, field: str, annotation: Any, value: Any) -> Any:
     """``value`` converted to ``annotation`` (lists -> tuples), or ProtocolError."""
     origin = typing.get_origin(annotation)

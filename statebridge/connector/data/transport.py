@@ -78,7 +78,7 @@ import torch
 
 from statebridge.connector.data.guard import UnexpectedGuard
 from statebridge.connector.opcounts import counter as _op_counter
-from statebridge.connector.data.handle import TransferHandle, failure_kind
+from statebridge.connector.data.handle import TransferHandle
 from statebridge.connector.data.runs import RunTemplate, as_runs, check_span, copy_runs
 from statebridge.connector.data.staging import StagingPool
 from statebridge.connector.data.tags import (
@@ -96,6 +96,7 @@ from statebridge.errors import (
     ConfigError,
     PeerLostError,
     TransferError,
+    kind_of,
 )
 
 log = logging.getLogger(__name__)
@@ -693,7 +694,7 @@ class Transport:
             c[nbytes] += handle.nbytes
             c[kind_messages] += handle.messages
         else:
-            self._failures[failure_kind(handle.error)] += 1
+            self._failures[kind_of(handle.error).value] += 1
 
     def _count_failure(self, kind: str) -> None:
         self._failures[kind] += 1
