@@ -354,7 +354,7 @@ class RankGroup:
             if isinstance(msg, m.RankHello):
                 self._on_rank_hello(identity, msg, sock)
             elif isinstance(msg, m.RankFailed):
-                self._on_rank_failed(msg)
+                self._on_rank_failed(identity, msg, sock)
             elif rank is not None:
                 self.rank_watch.heard(rank)
                 if isinstance(msg, m.RankDone):
@@ -368,16 +368,22 @@ class RankGroup:
             else:
                 self._on_peer_message(identity, msg)
 
+    def _from_network(self, sock, identity: bytes, what: str) -> bool:
+        """Whether a rank's message ``what`` came over the network while this group's ranks
+        use its local channel: then it cannot be one of our ranks (a network peer could
+        otherwise take a rank slot, or fail our start); refused with an Error and counted."""
+        if not (self.config.local_ranks and sock is self.router):
+            return False
+        self.counters.add("protocol_errors")
+        c.send_router(sock, identity, m.Error(
+            kind="ProtocolError", message=f"{what} over the network: this node's ranks "
+                                          f"connect over its local channel"))
+        return True
+
     def _on_rank_hello(self, identity: bytes, msg: m.RankHello, sock=None) -> None:
         r = msg.tp_rank
         sock = self.router if sock is None else sock
-        if self.config.local_ranks and sock is self.router:
-            # Our ranks come over the local channel: a rank slot is never given to a network
-            # peer (which could otherwise take one before the rank process connects).
-            self.counters.add("protocol_errors")
-            c.send_router(sock, identity, m.Error(
-                kind="ProtocolError", message=f"RankHello for rank {r} over the network: this "
-                                              f"node's ranks connect over its local channel"))
+        if self._from_network(sock, identity, f"RankHello for rank {r}"):
             return
         if not 0 <= r < self.tp_size or self.ranks[r].identity not in (None, identity):
             self.counters.add("protocol_errors")
@@ -393,9 +399,16 @@ class RankGroup:
             self._started.set()
             self._on_group_ready()
 
-    def _on_rank_failed(self, msg: m.RankFailed) -> None:
+    def _on_rank_failed(self, identity: bytes, msg: m.RankFailed, sock=None) -> None:
+        """A rank could not start. Taken only from where this group's ranks connect (its
+        local channel, when they use it), for a rank of the group that did not announce
+        itself under another identity, before the group is up."""
         r = msg.tp_rank
-        if not 0 <= r < self.tp_size or self._ready.is_set():
+        sock = self.router if sock is None else sock
+        if self._from_network(sock, identity, f"RankFailed for rank {r}"):
+            return
+        if not 0 <= r < self.tp_size or self._ready.is_set() \
+                or self.ranks[r].identity not in (None, identity):
             self.counters.add("protocol_errors")
             return
         log.error("%s: rank %d failed to start: %s", self.node_id, r, msg.message)

@@ -100,16 +100,22 @@ def test_two_decode_nodes_may_use_the_same_request_id(pools):
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("model,needle", [
+@pytest.mark.parametrize("model,needle,local_ranks", [
     ("tests.connector._helpers:FailingModel", "rank 1 failed to start: RuntimeError: no such "
-                                              "weight file /nowhere/model.safetensors"),
+                                              "weight file /nowhere/model.safetensors", True),
+    ("tests.connector._helpers:FailingModel", "rank 1 failed to start: RuntimeError: no such "
+                                              "weight file /nowhere/model.safetensors", False),
     ("tests.connector._helpers:ExitingModel", "rank 1 failed to start: its process exited "
-                                              "(code 3)"),
-])
-def test_a_rank_failing_at_start_fails_the_group_at_once_with_its_error(model, needle):
+                                              "(code 3)", True),
+], ids=["failing-local", "failing-network", "exiting"])
+def test_a_rank_failing_at_start_fails_the_group_at_once_with_its_error(model, needle,
+                                                                          local_ranks):
+    """The failing rank reports over the channel its group's ranks use (the local channel,
+    or the network when ranks are not local), and the group takes it from there."""
     started = time.monotonic()
-    group = PrefillServer(SPEC, 2, "DLS", num_pages=2, config=FAST, launcher=spawn_launcher,
-                          model=model)
+    group = PrefillServer(SPEC, 2, "DLS", num_pages=2,
+                          config=FAST.replace(local_ranks=local_ranks),
+                          launcher=spawn_launcher, model=model)
     try:
         with pytest.raises(StartupError) as info:
             group.wait_ready(timeout=300)

@@ -170,20 +170,35 @@ def rank_main(setup: RankSetup) -> None:
 
 
 def _report_start_failure(setup: RankSetup, message: str) -> None:
-    """Best effort: one RankFailed to the coordinator, flushed before the process exits."""
-    import zmq
-
+    """Best effort: one RankFailed to the coordinator, over the channel the rank would have
+    used (the local channel, when it has one: the coordinator takes it from nowhere else),
+    flushed before the process exits."""
+    failed = m.RankFailed(tp_rank=setup.tp_rank, message=message[:4000])
+    where = setup.local_coordinator.lstrip("\0") or setup.coordinator
     try:
+        if setup.local_coordinator:
+            from statebridge.connector.local import LocalDealer
+
+            local = LocalDealer(setup.local_coordinator,
+                                name=f"{setup.role}-rank{setup.tp_rank}",
+                                max_frame=c.frame_cap(setup.config.max_message_bytes))
+            try:
+                c.send_dealer(local, failed)      # no loop here: written at once (it is small)
+            finally:
+                local.close()
+            return
+        import zmq
+
         ctx = zmq.Context.instance()
         sock = c.connect_dealer(ctx, setup.coordinator,
                                 keys=CurveKeys.from_config(setup.config))
         try:
-            c.send_dealer(sock, m.RankFailed(tp_rank=setup.tp_rank, message=message[:4000]))
+            c.send_dealer(sock, failed)
             c.flush(sock)
         finally:
             sock.close(linger=2000)
     except Exception as e:  # noqa: BLE001 -- the coordinator also sees the process exit
-        log.warning("could not report the start failure to %s: %s", setup.coordinator, e)
+        log.warning("could not report the start failure to %s: %s", where, e)
 
 
 # The worker uses the extension points above: imported after them.
