@@ -118,6 +118,10 @@ def _mib(nbytes: int) -> str:
 class RankGroup:
     """A coordinator's view of its TP group: the rank processes, their sockets and liveness.
 
+    ``model``: ``module:Class`` of the :class:`~statebridge.connector.rank.RankModel` every rank
+    runs (None: none -- the ranks move state and compute nothing; the nodes name the real
+    model, tests their stand-in).
+
     Subclasses get :meth:`_on_rank_done`, :meth:`_on_rank_lost` and :meth:`_on_peer_message`.
     """
 
@@ -211,7 +215,7 @@ class RankGroup:
                                 kv_layout=self.kv_layout, block_size=block_size,
                                 num_blocks=self.num_blocks,
                                 log_level=_rank_log_level(),
-                                **({"model": model} if model else {}))
+                                model=model or "")
                       for r in range(tp_size)]
             self.handles = launcher(setups)
 

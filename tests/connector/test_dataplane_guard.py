@@ -31,7 +31,7 @@ from statebridge.errors import ConfigError
 from statebridge.state.layout import PageGeometry
 from statebridge.state.plan import TransferPlan
 
-from ._helpers import FAST, SPECS, expected_checksum, log_to_stderr, wait_until
+from ._helpers import FAST, SPECS, SYNTHETIC, expected_checksum, log_to_stderr, wait_until
 
 pytestmark = [pytest.mark.ucx]
 
@@ -249,7 +249,7 @@ def test_decode_rank_processes_sweep_rogue_messages_and_keep_serving():
 
     with RankHostPool(1, initializer=log_to_stderr) as hosts, \
             PrefillServer(SPEC, 1, "DLS", num_pages=4, config=FAST,
-                          launcher=hosts.launcher()) as server, \
+                          launcher=hosts.launcher(), model=SYNTHETIC) as server, \
             DecodeCoordinator(SPEC, 1, "LDS", num_pages=4, config=FAST, checksums=True,
                               launcher=hosts.launcher()) as decode, \
             Transport(alloc_buffer(1 << 20), name="rogue") as rogue:

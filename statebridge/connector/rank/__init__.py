@@ -33,7 +33,7 @@ import torch
 from statebridge.config import ConnectorConfig
 from statebridge.connector import control as c
 from statebridge.connector import messages as m
-from statebridge.errors import StatebridgeError
+from statebridge.errors import ConfigError, StatebridgeError
 from statebridge.security import CurveKeys
 from statebridge.state.cache import StateCache
 from statebridge.state.kv import BlockGeometry
@@ -45,7 +45,8 @@ __all__ = ["RankSetup", "RankWorker", "RankModel", "KVBlocks", "rank_main",
 
 
 class RankModel:
-    """What runs on a rank's compute thread: the model (or a stand-in).
+    """What runs on a rank's compute thread: the model (or a stand-in). A rank started without
+    one (``RankSetup.model`` empty) runs this base class: it moves state, computes none.
 
     ``prefill`` writes the state of ``prompt`` into ``page`` of the rank's cache (and, for a
     spec with attention KV, its K and V into the request's ``blocks`` of :attr:`kv`). ``handlers``
@@ -69,8 +70,11 @@ class RankModel:
                 blocks: tuple[int, ...] = ()) -> None:
         """Write the state after ``prompt`` into ``page`` and, for a spec with KV, the K and V
         of its ``len(prompt)`` tokens into ``blocks`` of :attr:`kv` (logical block i is
-        ``blocks[i]``; the table covers the prompt). Runs on the compute thread."""
-        raise NotImplementedError
+        ``blocks[i]``; the table covers the prompt). Runs on the compute thread.
+
+        This base class is the rank without a model (``RankSetup.model`` empty): it refuses."""
+        raise ConfigError(f"{self.setup.role} rank {self.setup.tp_rank} has no model "
+                          f"(RankSetup.model is empty) to compute {request_id!r}")
 
     @classmethod
     def validate(cls, model_dir: str, tp_size: int) -> None:
@@ -100,7 +104,9 @@ class RankSetup:
     node_id: str
     config: ConnectorConfig = field(default_factory=ConnectorConfig)
     region_align: int = 16
-    model: str = "statebridge.testing.models:SyntheticModel"    # RankModel factory
+    #: ``module:Class`` of the rank's :class:`RankModel`; "" (the default): none -- the rank
+    #: moves state and computes nothing (a prefill fails naming this field).
+    model: str = ""
     model_dir: str = ""                                         # checkpoint, for real models
     dist_init: str = ""                                         # torch.distributed rendezvous
     checksums: bool = False
