@@ -15,19 +15,18 @@ from __future__ import annotations
 
 import functools
 import logging
-import multiprocessing
 import threading
 import time
 import uuid
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
-
+from typing import Any, Callable
 
 from statebridge.config import ConnectorConfig
 from statebridge.connector import control as c
 from statebridge.connector import messages as m
 from statebridge.connector.local import LocalRouter
-from statebridge.connector.rank import RankSetup, rank_main
+from statebridge.connector.launch import Launcher, RankHandle, rank_log_level, spawn_launcher
+from statebridge.connector.rank import RankSetup
 from statebridge.connector.ledger import Ledger, Record
 from statebridge.errors import (
     ClosedError,
@@ -48,57 +47,8 @@ from statebridge.state.spec import StateSpec
 
 log = logging.getLogger(__name__)
 
+# Launching lives in connector/launch.py; its names stay importable from here.
 __all__ = ["RankGroup", "Launcher", "spawn_launcher", "RankHandle"]
-
-
-class RankHandle:
-    """What a launcher returns per rank: something that can tell if the rank is alive."""
-
-    def is_alive(self) -> bool:  # pragma: no cover - interface
-        raise NotImplementedError
-
-    def stop(self, timeout: float) -> None:  # pragma: no cover - interface
-        raise NotImplementedError
-
-
-class _ProcessHandle(RankHandle):
-    def __init__(self, proc: multiprocessing.Process) -> None:
-        self.proc = proc
-
-    @property
-    def pid(self) -> int | None:
-        return self.proc.pid
-
-    def is_alive(self) -> bool:
-        return self.proc.is_alive()
-
-    @property
-    def exitcode(self) -> int | None:
-        return self.proc.exitcode
-
-    def stop(self, timeout: float) -> None:
-        self.proc.join(timeout)
-        if self.proc.is_alive():
-            self.proc.terminate()
-            self.proc.join(2.0)
-        if self.proc.is_alive():
-            self.proc.kill()
-            self.proc.join(2.0)
-
-
-Launcher = Callable[[Sequence[RankSetup]], list[RankHandle]]
-
-
-def spawn_launcher(setups: Sequence[RankSetup]) -> list[RankHandle]:
-    """One spawned process per rank (fork is unsafe with zmq/UCX threads)."""
-    ctx = multiprocessing.get_context("spawn")
-    handles = []
-    for setup in setups:
-        proc = ctx.Process(target=rank_main, args=(setup,), daemon=True,
-                           name=f"statebridge-{setup.role}-rank{setup.tp_rank}")
-        proc.start()
-        handles.append(_ProcessHandle(proc))
-    return handles
 
 
 @dataclass
@@ -214,7 +164,7 @@ class RankGroup:
                                                    if self.config.local_ranks else ""),
                                 kv_layout=self.kv_layout, block_size=block_size,
                                 num_blocks=self.num_blocks,
-                                log_level=_rank_log_level(),
+                                log_level=rank_log_level(),
                                 model=model or "")
                       for r in range(tp_size)]
             self.handles = launcher(setups)
@@ -556,11 +506,3 @@ class RankGroup:
 
     def __exit__(self, *exc) -> None:
         self.close()
-
-
-def _rank_log_level() -> str:
-    """The level rank processes log at: the application's, when it configured logging (the
-    CLI does); else none, and the ranks leave logging alone like any library."""
-    if not logging.getLogger().handlers:
-        return ""
-    return logging.getLevelName(logging.getLogger("statebridge").getEffectiveLevel())
