@@ -19,16 +19,17 @@ when the first :class:`Transport` is built -- importing ``ucxx`` sets ``UCX_*`` 
 
 One concern per module:
 
-- ``tags``: the 64-bit message tag (generation | src rank | index), :func:`make_tag`,
-  :func:`split_tag`, :data:`STAGED_INDEX`;
+- ``tags``: the 64-bit message tag (generation | src rank | index), its one bit layout
+  (``pack_tag``), :func:`make_tag`, :func:`split_tag`, :data:`STAGED_INDEX`;
 - ``env``: :func:`configure_ucx_env`, :func:`alloc_buffer` (transparent huge pages);
 - ``runs``: :class:`RunTemplate`, run checks, the host gather/scatter (its one implementation is
   :func:`statebridge.kernels.pack.copy_runs_host`);
 - ``handle``: :class:`TransferHandle`, :class:`HandleState`;
 - ``staging``: the pool of staging buffers of staged pairs;
 - ``guard``: messages no announced receive takes (UCX's unexpected queue);
-- ``transport``: :class:`Transport` -- worker, endpoints, posting, progress, counters (with the
-  measurements behind its choices: progress, error handling);
+- ``transport``: :class:`Transport` -- worker, lifecycle, progress, counters (with the
+  measurements behind its choices: progress, error handling); its methods over endpoints
+  (connect, lost peers, UCX errors) are in ``endpoints``, its posts in ``posting``;
 - ``shared/``: same-host shared-map reads -- a prefill rank's buffer as a memfd, a decode
   rank's read-only map of it, the run copy (``_copy.c``), the notice slots and the one rule
   of which pairs go that way; UCX carries their small notices.
