@@ -141,11 +141,11 @@ def kv_checksum(kv: KVBlocks, blocks, tokens: int) -> str:
     it reads them)."""
     geo = kv.geometry
     h = hashlib.blake2b(digest_size=16)
-    idx = torch.as_tensor(list(blocks), dtype=torch.int64)
+    idx = torch.as_tensor(list(blocks), dtype=torch.int64, device=kv.buffer.device)
     for layer in range(geo.kv.num_layers):
         for t in kv.view(layer):
             x = t[idx].permute(0, 2, 1, 3).reshape(-1, geo.heads, geo.kv.head_dim)[:tokens]
-            h.update(x.contiguous().view(torch.uint8).numpy().tobytes())
+            h.update(x.contiguous().view(torch.uint8).cpu().numpy().tobytes())
     return h.hexdigest()
 
 
