@@ -18,6 +18,17 @@ error before it exits, so the node fails at once with that message.
 
 A rank that stops hearing its coordinator for ``peer_timeout`` seconds shuts itself down, so a
 killed node leaves no orphans.
+
+This module holds the extension points (:class:`RankModel`, :class:`RankSetup`,
+:class:`KVBlocks`, :func:`kv_checksum`, :func:`load_callable`) and the process entry
+(:func:`rank_main`). Inside a rank, one concern per module:
+
+- ``worker``: :class:`RankWorker` -- the loop, its handlers, connecting, lifecycle;
+- ``memory``: the ONE rank buffer (pages | KV pool | notice slots) and its memory kind;
+- ``routes``: the rank's pairs with each peer group, and the ONE posting path of a request;
+- ``pending``: pending transfers -- scan, settle, expire, fail -- and how the loop sleeps;
+- ``shared_map``: the rank's side of the same-host shared-map protocol;
+- ``compute``: the compute thread (the model's work in order) and its thread rule.
 """
 
 from __future__ import annotations
