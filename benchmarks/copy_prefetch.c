@@ -1,8 +1,9 @@
 /* The streaming copy's source prefetch, measured alone (README, "Prefetching the shared map's
- * source"): statebridge's own nt_copy (statebridge/_copy.c, included below) built with another
- * PREFETCH_AHEAD (0: no prefetch) or PREFETCH_HINT copies runs of RUN bytes from scattered
- * offsets of a written 256 MiB memfd (4 KiB pages, as a prefill rank's buffer) into a
- * huge-page-backed 64 MiB buffer for SECONDS and prints GB/s. Run two at once for both cores:
+ * source"): statebridge's own nt_copy (statebridge/connector/data/shared/_copy.c, included
+ * below) built with another PREFETCH_AHEAD (0: no prefetch) or PREFETCH_HINT copies runs of
+ * RUN bytes from scattered offsets of a written 256 MiB memfd (4 KiB pages, as a prefill
+ * rank's buffer) into a huge-page-backed 64 MiB buffer for SECONDS and prints GB/s. Run two at
+ * once for both cores:
  *
  *   for pf in 0 3072; do
  *     gcc -O2 $(python3-config --includes) -DPREFETCH_AHEAD=$pf benchmarks/copy_prefetch.c \
@@ -11,7 +12,7 @@
  *   done
  */
 #define _GNU_SOURCE
-#include "../statebridge/_copy.c"
+#include "../statebridge/connector/data/shared/_copy.c"
 
 #include <stdio.h>
 #include <stdlib.h>

@@ -128,12 +128,10 @@ class SoakModel(SyntheticModel):
         return {**super().handlers(), RankReportQuery: self.report}
 
     def report(self, msg: RankReportQuery) -> RankReport:
-        worker = self.worker
-        stats = worker.transport.stats()
+        stats = self.rank_stats()
         values = {
             "pid": os.getpid(), "rss_kb": rss_kb(os.getpid()) or 0,
-            # len() of a dict is atomic: the loop thread may be changing them meanwhile.
-            "pending": len(worker.pending), "computing": len(worker.computing),
+            "pending": stats["pending"], "computing": stats["computing"],
             "handles_outstanding": stats["handles_outstanding"],
             "staging_pool_bytes": stats["staging_pool_bytes"],
             "staging_quarantined_bytes": stats["staging_quarantined_bytes"],

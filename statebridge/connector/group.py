@@ -15,19 +15,18 @@ from __future__ import annotations
 
 import functools
 import logging
-import multiprocessing
 import threading
 import time
 import uuid
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
-
+from typing import Any, Callable
 
 from statebridge.config import ConnectorConfig
 from statebridge.connector import control as c
 from statebridge.connector import messages as m
 from statebridge.connector.local import LocalRouter
-from statebridge.connector.rank import RankSetup, rank_main
+from statebridge.connector.launch import Launcher, RankHandle, rank_log_level, spawn_launcher
+from statebridge.connector.rank import RankSetup
 from statebridge.connector.ledger import Ledger, Record
 from statebridge.errors import (
     ClosedError,
@@ -48,57 +47,8 @@ from statebridge.state.spec import StateSpec
 
 log = logging.getLogger(__name__)
 
+# Launching lives in connector/launch.py; its names stay importable from here.
 __all__ = ["RankGroup", "Launcher", "spawn_launcher", "RankHandle"]
-
-
-class RankHandle:
-    """What a launcher returns per rank: something that can tell if the rank is alive."""
-
-    def is_alive(self) -> bool:  # pragma: no cover - interface
-        raise NotImplementedError
-
-    def stop(self, timeout: float) -> None:  # pragma: no cover - interface
-        raise NotImplementedError
-
-
-class _ProcessHandle(RankHandle):
-    def __init__(self, proc: multiprocessing.Process) -> None:
-        self.proc = proc
-
-    @property
-    def pid(self) -> int | None:
-        return self.proc.pid
-
-    def is_alive(self) -> bool:
-        return self.proc.is_alive()
-
-    @property
-    def exitcode(self) -> int | None:
-        return self.proc.exitcode
-
-    def stop(self, timeout: float) -> None:
-        self.proc.join(timeout)
-        if self.proc.is_alive():
-            self.proc.terminate()
-            self.proc.join(2.0)
-        if self.proc.is_alive():
-            self.proc.kill()
-            self.proc.join(2.0)
-
-
-Launcher = Callable[[Sequence[RankSetup]], list[RankHandle]]
-
-
-def spawn_launcher(setups: Sequence[RankSetup]) -> list[RankHandle]:
-    """One spawned process per rank (fork is unsafe with zmq/UCX threads)."""
-    ctx = multiprocessing.get_context("spawn")
-    handles = []
-    for setup in setups:
-        proc = ctx.Process(target=rank_main, args=(setup,), daemon=True,
-                           name=f"statebridge-{setup.role}-rank{setup.tp_rank}")
-        proc.start()
-        handles.append(_ProcessHandle(proc))
-    return handles
 
 
 @dataclass
@@ -117,6 +67,10 @@ def _mib(nbytes: int) -> str:
 
 class RankGroup:
     """A coordinator's view of its TP group: the rank processes, their sockets and liveness.
+
+    ``model``: ``module:Class`` of the :class:`~statebridge.connector.rank.RankModel` every rank
+    runs (None: none -- the ranks move state and compute nothing; the nodes name the real
+    model, tests their stand-in).
 
     Subclasses get :meth:`_on_rank_done`, :meth:`_on_rank_lost` and :meth:`_on_peer_message`.
     """
@@ -210,8 +164,8 @@ class RankGroup:
                                                    if self.config.local_ranks else ""),
                                 kv_layout=self.kv_layout, block_size=block_size,
                                 num_blocks=self.num_blocks,
-                                log_level=_rank_log_level(),
-                                **({"model": model} if model else {}))
+                                log_level=rank_log_level(),
+                                model=model or "")
                       for r in range(tp_size)]
             self.handles = launcher(setups)
 
@@ -266,29 +220,26 @@ class RankGroup:
 
     def _shared_map_info(self) -> dict:
         """GroupInfo's shared-map fields: a decode group reads shared maps when its config
-        says so; a prefill group serves them when, besides, every rank's buffer is one."""
+        says so; a prefill group serves them when the shared-map rule lets it serve some decode
+        group (its ranks chose memfd buffers by the same rule) and every rank listed one."""
         from statebridge.connector.data import shared
 
-        if not self.config.shared_map or not shared.available():
-            return {}
+        own = shared.MapSide.of_config(self.role, self.config, tp_size=self.tp_size,
+                                       page_size=self.geometry.page_size,
+                                       has_kv=self.num_blocks > 0)
         if self.role != "prefill":
-            return {"shared_map": True}
+            return {"shared_map": True} if own.takes_part else {}
         fds = tuple(s.shm_fd for s in self.ranks)
-        if any(fd < 0 for fd in fds):
+        if shared.map_threshold(own) is None or any(fd < 0 for fd in fds):
             return {}
         return {"shared_map": True, "rank_pids": tuple(s.pid for s in self.ranks),
                 "rank_shm_fds": fds, "shared_map_min_bytes": self.config.shared_map_min_bytes}
 
-    def rank_connect(self, info: m.GroupInfo) -> m.RankConnect:
-        """What the ranks need to plan and connect to the (checked) peer group ``info``."""
-        return m.RankConnect(peer_node=info.node_id, peer_role=info.role,
-                             peer_tp_size=info.tp_size, peer_layout=info.layout,
-                             peer_page_size=info.page_size, peer_region_align=info.region_align,
-                             peer_addresses=info.rank_addresses, peer_kv_layout=info.kv_layout,
-                             peer_block_size=info.block_size, peer_num_blocks=info.num_blocks,
-                             peer_host_id=info.host_id, peer_shared_map=info.shared_map,
-                             peer_pids=info.rank_pids, peer_shm_fds=info.rank_shm_fds,
-                             peer_shared_map_min_bytes=info.shared_map_min_bytes)
+    def rank_connect(self, info: m.GroupInfo) -> m.GroupInfo:
+        """What the ranks get to plan and connect to the (checked) peer group ``info``: that
+        record itself, forwarded as it came -- one handshake record between the groups and
+        inside them, no copy of its fields to keep in step."""
+        return info
 
     def check_peer_info(self, info: m.GroupInfo) -> PageGeometry:
         """The peer's page geometry, or IncompatiblePeerError/ConfigError naming the value."""
@@ -357,7 +308,7 @@ class RankGroup:
             if isinstance(msg, m.RankHello):
                 self._on_rank_hello(identity, msg, sock)
             elif isinstance(msg, m.RankFailed):
-                self._on_rank_failed(msg)
+                self._on_rank_failed(identity, msg, sock)
             elif rank is not None:
                 self.rank_watch.heard(rank)
                 if isinstance(msg, m.RankDone):
@@ -371,16 +322,22 @@ class RankGroup:
             else:
                 self._on_peer_message(identity, msg)
 
+    def _from_network(self, sock, identity: bytes, what: str) -> bool:
+        """Whether a rank's message ``what`` came over the network while this group's ranks
+        use its local channel: then it cannot be one of our ranks (a network peer could
+        otherwise take a rank slot, or fail our start); refused with an Error and counted."""
+        if not (self.config.local_ranks and sock is self.router):
+            return False
+        self.counters.add("protocol_errors")
+        c.send_router(sock, identity, m.Error(
+            kind="ProtocolError", message=f"{what} over the network: this node's ranks "
+                                          f"connect over its local channel"))
+        return True
+
     def _on_rank_hello(self, identity: bytes, msg: m.RankHello, sock=None) -> None:
         r = msg.tp_rank
         sock = self.router if sock is None else sock
-        if self.config.local_ranks and sock is self.router:
-            # Our ranks come over the local channel: a rank slot is never given to a network
-            # peer (which could otherwise take one before the rank process connects).
-            self.counters.add("protocol_errors")
-            c.send_router(sock, identity, m.Error(
-                kind="ProtocolError", message=f"RankHello for rank {r} over the network: this "
-                                              f"node's ranks connect over its local channel"))
+        if self._from_network(sock, identity, f"RankHello for rank {r}"):
             return
         if not 0 <= r < self.tp_size or self.ranks[r].identity not in (None, identity):
             self.counters.add("protocol_errors")
@@ -396,9 +353,16 @@ class RankGroup:
             self._started.set()
             self._on_group_ready()
 
-    def _on_rank_failed(self, msg: m.RankFailed) -> None:
+    def _on_rank_failed(self, identity: bytes, msg: m.RankFailed, sock=None) -> None:
+        """A rank could not start. Taken only from where this group's ranks connect (its
+        local channel, when they use it), for a rank of the group that did not announce
+        itself under another identity, before the group is up."""
         r = msg.tp_rank
-        if not 0 <= r < self.tp_size or self._ready.is_set():
+        sock = self.router if sock is None else sock
+        if self._from_network(sock, identity, f"RankFailed for rank {r}"):
+            return
+        if not 0 <= r < self.tp_size or self._ready.is_set() \
+                or self.ranks[r].identity not in (None, identity):
             self.counters.add("protocol_errors")
             return
         log.error("%s: rank %d failed to start: %s", self.node_id, r, msg.message)
@@ -542,11 +506,3 @@ class RankGroup:
 
     def __exit__(self, *exc) -> None:
         self.close()
-
-
-def _rank_log_level() -> str:
-    """The level rank processes log at: the application's, when it configured logging (the
-    CLI does); else none, and the ranks leave logging alone like any library."""
-    if not logging.getLogger().handlers:
-        return ""
-    return logging.getLevelName(logging.getLogger("statebridge").getEffectiveLevel())

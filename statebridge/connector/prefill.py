@@ -154,7 +154,7 @@ class PrefillServer(RankGroup):
             return
         # A decode node that re-dials (it lost us, e.g. a cut link) comes back on a new socket
         # with the same node id. Its old connection is dead: drop it first, so the ranks fail
-        # its endpoints (RankCancel with lost_node) BEFORE the RankConnect below makes new ones.
+        # its endpoints (RankCancel with lost_node) BEFORE the GroupInfo below makes new ones.
         for old in [p for i, p in self.peers.items()
                     if i != identity and p.node_id == info.node_id]:
             self._peer_lost(old.identity, "superseded by a new connection")

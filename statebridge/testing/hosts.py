@@ -4,7 +4,7 @@ Starting a rank process costs ~3 s of CPU here (torch, UCX imports). Tests and b
 build many groups (every TP pair x layout x model) instead start a :class:`RankHostPool` once:
 host ``i`` runs rank ``i`` of every group it is given, each :class:`RankWorker` in its own thread
 with its own UCX worker and page buffer. Ranks of one group are still separate processes.
-Production nodes use :func:`~statebridge.connector.group.spawn_launcher` (one process per rank).
+Production nodes use :func:`~statebridge.connector.launch.spawn_launcher` (one process per rank).
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import threading
 import time
 from typing import Any, Callable, Sequence
 
-from statebridge.connector.group import Launcher, RankHandle, _ProcessHandle
+from statebridge.connector.launch import Launcher, RankHandle, _ProcessHandle
 from statebridge.connector.rank import RankSetup, RankWorker
 from statebridge.errors import ConfigError
 

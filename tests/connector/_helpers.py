@@ -19,6 +19,9 @@ from statebridge.testing.synthetic import global_state, request_seed
 
 from tests.state._oracle import page_of_rank
 
+#: The stand-in model a test's groups run (groups have no model unless named).
+SYNTHETIC = "statebridge.testing.models:SyntheticModel"
+
 # Fast liveness for tests: a dead peer is noticed within ~1 s.
 FAST = ConnectorConfig(heartbeat_interval=0.1, peer_timeout=1.0, lease_timeout=30.0,
                        transfer_timeout=30.0, handshake_timeout=30.0)

@@ -20,6 +20,7 @@ from statebridge.testing.hosts import RankHostPool
 from ._helpers import (
     FAST,
     SPECS,
+    SYNTHETIC,
     expected_checksum,
     log_to_stderr,
     random_prompt,
@@ -55,7 +56,7 @@ def transfer_round(pools, spec_name, src_tp, dst_tp, src_layout, dst_layout, con
     spec = {**SPECS, "mamba2-wide": WIDE}[spec_name]
     rng = np.random.default_rng(stable_seed(spec_name, src_tp, dst_tp, src_layout, dst_layout))
     with PrefillServer(spec, src_tp, src_layout, num_pages=REQUESTS + 2, config=config,
-                       launcher=prefill_hosts.launcher()) as server, \
+                       launcher=prefill_hosts.launcher(), model=SYNTHETIC) as server, \
             DecodeCoordinator(spec, dst_tp, dst_layout, num_pages=REQUESTS + 2, config=config,
                               launcher=decode_hosts.launcher(), checksums=True) as decode:
         server.wait_ready()
@@ -228,7 +229,7 @@ def test_a_decode_group_without_shared_map_is_served_over_ucx(pools):
     rng = np.random.default_rng(7)
     before = shared_map_reads(decode_hosts, 2)
     with PrefillServer(WIDE, 2, "DLS", num_pages=REQUESTS + 2, config=SHM,
-                       launcher=prefill_hosts.launcher()) as server, \
+                       launcher=prefill_hosts.launcher(), model=SYNTHETIC) as server, \
             DecodeCoordinator(WIDE, 2, "DLS", num_pages=REQUESTS + 2,
                               config=SHM.replace(shared_map=False),
                               launcher=decode_hosts.launcher(), checksums=True) as decode:
@@ -267,7 +268,8 @@ def test_shared_buffers_are_released_when_their_ranks_end(pools):
         line.startswith("fd") for p in prefill_hosts.pids[:2] for line in _memfd_links(p)),
         10, "prefill rank hosts closed their memfds")
     rng = np.random.default_rng(11)
-    server = PrefillServer(WIDE, 2, "DLS", num_pages=REQUESTS + 2, config=SHM)  # own processes
+    server = PrefillServer(WIDE, 2, "DLS", num_pages=REQUESTS + 2, config=SHM,
+                           model=SYNTHETIC)  # own processes
     try:
         with DecodeCoordinator(WIDE, 2, "DLS", num_pages=REQUESTS + 2, config=SHM,
                                launcher=decode_hosts.launcher(), checksums=True) as decode:

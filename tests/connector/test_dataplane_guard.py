@@ -23,13 +23,15 @@ import pytest
 
 from statebridge.config import ConnectorConfig
 from statebridge.connector import messages as m
-from statebridge.connector.rank import RankSetup, RankWorker, _generation_after
+from statebridge.connector.ledger import RequestKey
+from statebridge.connector.rank import RankSetup, RankWorker
+from statebridge.connector.rank.worker import generation_after
 from statebridge.connector.data import STAGED_INDEX, Transport, alloc_buffer, make_tag
 from statebridge.errors import ConfigError
 from statebridge.state.layout import PageGeometry
 from statebridge.state.plan import TransferPlan
 
-from ._helpers import FAST, SPECS, expected_checksum, log_to_stderr, wait_until
+from ._helpers import FAST, SPECS, SYNTHETIC, expected_checksum, log_to_stderr, wait_until
 
 pytestmark = [pytest.mark.ucx]
 
@@ -60,15 +62,19 @@ class Bench:
                                                             dtype=np.uint8)
         self.rogue = Transport(alloc_buffer(1 << 20), name="rogue")
         self.rogue._np[:] = 0xAB
-        self.worker._on_connect(m.RankConnect(
-            peer_node="pf", peer_role="prefill", peer_tp_size=1, peer_layout=src_layout,
-            peer_page_size=src_geo.page_size, peer_region_align=16,
-            peer_addresses=(self.src.address,)))
+        self.worker._on_connect(self.peer_info(src_layout))
         self.src.connect("dec", self.worker.transport.address)
         self.rogue.connect("dec", self.worker.transport.address)
         self.page = self.worker.cache.buffer.numpy()
         self.page[:] = np.random.default_rng(2).integers(0, 256, self.page.size, dtype=np.uint8)
         self.expected = self.page.copy()                 # what the page buffer must hold
+
+    def peer_info(self, layout: str) -> m.GroupInfo:
+        """The prefill group's GroupInfo, as its coordinator would forward it to the rank."""
+        return m.GroupInfo(node_id="pf", role="prefill", tp_size=1, layout=layout,
+                           page_size=self.plan.src.page_size, region_align=16,
+                           num_pages=NUM_PAGES, spec_json=SPEC.to_json(),
+                           rank_addresses=(self.src.address,))
 
     @property
     def stats(self) -> dict:
@@ -140,10 +146,10 @@ def bench(request):
 
 
 def test_generation_order_survives_the_wrap_around():
-    assert _generation_after(6, 5) and not _generation_after(5, 5)
-    assert not _generation_after(4, 5)
-    assert _generation_after(2, 0xFFFFFFFE)               # after 2**32 attempts
-    assert not _generation_after(0xFFFFFFFE, 2)
+    assert generation_after(6, 5) and not generation_after(5, 5)
+    assert not generation_after(4, 5)
+    assert generation_after(2, 0xFFFFFFFE)               # after 2**32 attempts
+    assert not generation_after(0xFFFFFFFE, 2)
 
 
 @pytest.mark.timeout(60)
@@ -243,7 +249,7 @@ def test_decode_rank_processes_sweep_rogue_messages_and_keep_serving():
 
     with RankHostPool(1, initializer=log_to_stderr) as hosts, \
             PrefillServer(SPEC, 1, "DLS", num_pages=4, config=FAST,
-                          launcher=hosts.launcher()) as server, \
+                          launcher=hosts.launcher(), model=SYNTHETIC) as server, \
             DecodeCoordinator(SPEC, 1, "LDS", num_pages=4, config=FAST, checksums=True,
                               launcher=hosts.launcher()) as decode, \
             Transport(alloc_buffer(1 << 20), name="rogue") as rogue:
@@ -279,20 +285,17 @@ def test_a_receive_that_cannot_be_posted_is_answered_at_once(bench):
     assert done.kind == "peer_lost", done
     assert "posting failed" in done.message and "pf/0" in done.message
     assert (done.request_id, done.generation) == ("r7", 7)
-    assert ("r7", 7) not in bench.worker.pending
+    assert RequestKey("pf", "r7", 7) not in bench.worker.pending
     assert time.monotonic() - started < CONFIG.transfer_timeout
     assert bench.worker.transport.stats()["handles_outstanding"] == 0
 
 
 @pytest.mark.timeout(60)
 def test_a_node_connecting_again_gets_fresh_endpoints(bench):
-    """A RankConnect for a node the rank knows (it re-dialed after a cut link) replaces the
+    """A GroupInfo for a node the rank knows (it re-dialed after a cut link) replaces the
     old endpoints: the old one is failed (a lost peer), the new one carries transfers."""
     before = bench.worker.transport.stats()
-    bench.worker._on_connect(m.RankConnect(
-        peer_node="pf", peer_role="prefill", peer_tp_size=1, peer_layout="DLS",
-        peer_page_size=bench.plan.src.page_size, peer_region_align=16,
-        peer_addresses=(bench.src.address,)))
+    bench.worker._on_connect(bench.peer_info("DLS"))
     after = bench.worker.transport.stats()
     assert after["peers_failed"] == before["peers_failed"] + 1
     assert after["peers"] == before["peers"]

@@ -19,7 +19,7 @@ from statebridge.errors import AbortedError, IncompatiblePeerError, PeerLostErro
 from statebridge.state.spec import StateSpec
 from statebridge.testing.hosts import RankHostPool
 
-from ._helpers import FAST, SPECS, expected_checksum, log_to_stderr, thaw, wait_until
+from ._helpers import FAST, SPECS, SYNTHETIC, expected_checksum, log_to_stderr, thaw, wait_until
 
 pytestmark = [pytest.mark.ucx, pytest.mark.multiprocess]
 
@@ -86,7 +86,7 @@ def test_sigkill_prefill_rank_fails_its_requests_then_fresh_group_serves(decode_
     finally:
         server.close()
     # A fresh prefill group serves the same decode group.
-    fresh = PrefillServer(SPEC, 2, "DLS", num_pages=16, config=FAST)
+    fresh = PrefillServer(SPEC, 2, "DLS", num_pages=16, config=FAST, model=SYNTHETIC)
     try:
         fresh.wait_ready()
         node = decode.connect(fresh.address)
@@ -223,7 +223,7 @@ def raw_peer(address: str) -> zmq.Socket:
 def test_bad_messages_get_typed_errors_and_the_server_keeps_serving(prefill_hosts,
                                                                     decode_hosts):
     with PrefillServer(SPEC, 2, "DLS", num_pages=8, config=FAST,
-                       launcher=prefill_hosts.launcher()) as server, \
+                       launcher=prefill_hosts.launcher(), model=SYNTHETIC) as server, \
             DecodeCoordinator(SPEC, 2, "LDS", num_pages=8, config=FAST, checksums=True,
                               launcher=decode_hosts.launcher()) as decode:
         server.wait_ready()
@@ -257,7 +257,7 @@ def test_incompatible_peer_is_refused(prefill_hosts):
     other = StateSpec.from_config({"model_type": "lfm2", "hidden_size": 8, "conv_L_cache": 3,
                                    "layer_types": ["conv"]})
     with PrefillServer(SPEC, 1, "DLS", num_pages=4, config=FAST,
-                       launcher=prefill_hosts.launcher()) as server, \
+                       launcher=prefill_hosts.launcher(), model=SYNTHETIC) as server, \
             DecodeCoordinator(other, 1, "DLS", num_pages=4, config=FAST,
                               launcher=prefill_hosts.launcher()) as decode:
         server.wait_ready()
@@ -307,7 +307,7 @@ def test_bad_shared_map_fields_in_group_info_are_refused(prefill_hosts, decode_h
     import dataclasses
 
     with PrefillServer(SPEC, 2, "DLS", num_pages=4, config=FAST,
-                       launcher=prefill_hosts.launcher()) as server, \
+                       launcher=prefill_hosts.launcher(), model=SYNTHETIC) as server, \
             DecodeCoordinator(SPEC, 2, "DLS", num_pages=4, config=FAST, checksums=True,
                               launcher=decode_hosts.launcher()) as decode:
         server.wait_ready()

@@ -34,7 +34,7 @@ from statebridge.node.decode_node import DecodeNode
 from statebridge.state.spec import StateSpec
 from statebridge.testing.hosts import RankHostPool
 
-from ._helpers import FAST, expected_checksum, log_to_stderr
+from ._helpers import FAST, SYNTHETIC, expected_checksum, log_to_stderr
 from .test_messages import ALL_TYPES, example
 
 pytestmark = [pytest.mark.ucx, pytest.mark.multiprocess]
@@ -58,7 +58,7 @@ def nodes(tmp_path_factory):
     spec = StateSpec.from_pretrained(str(model_dir))
     with RankHostPool(1, initializer=log_to_stderr) as hosts, \
             PrefillServer(spec, 1, "DLS", num_pages=4, config=CONFIG,
-                          launcher=hosts.launcher()) as server, \
+                          launcher=hosts.launcher(), model=SYNTHETIC) as server, \
             DecodeCoordinator(spec, 1, "LDS", num_pages=4, config=CONFIG, checksums=True,
                               launcher=hosts.launcher()) as decode:
         server.wait_ready()

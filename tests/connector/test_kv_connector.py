@@ -28,7 +28,7 @@ from statebridge.state.spec import StateSpec
 from statebridge.testing.hosts import RankHostPool
 from statebridge.testing.synthetic import global_kv, request_seed
 
-from ._helpers import FAST, expected_checksum, log_to_stderr, thaw, wait_until
+from ._helpers import FAST, SYNTHETIC, expected_checksum, log_to_stderr, thaw, wait_until
 
 pytestmark = [pytest.mark.ucx, pytest.mark.multiprocess]
 
@@ -106,7 +106,7 @@ def kv_round(pools, spec_name, src_tp, dst_tp, src_kv="HB", dst_kv="HB", config=
     n = len(LENGTHS)
     with PrefillServer(spec, src_tp, src_layout, num_pages=n + 2, config=config,
                        kv_layout=src_kv, block_size=BS,
-                       launcher=prefill_hosts.launcher()) as server, \
+                       launcher=prefill_hosts.launcher(), model=SYNTHETIC) as server, \
             DecodeCoordinator(spec, dst_tp, "DLS", num_pages=n + 2, config=config,
                               kv_layout=dst_kv, block_size=BS, num_blocks=160,
                               launcher=decode_hosts.launcher(), checksums=True) as decode:
@@ -213,7 +213,8 @@ def test_a_scattered_decode_block_table_moves_byte_exact(pools, spec_name, src_t
     prefill_hosts, decode_hosts = pools
     spec = KV_SPECS[spec_name]
     with PrefillServer(spec, src_tp, "DLS", num_pages=6, config=config, block_size=BS,
-                       num_blocks=16, launcher=prefill_hosts.launcher()) as server, \
+                       num_blocks=16, launcher=prefill_hosts.launcher(),
+                       model=SYNTHETIC) as server, \
             DecodeCoordinator(spec, dst_tp, "DLS", num_pages=6, config=config, block_size=BS,
                               num_blocks=6, launcher=decode_hosts.launcher(),
                               checksums=True) as decode:
@@ -242,7 +243,7 @@ def test_decode_block_exhaustion_is_cache_full_with_numbers_and_leaks_nothing(po
     prefill_hosts, decode_hosts = pools
     spec = KV_SPECS["hybrid-kv2"]
     with PrefillServer(spec, 1, "DLS", num_pages=4, config=FAST, block_size=BS,
-                       launcher=prefill_hosts.launcher()) as server, \
+                       launcher=prefill_hosts.launcher(), model=SYNTHETIC) as server, \
             DecodeCoordinator(spec, 2, "DLS", num_pages=4, config=FAST, block_size=BS,
                               num_blocks=8, launcher=decode_hosts.launcher(),
                               checksums=True) as decode:
@@ -275,7 +276,7 @@ def test_prefill_block_shortage_waits_then_serves(pools):
     prefill_hosts, decode_hosts = pools
     spec = KV_SPECS["hybrid-kv4"]
     with PrefillServer(spec, 2, "DLS", num_pages=8, config=FAST, block_size=BS, num_blocks=8,
-                       launcher=prefill_hosts.launcher()) as server, \
+                       launcher=prefill_hosts.launcher(), model=SYNTHETIC) as server, \
             DecodeCoordinator(spec, 1, "DLS", num_pages=8, config=FAST, block_size=BS,
                               num_blocks=64, launcher=decode_hosts.launcher(),
                               checksums=True) as decode:
@@ -300,7 +301,7 @@ def test_peers_with_different_block_sizes_are_refused(pools):
     prefill_hosts, decode_hosts = pools
     spec = KV_SPECS["hybrid-kv2"]
     with PrefillServer(spec, 1, "DLS", num_pages=2, config=FAST, block_size=16,
-                       launcher=prefill_hosts.launcher()) as server, \
+                       launcher=prefill_hosts.launcher(), model=SYNTHETIC) as server, \
             DecodeCoordinator(spec, 1, "DLS", num_pages=2, config=FAST, block_size=32,
                               launcher=decode_hosts.launcher()) as decode:
         server.wait_ready()

@@ -193,3 +193,40 @@ def test_a_group_gives_rank_slots_only_over_its_local_channel():
             assert server.ranks[0].sock is server.local and server.ranks[0].pid == os.getpid()
         finally:
             local.close()
+
+
+def test_a_group_takes_rank_failed_only_from_its_own_ranks():
+    """A RankFailed from a network peer cannot fail a group whose ranks use the local channel:
+    refused with an Error and counted, the start goes on. The same report over the local
+    channel (where a failing rank sends it) fails the start with its message."""
+    from statebridge.connector.prefill import PrefillServer
+    from statebridge.errors import StartupError
+
+    from ._helpers import FAST, SPECS
+
+    failed = m.RankFailed(tp_rank=1, message="forged: no such weight file")
+    with PrefillServer(SPECS["mamba2-g1"], 2, "DLS", num_pages=2, config=FAST,
+                       launcher=None) as server:
+        tcp = c.connect_dealer(zmq.Context.instance(), server.address)
+        try:
+            tcp.send(m.encode(failed))
+            assert tcp.poll(5000), "no answer to a network RankFailed"
+            reply = c._decode_batch(tcp.recv_multipart(), CAP)[0]
+            assert isinstance(reply, m.Error) and "RankFailed for rank 1 over the network" \
+                in reply.message
+        finally:
+            tcp.close(0)
+        assert server.stats()["protocol_errors"] == 1
+        assert server.healthy and not server.ranks[1].lost
+        with pytest.raises(StartupError, match="did not start within"):
+            server.wait_ready(timeout=0.5)                   # not failed: still starting
+
+        local = LocalDealer(server.local.address, max_frame=CAP)
+        try:
+            local.send_frames([m.encode(m.RankFailed(tp_rank=1, message="no such file"))])
+            with pytest.raises(StartupError, match="rank 1 failed to start: no such file"):
+                server.wait_ready(timeout=5)
+        finally:
+            local.close()
+        assert server.ranks[1].lost and not server.healthy
+        assert server.stats()["protocol_errors"] == 1

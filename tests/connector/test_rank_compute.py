@@ -54,7 +54,7 @@ def test_cheap_result_is_not_held_behind_a_slow_step(worker):
     worker.loop.call_soon(lambda: (
         worker._on_local_prefill(m.RankLocalPrefill(request_id="p1", generation=5,
                                                     prompt=m.pack_tokens((1, 2, 3)), page=1)),
-        worker._compute_q.put(_step(1))))
+        worker.compute.submit_model(_step(1))))
     wait_until(lambda: len(worker.sent) >= 2, 10.0, "prefill done and step result")
     (t_done, done), (t_step, step) = worker.sent[:2]
     assert isinstance(done, m.RankDone) and (done.request_id, done.kind) == ("p1", "")
@@ -72,3 +72,24 @@ def test_backlog_of_cheap_prefills_all_answered(worker):
     done = [msg for _, msg in worker.sent]
     assert [d.request_id for d in done] == [f"p{i}" for i in range(40)]
     assert all(d.kind == "" for d in done)
+
+
+def test_the_compute_bookkeeping_belongs_to_the_loop_thread(worker):
+    """Which requests are queued or computing is the loop thread's: once the loop used it,
+    another thread that asks or changes it gets a typed error (the compute thread asks only a
+    lock-guarded set whether a request was cancelled)."""
+    from statebridge.connector.ledger import RequestKey
+    from statebridge.errors import StatebridgeError
+
+    worker.loop.call_soon(lambda: worker._on_local_prefill(m.RankLocalPrefill(
+        request_id="p1", generation=3, prompt=m.pack_tokens((1,)), page=0)))
+    wait_until(lambda: len(worker.sent) >= 1, 10.0, "prefill answered")
+    key = RequestKey("", "p1", 3)
+    for use in (lambda: key in worker.compute, lambda: worker.compute.finish(key),
+                lambda: worker.compute.cancel(key, "aborted", "test"),
+                lambda: worker.compute.submit(m.RankLocalPrefill(
+                    request_id="p2", generation=4, prompt=m.pack_tokens((1,)), page=1))):
+        with pytest.raises(StatebridgeError, match="not the loop's"):
+            use()
+    assert len(worker.compute) == 0
+    assert worker.loop.call(lambda: key in worker.compute) is False

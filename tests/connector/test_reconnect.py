@@ -15,7 +15,7 @@ from statebridge.connector.prefill import PrefillServer
 from statebridge.errors import PeerLostError
 from statebridge.testing.hosts import RankHostPool
 
-from ._helpers import FAST, SPECS, expected_checksum, log_to_stderr, wait_until
+from ._helpers import FAST, SPECS, SYNTHETIC, expected_checksum, log_to_stderr, wait_until
 
 pytestmark = [pytest.mark.ucx, pytest.mark.multiprocess]
 
@@ -107,7 +107,7 @@ def test_prefill_restarted_on_the_same_port_past_a_silent_listener(hosts, caplog
     prefill_hosts, decode_hosts = hosts
     caplog.set_level(logging.DEBUG, logger="statebridge.connector.decode")
     first = PrefillServer(SPEC, 2, "LDS", num_pages=8, config=PREFILL,
-                          launcher=prefill_hosts.launcher())
+                          launcher=prefill_hosts.launcher(), model=SYNTHETIC)
     second = None
     silent_ctx = zmq.Context()       # its own context: term() returns once the port is free
     silent = None
@@ -143,7 +143,7 @@ def test_prefill_restarted_on_the_same_port_past_a_silent_listener(hosts, caplog
             silent = None
             silent_ctx.term()
             second = PrefillServer(SPEC, 2, "LDS", num_pages=8, config=PREFILL, port=port,
-                                   launcher=prefill_hosts.launcher())
+                                   launcher=prefill_hosts.launcher(), model=SYNTHETIC)
             second.wait_ready()
             wait_until(lambda: decode.prefill_nodes() == [second.node_id], 20,
                        "restarted prefill re-dialed")
@@ -172,7 +172,7 @@ def test_prefill_restarted_on_the_same_port_past_a_silent_listener(hosts, caplog
 def test_close_stops_redialing(hosts):
     prefill_hosts, decode_hosts = hosts
     server = PrefillServer(SPEC, 1, "DLS", num_pages=4, config=PREFILL,
-                           launcher=prefill_hosts.launcher())
+                           launcher=prefill_hosts.launcher(), model=SYNTHETIC)
     decode = DecodeCoordinator(SPEC, 1, "DLS", num_pages=4, config=DECODE,
                                launcher=decode_hosts.launcher())
     try:

@@ -32,7 +32,7 @@ from statebridge.errors import (
 )
 from statebridge.net import free_port
 
-from ._helpers import FAST, SPECS, expected_checksum, log_to_stderr, wait_until
+from ._helpers import FAST, SPECS, SYNTHETIC, expected_checksum, log_to_stderr, wait_until
 
 pytestmark = [pytest.mark.ucx, pytest.mark.multiprocess]
 
@@ -63,7 +63,7 @@ def test_decode_started_before_its_prefill_server_dials_until_it_is_up(pools):
         assert decode.stats()["pages_used"] == 0                    # the refusal held nothing
         time.sleep(1.5)                                             # a few failed dials
         with PrefillServer(SPEC, 2, "DLS", num_pages=4, config=FAST, port=port,
-                           launcher=prefill_hosts.launcher()) as server:
+                           launcher=prefill_hosts.launcher(), model=SYNTHETIC) as server:
             server.wait_ready()
             wait_until(lambda: decode.loop.call(decode.status)[0], 30, "prefill dialled")
             assert decode.prefill_nodes() == [server.node_id]
@@ -77,7 +77,7 @@ def test_decode_started_before_its_prefill_server_dials_until_it_is_up(pools):
 def test_two_decode_nodes_may_use_the_same_request_id(pools):
     prefill_hosts, decode_hosts, other_hosts = pools
     with PrefillServer(SPEC, 2, "DLS", num_pages=8, config=FAST,
-                       launcher=prefill_hosts.launcher()) as server, \
+                       launcher=prefill_hosts.launcher(), model=SYNTHETIC) as server, \
             DecodeCoordinator(SPEC, 2, "DLS", num_pages=4, config=FAST,
                               launcher=decode_hosts.launcher(), checksums=True) as a, \
             DecodeCoordinator(SPEC, 2, "LDS", num_pages=4, config=FAST,
@@ -100,16 +100,40 @@ def test_two_decode_nodes_may_use_the_same_request_id(pools):
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("model,needle", [
+def test_a_group_without_a_model_moves_state_but_computes_none(pools):
+    """Groups run no model unless one is named: a prefill group without one fails each
+    request with a typed error naming the missing setting, and serves on; its pages go back."""
+    prefill_hosts, decode_hosts, _ = pools
+    with PrefillServer(SPEC, 2, "DLS", num_pages=4, config=FAST,
+                       launcher=prefill_hosts.launcher()) as server, \
+            DecodeCoordinator(SPEC, 2, "DLS", num_pages=4, config=FAST,
+                              launcher=decode_hosts.launcher()) as decode:
+        server.wait_ready()
+        decode.connect(server.address)
+        for rid in ("none-1", "none-2"):
+            with pytest.raises(TransferError, match="has no model .RankSetup.model is empty"):
+                decode.submit(rid, [1, 2, 3]).result(timeout=30)
+        wait_until(lambda: server.stats()["pages_used"] == 0, 10, "prefill pages freed")
+        assert decode.stats()["pages_used"] == 0
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("model,needle,local_ranks", [
     ("tests.connector._helpers:FailingModel", "rank 1 failed to start: RuntimeError: no such "
-                                              "weight file /nowhere/model.safetensors"),
+                                              "weight file /nowhere/model.safetensors", True),
+    ("tests.connector._helpers:FailingModel", "rank 1 failed to start: RuntimeError: no such "
+                                              "weight file /nowhere/model.safetensors", False),
     ("tests.connector._helpers:ExitingModel", "rank 1 failed to start: its process exited "
-                                              "(code 3)"),
-])
-def test_a_rank_failing_at_start_fails_the_group_at_once_with_its_error(model, needle):
+                                              "(code 3)", True),
+], ids=["failing-local", "failing-network", "exiting"])
+def test_a_rank_failing_at_start_fails_the_group_at_once_with_its_error(model, needle,
+                                                                          local_ranks):
+    """The failing rank reports over the channel its group's ranks use (the local channel,
+    or the network when ranks are not local), and the group takes it from there."""
     started = time.monotonic()
-    group = PrefillServer(SPEC, 2, "DLS", num_pages=2, config=FAST, launcher=spawn_launcher,
-                          model=model)
+    group = PrefillServer(SPEC, 2, "DLS", num_pages=2,
+                          config=FAST.replace(local_ranks=local_ranks),
+                          launcher=spawn_launcher, model=model)
     try:
         with pytest.raises(StartupError) as info:
             group.wait_ready(timeout=300)

@@ -19,7 +19,7 @@ from statebridge.connector import messages as m
 from statebridge.errors import AuthenticationError, ConfigError
 from statebridge.security import CurveKeys, authorized_keys, generate_keys, key_files
 
-from ._helpers import FAST, SPECS, expected_checksum, log_to_stderr, wait_until
+from ._helpers import FAST, SPECS, SYNTHETIC, expected_checksum, log_to_stderr, wait_until
 
 # Handshakes get a generous bound: a refusal must come from the monitor (AuthenticationError),
 # never from this timeout (TransferTimeoutError), so the test cannot pass by waiting.
@@ -253,7 +253,7 @@ def test_keyed_groups_transfer_and_refuse_intruders(tmp_path, keys_dir, hosts):
     for name in ("server.key", "server.key_secret"):
         shutil.copy(os.path.join(keys_dir, name), stolen / name)
     with PrefillServer(spec, 1, "DLS", num_pages=8, config=config,
-                       launcher=hosts.launcher()) as server, \
+                       launcher=hosts.launcher(), model=SYNTHETIC) as server, \
             DecodeCoordinator(spec, 2, "LDS", num_pages=8, config=config,
                               launcher=hosts.launcher(), checksums=True) as decode:
         server.wait_ready()

@@ -1,4 +1,4 @@
-"""Shared-map reads (statebridge/connector/data/shared.py and the C copy in statebridge/_copy.c):
+"""Shared-map reads (statebridge/connector/data/shared/ and its C copy, _copy.c):
 the copy against numpy, its bounds checks, and a mapping of another process's memfd."""
 
 from __future__ import annotations
@@ -20,7 +20,8 @@ from statebridge.errors import ConfigError, TransferError
 
 
 def test_the_compiled_copy_is_built():
-    """`pip install -e .` builds statebridge._copy (CI installs exactly so)."""
+    """`pip install -e .` builds the C copy, statebridge.connector.data.shared._copy (CI
+    installs exactly so)."""
     assert shared.available()
 
 
@@ -35,7 +36,7 @@ def test_copy_runs_matches_numpy(streaming):
     """Rows of every size (below and above the streaming threshold, unaligned ends, one that
     ends at the source's last byte, where the streaming copy's prefetch stops) land exactly
     where numpy puts them; bytes outside the rows stay as they were."""
-    from statebridge import _copy
+    from statebridge.connector.data.shared import _copy
 
     rng = np.random.default_rng(3)
     src = shared.SharedBuffer(4 << 20)
@@ -74,7 +75,7 @@ def test_a_run_outside_either_buffer_is_refused_and_nothing_is_copied(row):
 def test_copy_groups_shift_each_group_by_its_bases(streaming):
     """Each (runs, src_add, dst_add) group lands where numpy puts its rows shifted by the two
     bases (the cached tables of a rank pair plus one request's page and block bases)."""
-    from statebridge import _copy
+    from statebridge.connector.data.shared import _copy
 
     rng = np.random.default_rng(5)
     src = shared.SharedBuffer(4 << 20)
@@ -114,7 +115,7 @@ def test_copy_groups_check_every_shifted_row_before_copying(groups, match):
 
 
 def test_copy_groups_refuse_malformed_groups():
-    from statebridge import _copy
+    from statebridge.connector.data.shared import _copy
 
     src = shared.SharedBuffer(1 << 20)
     dst = np.zeros(1 << 20, dtype=np.uint8)
@@ -186,21 +187,21 @@ def test_an_answer_swaps_only_the_pending_mark_of_its_own_request():
     used the same slot writes nothing. Bytes around the word are untouched."""
     import mmap
 
-    from statebridge.connector.rank import _PENDING
+    from statebridge.connector.data.shared import PENDING
 
     src = shared.SharedBuffer(3 * mmap.PAGESIZE)
     words = src.tensor.numpy().view(np.int64)
     peer = _own_map(src)
     w = (2 * mmap.PAGESIZE + 40) // 8                      # a word in the buffer's last page
-    words[w] = _PENDING | 7                                # request of serial 7 waits
-    assert not peer.answer(w * 8, _PENDING | 6, 6)         # serial 6: gone, writes nothing
-    assert words[w] == _PENDING | 7
-    assert peer.answer(w * 8, _PENDING | 7, 7)
+    words[w] = PENDING | 7                                 # request of serial 7 waits
+    assert not peer.answer(w * 8, PENDING | 6, 6)          # serial 6: gone, writes nothing
+    assert words[w] == PENDING | 7
+    assert peer.answer(w * 8, PENDING | 7, 7)
     assert words[w] == 7
-    assert not peer.answer(w * 8, _PENDING | 7, 7)         # answered once
-    words[w - 1] = _PENDING | 9                            # a word of a lower page: mapped on
-    assert not peer.answer((w - 1) * 8 - mmap.PAGESIZE, _PENDING | 9, 9)
-    assert peer.answer((w - 1) * 8, _PENDING | 9, 9) and words[w - 1] == 9
+    assert not peer.answer(w * 8, PENDING | 7, 7)          # answered once
+    words[w - 1] = PENDING | 9                             # a word of a lower page: mapped on
+    assert not peer.answer((w - 1) * 8 - mmap.PAGESIZE, PENDING | 9, 9)
+    assert peer.answer((w - 1) * 8, PENDING | 9, 9) and words[w - 1] == 9
     assert np.count_nonzero(words) == 2
 
 

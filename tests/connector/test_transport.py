@@ -149,6 +149,27 @@ def test_make_tag_bit_layout():
     assert not old & new
 
 
+def test_a_generation_match_takes_every_tag_of_it_and_no_other():
+    """The (tag, mask) a drain of one generation (and source rank) probes with."""
+    from statebridge.connector.data import make_tag
+    from statebridge.connector.data.tags import tag_match
+
+    def matches(tag, match):
+        return tag & match[1] == match[0]
+
+    gen = tag_match(42)
+    rank = tag_match(42, 3)
+    for s in (0, 3, 255):
+        for i in (0, 1, 2**24 - 1):
+            assert matches(make_tag(42, s, i), gen)
+            assert matches(make_tag(42, s, i), rank) == (s == 3)
+            assert not matches(make_tag(41, s, i), gen) and not matches(make_tag(43, s, i), gen)
+    with pytest.raises(ConfigError, match="generation .* got 4294967296"):
+        tag_match(2**32)
+    with pytest.raises(ConfigError, match="src_rank .* got 256"):
+        tag_match(1, 256)
+
+
 @pytest.mark.parametrize("fields,message", [
     pytest.param((2**32, 0, 0), "generation .* got 4294967296", id="generation-too-big"),
     pytest.param((-1, 0, 0), "generation .* got -1", id="generation-negative"),

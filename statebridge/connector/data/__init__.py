@@ -19,19 +19,20 @@ when the first :class:`Transport` is built -- importing ``ucxx`` sets ``UCX_*`` 
 
 One concern per module:
 
-- ``tags``: the 64-bit message tag (generation | src rank | index), :func:`make_tag`,
-  :func:`split_tag`, :data:`STAGED_INDEX`;
+- ``tags``: the 64-bit message tag (generation | src rank | index), its one bit layout
+  (``pack_tag``), :func:`make_tag`, :func:`split_tag`, :data:`STAGED_INDEX`;
 - ``env``: :func:`configure_ucx_env`, :func:`alloc_buffer` (transparent huge pages);
 - ``runs``: :class:`RunTemplate`, run checks, the host gather/scatter (its one implementation is
   :func:`statebridge.kernels.pack.copy_runs_host`);
-- ``handle``: :class:`TransferHandle`, :class:`HandleState`, :func:`wait_all`;
+- ``handle``: :class:`TransferHandle`, :class:`HandleState`;
 - ``staging``: the pool of staging buffers of staged pairs;
 - ``guard``: messages no announced receive takes (UCX's unexpected queue);
-- ``transport``: :class:`Transport` -- worker, endpoints, posting, progress, counters (with the
-  measurements behind its choices: progress, error handling);
-- ``shared``: same-host shared-map reads -- a prefill rank's buffer as a memfd, a decode rank's
-  read-only map of it, and the run copy (:mod:`statebridge._copy`); the rank decides which
-  pairs go that way (``ConnectorConfig.shared_map``), UCX carries their small notices.
+- ``transport``: :class:`Transport` -- worker, lifecycle, progress, counters (with the
+  measurements behind its choices: progress, error handling); its methods over endpoints
+  (connect, lost peers, UCX errors) are in ``endpoints``, its posts in ``posting``;
+- ``shared/``: same-host shared-map reads -- a prefill rank's buffer as a memfd, a decode
+  rank's read-only map of it, the run copy (``_copy.c``), the notice slots and the one rule
+  of which pairs go that way; UCX carries their small notices.
 
 Sizes: a message LONGER than the receive it matches fails that handle with a
 :class:`~statebridge.errors.TransferError` (UCX truncates it; nothing lands in the page; counted
@@ -49,7 +50,7 @@ pairs with many small runs are staged instead (the plan marks them).
 """
 
 from statebridge.connector.data.env import alloc_buffer, configure_ucx_env
-from statebridge.connector.data.handle import HandleState, TransferHandle, wait_all
+from statebridge.connector.data.handle import HandleState, TransferHandle
 from statebridge.connector.data.runs import RunTemplate
 from statebridge.connector.data.tags import (
     STAGED_INDEX,
@@ -74,5 +75,4 @@ __all__ = [
     "configure_ucx_env",
     "make_tag",
     "split_tag",
-    "wait_all",
 ]

@@ -16,7 +16,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from statebridge.connector.data.tags import MAX_GENERATION, MAX_SRC_RANK, check_field, split_tag
+from statebridge.connector.data.tags import split_tag, tag_match
 
 log = logging.getLogger(__name__)
 
@@ -90,11 +90,7 @@ class UnexpectedGuard:
         """Receive and drop the unexpected messages of ``generation`` (and ``src_rank``),
         progressing with ``drive(block_s, ready)`` until each has landed in scratch memory or
         ``timeout`` passed. Returns how many were dropped."""
-        g = check_field("generation", generation, MAX_GENERATION)
-        tag, mask = g << 32, MAX_GENERATION << 32
-        if src_rank is not None:
-            tag |= check_field("src_rank", src_rank, MAX_SRC_RANK) << 24
-            mask |= MAX_SRC_RANK << 24
+        tag, mask = tag_match(generation, src_rank)
         ucx, worker = self._ucx, self._worker
         count = 0
         deadline = time.monotonic() + timeout

@@ -20,13 +20,12 @@ from __future__ import annotations
 
 import enum
 import time
-from typing import TYPE_CHECKING, Iterable
+from typing import TYPE_CHECKING
 
 import torch
 
 from statebridge.errors import (
     AbortedError,
-    ClosedError,
     ConfigError,
     TransferError,
     TransferTimeoutError,
@@ -35,7 +34,7 @@ from statebridge.errors import (
 if TYPE_CHECKING:
     from statebridge.connector.data.transport import Transport
 
-__all__ = ["HandleState", "TransferHandle", "failure_kind", "wait_all"]
+__all__ = ["HandleState", "TransferHandle"]
 
 #: UCX's status of a request that completed successfully (ucs/type/status.h).
 UCS_OK = 0
@@ -51,16 +50,6 @@ class HandleState(enum.Enum):
 
 # Module aliases: the state checks run once per handle per poll.
 _PENDING, _DONE, _FAILED = HandleState.PENDING, HandleState.DONE, HandleState.FAILED
-
-
-def failure_kind(error: BaseException) -> str:
-    """The counter name of a handle's failure: a :class:`TransferError`'s ``kind``, or
-    ``"closed"`` / ``"transfer_error"``."""
-    if isinstance(error, TransferError):
-        return error.kind
-    if isinstance(error, ClosedError):
-        return "closed"
-    return "transfer_error"
 
 
 class TransferHandle:
@@ -249,10 +238,3 @@ class TransferHandle:
         if not self._timed_out:
             self._timed_out = True
             self._transport._count_failure("timeout")
-
-
-def wait_all(handles: Iterable[TransferHandle], timeout: float) -> None:
-    """Wait for every handle within one shared ``timeout``; raises the first failure."""
-    deadline = time.monotonic() + timeout
-    for h in handles:
-        h.wait(max(0.0, deadline - time.monotonic()))

@@ -71,46 +71,23 @@ import collections
 import logging
 import os
 import select
-from typing import Any, Callable, Mapping
+from typing import TYPE_CHECKING, Any, Callable, Mapping
 
-import numpy as np
 import torch
 
+from statebridge.connector.data.endpoints import Endpoints
 from statebridge.connector.data.guard import UnexpectedGuard
-from statebridge.connector.opcounts import counter as _op_counter
-from statebridge.connector.data.handle import TransferHandle, failure_kind
-from statebridge.connector.data.runs import RunTemplate, as_runs, check_span, copy_runs
+from statebridge.connector.data.handle import TransferHandle
+from statebridge.connector.data.posting import Posting
 from statebridge.connector.data.staging import StagingPool
-from statebridge.connector.data.tags import (
-    MAX_GENERATION,
-    MAX_RUNS,
-    MAX_SRC_RANK,
-    READY_INDEX,
-    STAGED_INDEX,
-    make_tag,
-)
-from statebridge.errors import (
-    AbortedError,
-    ClosedError,
-    ConfigError,
-    PeerLostError,
-    TransferError,
-)
+from statebridge.errors import ClosedError, ConfigError, kind_of
+
+if TYPE_CHECKING:
+    from statebridge.connector.data.endpoints import _Peer
 
 log = logging.getLogger(__name__)
 
 __all__ = ["Transport"]
-
-# -- UCX status classification (ucs/type/status.h) ---------------------------------------------
-
-_UCS_ERR_CANCELED = -16
-_UCS_ERR_MESSAGE_TRUNCATED = -9     # a message longer than the posted receive
-# The peer or the network is gone: unreachable, not connected, connection reset, link and
-# endpoint failures.
-_PEER_STATUSES = frozenset([-6, -24, -25, *range(-89, -39)])
-
-#: Most cached buffer views of a transport (see Transport._post_runs); ~200 B each.
-_MAX_CACHED_ARRAYS = 1 << 16
 
 
 def _done_counters(kinds: tuple[str, ...]) -> dict[tuple[str, str], tuple[str, str, str]]:
@@ -119,18 +96,7 @@ def _done_counters(kinds: tuple[str, ...]) -> dict[tuple[str, str], tuple[str, s
             for d, side in (("send", "sent"), ("recv", "received")) for k in kinds}
 
 
-class _Peer:
-    __slots__ = ("peer_id", "address", "endpoint", "serial", "closing")
-
-    def __init__(self, peer_id: str, address: bytes, endpoint: Any, serial: int) -> None:
-        self.peer_id = peer_id
-        self.address = address
-        self.endpoint = endpoint
-        self.serial = serial
-        self.closing = False
-
-
-class Transport:
+class Transport(Endpoints, Posting):
     """One rank's UCX worker over its page ``buffer`` (a 1-D contiguous uint8 CPU tensor).
 
     Args:
@@ -142,6 +108,10 @@ class Transport:
             (e.g. ``{"TLS": "sm,self"}``); environment variables still apply to unset keys.
         staging_pool_bytes: most bytes of free staging buffers kept for reuse.
         name: label used in logs and errors.
+
+    Its methods live in three files: this one (the worker, lifecycle, progress, unexpected
+    messages, counters), :mod:`~statebridge.connector.data.endpoints` (connecting, losing
+    peers, UCX errors) and :mod:`~statebridge.connector.data.posting` (every post).
 
     One thread owns a Transport: it posts, progresses (:meth:`progress`, :meth:`arm`, the
     handles' :meth:`~TransferHandle.done` / :meth:`~TransferHandle.wait`), fails peers and closes;
@@ -182,7 +152,7 @@ class Transport:
         self._buffer = buffer
         self._np = buffer.numpy()
         self._mv = memoryview(self._np)
-        self._arrays: dict[tuple[int, int], Any] = {}     # see _post_runs
+        self._arrays: dict[tuple[int, int], Any] = {}     # see Posting._view
         self._size = buffer.numel()
 
         options = {str(k): str(v) for k, v in (ucx_options or {}).items()}
@@ -229,76 +199,6 @@ class Transport:
     def peers(self) -> tuple[str, ...]:
         return tuple(self._peers)
 
-    def connect(self, peer_id: str, address: bytes) -> None:
-        """Endpoint to the peer worker at ``address`` (idempotent for the same address).
-
-        A peer declared lost (:meth:`fail_peer`) may be connected again, e.g. after a restart;
-        a live peer id with a different address is a :class:`ConfigError`.
-        """
-        if not isinstance(peer_id, str) or not peer_id:
-            raise ConfigError(f"peer_id must be a non-empty string, got {peer_id!r}")
-        if not isinstance(address, (bytes, bytearray, memoryview)) or len(address) == 0:
-            raise ConfigError(f"address of peer {peer_id!r} must be non-empty bytes, got "
-                              f"{type(address).__name__}")
-        address = bytes(address)
-        self._check_open()
-        peer = self._peers.get(peer_id)
-        if peer is not None:
-            if peer.address == address:
-                return
-            raise ConfigError(f"peer {peer_id!r} is already connected with another address; "
-                              f"disconnect() or fail_peer() it first")
-        try:
-            ucx_address = self._ucx.UCXAddress.create_from_buffer(address)
-            endpoint = self._worker.create_endpoint_from_worker_address(
-                ucx_address, self.error_handling)
-        except Exception as e:  # noqa: BLE001 -- ucxx raises its own exception types
-            raise TransferError(f"{self.name}: cannot create an endpoint to {peer_id!r}: {e}",
-                                peer=peer_id) from e
-        self._serial += 1
-        peer = _Peer(peer_id, address, endpoint, self._serial)
-        if self.error_handling:
-            endpoint.set_close_callback(self._on_endpoint_closed,
-                                        cb_args=(peer_id, peer.serial))
-        self._peers[peer_id] = peer
-        self._lost.pop(peer_id, None)
-        log.info("%s: connected to %s", self.name, peer_id)
-
-    def disconnect(self, peer_id: str) -> None:
-        """Close the endpoint to ``peer_id`` (idempotent); its outstanding handles fail with
-        :class:`ClosedError`."""
-        peer = self._peers.pop(peer_id, None)
-        if peer is None:
-            return
-        for h in [h for h in self._outstanding.values() if h.peer_id == peer_id]:
-            h._fail(ClosedError(f"{self.name}: peer {peer_id!r} disconnected while "
-                                f"{h._describe()} was in flight"))
-        self._close_endpoint(peer)
-
-    def fail_peer(self, peer_id: str, reason: str) -> int:
-        """The control plane declared ``peer_id`` dead: cancel every outstanding request
-        involving it; those handles raise :class:`PeerLostError` (with ``peer`` set). Later
-        posts to it raise at once until it is connected again. Receives posted with peer None
-        belong to no peer and are not touched (cancel or time them out). Returns how many
-        handles failed."""
-        self._lost[peer_id] = str(reason)
-        peer = self._peers.pop(peer_id, None)
-        handles = [h for h in self._outstanding.values() if h.peer_id == peer_id]
-        self._counters["peers_failed"] += 1
-        if peer is not None:
-            # Closing the endpoint cancels the requests registered on it (status CANCELED). The
-            # peer is dead or unreachable: a blocking close would wait for a flush that never
-            # completes (seconds behind a cut link, stalling this rank's heartbeats), so the
-            # close is only started here and the endpoint kept until the transport closes.
-            self._close_endpoint(peer, blocking=False)
-        for h in handles:
-            h._fail(PeerLostError(f"{self.name}: peer {peer_id!r} lost ({reason}) during "
-                                  f"{h._describe()}", request_id=h.request_id, peer=peer_id))
-        if handles:
-            log.warning("%s: peer %s lost (%s): %d transfers failed", self.name, peer_id, reason,
-                        len(handles))
-        return len(handles)
-
     def close(self) -> None:
         """Cancel everything outstanding (handles raise :class:`ClosedError`), close every
         endpoint and the worker. Idempotent."""
@@ -335,174 +235,6 @@ class Transport:
         return (f"Transport({self.name!r}, {self._size} B, peers={len(self._peers)}, "
                 f"outstanding={len(self._outstanding)}, error_handling={self.error_handling}"
                 f"{', closed' if self._closed else ''})")
-
-    def sends_complete_unattended(self, same_host: bool) -> bool:
-        """Whether this transport's sends to a peer on this host (``same_host``) move without
-        this side's progress: the receiver reads them (cma rendezvous; see the module
-        docstring), so a sender may sleep through them and reap the completions later. False
-        with endpoint error handling (UCX then uses TCP, where the sender pushes the bytes)
-        or when ``UCX_TLS`` leaves out cma."""
-        if not same_host or self.error_handling:
-            return False
-        tls = [t.strip() for t in self._tls.split(",") if t.strip()]
-        if not tls:
-            return True
-        if tls[0].startswith("^"):                 # an exclusion list
-            excluded = {tls[0][1:], *tls[1:]}
-            return not excluded & {"cma", "sm", "shm"}
-        return bool(set(tls) & {"all", "cma", "sm", "shm"})
-
-    # -- posting ----------------------------------------------------------------------------------
-    def post_send(self, peer_id: str, generation: int, src_rank: int, runs: object, *,
-                  request_id: str | None = None) -> TransferHandle:
-        """Send every run zero-copy, one tagged message per run, straight from the buffer.
-
-        ``runs``: int ``[R, 3]`` (local src offset, dst offset, length), absolute offsets; run
-        ``i`` travels with tag ``make_tag(generation, src_rank, i)``.
-        """
-        return self.post_runs("send", peer_id, generation, src_rank, 0, RunTemplate(runs, 0),
-                              request_id=request_id)
-
-    def post_recv(self, peer_id: str | None, generation: int, src_rank: int, runs: object, *,
-                  request_id: str | None = None) -> TransferHandle:
-        """Receive every run zero-copy, straight into the buffer (``runs[:, 1]`` absolute dst
-        offsets). With ``peer_id`` the receives belong to that peer (:meth:`fail_peer` and UCX
-        errors fail them); with None they match the tags from any peer."""
-        return self.post_runs("recv", peer_id, generation, src_rank, 0, RunTemplate(runs, 1),
-                              request_id=request_id)
-
-    def template(self, runs: object, direction: str) -> RunTemplate:
-        """``runs`` (``[R, 3]``: src offset, dst offset, length; relative to a page) as a
-        checked :class:`RunTemplate` for :meth:`post_runs` in ``direction`` ("send" takes the
-        source offsets, "recv" the destination offsets)."""
-        if direction not in ("send", "recv"):
-            raise ConfigError(f"direction must be 'send' or 'recv', got {direction!r}")
-        return RunTemplate(runs, 0 if direction == "send" else 1)
-
-    def post_runs(self, direction: str, peer_id: str | None, generation: int, src_rank: int,
-                  base: int, template: RunTemplate, *,
-                  request_id: str | None = None, index0: int = 0) -> TransferHandle:
-        """:meth:`post_send` / :meth:`post_recv` of a :class:`RunTemplate` at byte offset
-        ``base`` of the buffer (a page's start): the rank's per-request post. Run ``i``
-        travels with tag index ``index0 + i`` (a second post of the same pair and attempt,
-        e.g. the attention KV after the recurrent runs, numbers on)."""
-        send = direction == "send"
-        if index0:
-            if type(index0) is not int or index0 < 0 or index0 + len(template) > MAX_RUNS:
-                raise ConfigError(f"runs {index0} .. {index0} + {len(template)} exceed the "
-                                  f"{MAX_RUNS} a tag index can number")
-        if not send and direction != "recv":
-            raise ConfigError(f"direction must be 'send' or 'recv', got {direction!r}")
-        if type(base) is not int or base < 0 or base + template.extent > self._size:
-            raise ConfigError(template.outside(base, self._size, "send" if send else "receive",
-                                               "page buffer")
-                              if type(base) is int else f"base must be an int, got {base!r}")
-        if type(generation) is not int or type(src_rank) is not int \
-                or not 0 <= generation <= MAX_GENERATION or not 0 <= src_rank <= MAX_SRC_RANK:
-            make_tag(generation, src_rank, 0)          # raises with the offending field
-            generation, src_rank = int(generation), int(src_rank)
-        tag0 = (generation << 32) | (src_rank << 24) | index0
-        if send:
-            op = self._endpoint(peer_id).tag_send
-        elif peer_id is None:                      # a receive matching any peer
-            self._check_open()
-            op = self._worker.tag_recv
-        else:
-            op = self._endpoint(peer_id).tag_recv
-        requests = self._post_runs(op, base, template, tag0, peer_id)
-        handle = TransferHandle(self, direction=direction, kind="zero_copy",
-                                peer_id=peer_id, generation=generation, src_rank=src_rank,
-                                nbytes=template.nbytes, messages=len(template.offsets),
-                                request_id=request_id, requests=requests)
-        self._outstanding[id(handle)] = handle
-        return handle
-
-    def post_send_staged(self, peer_id: str, generation: int, src_rank: int, pack_runs: object,
-                         *, request_id: str | None = None) -> TransferHandle:
-        """Gather ``pack_runs`` (absolute src offset, staging offset, length) into a pooled
-        staging buffer and send it as ONE message (index :data:`STAGED_INDEX`). The staging
-        size is ``max(staging offset + length)``."""
-        pack_runs = as_runs(pack_runs, "pack_runs")
-        check_span(pack_runs, 0, self._size, "pack", "page buffer")
-        nbytes = int((pack_runs[:, 1] + pack_runs[:, 2]).max()) if len(pack_runs) else 0
-        check_span(pack_runs, 1, nbytes, "pack", "staging buffer")
-        tag = make_tag(generation, src_rank, STAGED_INDEX)
-        staging = self._pool.acquire(nbytes)
-        try:
-            copy_runs(self._np, pack_runs, staging.numpy())
-            endpoint = self._endpoint(peer_id)
-            requests = self._post_one(endpoint.tag_send, self._Array(staging.numpy()[:nbytes]),
-                                      tag, peer_id)
-        except BaseException:
-            self._pool.release(staging)
-            raise
-        return self._staged_handle("send", peer_id, generation, src_rank, nbytes, request_id,
-                                   requests, staging, None)
-
-    def post_recv_staged(self, peer_id: str | None, generation: int, src_rank: int, nbytes: int,
-                         unpack_runs: object, *, request_id: str | None = None) -> TransferHandle:
-        """Receive one ``nbytes`` staged message into a pooled staging buffer; when it arrives,
-        scatter ``unpack_runs`` (staging offset, absolute dst offset, length) into the page.
-        The handle is done only after the scatter."""
-        if isinstance(nbytes, bool) or not isinstance(nbytes, (int, np.integer)) or nbytes < 0:
-            raise ConfigError(f"nbytes must be a non-negative integer, got {nbytes!r}")
-        nbytes = int(nbytes)
-        unpack_runs = as_runs(unpack_runs, "unpack_runs")
-        check_span(unpack_runs, 0, nbytes, "unpack", "staging message")
-        check_span(unpack_runs, 1, self._size, "unpack", "page buffer")
-        tag = make_tag(generation, src_rank, STAGED_INDEX)
-        staging = self._pool.acquire(nbytes)
-        try:
-            if peer_id is None:
-                self._check_open()
-            target = self._worker if peer_id is None else self._endpoint(peer_id)
-            requests = self._post_one(target.tag_recv, self._Array(staging.numpy()[:nbytes]),
-                                      tag, peer_id)
-        except BaseException:
-            self._pool.release(staging)
-            raise
-        page = self._np
-        return self._staged_handle("recv", peer_id, generation, src_rank, nbytes, request_id,
-                                   requests, staging,
-                                   lambda: copy_runs(staging.numpy(), unpack_runs, page))
-
-    def post_notice(self, direction: str, peer_id: str, generation: int, src_rank: int,
-                    index: int, offset: int, nbytes: int, *,
-                    request_id: str | None = None) -> TransferHandle:
-        """One small tagged message of a shared-map read (``shared.py``) to or from
-        ``buffer[offset:offset + nbytes]``: the "ready" notice (``index`` :data:`READY_INDEX`),
-        with tag ``(generation, src_rank, index)``.
-        Small enough to go eagerly: a send completes without the peer."""
-        if direction not in ("send", "recv"):
-            raise ConfigError(f"direction must be 'send' or 'recv', got {direction!r}")
-        if index != READY_INDEX:
-            raise ConfigError(f"notice index must be READY_INDEX, got {index!r}")
-        if type(offset) is not int or type(nbytes) is not int or offset < 0 or nbytes <= 0 \
-                or offset + nbytes > self._size:
-            raise ConfigError(f"notice [{offset!r}, +{nbytes!r}) is outside the "
-                              f"{self._size}-byte buffer")
-        tag = make_tag(generation, src_rank, index)
-        endpoint = self._endpoint(peer_id)
-        op = endpoint.tag_send if direction == "send" else endpoint.tag_recv
-        # A notice slot is the same few bytes request after request: its view is cached.
-        requests = self._post_one(op, self._view(offset, nbytes), tag, peer_id)
-        handle = TransferHandle(self, direction=direction, kind="notice", peer_id=peer_id,
-                                generation=generation, src_rank=src_rank, nbytes=nbytes,
-                                messages=1, request_id=request_id, requests=requests)
-        self._outstanding[id(handle)] = handle
-        return handle
-
-    def _staged_handle(self, direction: str, peer_id: str | None, generation: int,
-                       src_rank: int, nbytes: int, request_id: str | None, requests: list,
-                       staging: torch.Tensor, on_success) -> TransferHandle:
-        handle = TransferHandle(self, direction=direction, kind="staged", peer_id=peer_id,
-                                generation=generation, src_rank=src_rank, nbytes=nbytes,
-                                messages=1, request_id=request_id, requests=requests,
-                                staging=staging, on_success=on_success)
-        self._counters["staging_buffers_used"] += 1
-        self._counters["staging_bytes"] += nbytes
-        self._outstanding[id(handle)] = handle
-        return handle
 
     # -- progress ---------------------------------------------------------------------------------
     def progress(self, timeout: float = 0.0) -> None:
@@ -627,57 +359,6 @@ class Transport:
         if self._closed:
             raise ClosedError(f"{self.name}: transport is closed")
 
-    def _endpoint(self, peer_id: str):
-        """The live endpoint of ``peer_id``."""
-        self._check_open()
-        peer = self._peers.get(peer_id)
-        if peer is not None:
-            return peer.endpoint
-        if peer_id in self._lost:
-            raise PeerLostError(f"{self.name}: peer {peer_id!r} was declared lost "
-                                f"({self._lost[peer_id]})", peer=peer_id)
-        raise ConfigError(f"{self.name}: unknown peer {peer_id!r}; connect() it first "
-                          f"(known: {sorted(self._peers)})")
-
-    def _post_runs(self, op, base: int, template: RunTemplate, tag0: int,
-                   peer_id: str | None) -> list:
-        """One UCX request per run of the page buffer, straight from/into its memory (views
-        from :meth:`_view`)."""
-        Tag, view = self._Tag, self._view
-        requests: list = []
-        try:
-            tag = tag0
-            for off, n in zip(template.offsets, template.lengths):
-                requests.append(op(view(base + off, n), Tag(tag)))
-                tag += 1
-        except Exception as e:  # noqa: BLE001 -- ucxx raises its own exception types
-            requests.clear()      # dropping ucxx's requests cancels what was posted
-            raise TransferError(f"{self.name}: posting to {peer_id!r} failed: {e}",
-                                peer=peer_id) from e
-        _op_counter()["ucx_ops"] += len(requests)
-        return requests
-
-    def _view(self, start: int, n: int):
-        """The ucxx view of ``buffer[start:start + n]`` (~3 us to build), cached per (start,
-        length): a rank posts the same few page slices and notice slots over and over."""
-        arrays = self._arrays
-        array = arrays.get((start, n))
-        if array is None:
-            if len(arrays) > _MAX_CACHED_ARRAYS:
-                arrays.clear()
-            array = arrays[start, n] = self._Array(self._mv[start:start + n])
-        return array
-
-    def _post_one(self, op, array, tag: int, peer_id: str | None) -> list:
-        """One UCX request on ``array``: a ucxx view of this rank's buffer or of a staging
-        buffer (None: ``op`` needs no buffer)."""
-        _op_counter()["ucx_ops"] += 1
-        try:
-            return [op(array, self._Tag(tag))]
-        except Exception as e:  # noqa: BLE001
-            raise TransferError(f"{self.name}: posting to {peer_id!r} failed: {e}",
-                                peer=peer_id) from e
-
     def _finished(self, handle: TransferHandle, staging: torch.Tensor | None,
                   quiescent: bool) -> None:
         """Bookkeeping when a handle leaves flight."""
@@ -692,75 +373,7 @@ class Transport:
             c[nbytes] += handle.nbytes
             c[kind_messages] += handle.messages
         else:
-            self._failures[failure_kind(handle.error)] += 1
+            self._failures[kind_of(handle.error).value] += 1
 
     def _count_failure(self, kind: str) -> None:
         self._failures[kind] += 1
-
-    def _classify(self, handle: TransferHandle, request) -> BaseException:
-        """The error of a request that completed with a non-OK status."""
-        status = int(request.status)
-        try:
-            request.check_error()
-            detail = f"UCX status {status}"
-        except Exception as e:  # noqa: BLE001 -- ucxx's exception types
-            detail = f"{type(e).__name__}: {e}"
-        peer_id = handle.peer_id
-        lost = self._lost.get(peer_id) if peer_id is not None else None
-        peer = self._peers.get(peer_id) if peer_id is not None else None
-        if lost is None and peer is not None and self.error_handling \
-                and not peer.endpoint.alive:
-            lost = "UCX endpoint error"
-            self._ep_events.append((peer_id, peer.serial))
-        if lost is not None or status in _PEER_STATUSES:
-            return PeerLostError(f"{self.name}: peer {peer_id!r} lost ({lost or detail}) during "
-                                 f"{handle._describe()}", request_id=handle.request_id,
-                                 peer=peer_id)
-        if status == _UCS_ERR_MESSAGE_TRUNCATED:
-            self._counters["rejected_wrong_size"] += 1
-            return TransferError(f"{self.name}: {handle._describe()}: message {handle._checked} "
-                                 f"of {handle.messages} is longer than its posted receive "
-                                 f"({handle.nbytes} bytes posted in all; {detail})",
-                                 request_id=handle.request_id, peer=peer_id)
-        if status == _UCS_ERR_CANCELED:
-            return AbortedError(f"{self.name}: {handle._describe()} was cancelled ({detail})",
-                                request_id=handle.request_id, peer=peer_id)
-        return TransferError(f"{self.name}: {handle._describe()} failed: {detail}",
-                             request_id=handle.request_id, peer=peer_id)
-
-    def _on_endpoint_closed(self, peer_id: str, serial: int) -> None:
-        # Called by ucxx from inside progress: only record it.
-        self._ep_events.append((peer_id, serial))
-
-    def _process_endpoint_events(self) -> None:
-        while self._ep_events:
-            peer_id, serial = self._ep_events.popleft()
-            peer = self._peers.get(peer_id)
-            if peer is None or peer.serial != serial or peer.closing:
-                continue
-            self._counters["ucx_peer_errors"] += 1
-            try:
-                peer.endpoint.raise_on_error()
-                detail = "endpoint closed by UCX"
-            except Exception as e:  # noqa: BLE001
-                detail = f"{type(e).__name__}: {e}"
-            self.fail_peer(peer_id, f"UCX endpoint error: {detail}")
-
-    def _close_endpoint(self, peer: _Peer, *, blocking: bool = True) -> None:
-        if peer.closing:
-            return
-        peer.closing = True
-        try:
-            if self.error_handling:
-                peer.endpoint.remove_close_callback()
-            if not blocking and not self.error_handling:
-                # Without error handling a close flushes first, which never ends behind a cut
-                # link. (With it UCX closes in force mode at once; and a non-blocking close of
-                # an endpoint UCX already failed crashes ucxx 0.52.)
-                self._abandoned.append(peer)
-                peer.endpoint.close()
-                return
-            # period/attempts bound the close only in ucxx's thread progress mode.
-            peer.endpoint.close_blocking(period=1_000_000_000, max_attempts=3)
-        except Exception as e:  # noqa: BLE001 -- closing a dead peer's endpoint may complain
-            log.debug("%s: closing endpoint to %s: %s", self.name, peer.peer_id, e)

@@ -1,24 +1,7 @@
-"""Same-host reads out of a peer's shared mapping: the prefill rank's buffer as a memfd that the
-decode rank maps read-only and copies its runs from.
-
-On one host UCX moves a large message as a cma rendezvous: the receiver copies it out of the
-sender's memory with ``process_vm_readv``, which pins and copies 4 KiB at a time in the kernel.
-Copying out of a mapping of the sender's buffer instead, with streaming stores
-(:mod:`statebridge._copy`), measured 8.1 vs 6.3 GB/s per core here (3 MiB runs, 16.0 vs 12.5
-with two readers; README, "Reading state out of a shared map"). It is the CPU analogue of what
-UCX's ``cuda_ipc`` does between GPUs of one node: map the peer's memory, copy with the local
-engine.
-
-The receiver stays in control of its memory: only the decode rank writes into its pages, with
-its own code, into a request it announced; the prefill rank never writes anywhere but its own
-buffer. The prefill side holds its page until every reader said it is done, exactly as long as
-it held it for UCX's reads. A reader says so in the prefill rank's own control words (protocol
-9; a small UCX message before): each notice names a word holding a pending mark for the
-request, and the reader swaps that mark for the request's serial with one compare-and-swap
-(:meth:`PeerMap.answer`) through a read-write mapping of the buffer's tail. The prefill rank
-reads the word when it looks at its pending requests; no message, no wake-up. A late answer of
-an earlier request of the same slot finds another mark and writes nothing, and no reader ever
-maps the prefill rank's pages or blocks writable.
+"""The memory of a shared-map read: a prefill rank's buffer as a memfd (:class:`SharedBuffer`),
+a decode rank's map of it (:class:`PeerMap`: read-only, and writable over the control words
+only, for its answers), and the copy of runs out of it (:func:`copy_groups`, in C:
+``_copy.c``, GIL released, streaming stores for long runs).
 
 Opening a peer's memfd (``/proc/<pid>/fd/<fd>``) needs the same permission as
 ``process_vm_readv`` (ptrace access to the peer): where cma works, this works.
@@ -37,7 +20,7 @@ import torch
 from statebridge.errors import ConfigError, TransferError
 
 try:
-    from statebridge import _copy
+    from statebridge.connector.data.shared import _copy
 except ImportError:  # pragma: no cover -- built by `pip install`; see available()
     _copy = None
 
@@ -52,7 +35,7 @@ __all__ = ["SharedBuffer", "PeerMap", "available", "copy_groups", "copy_runs", "
 
 
 def available() -> bool:
-    """Whether the compiled copy (:mod:`statebridge._copy`) is importable."""
+    """Whether the compiled copy (:mod:`statebridge.connector.data.shared._copy`) is importable."""
     return _copy is not None
 
 
@@ -127,9 +110,9 @@ class PeerMap:
 
     def answer(self, offset: int, expected: int, value: int) -> bool:
         """Compare-and-swap the int64 word at byte ``offset`` of the peer's buffer from
-        ``expected`` to ``value`` (:func:`statebridge._copy.answer`); False when it held
-        something else. :class:`TransferError` when the word is outside the buffer or the
-        control words cannot be mapped."""
+        ``expected`` to ``value`` (``_copy.answer``); False when it held something else.
+        :class:`TransferError` when the word is outside the buffer or the control words cannot
+        be mapped."""
         if type(offset) is not int or not 0 <= offset <= self.nbytes - 8 or offset % 8:
             raise TransferError(f"answer word at offset {offset!r} is not an aligned word of "
                                 f"the {self.nbytes}-byte buffer of pid {self.pid}")
@@ -176,8 +159,8 @@ def copy_groups(dst: np.ndarray, src: PeerMap,
     as they are (C-contiguous int64 ``[n, 3]``) and only a request's bases change. Every row
     of every group is checked before anything is copied."""
     if _copy is None:
-        raise TransferError("statebridge._copy is not built: reinstall statebridge "
-                            "(pip install -e .) with a C compiler")
+        raise TransferError("statebridge.connector.data.shared._copy is not built: reinstall "
+                            "statebridge (pip install -e .) with a C compiler")
     try:
         return _copy.copy_groups(dst.ctypes.data, dst.nbytes, src.address, src.nbytes, groups)
     except ValueError as e:

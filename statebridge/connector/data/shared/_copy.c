@@ -1,4 +1,4 @@
-/* statebridge._copy: copy a request's runs out of a peer's shared mapping, GIL released.
+/* statebridge.connector.data.shared._copy: copy a request's runs out of a peer's shared mapping, GIL released.
  *
  * copy_groups(dst_addr, dst_size, src_addr, src_size, groups) copies, for each group
  * (runs, src_add, dst_add), every row (src_off, dst_off, nbytes) of ``runs`` (a C-contiguous
@@ -269,7 +269,7 @@ static PyMethodDef methods[] = {
 };
 
 static struct PyModuleDef module = {
-    PyModuleDef_HEAD_INIT, "statebridge._copy",
+    PyModuleDef_HEAD_INIT, "statebridge.connector.data.shared._copy",
     "Run copies out of a peer's shared mapping (see copy_groups).", -1, methods,
 };
 

@@ -1,0 +1,222 @@
+"""The part of the connector that lives in each TP rank process (both sides).
+
+A rank owns its :class:`~statebridge.state.cache.StateCache` (page memory) and its
+:class:`~statebridge.connector.data.Transport` (UCX worker). It talks only to its group's
+coordinator over one DEALER socket: it announces itself (``RankHello`` with its UCX address),
+heartbeats, and executes ``GroupInfo`` (a peer group to connect to, forwarded by the
+coordinator) / ``RankPrefill`` / ``RankRecv`` / ``RankCancel``, answering each request with
+exactly one ``RankDone`` -- sent only once nothing of the request can still touch the page
+(transfers complete or cancelled). A request is named by its
+:class:`~statebridge.connector.ledger.RequestKey` ``(peer_node, request_id, generation)``, as on
+the coordinator.
+
+The model (a :class:`RankModel`) runs on the rank's compute thread. Besides ``prefill`` it may
+serve messages of its own (:meth:`RankModel.handlers`; the decode node's batched decode steps are
+one), in arrival order with the prefills; the connector knows nothing of what they mean.
+A rank that cannot start (model, checkpoint, UCX) tells its coordinator ``RankFailed`` with the
+error before it exits, so the node fails at once with that message.
+
+A rank that stops hearing its coordinator for ``peer_timeout`` seconds shuts itself down, so a
+killed node leaves no orphans.
+
+This module holds the extension points (:class:`RankModel`, :class:`RankSetup`,
+:class:`KVBlocks`, :func:`kv_checksum`, :func:`load_callable`) and the process entry
+(:func:`rank_main`). Inside a rank, one concern per module:
+
+- ``worker``: :class:`RankWorker` -- the loop, its handlers, connecting, lifecycle;
+- ``memory``: the ONE rank buffer (pages | KV pool | notice slots) and its memory kind;
+- ``routes``: the rank's pairs with each peer group, and the ONE posting path of a request;
+- ``pending``: pending transfers -- scan, settle, expire, fail -- and how the loop sleeps;
+- ``shared_map``: the rank's side of the same-host shared-map protocol;
+- ``compute``: the compute thread (the model's work in order) and its thread rule.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib
+import logging
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+from statebridge.config import ConnectorConfig
+from statebridge.connector import control as c
+from statebridge.connector import messages as m
+from statebridge.errors import ConfigError, StatebridgeError
+from statebridge.security import CurveKeys
+from statebridge.state.cache import StateCache
+from statebridge.state.kv import BlockGeometry
+
+log = logging.getLogger(__name__)
+
+__all__ = ["RankSetup", "RankWorker", "RankModel", "KVBlocks", "rank_main",
+           "load_callable", "kv_checksum"]
+
+
+class RankModel:
+    """What runs on a rank's compute thread: the model (or a stand-in). A rank started without
+    one (``RankSetup.model`` empty) runs this base class: it moves state, computes none.
+
+    ``prefill`` writes the state of ``prompt`` into ``page`` of the rank's cache (and, for a
+    spec with attention KV, its K and V into the request's ``blocks`` of :attr:`kv`). ``handlers``
+    names further coordinator messages the model serves (e.g. a decode step): each handler
+    returns the reply to send to the coordinator, or None. Everything runs in arrival order on
+    every rank of the group, so collective ops across ranks line up.
+    """
+
+    def __init__(self, setup: "RankSetup", cache: StateCache,
+                 kv: "KVBlocks | None" = None) -> None:
+        self.setup = setup
+        self.cache = cache
+        #: The rank's transfer counters, for models that report on their rank: a snapshot
+        #: (any thread) of its transport's counters and ``pending`` / ``computing`` requests
+        #: (set by the rank after construction; :meth:`RankWorker.stats`).
+        self.rank_stats: Callable[[], dict] = dict
+        #: The rank's KV block pool (None for a spec without KV).
+        self.kv: "KVBlocks | None" = kv
+
+    def prefill(self, page: int, prompt: tuple[int, ...], request_id: str,
+                blocks: tuple[int, ...] = ()) -> None:
+        """Write the state after ``prompt`` into ``page`` and, for a spec with KV, the K and V
+        of its ``len(prompt)`` tokens into ``blocks`` of :attr:`kv` (logical block i is
+        ``blocks[i]``; the table covers the prompt). Runs on the compute thread.
+
+        This base class is the rank without a model (``RankSetup.model`` empty): it refuses."""
+        raise ConfigError(f"{self.setup.role} rank {self.setup.tp_rank} has no model "
+                          f"(RankSetup.model is empty) to compute {request_id!r}")
+
+    @classmethod
+    def validate(cls, model_dir: str, tp_size: int) -> None:
+        """Called in the node's process before any rank starts: raise a typed error naming
+        the value if ``model_dir`` cannot be served at ``tp_size`` (nothing to check here)."""
+
+    def handlers(self) -> "dict[type, Callable[[m.Message], m.Message | None]]":
+        """Message type -> handler, run on the compute thread. A handler that raises is
+        logged and answered with nothing: handlers report their own failures."""
+        return {}
+
+    def close(self) -> None:
+        pass
+
+
+@dataclass(frozen=True)
+class RankSetup:
+    """Everything a rank process needs to start (picklable: it crosses a process spawn)."""
+
+    role: str                      # "prefill" | "decode"
+    coordinator: str               # host:port of the group coordinator's ROUTER
+    tp_rank: int
+    tp_size: int
+    spec_json: str
+    layout: str
+    num_pages: int
+    node_id: str
+    config: ConnectorConfig = field(default_factory=ConnectorConfig)
+    region_align: int = 16
+    #: ``module:Class`` of the rank's :class:`RankModel`; "" (the default): none -- the rank
+    #: moves state and computes nothing (a prefill fails naming this field).
+    model: str = ""
+    model_dir: str = ""                                         # checkpoint, for real models
+    dist_init: str = ""                                         # torch.distributed rendezvous
+    checksums: bool = False
+    log_level: str = ""                                         # "": leave logging alone
+    kv_layout: str = "HB"                                       # KV block pool (spec.kv)
+    block_size: int = 16
+    num_blocks: int = 0                                         # 0: no KV pool
+    #: The coordinator's local channel (connector/local.py), used instead of ``coordinator``
+    #: when set: ranks always run on their coordinator's machine.
+    local_coordinator: str = ""
+
+
+class KVBlocks:
+    """A rank's KV block pool: its geometry and its bytes (the part of the rank's one
+    registered buffer after the pages, from byte ``base`` on)."""
+
+    def __init__(self, geometry: BlockGeometry, buffer: torch.Tensor, base: int) -> None:
+        self.geometry = geometry
+        self.buffer = buffer
+        self.base = base
+
+    def view(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V of attention layer ``layer``: ``[blocks, heads, block_size, head_dim]``."""
+        return self.geometry.view(self.buffer, layer)
+
+
+def kv_checksum(kv: KVBlocks, blocks, tokens: int) -> str:
+    """blake2b of a request's K and V on one rank: per attention layer, K then V, of the
+    first ``tokens`` tokens in token order (``[tokens, local heads, head_dim]`` bytes), read
+    through the block table ``blocks`` -- whatever the layout. Slots of the last block past
+    ``tokens`` are not covered (nothing defines them: the decode side overwrites them before
+    it reads them)."""
+    geo = kv.geometry
+    h = hashlib.blake2b(digest_size=16)
+    idx = torch.as_tensor(list(blocks), dtype=torch.int64, device=kv.buffer.device)
+    for layer in range(geo.kv.num_layers):
+        for t in kv.view(layer):
+            x = t[idx].permute(0, 2, 1, 3).reshape(-1, geo.heads, geo.kv.head_dim)[:tokens]
+            h.update(x.contiguous().view(torch.uint8).cpu().numpy().tobytes())
+    return h.hexdigest()
+
+
+def load_callable(name: str) -> Callable:
+    module, _, attr = name.partition(":")
+    try:
+        return getattr(importlib.import_module(module), attr)
+    except (ImportError, AttributeError) as e:
+        raise StatebridgeError(f"cannot load {name!r}: {e}") from None
+
+
+def rank_main(setup: RankSetup) -> None:
+    """Entry point of a rank process. A rank that cannot start tells its coordinator why
+    (``RankFailed``), then exits with status 1."""
+    if setup.log_level:
+        # A spawned process has no logging configured; the node's CLI passes its level on.
+        # (Library use leaves the rank's logging to the embedding application.)
+        logging.basicConfig(level=setup.log_level,
+                            format=f"%(asctime)s {setup.role}-rank{setup.tp_rank} %(levelname)s "
+                                   f"%(name)s: %(message)s")
+    try:
+        worker = RankWorker(setup)
+    except Exception as e:  # noqa: BLE001 -- reported to the coordinator, then the rank exits
+        log.exception("%s rank %d failed to start", setup.role, setup.tp_rank)
+        _report_start_failure(setup, f"{type(e).__name__}: {e}")
+        raise SystemExit(1) from None
+    worker.run()
+
+
+def _report_start_failure(setup: RankSetup, message: str) -> None:
+    """Best effort: one RankFailed to the coordinator, over the channel the rank would have
+    used (the local channel, when it has one: the coordinator takes it from nowhere else),
+    flushed before the process exits."""
+    failed = m.RankFailed(tp_rank=setup.tp_rank, message=message[:4000])
+    where = setup.local_coordinator.lstrip("\0") or setup.coordinator
+    try:
+        if setup.local_coordinator:
+            from statebridge.connector.local import LocalDealer
+
+            local = LocalDealer(setup.local_coordinator,
+                                name=f"{setup.role}-rank{setup.tp_rank}",
+                                max_frame=c.frame_cap(setup.config.max_message_bytes))
+            try:
+                c.send_dealer(local, failed)      # no loop here: written at once (it is small)
+            finally:
+                local.close()
+            return
+        import zmq
+
+        ctx = zmq.Context.instance()
+        sock = c.connect_dealer(ctx, setup.coordinator,
+                                keys=CurveKeys.from_config(setup.config))
+        try:
+            c.send_dealer(sock, failed)
+            c.flush(sock)
+        finally:
+            sock.close(linger=2000)
+    except Exception as e:  # noqa: BLE001 -- the coordinator also sees the process exit
+        log.warning("could not report the start failure to %s: %s", where, e)
+
+
+# The worker uses the extension points above: imported after them.
+from statebridge.connector.rank.worker import RankWorker  # noqa: E402
