@@ -22,8 +22,10 @@ it) and hand the ranks ``tcpstore://HOST:PORT``: every rank connects as a client
 Where it listens: only on HOST. The store's listening socket is made here, bound to HOST, and
 handed to torch (a ``TCPStore`` left to itself listens on every address, IPv4 and IPv6), and
 the gloo group's pairs listen on a device bound to the same HOST (torch's default device binds
-the address the machine's host name resolves to). NCCL picks its own interfaces: binding it
-(``NCCL_SOCKET_IFNAME``, ``NCCL_SOCKET_FAMILY``) is the launcher's job.
+the address the machine's host name resolves to); with a wildcard HOST (``0.0.0.0``, ``::``)
+the store listens on it as asked, and the ranks meet and pair over loopback. NCCL picks its
+own interfaces: binding it (``NCCL_SOCKET_IFNAME``, ``NCCL_SOCKET_FAMILY``) is the launcher's
+job.
 
 Bounded: :func:`init_tp_group` either returns a group whose ranks have all met and summed one
 value, or raises :class:`~statebridge.errors.StartupError` within ``timeout_s`` naming the rank,
@@ -38,6 +40,7 @@ bits.
 from __future__ import annotations
 
 import datetime
+import ipaddress
 import os
 import socket
 import threading
@@ -119,6 +122,19 @@ def _host_port(host: str, port: int) -> str:
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
+def _reachable(address: str) -> str:
+    """Where a process on this machine reaches a socket bound to numeric ``address``: itself, or
+    loopback for a wildcard (``0.0.0.0``, ``::``), which is no address to connect to or to bind
+    gloo's pairs on."""
+    try:
+        ip = ipaddress.ip_address(address)
+    except ValueError:
+        return address
+    if ip.is_unspecified:
+        return "::1" if ip.version == 6 else "127.0.0.1"
+    return address
+
+
 def _listen(host: str, port: int) -> socket.socket:
     """A TCP socket listening on ``host`` (a name, an IPv4 or an IPv6 address) and ``port`` (0:
     one the kernel assigns, so nothing can take it between choosing and binding)."""
@@ -186,11 +202,12 @@ class Rendezvous:
     """A ``TCPStore`` that a node hosts for its rank processes' TP group.
 
     It listens on ``host`` only (an IPv4 or IPv6 address or a name; loopback by default) at a
-    port the kernel assigns (no race with other processes); :attr:`init_method`
-    (``tcpstore://ADDRESS:PORT``, the numeric address ``host`` resolved to) is what the ranks
-    pass to :func:`init_tp_group`, where every rank connects as a client and builds its gloo
-    group on a device bound to that same address. One store serves one group: a restarted
-    group gets a new one. Keep the object until the ranks are gone; :meth:`close` (idempotent)
+    port the kernel assigns (no race with other processes); :attr:`address` is the numeric
+    address ``host`` resolved to. :attr:`init_method` (``tcpstore://ADDRESS:PORT``) is what the
+    ranks pass to :func:`init_tp_group`, where every rank connects as a client and builds its
+    gloo group on a device bound to that same address; for a wildcard host (``0.0.0.0``,
+    ``::``) it names loopback instead (the ranks run on this machine, and their group needs no
+    other address). One store serves one group: a restarted group gets a new one. Keep the object until the ranks are gone; :meth:`close` (idempotent)
     stops the store.
     """
 
@@ -199,7 +216,7 @@ class Rendezvous:
             raise ConfigError(f"rendezvous host must be a host name or address, got {host!r}")
         self.host = host
         self._store, self.address, self.port = _host_store(host, 0, timeout_s)
-        self.init_method = f"{_HOSTED}{_host_port(self.address, self.port)}"
+        self.init_method = f"{_HOSTED}{_host_port(_reachable(self.address), self.port)}"
 
     @classmethod
     def for_group(cls, tp_size: int, dist_init: str = "", *,
@@ -294,7 +311,7 @@ def init_tp_group(tp_size: int, tp_rank: int, init_method: str | None = None, *,
             raise type(e)(f"{where}: {e}") from e
     else:                                     # every other rank (all ranks if hosted) a client
         try:
-            store = dist.TCPStore(host, port, None, False,
+            store = dist.TCPStore(_reachable(host), port, None, False,
                                   timeout=datetime.timedelta(seconds=timeout_s))
         except (RuntimeError, OSError) as e:  # torch's DistNetworkError / DistStoreError
             raise StartupError(f"{where}: no rendezvous at {init_method} within {timeout_s:g} s "
@@ -308,8 +325,8 @@ def init_tp_group(tp_size: int, tp_rank: int, init_method: str | None = None, *,
             process_group = dist.ProcessGroupNCCL(store, tp_rank, tp_size, options)
         else:
             options = dist.ProcessGroupGloo._Options()
-            options._devices = [dist.ProcessGroupGloo.create_device(hostname=host,
-                                                                    lazy_init=False)]
+            options._devices = [dist.ProcessGroupGloo.create_device(
+                hostname=_reachable(host), lazy_init=False)]
             options._timeout = left()         # bounds connecting the pairs, here
             process_group = dist.ProcessGroupGloo(store, tp_rank, tp_size, options)
             check = torch.ones(1)             # every rank is connected and answers

@@ -255,30 +255,30 @@ def _new_listeners(before: list) -> list:
     return sorted(set(listening_sockets(os.getpid())) - set(before))
 
 
-@pytest.mark.parametrize("host,want", [
-    ("127.0.0.1", "127.0.0.1"),
-    ("::1", "::1"),
-    ("localhost", ("127.0.0.1", "::1")),
-], ids=["ipv4", "ipv6", "name"])
-def test_a_rendezvous_listens_only_on_its_host(host, want):
-    """Not on every address (a TCPStore left to itself listens on ``::``, IPv4 and IPv6)."""
+@pytest.mark.parametrize("host,want,connect", [
+    ("127.0.0.1", "127.0.0.1", "127.0.0.1"),
+    ("::1", "::1", "[::1]"),
+    ("localhost", ("127.0.0.1", "::1"), None),
+    ("0.0.0.0", "0.0.0.0", "127.0.0.1"),
+    ("::", "::", "[::1]"),
+], ids=["ipv4", "ipv6", "name", "any-ipv4", "any-ipv6"])
+def test_a_rendezvous_listens_only_on_its_host(host, want, connect):
+    """On the address asked for and nothing else (a TCPStore left to itself listens on ``::``,
+    IPv4 and IPv6, whatever it was asked). A wildcard is listened on as asked, and the ranks
+    are sent to loopback; either way a group forms on it."""
     before = listening_sockets(os.getpid())
     with Rendezvous(host) as store:
         listeners = _new_listeners(before)
         assert [port for _, port in listeners] == [store.port]
         (address, _), = listeners
         assert address in (want if isinstance(want, tuple) else (want,))
-        assert address not in WILDCARDS and store.address == address
-        bracketed = f"[{address}]" if ":" in address else address
-        assert store.init_method == f"tcpstore://{bracketed}:{store.port}"
-    assert _new_listeners(before) == []          # closed with the store
-
-
-def test_a_group_forms_on_an_ipv6_rendezvous():
-    with Rendezvous("::1") as store:
-        assert store.init_method.startswith("tcpstore://[::1]:")
+        assert store.address == address
+        if connect is None:                   # a name: the address it resolved to
+            connect = f"[{address}]" if ":" in address else address
+        assert store.init_method == f"tcpstore://{connect}:{store.port}"
         results = reduce_in_threads([store.init_method], 2)
-    assert [results[(0, r)].tolist() for r in range(2)] == [[1.0, 1.0, 1.0]] * 2
+        assert [results[(0, r)].tolist() for r in range(2)] == [[1.0, 1.0, 1.0]] * 2
+    assert store.port not in {port for _, port in listening_sockets(os.getpid())}   # closed
 
 
 def test_a_rendezvous_host_that_does_not_resolve_or_bind_is_an_error_naming_it():
