@@ -311,8 +311,10 @@ def init_tp_group(tp_size: int, tp_rank: int, init_method: str | None = None, *,
             raise type(e)(f"{where}: {e}") from e
     else:                                     # every other rank (all ranks if hosted) a client
         try:
-            store = dist.TCPStore(_reachable(host), port, None, False,
-                                  timeout=datetime.timedelta(seconds=timeout_s))
+            # torch's own connect retries with a back-off that can outlast its timeout by
+            # tens of seconds: it only starts once something listens there.
+            _wait_listening(_reachable(host), port, deadline)
+            store = dist.TCPStore(_reachable(host), port, None, False, timeout=left())
         except (RuntimeError, OSError) as e:  # torch's DistNetworkError / DistStoreError
             raise StartupError(f"{where}: no rendezvous at {init_method} within {timeout_s:g} s "
                                f"({_first_line(e)})") from e
@@ -345,6 +347,20 @@ def init_tp_group(tp_size: int, tp_rank: int, init_method: str | None = None, *,
                            f"{timeout_s:g} s ({_first_line(e)})") from e
     return TPGroup(tp_size, tp_rank, device, backend, make_all_reduce(process_group),
                    process_group)
+
+
+def _wait_listening(host: str, port: int, deadline: float) -> None:
+    """Return once a TCP connection to ``host:port`` succeeds; the last OSError once
+    ``deadline`` (``time.monotonic()``) has passed."""
+    while True:
+        left = deadline - time.monotonic()
+        try:
+            with socket.create_connection((host, port), timeout=max(min(left, 1.0), 1e-3)):
+                return
+        except OSError:
+            if time.monotonic() + 0.05 >= deadline:
+                raise
+        time.sleep(0.05)
 
 
 def _meet(store: Any, tp_rank: int, tp_size: int, left: Callable[[], datetime.timedelta],
