@@ -1,10 +1,18 @@
-"""The TP group helpers: TP = 1 without torch.distributed, thread groups, argument checks.
-(Real gloo groups across processes run in test_runner.py.)"""
+"""The TP group helpers: TP = 1 without torch.distributed, thread groups, argument checks; where
+a group listens (only the address asked for) and how it fails (within its timeout, naming the
+rank, the address and who is missing), with rank processes. (Models on real gloo groups across
+processes run in test_runner.py.)"""
 
 from __future__ import annotations
 
+import contextlib
+import multiprocessing as mp
+import os
+import queue
+import socket
 import threading
 import time
+import traceback
 
 import pytest
 import torch
@@ -13,6 +21,7 @@ import torch.distributed as dist
 from statebridge.errors import ConfigError, StartupError
 from statebridge.models import Rendezvous, ThreadGroup, init_tp_group
 from statebridge.net import free_port
+from statebridge.testing.sockets import WILDCARDS, listening_sockets
 
 
 def test_tp1_needs_no_torch_distributed():
@@ -132,3 +141,173 @@ def test_rendezvous_that_nobody_hosts_is_a_startup_error_naming_it():
     store.close()
     with pytest.raises(StartupError, match=f"rank 1 of 2: no rendezvous at {init}"):
         init_tp_group(2, 1, init, device="cpu", timeout_s=1.0)
+
+
+# -- where a group listens, and how it fails: rank processes ---------------------------------------
+
+def _rank_main(tp_size: int, tp_rank: int, init_method: str, timeout_s: float,
+               results: "mp.Queue") -> None:
+    """Join the group, all-reduce ``tp_rank + 1``, report ``(rank, "ok", (sum, listeners))``
+    with this process's listening sockets while the group is up, or ``(rank, "error", (type,
+    message, seconds in init_tp_group))``."""
+    start = time.monotonic()
+    try:
+        group = init_tp_group(tp_size, tp_rank, init_method, device="cpu",
+                              timeout_s=timeout_s, cpu_threads=1)
+    except BaseException as e:  # noqa: BLE001 -- reported to the test
+        results.put((tp_rank, "error", (type(e).__name__, str(e), time.monotonic() - start)))
+        return
+    try:
+        total = group.all_reduce(torch.full((2,), float(tp_rank + 1)))
+        listeners = listening_sockets(os.getpid())
+        group.all_reduce(torch.zeros(1))    # nobody leaves before everyone has looked
+        results.put((tp_rank, "ok", (total.tolist(), listeners)))
+    except BaseException:  # noqa: BLE001
+        results.put((tp_rank, "error", ("crash", traceback.format_exc(), 0.0)))
+    finally:
+        group.close()
+
+
+def run_ranks(tp_size: int, ranks: list[int], init_method: str, timeout_s: float,
+              wait_s: float = 120.0) -> dict[int, tuple[str, tuple]]:
+    """Start rank processes ``ranks`` of a ``tp_size`` group at ``init_method``; their reports
+    by rank. Children are always reaped."""
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    procs = [ctx.Process(target=_rank_main, args=(tp_size, r, init_method, timeout_s, results),
+                         daemon=True) for r in ranks]
+    for p in procs:
+        p.start()
+    got: dict[int, tuple[str, tuple]] = {}
+    deadline = time.monotonic() + wait_s
+    try:
+        while len(got) < len(ranks):
+            try:
+                rank, status, payload = results.get(timeout=max(0.1, deadline - time.monotonic()))
+            except queue.Empty:
+                raise AssertionError(f"ranks {sorted(set(ranks) - set(got))} did not report "
+                                     f"within {wait_s} s (exit codes "
+                                     f"{[p.exitcode for p in procs]})") from None
+            got[rank] = (status, payload)
+    finally:
+        for p in procs:
+            p.join(timeout=10)
+            if p.is_alive():
+                p.kill()
+                p.join()
+    return got
+
+
+@contextlib.contextmanager
+def _init_method(scheme: str, host: str = "127.0.0.1"):
+    """A node-hosted store's ``tcpstore://`` on ``host`` (closed after), or a ``tcp://`` address
+    on ``host`` for rank 0 to host."""
+    if scheme == "tcp://":
+        yield f"tcp://{host}:{free_port(host)}"
+        return
+    with Rendezvous(host) as store:
+        yield store.init_method
+
+
+def _refusing_address() -> tuple[socket.socket, str]:
+    """A bound socket that does not listen (connections to it are refused; nothing else can
+    take its port while it lives) and its ``127.0.0.1:PORT``."""
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    return sock, f"127.0.0.1:{sock.getsockname()[1]}"
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("scheme,rank", [("tcpstore://", 0), ("tcp://", 1)],
+                         ids=["hosted", "rank0-hosts"])
+def test_a_rank_where_nothing_listens_fails_within_its_timeout_naming_rank_and_address(
+        scheme, rank):
+    sock, address = _refusing_address()
+    with sock:
+        status, (kind, message, seconds) = run_ranks(2, [rank], scheme + address, 3.0)[rank]
+    assert (status, kind) == ("error", "StartupError"), message
+    assert f"TP rank {rank} of 2: no rendezvous at {scheme}{address} within 3 s" in message
+    assert seconds < 3.0 + 5.0        # bounded by timeout_s (plus slack for a loaded machine)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("tp_size,started,scheme", [
+    (2, [0], "tcpstore://"),
+    (2, [0], "tcp://"),
+    (3, [0, 2], "tcpstore://"),
+], ids=["2-hosted", "2-rank0-hosts", "3-middle-missing"])
+def test_a_rank_that_never_comes_fails_the_others_within_the_timeout_naming_it(
+        tp_size, started, scheme):
+    """The ranks that did come fail at setup, not at their first real step: within their
+    timeout, naming themselves, the group size, the address and the missing rank."""
+    missing = sorted(set(range(tp_size)) - set(started))
+    with _init_method(scheme) as init:
+        got = run_ranks(tp_size, started, init, 3.0)
+    for rank in started:
+        status, (kind, message, seconds) = got[rank]
+        assert (status, kind) == ("error", "StartupError"), message
+        assert (f"TP rank {rank} of {tp_size}: rank {missing[0]} of {tp_size} never joined the "
+                f"group at {init} within 3 s") in message
+        assert seconds < 3.0 + 5.0
+
+
+def _new_listeners(before: list) -> list:
+    return sorted(set(listening_sockets(os.getpid())) - set(before))
+
+
+@pytest.mark.parametrize("host,want,connect", [
+    ("127.0.0.1", "127.0.0.1", "127.0.0.1"),
+    ("::1", "::1", "[::1]"),
+    ("localhost", ("127.0.0.1", "::1"), None),
+    ("0.0.0.0", "0.0.0.0", "127.0.0.1"),
+    ("::", "::", "[::1]"),
+], ids=["ipv4", "ipv6", "name", "any-ipv4", "any-ipv6"])
+def test_a_rendezvous_listens_only_on_its_host(host, want, connect):
+    """On the address asked for and nothing else (a TCPStore left to itself listens on ``::``,
+    IPv4 and IPv6, whatever it was asked). A wildcard is listened on as asked, and the ranks
+    are sent to loopback; either way a group forms on it."""
+    before = listening_sockets(os.getpid())
+    with Rendezvous(host) as store:
+        listeners = _new_listeners(before)
+        assert [port for _, port in listeners] == [store.port]
+        (address, _), = listeners
+        assert address in (want if isinstance(want, tuple) else (want,))
+        assert store.address == address
+        if connect is None:                   # a name: the address it resolved to
+            connect = f"[{address}]" if ":" in address else address
+        assert store.init_method == f"tcpstore://{connect}:{store.port}"
+        results = reduce_in_threads([store.init_method], 2)
+        assert [results[(0, r)].tolist() for r in range(2)] == [[1.0, 1.0, 1.0]] * 2
+    assert store.port not in {port for _, port in listening_sockets(os.getpid())}   # closed
+
+
+def test_a_rendezvous_host_that_does_not_resolve_or_bind_is_an_error_naming_it():
+    with pytest.raises(ConfigError, match="no-such-host.invalid"):
+        Rendezvous("no-such-host.invalid")
+    with pytest.raises(StartupError, match=r"192\.0\.2\.1"):      # not an address of this host
+        Rendezvous("192.0.2.1")
+    assert Rendezvous.for_group(2, host="::1")[1].init_method.startswith("tcpstore://[::1]:")
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("scheme,host", [
+    ("tcpstore://", "127.0.0.1"),
+    ("tcpstore://", "127.0.0.2"),
+    ("tcp://", "127.0.0.2"),
+], ids=["hosted", "hosted-127.0.0.2", "rank0-hosts-127.0.0.2"])
+def test_a_gloo_groups_ranks_listen_only_on_the_rendezvous_host(scheme, host):
+    """Every listening socket of both rank processes (gloo's pairs, and rank 0's store when it
+    hosts one) is on the rendezvous host while the group is up; the group sums across them.
+    127.0.0.2 is loopback too, but not where a default gloo device (the address the machine's
+    name resolves to) would listen."""
+    with _init_method(scheme, host) as init:
+        got = run_ranks(2, [0, 1], init, 30.0)
+    for rank in (0, 1):
+        status, payload = got[rank]
+        assert status == "ok", payload
+        total, listeners = payload
+        assert total == [3.0, 3.0]
+        assert listeners, f"rank {rank} listens nowhere (gloo's pairs listen)"
+        assert {address for address, _ in listeners} == {host}, listeners
+    if scheme == "tcp://":
+        assert (host, int(init.rpartition(":")[2])) in got[0][1][1]
