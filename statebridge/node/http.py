@@ -534,7 +534,15 @@ class _Api:
             if chat:
                 for ch in choices:
                     yield chunk(ch.index, None, None, role=True)
-            pending = {asyncio.ensure_future(ch.step()): ch for ch in choices}
+            if len(choices) == 1:         # (one prompt: its steps in turn, no task per token)
+                ch, finish = choices[0], None
+                while finish is None:
+                    delta, finish = await ch.step()
+                    if delta:
+                        yield chunk(ch.index, delta, None)
+                yield chunk(ch.index, None if chat else "", finish)
+            else:
+                pending = {asyncio.ensure_future(ch.step()): ch for ch in choices}
             while pending:
                 done, _ = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
                 for future in done:

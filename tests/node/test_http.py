@@ -224,6 +224,15 @@ def test_the_link_routes_each_requests_tokens_from_the_node_loop_thread(tok, loo
         assert lines[-1] == "data: [DONE]"
         streamed = "".join(json.loads(line[6:])["choices"][0]["text"] for line in lines[:-1])
         assert streamed == tok.decode([130 + k for k in range(5)])
+        with http.stream("POST", "/v1/completions", json={
+                "prompt": [[4], [5]], "max_tokens": 3, "stream": True,
+                "ignore_eos": True}) as r:                        # two choices interleaved
+            chunks = [json.loads(line[6:])["choices"][0] for line in r.iter_lines()
+                      if line.startswith("data: {")]
+        assert {i: "".join(ch["text"] for ch in chunks if ch["index"] == i) for i in (0, 1)} \
+            == {0: tok.decode([140, 141, 142]), 1: tok.decode([150, 151, 152])}
+        assert sorted(ch["finish_reason"] for ch in chunks if ch["finish_reason"]) == \
+            ["length", "length"]
         assert http.get("/health").json()["node_id"] == "loop"
     assert loop_node.served_on == {"statebridge-fake-decode-node"}    # all on the node's loop
     assert loop_node.aborted == [] and loop_node.open == {}
