@@ -47,6 +47,7 @@ were cancelled), and new requests carry new generations, hence new tags.
 from __future__ import annotations
 
 import concurrent.futures
+import enum
 import itertools
 import logging
 import threading
@@ -62,7 +63,6 @@ from statebridge.connector.group import RankGroup
 from statebridge.connector.ledger import Phase, Record, RequestKey
 from statebridge.security import CurveKeys
 from statebridge.errors import (
-    CacheFullError,
     ClosedError,
     ConfigError,
     FailureKind,
@@ -71,7 +71,6 @@ from statebridge.errors import (
     NotReadyError,
     PeerLostError,
     ProtocolError,
-    StatebridgeError,
     TransferError,
     TransferTimeoutError,
     error_for,
@@ -82,7 +81,7 @@ from statebridge.state.plan import TransferPlan
 
 log = logging.getLogger(__name__)
 
-__all__ = ["DecodeCoordinator", "TransferResult", "OnDone"]
+__all__ = ["DecodeCoordinator", "DecodeGauges", "PeerState", "TransferResult", "OnDone"]
 
 REDIAL_MIN_S = 0.5     # first re-dial of a lost prefill server, after this many seconds
 REDIAL_MAX_S = 2.0     # the wait doubles per failed attempt, up to this
@@ -113,6 +112,31 @@ class TransferResult:
 OnDone = Callable[["TransferResult | None", "TransferError | None"], None]
 
 
+class PeerState(enum.Enum):
+    """Where a prefill connection is: ``HELLO`` (our Hello sent) -> ``INFO`` (GroupInfo sent)
+    -> ``READY`` (serving) -> ``LOST``; or ``FAILED`` (its handshake failed or was dropped)."""
+
+    HELLO = "hello"
+    INFO = "info"
+    READY = "ready"
+    FAILED = "failed"
+    LOST = "lost"
+
+
+@dataclass(frozen=True)
+class DecodeGauges:
+    """What the decode coordinator holds now (:meth:`DecodeCoordinator.gauges`): pages and KV
+    blocks (per rank, the same on every rank) used and free, the prefill nodes serving it,
+    and the prefill peers whose handshake failed since it started."""
+
+    pages_used: int
+    pages_free: int
+    blocks_used: int
+    blocks_free: int
+    prefill_nodes: tuple[str, ...]
+    refused_peers: int
+
+
 class _Prefill:
     """One connected prefill server, as the decode coordinator sees it."""
 
@@ -120,7 +144,7 @@ class _Prefill:
         self.address = address
         self.sock = sock
         self.node_id = ""
-        self.state = "hello"                         # hello -> info -> ready | failed | lost
+        self.state = PeerState.HELLO
         self.error: Exception | None = None
         self.event = threading.Event()
         self.geometry: PageGeometry | None = None
@@ -186,7 +210,7 @@ class DecodeCoordinator(RankGroup):
                                        f"be down or unreachable, or refusing us because of "
                                        f"authentication: check keys_dir/--keys on both sides)",
                                        peer=address)
-        if peer.state != "ready":
+        if peer.state is not PeerState.READY:
             raise peer.error or IncompatiblePeerError(f"handshake with {address} failed")
         if redial:
             self.loop.call(self._keep, address, peer)
@@ -221,7 +245,7 @@ class DecodeCoordinator(RankGroup):
             return False, f"decode group {self.node_id} lost a rank"
         if not self._ready.is_set():
             return False, f"decode ranks of {self.node_id} are starting"
-        if any(p.state == "ready" for p in self.prefills.values()):
+        if any(p.state is PeerState.READY for p in self.prefills.values()):
             return True, ""
         dialling = [f"{d.address} ({d.attempts} attempts" +
                     (f", last: {d.last_why})" if d.last_why else ")")
@@ -240,10 +264,10 @@ class DecodeCoordinator(RankGroup):
             # the re-dial's attempt (if any) is dropped without scheduling another.
             attempt, dial.peer = dial.peer, peer
             if attempt is not None:
-                attempt.state = "failed"
+                attempt.state = PeerState.FAILED
                 self._drop_prefill(attempt, "superseded by connect()")
             self._redialed(peer)
-        if peer.state != "ready":                    # lost between handshake and here
+        if peer.state is not PeerState.READY:        # lost between handshake and here
             dial.peer = None
             self._schedule_redial(dial, f"prefill {peer.node_id} lost")
 
@@ -274,8 +298,9 @@ class DecodeCoordinator(RankGroup):
                     log.debug("%s: re-dial %d of %s", self.node_id, dial.attempts, dial.address)
                     dial.peer = self._open(dial.address)
                     dial.peer.deadline = now + self.config.handshake_timeout
-            elif peer.state in ("hello", "info") and peer.deadline and now > peer.deadline:
-                peer.state = "failed"
+            elif peer.state in (PeerState.HELLO, PeerState.INFO) and peer.deadline and \
+                    now > peer.deadline:
+                peer.state = PeerState.FAILED
                 self._drop_prefill(peer, f"handshake did not finish within "
                                          f"{self.config.handshake_timeout} s")
 
@@ -302,7 +327,7 @@ class DecodeCoordinator(RankGroup):
         keys = CurveKeys.from_config(self.config)
         sock, watch = c.dial_dealer(self.loop.context, address, keys=keys)
         peer = _Prefill(address, sock)
-        c.watch_handshake(self.loop, watch, lambda e: peer.state == "hello"
+        c.watch_handshake(self.loop, watch, lambda e: peer.state is PeerState.HELLO
                           and self._handshake_failed(peer, e))
         self._by_sock[sock] = peer
         self.loop.add_reader(sock, lambda: self._on_prefill_socket(peer))
@@ -328,15 +353,15 @@ class DecodeCoordinator(RankGroup):
             self.counters.add("rejected_handshakes")
             self._handshake_failed(peer, IncompatiblePeerError(
                 f"prefill server {peer.address} rejected us: {msg.reason}"))
-        elif isinstance(msg, m.Hello) and peer.state == "hello":
+        elif isinstance(msg, m.Hello) and peer.state is PeerState.HELLO:
             if msg.compat_hash != m.compat_hash(self.spec.to_json()) or msg.role != "prefill":
                 self._handshake_failed(peer, IncompatiblePeerError(
                     f"prefill server {peer.address} is incompatible: hash {msg.compat_hash!r}, "
                     f"role {msg.role!r}"))
                 return
-            peer.state = "info"
+            peer.state = PeerState.INFO
             c.send_dealer(peer.sock, self.group_info())
-        elif isinstance(msg, m.GroupInfo) and peer.state == "info":
+        elif isinstance(msg, m.GroupInfo) and peer.state is PeerState.INFO:
             try:
                 peer.geometry = self.check_peer_info(msg)
                 peer.plan = TransferPlan(peer.geometry, self.geometry)
@@ -351,7 +376,7 @@ class DecodeCoordinator(RankGroup):
             self.prefills[msg.node_id] = peer
             self.prefill_watch.heard(msg.node_id)
             self.to_ranks(self.rank_connect(msg))
-            peer.state = "ready"
+            peer.state = PeerState.READY
             log.info("%s: prefill group %s connected (TP %d, %s): %d messages, %d bytes per "
                      "request", self.node_id, msg.node_id, msg.tp_size, msg.layout,
                      peer.plan.messages_per_request, peer.plan.bytes_per_request)
@@ -380,7 +405,7 @@ class DecodeCoordinator(RankGroup):
 
     def _handshake_failed(self, peer: _Prefill, error: Exception) -> None:
         self.counters.add("refused_peers")
-        peer.state = "failed"
+        peer.state = PeerState.FAILED
         peer.error = error
         self._drop_prefill(peer, str(error))
         peer.event.set()
@@ -400,9 +425,9 @@ class DecodeCoordinator(RankGroup):
                 self._schedule_redial(dial, why)
 
     def _prefill_lost(self, peer: _Prefill, why: str) -> None:
-        if peer.state == "lost":
+        if peer.state is PeerState.LOST:
             return
-        peer.state = "lost"
+        peer.state = PeerState.LOST
         self.counters.add("prefills_lost")
         log.warning("%s: prefill %s lost (%s)", self.node_id, peer.node_id, why)
         for record in self.ledger.of_peer(peer.node_id):
@@ -411,7 +436,29 @@ class DecodeCoordinator(RankGroup):
         self._drop_prefill(peer, why)
 
     def prefill_nodes(self) -> list[str]:
-        return self.loop.call(lambda: [n for n, p in self.prefills.items() if p.state == "ready"])
+        """The node ids of the prefill servers serving us (any thread)."""
+        return self.loop.call(self.ready_prefills)
+
+    def ready_prefills(self) -> list[str]:
+        """Loop thread: the node ids of the prefill servers serving us, sorted."""
+        return sorted(n for n, p in self.prefills.items() if p.state is PeerState.READY)
+
+    def gauges(self) -> DecodeGauges:
+        """Loop thread: pages, KV blocks and prefill peers now."""
+        return DecodeGauges(
+            pages_used=self.pool.num_used, pages_free=self.pool.num_free,
+            blocks_used=self.blocks.num_used if self.blocks else 0,
+            blocks_free=self.blocks.num_free if self.blocks else 0,
+            prefill_nodes=tuple(self.ready_prefills()),
+            refused_peers=int(self.counters.get("refused_peers")))
+
+    def blocks_for(self, tokens: int) -> int:
+        """KV blocks a request of ``tokens`` tokens holds (0 for a spec without attention)."""
+        return blocks_for(tokens, self.block_size) if self.spec.kv is not None else 0
+
+    def free_blocks(self) -> int:
+        """Loop thread: KV blocks free now (0 for a spec without attention)."""
+        return self.blocks.num_free if self.blocks is not None else 0
 
     # -- requests: on the loop thread ---------------------------------------------------------
     def start(self, request_id: str, prompt: Sequence[int], on_done: OnDone, *,
@@ -449,7 +496,7 @@ class DecodeCoordinator(RankGroup):
             raise PeerLostError(f"decode group {self.node_id} lost a rank", request_id=request_id)
         peer = None
         if not local:
-            ready = [p for p in self.prefills.values() if p.state == "ready"]
+            ready = [p for p in self.prefills.values() if p.state is PeerState.READY]
             if prefill is not None:
                 ready = [p for p in ready if p.node_id == prefill]
             if not ready:
@@ -458,7 +505,7 @@ class DecodeCoordinator(RankGroup):
                                     request_id=request_id)
             peer = ready[next(self._rr) % len(ready)]
         tokens = m.token_count(prompt)
-        num_blocks = blocks_for(tokens, self.block_size) if self.spec.kv is not None else 0
+        num_blocks = self.blocks_for(tokens)
         key = RequestKey(peer.node_id if peer else "", request_id,
                          (self._last_generation + 1) & 0xFFFFFFFF)
         # (CacheFullError for the page or the KV blocks: nothing is held, no generation used.)
@@ -544,34 +591,6 @@ class DecodeCoordinator(RankGroup):
         self.loop.call(lambda: self._start(request_id, prompt, _resolver(future), local=True))
         return future
 
-    def submit_many(self, items: Sequence[tuple[str, Sequence[int]]], *,
-                    prefill: str | None = None) -> list[concurrent.futures.Future]:
-        """:meth:`submit` for many requests in one hop to the loop thread (a caller keeping
-        many requests in flight pays one thread handoff per batch, not per request).
-
-        Requests start in order until the page pool is full: the futures of the ones started
-        are returned (fewer than ``items`` means back-pressure), and CacheFullError is raised
-        only when not even the first could start. Any other refusal (a duplicate request id,
-        no prefill server) fails that request's future.
-        """
-        prepared = [(request_id, _packed(request_id, prompt), concurrent.futures.Future())
-                    for request_id, prompt in items]
-
-        def run() -> list[concurrent.futures.Future]:
-            started = []
-            for request_id, prompt, future in prepared:
-                try:
-                    self._start(request_id, prompt, _resolver(future), prefill=prefill)
-                except CacheFullError:
-                    if not started:
-                        raise
-                    break
-                except StatebridgeError as e:
-                    future.set_exception(e)
-                started.append(future)
-            return started
-        return self.loop.call(run) if prepared else []
-
     def abort(self, request_id: str, reason: str = "aborted by caller") -> None:
         """Abort a request in flight: its future fails with AbortedError."""
         self.loop.call(self.cancel, request_id, reason)
@@ -611,7 +630,7 @@ class DecodeCoordinator(RankGroup):
         if record.phase is Phase.DONE or not self.fail_on_ranks(record, kind, message, lost_node):
             return
         peer = record.peer
-        if notify and peer is not None and peer.state == "ready":
+        if notify and peer is not None and peer.state is PeerState.READY:
             c.send_dealer(peer.sock, m.Abort(request_id=record.request_id,
                                              generation=record.generation, reason=message))
         self._report(record, None, error_for(kind, message, request_id=record.request_id,
@@ -661,7 +680,7 @@ class DecodeCoordinator(RankGroup):
     def _on_tick(self) -> None:
         hb = m.Heartbeat(node_id=self.node_id, seq=self._heartbeats)
         for peer in list(self.prefills.values()):
-            if peer.state == "ready":
+            if peer.state is PeerState.READY:
                 c.send_dealer(peer.sock, hb)
         for node in self.prefill_watch.expired():
             peer = self.prefills.get(node)
@@ -686,7 +705,7 @@ class DecodeCoordinator(RankGroup):
         for record in self.ledger:
             self._fail(record, FailureKind.ABORTED, f"{self.node_id} closing", notify=True)
         for peer in list(self.prefills.values()):
-            if peer.state == "ready":
+            if peer.state is PeerState.READY:
                 c.send_dealer(peer.sock, m.Goodbye(node_id=self.node_id))
         for peer in list(self._by_sock.values()):
             self._drop_prefill(peer, "closing")
@@ -697,8 +716,7 @@ class DecodeCoordinator(RankGroup):
             return {**self._page_stats(),
                     "completed_unreleased": sum(1 for r in self.ledger
                                                 if r.phase is Phase.DONE),
-                    "prefills": sorted(n for n, p in self.prefills.items()
-                                       if p.state == "ready"),
+                    "prefills": self.ready_prefills(),
                     "healthy": self.healthy, **self.counters.snapshot()}
         return self.loop.call(collect)
 

@@ -1,4 +1,9 @@
-"""The client of a decode node: ``Client(address).generate(prompt)``."""
+"""The client of a decode node: ``Client(address).generate(prompt)``.
+
+The one client of the node's zmq front door (other processes, other hosts). The HTTP API in
+the node's own process needs no socket: it hands the same messages to
+:meth:`~statebridge.node.decode_node.DecodeNode.post`.
+"""
 
 from __future__ import annotations
 

@@ -11,13 +11,20 @@
     client --AbortRequest--> the request is dropped wherever it is, its page and blocks freed
     client --StatsQuery-->   <--NodeStats-- pages / blocks used and free, peers (for /metrics)
 
-With ``http_port`` the node also serves the OpenAI-compatible HTTP API
-(:mod:`statebridge.node.http`): a server thread of its own that reaches the front door over
-zmq as any client does, so HTTP never runs on the loop thread.
+Two front doors, one set of methods: :meth:`DecodeNode.serve` handles every front-door
+message (GenerateRequest, AbortRequest, StatusQuery, StatsQuery, Heartbeat) on the loop thread
+and answers through the sender's ``deliver``. The zmq door (the ROUTER that
+:class:`~statebridge.node.client.Client` dials) is a thin adapter: decode, :meth:`serve` with
+the sender's identity, encode the answers. The OpenAI-compatible HTTP API
+(:mod:`statebridge.node.http`, with ``http``) runs in a thread of its own in this process and
+hands its messages to :meth:`DecodeNode.post` (the loop's thread-safe inbox): no socket between
+the two, and the same validation and behaviour as a zmq client gets.
 
 One event loop per process: the front door, the scheduler and the coordinator (prefill
 connections, rank sockets, the request ledger) all run on the coordinator's loop thread, so a
-request and its tokens cross no thread boundary (``EventLoop.handoffs`` stays 0 while serving).
+zmq client's request and its tokens cross no thread boundary (``EventLoop.handoffs`` stays 0
+while serving them); an HTTP request crosses once in (and once more to abort it), and its
+tokens once per loop iteration back to the HTTP thread.
 
 When a transfer fails the request follows the node's policy: ``fail`` (a typed error to the
 client) or ``recompute`` (the decode ranks prefill the prompt locally under a new generation of
@@ -29,8 +36,9 @@ its position, so before a step a request whose table is full gets one more block
 (``coordinator.grow``). When none is free the request follows the policy again: ``fail``
 (``cache_full`` to the client, its page and blocks freed) or ``recompute`` (preempted: its page
 and blocks are freed, it waits at the front of the queue and is resumed by a local prefill of
-its prompt and the tokens generated so far). Either way no other request is touched. A node started before its prefill nodes keeps dialling them
-(with backoff) and answers ``not_ready`` meanwhile.
+its prompt and the tokens generated so far). Either way no other request is touched. A node
+started before its prefill nodes keeps dialling them (with backoff) and answers ``not_ready``
+meanwhile.
 """
 
 from __future__ import annotations
@@ -41,6 +49,7 @@ import itertools
 import logging
 import time
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from statebridge.config import ConnectorConfig, NodeConfig
 from statebridge.connector import control as c
@@ -59,11 +68,10 @@ from statebridge.models.distributed import Rendezvous
 from statebridge.node import messages as nm
 from statebridge.node.checks import check_checkpoint
 from statebridge.security import CurveKeys
-from statebridge.state.kv import blocks_for
 
 log = logging.getLogger(__name__)
 
-__all__ = ["DecodeNode", "POLICIES"]
+__all__ = ["DecodeNode", "FrontDoorClient", "POLICIES"]
 
 POLICIES = NodeConfig.POLICIES
 
@@ -72,12 +80,31 @@ POLICIES = NodeConfig.POLICIES
 _RETRY_WAITING_S = 0.05
 
 
+class FrontDoorClient(Protocol):
+    """Who sent a front-door message: the node answers it through ``deliver``, on the loop
+    thread, never blocking. Equal clients are the same client (only the client that sent a
+    request may abort it)."""
+
+    def deliver(self, message: m.Message) -> None: ...
+
+
+@dataclass(frozen=True)
+class _RouterClient:
+    """A client of the zmq door: its ROUTER identity."""
+
+    router: object
+    identity: bytes
+
+    def deliver(self, message: m.Message) -> None:
+        c.send_router(self.router, self.identity, message)
+
+
 @dataclass(eq=False)
 class _Gen:
     """One client request inside the decode node."""
 
     request_id: str
-    client: bytes
+    client: FrontDoorClient
     prompt: tuple[int, ...]
     max_new_tokens: int
     temperature: float
@@ -225,8 +252,33 @@ class DecodeNode:
         """Connect one more prefill node (e.g. a replacement for a dead one); returns its id."""
         return self.coordinator.connect(address)
 
-    # -- clients (loop thread) ---------------------------------------------------------------
+    # -- the front door ----------------------------------------------------------------------
+    def post(self, client: FrontDoorClient, message: m.Message) -> None:
+        """Hand a front-door message to the node from any thread (the loop's inbox; the
+        in-process doors' way in): :meth:`serve` runs it on the loop thread soon.
+        :class:`~statebridge.errors.ClosedError` once the node's loop is closed."""
+        self.loop.call_soon(self.serve, client, message)
+
+    def serve(self, client: FrontDoorClient, msg: m.Message) -> None:
+        """Loop thread: one front-door message from ``client``, whichever door it came
+        through; answers go to ``client.deliver``."""
+        if isinstance(msg, nm.GenerateRequest):
+            self._on_generate(client, msg)
+        elif isinstance(msg, nm.AbortRequest):
+            self._on_abort(client, msg)
+        elif isinstance(msg, nm.StatsQuery):
+            client.deliver(self._node_stats())
+        elif isinstance(msg, nm.StatusQuery):
+            client.deliver(self._node_status())
+        elif isinstance(msg, m.Heartbeat):
+            client.deliver(m.Heartbeat(node_id=self.coordinator.node_id, seq=msg.seq))
+        else:
+            self.counters.add("unexpected_messages")
+            client.deliver(m.Error(kind="ProtocolError",
+                                   message=f"unexpected {type(msg).__name__}"))
+
     def _on_client(self) -> None:
+        """The zmq door: decode what its ROUTER got, serve it with the sender's identity."""
         while True:
             got = c.recv_router(self.router, self.config.max_message_bytes)
             if got is None:
@@ -236,45 +288,30 @@ class DecodeNode:
                 self.counters.add("protocol_errors")
                 c.send_router(self.router, identity,
                               m.Error(kind=type(msg).__name__, message=str(msg)))
-            elif isinstance(msg, nm.GenerateRequest):
-                self._on_generate(identity, msg)
-            elif isinstance(msg, nm.AbortRequest):
-                self._on_abort(identity, msg)
-            elif isinstance(msg, nm.StatsQuery):
-                c.send_router(self.router, identity, self._node_stats())
-            elif isinstance(msg, nm.StatusQuery):
-                ready, why = self._status()
-                c.send_router(self.router, identity, nm.NodeStatus(
-                    node_id=self.coordinator.node_id, ready=ready, reason=why,
-                    prefill_nodes=tuple(sorted(n for n, p in self.coordinator.prefills.items()
-                                               if p.state == "ready"))))
-            elif isinstance(msg, m.Heartbeat):
-                c.send_router(self.router, identity, m.Heartbeat(
-                    node_id=self.coordinator.node_id, seq=msg.seq))
             else:
-                self.counters.add("unexpected_messages")
-                c.send_router(self.router, identity, m.Error(
-                    kind="ProtocolError", message=f"unexpected {type(msg).__name__}"))
+                self.serve(_RouterClient(self.router, identity), msg)
+
+    def _node_status(self) -> nm.NodeStatus:
+        ready, why = self._status()
+        return nm.NodeStatus(node_id=self.coordinator.node_id, ready=ready, reason=why,
+                             prefill_nodes=tuple(self.coordinator.ready_prefills()))
 
     def _node_stats(self) -> nm.NodeStats:
         ready, why = self._status()
-        co = self.coordinator
+        g = self.coordinator.gauges()
         return nm.NodeStats(
-            node_id=co.node_id, ready=ready, reason=why,
-            prefill_nodes=tuple(sorted(n for n, p in co.prefills.items() if p.state == "ready")),
-            pages_used=co.pool.num_used, pages_free=co.pool.num_free,
-            blocks_used=co.blocks.num_used if co.blocks else 0,
-            blocks_free=co.blocks.num_free if co.blocks else 0,
+            node_id=self.coordinator.node_id, ready=ready, reason=why,
+            prefill_nodes=g.prefill_nodes, pages_used=g.pages_used, pages_free=g.pages_free,
+            blocks_used=g.blocks_used, blocks_free=g.blocks_free,
             running=len(self.running), waiting=len(self.waiting),
-            refused_peers=int(co.counters.get("refused_peers")),
-            aborted=int(self.counters.get("finished_aborted")))
+            refused_peers=g.refused_peers, aborted=int(self.counters.get("finished_aborted")))
 
-    def _on_abort(self, identity: bytes, msg: nm.AbortRequest) -> None:
+    def _on_abort(self, client: FrontDoorClient, msg: nm.AbortRequest) -> None:
         """Drop a client's request wherever it is. Decoding in the step in flight: it finishes
         when the step's result comes (its ranks still write its page); transferring: the
         transfer is cancelled (its page frees once every rank confirmed)."""
         gen = self.gens.get(msg.request_id)
-        if gen is None or gen.client != identity:
+        if gen is None or gen.client != client:
             self.counters.add("abort_unknown")
             return
         why = f"aborted by the client: {msg.reason}" if msg.reason else "aborted by the client"
@@ -290,7 +327,7 @@ class DecodeNode:
     def _reply(self, gen: _Gen, tokens: tuple[int, ...], done: bool, kind: str = "",
                message: str = "") -> None:
         t = gen.transfer
-        c.send_router(self.router, gen.client, nm.GenerateTokens(
+        gen.client.deliver(nm.GenerateTokens(
             request_id=gen.request_id, tokens=tokens, done=done, kind=str(kind),
             message=message, ttft=gen.ttft, transfer_seconds=t.seconds if t else 0.0,
             transfer_bytes=t.nbytes if t else 0, recomputed=gen.recomputed))
@@ -311,15 +348,15 @@ class DecodeNode:
             return f"request id {msg.request_id!r} is already in flight"
         if self.kv:
             co = self.coordinator
-            need = blocks_for(len(msg.prompt) + msg.max_new_tokens, co.block_size)
+            need = co.blocks_for(len(msg.prompt) + msg.max_new_tokens)
             if need > co.num_blocks:
                 return (f"prompt of {len(msg.prompt)} + {msg.max_new_tokens} new tokens needs "
                         f"{need} KV blocks of {co.block_size} tokens; the pool has "
                         f"{co.num_blocks}")
         return None
 
-    def _on_generate(self, identity: bytes, msg: nm.GenerateRequest) -> None:
-        gen = _Gen(msg.request_id, identity, msg.prompt, msg.max_new_tokens, msg.temperature,
+    def _on_generate(self, client: FrontDoorClient, msg: nm.GenerateRequest) -> None:
+        gen = _Gen(msg.request_id, client, msg.prompt, msg.max_new_tokens, msg.temperature,
                    msg.top_p, msg.seed)
         problem = self._problem(msg)
         if problem is not None:
@@ -374,8 +411,7 @@ class DecodeNode:
         """A preempted request resumes while others run only if it leaves one free block per
         running request (else it would take back the blocks it was preempted for)."""
         co = self.coordinator
-        need = blocks_for(len(gen.sequence()), co.block_size)
-        return co.blocks.num_free >= need + len(self.running)
+        return co.free_blocks() >= co.blocks_for(len(gen.sequence())) + len(self.running)
 
     def _transfer_done(self, gen: _Gen, result: TransferResult | None,
                        error: TransferError | None) -> None:

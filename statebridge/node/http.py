@@ -5,23 +5,28 @@ Prometheus metrics.
 
     HTTP client --POST /v1/completions-------> HttpServer thread (uvicorn, Starlette, asyncio)
                 --POST /v1/chat/completions-->   text -> token ids (the checkpoint's tokenizer)
-                                                 NodeLink: one zmq DEALER, like any Client
+                                                 NodeLink: DecodeNode.post (the loop's inbox)
                                                    --GenerateRequest / AbortRequest / StatsQuery-->
-                                                 decode node front door (ROUTER, loop thread)
-                <--JSON or SSE "data: ..."-----   <--GenerateTokens / NodeStats--
+                                                 DecodeNode.serve (the node's loop thread)
+                                                   <--GenerateTokens / NodeStats-- deliver():
+                                                 call_soon_threadsafe, per-request queues
+                <--JSON or SSE "data: ..."-----
     GET /v1/models, /health (200 once a prefill node is connected, else 503), /metrics
 
-The server runs in a thread of its own with its own event loop and reaches the node over zmq
-exactly as :class:`~statebridge.node.client.Client` does (with the node's CURVE keys when it
-has them), so nothing HTTP runs on the coordinator's loop thread (the split of vLLM's API server
-and engine core). A request whose client disconnects, or whose text meets a stop string, is
-aborted at the node (:class:`~statebridge.node.messages.AbortRequest`): its page and KV blocks
-free at once.
+The server runs in a thread of its own with its own event loop, in the decode node's process,
+so nothing HTTP runs on the coordinator's loop thread (the split of vLLM's API server and
+engine core). It hands the node the same front-door messages a zmq client sends, in process:
+:meth:`~statebridge.node.decode_node.DecodeNode.post` puts them in the node loop's thread-safe
+inbox, and the node answers through :meth:`NodeLink.deliver`, which moves them to this
+server's event loop (one wake-up for all the messages of one loop iteration). No socket, no
+serialization, and the node validates and serves an HTTP request exactly as a zmq one. A
+request whose client disconnects, or whose text meets a stop string, is aborted at the node
+(:class:`~statebridge.node.messages.AbortRequest`): its page and KV blocks free at once.
 
 Errors have OpenAI's shape ``{"error": {"message", "type", "param", "code"}}``: 400 for a bad
 request (wrong field types, limits, unknown model, no chat template), 401 for a missing or
 wrong API key, 429 (too many requests in flight, or the node is out of pages or blocks) and 503
-(no prefill node connected, the node does not answer) with ``Retry-After``.
+(no prefill node connected, the node does not answer or is closing) with ``Retry-After``.
 """
 
 from __future__ import annotations
@@ -38,14 +43,10 @@ import uuid
 from dataclasses import dataclass
 from typing import Any, AsyncIterator, Sequence
 
-import zmq
-import zmq.asyncio
-
 from statebridge.config import HttpConfig
-from statebridge.connector import control as c
 from statebridge.connector import messages as m
-from statebridge.errors import (FailureKind, InvalidRequestError, ProtocolError,
-                                StartupError)
+from statebridge.errors import (ClosedError, FailureKind, InvalidRequestError, ProtocolError,
+                                StartupError, StatebridgeError)
 from statebridge.node import messages as nm
 from statebridge.node.text import NoChatTemplateError, TextTokenizer
 
@@ -114,53 +115,72 @@ def _node_error(kind: str, message: str) -> ApiError:
 
 # -- the link to the decode node ---------------------------------------------------------------
 class NodeLink:
-    """The HTTP side's one connection to the decode node's front door: one DEALER on the
-    server's event loop; token messages are routed to their request's queue by request id."""
+    """The HTTP side's link to the decode node in this process: a front-door client of it.
 
-    def __init__(self, address: str, *, keys=None, max_message_bytes: int = 16 << 20) -> None:
-        self.address = address
-        self.keys = keys
-        self.max_message_bytes = max_message_bytes
+    Messages go in through ``node.post(self, message)`` (any thread; the node's loop inbox).
+    The node answers through :meth:`deliver` on its loop thread; the answers are moved to the
+    server's event loop in one ``call_soon_threadsafe`` per batch and routed there: token
+    messages to their request's queue by request id, NodeStats to the oldest stats query.
+    ``node`` is anything with ``post(client, message)``, e.g. a
+    :class:`~statebridge.node.decode_node.DecodeNode`."""
+
+    def __init__(self, node, *, name: str = "decode node") -> None:
+        self.node = node
+        self.name = name
         self._streams: dict[str, asyncio.Queue] = {}
         self._queries: collections.deque[asyncio.Future] = collections.deque()
-        self._ctx: zmq.asyncio.Context | None = None
-        self._sock = None
-        self._reader: asyncio.Task | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        # Answers from the node's loop thread, waiting for the server's loop. Only the node's
+        # loop thread appends; _drain clears _scheduled BEFORE it empties the deque, so an
+        # answer appended after the drain started either is taken by it or schedules the next.
+        self._inbox: collections.deque[m.Message] = collections.deque()
+        self._scheduled = False
+        self._closed = False
 
     async def start(self) -> None:
-        self._ctx = zmq.asyncio.Context()
-        self._sock = c.connect_dealer(self._ctx, self.address, keys=self.keys)
-        self._reader = asyncio.get_running_loop().create_task(self._read())
+        self._loop = asyncio.get_running_loop()
+        self._inbox.clear()
+        self._scheduled = self._closed = False
 
     async def close(self) -> None:
-        if self._reader is not None:
-            self._reader.cancel()
-            try:
-                await self._reader
-            except (asyncio.CancelledError, Exception):
-                pass
-            self._reader = None
-        if self._sock is not None:
-            self._sock.close(0)
-            self._sock = None
-        if self._ctx is not None:
-            self._ctx.term()
-            self._ctx = None
+        """Abort at the node every request still open here; later answers are dropped."""
+        self._closed = True
+        for request_id, queue in self._streams.items():
+            self.send(nm.AbortRequest(request_id=request_id, reason="HTTP server closing"))
+            queue.put_nowait(self._closing(request_id))
+        self._streams.clear()
+        for waiter in self._queries:
+            waiter.cancel()
+        self._queries.clear()
 
-    def send(self, message: m.Message) -> None:
-        """Queue ``message`` to the node now (never waits: zmq queues it); safe in a
-        ``finally`` of a cancelled task."""
-        future = self._sock.send(m.encode(message))
-        future.add_done_callback(lambda f: f.cancelled() or f.exception())
+    def send(self, message: m.Message) -> bool:
+        """Hand ``message`` to the node now (never waits); False when the node is closed.
+        Safe in a ``finally`` of a cancelled task."""
+        try:
+            self.node.post(self, message)
+        except StatebridgeError as e:           # ClosedError: the node's loop is gone
+            log.debug("%s: %s not delivered: %s", self.name, type(message).__name__, e)
+            return False
+        return True
 
-    async def _read(self) -> None:
-        while True:
-            data = await self._sock.recv()
-            try:
-                msg = m.decode(data, max_bytes=self.max_message_bytes)
-            except ProtocolError as e:
-                log.warning("bad message from decode node %s: %s", self.address, e)
-                continue
+    def deliver(self, message: m.Message) -> None:
+        """The node's answer, on the node's loop thread (never blocks)."""
+        if self._closed or self._loop is None:
+            return
+        self._inbox.append(message)
+        if self._scheduled:
+            return
+        self._scheduled = True
+        try:
+            self._loop.call_soon_threadsafe(self._drain)
+        except RuntimeError:                    # the server's loop closed meanwhile
+            self._closed = True
+
+    def _drain(self) -> None:
+        self._scheduled = False
+        inbox = self._inbox
+        while inbox:
+            msg = inbox.popleft()
             if isinstance(msg, nm.GenerateTokens):
                 queue = self._streams.get(msg.request_id)
                 if queue is not None:
@@ -172,23 +192,34 @@ class NodeLink:
                         continue
                     if isinstance(msg, m.Error):
                         waiter.set_exception(ProtocolError(
-                            f"decode node {self.address}: {msg.kind}: {msg.message}"))
+                            f"{self.name}: {msg.kind}: {msg.message}"))
                     else:
                         waiter.set_result(msg)
                     break
 
     async def stats(self, timeout: float) -> nm.NodeStats:
-        """The node's NodeStats; asyncio.TimeoutError when it does not answer in time."""
+        """The node's NodeStats; asyncio.TimeoutError when it does not answer in time,
+        ClosedError when it is closed."""
         waiter = asyncio.get_running_loop().create_future()
         self._queries.append(waiter)
-        self.send(nm.StatsQuery(client="http"))
+        if not self.send(nm.StatsQuery(client="http")):
+            self._queries.remove(waiter)
+            raise ClosedError(f"{self.name} is closed")
         return await asyncio.wait_for(waiter, timeout)
 
     def open(self, request: nm.GenerateRequest) -> "NodeStream":
         queue: asyncio.Queue = asyncio.Queue()
         self._streams[request.request_id] = queue
-        self.send(request)
+        if self._closed or not self.send(request):
+            queue.put_nowait(self._closing(request.request_id))
         return NodeStream(self, request.request_id, queue)
+
+    def _closing(self, request_id: str) -> nm.GenerateTokens:
+        """The last message of a request that the node cannot answer any more."""
+        return nm.GenerateTokens(request_id=request_id, tokens=(), done=True,
+                                 kind=str(FailureKind.CLOSED), message=f"{self.name} is closed",
+                                 ttft=0.0, transfer_seconds=0.0, transfer_bytes=0,
+                                 recomputed=False)
 
 
 class NodeStream:
@@ -201,11 +232,12 @@ class NodeStream:
 
     async def next(self, timeout: float) -> nm.GenerateTokens:
         try:
-            msg = await asyncio.wait_for(self.queue.get(), timeout)
+            # (Already there -- tokens come in steps, often ahead of the reader -- no task.)
+            msg = self.queue.get_nowait() if not self.queue.empty() else \
+                await asyncio.wait_for(self.queue.get(), timeout)
         except asyncio.TimeoutError:
-            raise ApiError(503, f"decode node {self.link.address} sent nothing for "
-                                f"{timeout} s", "service_unavailable_error",
-                           retry_after=1.0) from None
+            raise ApiError(503, f"{self.link.name} sent nothing for {timeout} s",
+                           "service_unavailable_error", retry_after=1.0) from None
         if msg.done:
             self.done = True
         return msg
@@ -502,7 +534,15 @@ class _Api:
             if chat:
                 for ch in choices:
                     yield chunk(ch.index, None, None, role=True)
-            pending = {asyncio.ensure_future(ch.step()): ch for ch in choices}
+            if len(choices) == 1:         # (one prompt: its steps in turn, no task per token)
+                ch, finish = choices[0], None
+                while finish is None:
+                    delta, finish = await ch.step()
+                    if delta:
+                        yield chunk(ch.index, delta, None)
+                yield chunk(ch.index, None if chat else "", finish)
+            else:
+                pending = {asyncio.ensure_future(ch.step()): ch for ch in choices}
             while pending:
                 done, _ = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
                 for future in done:
@@ -547,7 +587,7 @@ class _Api:
 
         try:
             stats = await self.link.stats(5.0)
-        except (asyncio.TimeoutError, ProtocolError) as e:
+        except (asyncio.TimeoutError, StatebridgeError) as e:
             return ApiError(503, f"the decode node does not answer: {e or 'timeout'}",
                             "service_unavailable_error", retry_after=2.0).response()
         if not stats.ready:
@@ -562,7 +602,7 @@ class _Api:
 
         try:
             self.metrics.node = await self.link.stats(5.0)
-        except (asyncio.TimeoutError, ProtocolError):
+        except (asyncio.TimeoutError, StatebridgeError):
             self.metrics.node = None
         self.metrics.inflight = self.inflight
         return Response(generate_latest(self.metrics.registry),
@@ -823,13 +863,9 @@ class HttpServer:
     def for_node(cls, node, model_dir: str, config: HttpConfig) -> "HttpServer":
         """The HTTP front door of a :class:`~statebridge.node.decode_node.DecodeNode` in this
         process (its tokenizer, limits and keys)."""
-        from statebridge.security import CurveKeys
-
         tokenizer = TextTokenizer.from_dir(model_dir)
         nc = node.node_config
-        link = NodeLink(f"{node.config.bind_host}:{node.port}",
-                        keys=CurveKeys.from_config(node.config),
-                        max_message_bytes=node.config.max_message_bytes)
+        link = NodeLink(node, name=f"decode node {node.address}")
         name = config.served_model_name or os.path.basename(os.path.normpath(model_dir))
         app = build_app(link, tokenizer, config, model_name=name,
                         model_dir=os.path.abspath(model_dir), max_prompt_len=nc.max_prompt_len,

@@ -267,6 +267,38 @@ def test_a_client_disconnect_mid_stream_aborts_and_leaks_no_page(served):
     assert stats["running"] == 0 and stats["waiting"] == 0
 
 
+def test_only_the_door_that_sent_a_request_can_abort_it(served):
+    """An HTTP request and a zmq client meet in one front door: the zmq client's abort of the
+    HTTP request's id is refused (counted) and the stream runs to its end."""
+    import zmq
+
+    from statebridge.connector import control as c
+    from statebridge.connector import messages as m
+    from statebridge.node import messages as nm
+
+    node = served.node
+    before = node.stats().get("abort_unknown", 0)
+    with httpx.stream("POST", f"{served.url}/v1/completions", timeout=60,
+                      headers={"Authorization": f"Bearer {KEY}"},
+                      json={"prompt": PROMPT, "max_tokens": MAX_NEW, "temperature": 0,
+                            "stream": True, "ignore_eos": True,
+                            "stream_options": {"include_usage": True}}) as r:
+        lines = r.iter_lines()
+        assert next(lines).startswith("data: ")
+        (request_id,) = node.loop.call(lambda: list(node.gens))
+        sock = c.connect_dealer(zmq.Context.instance(), node.address)
+        try:
+            sock.send(m.encode(nm.AbortRequest(request_id=request_id, reason="not mine")))
+            wait_until(lambda: node.stats().get("abort_unknown", 0) == before + 1, 10,
+                       "the foreign abort refused")
+        finally:
+            sock.close(0)
+        assert node.loop.call(lambda: request_id in node.gens)      # still generating
+        rest = [line for line in lines if line.startswith("data: {")]
+    assert json.loads(rest[-1][6:])["usage"]["completion_tokens"] == MAX_NEW
+    wait_until(served.idle, 10, "page and blocks freed")
+
+
 def _scrape(served) -> dict:
     text = httpx.get(f"{served.url}/metrics", timeout=10).text
     samples = {}

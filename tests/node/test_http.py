@@ -1,16 +1,21 @@
-"""The HTTP app without processes: a fake node link answers in place of the decode node."""
+"""The HTTP app without processes: a fake node link answers in place of the decode node; and
+the in-process NodeLink against a stand-in node with a real event loop thread."""
 
 from __future__ import annotations
 
 import json
+import threading
 
 import pytest
 
 from statebridge.config import HttpConfig
+from statebridge.connector import control as c
 from statebridge.models.checkpoint import make_checkpoint
 from statebridge.node import messages as nm
-from statebridge.node.http import build_app
+from statebridge.node.http import NodeLink, build_app
 from statebridge.node.text import TextTokenizer
+
+from tests.connector._helpers import wait_until
 
 testclient = pytest.importorskip("starlette.testclient")
 
@@ -134,3 +139,128 @@ def test_health_is_503_with_the_reason_while_not_ready(tok):
         r = http.get("/health")
         assert r.status_code == 503 and "no prefill node" in r.json()["error"]["message"]
         assert json.loads(r.text)["error"]["code"] == "not_ready"
+
+
+# -- the in-process link ------------------------------------------------------------------------
+class LoopNode:
+    """A stand-in decode node: front-door messages come through ``post`` into a real
+    EventLoop's inbox; ``serve`` answers on the loop thread, one token per ``gap`` seconds
+    (``tokens_of(request)``), so answers cross from the loop thread to the server's."""
+
+    def __init__(self, tokens_of, gap=0.0):
+        self.tokens_of, self.gap = tokens_of, gap
+        self.loop = c.EventLoop("fake-decode-node")
+        self.loop.start()
+        self.aborted: list[tuple[object, str]] = []
+        self.served_on: set[str] = set()
+        self.open: dict[str, object] = {}
+
+    def post(self, client, msg):
+        self.loop.call_soon(self.serve, client, msg)
+
+    def serve(self, client, msg):
+        self.served_on.add(threading.current_thread().name)
+        if isinstance(msg, nm.GenerateRequest):
+            self.open[msg.request_id] = client
+            self._token(client, msg, 0)
+        elif isinstance(msg, nm.AbortRequest):
+            if self.open.get(msg.request_id) is client:
+                del self.open[msg.request_id]
+                self.aborted.append((client, msg.request_id))
+        elif isinstance(msg, nm.StatsQuery):
+            client.deliver(nm.NodeStats(node_id="loop", ready=True, reason="",
+                                        prefill_nodes=("p",), pages_used=len(self.open),
+                                        pages_free=4, blocks_used=0, blocks_free=0, running=0,
+                                        waiting=0, refused_peers=0, aborted=len(self.aborted)))
+
+    def _token(self, client, msg, i):
+        if self.open.get(msg.request_id) is not client:
+            return                                         # aborted meanwhile
+        tokens = self.tokens_of(msg)
+        done = i + 1 == min(msg.max_new_tokens, len(tokens))
+        if done:
+            del self.open[msg.request_id]
+        client.deliver(nm.GenerateTokens(
+            request_id=msg.request_id, tokens=(tokens[i],), done=done, kind="", message="",
+            ttft=0.0, transfer_seconds=0.0, transfer_bytes=0, recomputed=False))
+        if not done:
+            self.loop.call_later(self.gap, self._token, client, msg, i + 1)
+
+    def close(self):
+        self.loop.stop()
+
+
+def _tokens_of(msg):
+    return [100 + 10 * msg.prompt[0] + k for k in range(8)]
+
+
+@pytest.fixture
+def loop_node():
+    node = LoopNode(_tokens_of)
+    yield node
+    node.close()
+
+
+def served(tok, link, max_new_tokens=8):
+    app = build_app(link, tok, HttpConfig(port=0), model_name="m", max_prompt_len=32,
+                    max_new_tokens=max_new_tokens, max_inflight=16)
+    return testclient.TestClient(app)
+
+
+def test_the_link_routes_each_requests_tokens_from_the_node_loop_thread(tok, loop_node):
+    prompts = [[i] for i in range(1, 9)]
+    with served(tok, NodeLink(loop_node)) as http:
+        r = http.post("/v1/completions", json={"prompt": prompts, "max_tokens": 6,
+                                               "ignore_eos": True})
+        assert r.status_code == 200, r.text
+        texts = {ch["index"]: ch["text"] for ch in r.json()["choices"]}
+        assert texts == {i: tok.decode(_tokens_of(nm.GenerateRequest(
+            request_id="", prompt=tuple(p), max_new_tokens=6, temperature=0, top_p=1,
+            seed=0))[:6]) for i, p in enumerate(prompts)}
+        assert r.json()["usage"]["completion_tokens"] == 8 * 6
+        with http.stream("POST", "/v1/completions", json={
+                "prompt": [3], "max_tokens": 5, "stream": True, "ignore_eos": True}) as r:
+            lines = [line for line in r.iter_lines() if line]
+        assert lines[-1] == "data: [DONE]"
+        streamed = "".join(json.loads(line[6:])["choices"][0]["text"] for line in lines[:-1])
+        assert streamed == tok.decode([130 + k for k in range(5)])
+        with http.stream("POST", "/v1/completions", json={
+                "prompt": [[4], [5]], "max_tokens": 3, "stream": True,
+                "ignore_eos": True}) as r:                        # two choices interleaved
+            chunks = [json.loads(line[6:])["choices"][0] for line in r.iter_lines()
+                      if line.startswith("data: {")]
+        assert {i: "".join(ch["text"] for ch in chunks if ch["index"] == i) for i in (0, 1)} \
+            == {0: tok.decode([140, 141, 142]), 1: tok.decode([150, 151, 152])}
+        assert sorted(ch["finish_reason"] for ch in chunks if ch["finish_reason"]) == \
+            ["length", "length"]
+        assert http.get("/health").json()["node_id"] == "loop"
+    assert loop_node.served_on == {"statebridge-fake-decode-node"}    # all on the node's loop
+    assert loop_node.aborted == [] and loop_node.open == {}
+
+
+def test_a_stop_string_aborts_at_the_node_as_the_link_that_sent_it(tok):
+    tokens = tok.encode(" and the river ran on and on")
+    node = LoopNode(lambda msg: tokens, gap=0.01)
+    link = NodeLink(node)
+    try:
+        with served(tok, link, max_new_tokens=len(tokens)) as http:
+            r = http.post("/v1/completions", json={"prompt": "Hi", "max_tokens": len(tokens),
+                                                   "stop": "river"})
+            assert r.json()["choices"][0]["text"] == " and the "
+            wait_until(lambda: node.aborted, 5, "the abort reached the node")
+            (client, request_id), = node.aborted
+            assert client is link and request_id.startswith("cmpl-")
+            assert node.open == {}
+    finally:
+        node.close()
+
+
+def test_a_closed_node_is_503_closed_with_retry_after(tok, loop_node):
+    loop_node.close()
+    with served(tok, NodeLink(loop_node)) as http:
+        for stream in (False, True):
+            r = http.post("/v1/completions", json={"prompt": "Hi", "stream": stream})
+            assert r.status_code == 503 and r.headers["Retry-After"] == "1"
+            assert r.json()["error"]["code"] == "closed"
+        health = http.get("/health")
+        assert health.status_code == 503 and "closed" in health.json()["error"]["message"]
