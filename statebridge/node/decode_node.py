@@ -159,7 +159,8 @@ class DecodeNode:
         self.coordinator = DecodeCoordinator(
             spec, tp_size, nc.layout, nc.num_pages, config=self.config, launcher=launcher,
             model=nc.rank_model, model_dir=model_dir,
-            dist_init=functools.partial(Rendezvous.for_group, tp_size, dist_init or ""),
+            dist_init=functools.partial(Rendezvous.for_group, tp_size, dist_init or "",
+                                        host=self.config.bind_host),
             kv_layout=nc.kv_layout, block_size=nc.block_size,
             num_blocks=nc.num_blocks(spec, tp_size))
         self.kv = spec.kv is not None

@@ -35,7 +35,8 @@ def start_prefill_node(model_dir: str, tp_size: int, *, port: int = 0, layout: s
     # The rendezvous store binds its (kernel-assigned) port after the server bound ``port``.
     server = PrefillServer(spec, tp_size, layout, nc.num_pages, config=config, port=port,
                            launcher=launcher, model=nc.rank_model, model_dir=model_dir,
-                           dist_init=functools.partial(Rendezvous.for_group, tp_size),
+                           dist_init=functools.partial(Rendezvous.for_group, tp_size,
+                                                       host=(config or ConnectorConfig()).bind_host),
                            kv_layout=nc.kv_layout, block_size=nc.block_size,
                            num_blocks=nc.num_blocks(spec, tp_size))
     try:
