@@ -755,8 +755,8 @@ def _ssd_chunk_scan_kernel(
         b_s = tl.load(p_s, mask=m_n[:, None] & m_p[None, :], other=0.0)  # [N, P]
         b_y += dot(b_C, b_s)  # [Q, P]
     b_y = b_y * tl.exp(b_acs)[:, None]
-    # decay from s to t for s <= t (masked before the exp, so it never overflows)
-    m_causal = (o_q[None, :] <= o_q[:, None]) & m_q[None, :]
+    # decay from s to t for s <= t, both in the chunk (masked before the exp: never overflows)
+    m_causal = (o_q[None, :] <= o_q[:, None]) & m_q[None, :] & m_q[:, None]
     b_decay = tl.exp(tl.where(m_causal, b_acs[:, None] - b_acs[None, :], float("-inf")))
     p_xs = p_x + o_tok[:, None] * stride_x_t + i_h * stride_x_h + o_p[None, :] * stride_x_p
     b_x = tl.load(p_xs, mask=m_q[:, None] & m_p[None, :], other=0.0)  # [Q, P]

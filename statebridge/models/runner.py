@@ -135,6 +135,8 @@ class _DeviceBlockTables:
         self.device = device
         self.table = torch.full((num_rows, 0), -1, dtype=torch.int64, device=device)
         self.mirror: list[list[int]] = [[] for _ in range(num_rows)]
+        #: table entries sent to the device so far
+        self.entries_sent = 0
 
     def rows(self, pages: list[int], page_ids: torch.Tensor, tables: list[list[int]]) -> torch.Tensor:
         width = max((len(t) for t in tables), default=0)
@@ -155,6 +157,7 @@ class _DeviceBlockTables:
                 changes += (page, i, -1)
             self.mirror[page] = list(table)
         if changes:
+            self.entries_sent += len(changes) // 3
             upd = torch.tensor(changes, dtype=torch.int64).view(-1, 3).to(self.device)
             self.table[upd[:, 0], upd[:, 1]] = upd[:, 2]
         return self.table.index_select(0, page_ids)[:, :width]
