@@ -167,6 +167,9 @@ class Launcher:
                         f"{self.name}: {self._runtime[p]} has dtype {dtype}; the group {names} must share one "
                         f"declared dtype of {sorted(map(str, allowed))}"
                     )
+        self._launch(grid, args, constexprs)
+
+    def _launch(self, grid: tuple[int, ...], args: tuple[object, ...], constexprs: dict[str, object]) -> None:
         self.kernel[grid](*args, **constexprs)
 
     # -- the compile check -------------------------------------------------------------------
