@@ -121,6 +121,20 @@ def check_tp_size(config: ModelConfig, tp_size: int) -> None:
                           f"{config.num_attention_heads} is not divisible by tp_size={tp_size}")
 
 
+def _host_to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """``host`` on ``device``; to a GPU through pinned memory and without blocking the host (a
+    copy from pageable memory would wait for the device)."""
+    if device.type == "cuda":
+        return host.pin_memory().to(device, non_blocking=True)
+    return host.to(device)
+
+
+def _to_device(device: torch.device, *parts: list[int]) -> list[torch.Tensor]:
+    """Integer lists as int64 tensors on ``device`` through ONE host-to-device copy."""
+    flat = _host_to_device(torch.tensor([x for part in parts for x in part], dtype=torch.int64), device)
+    return list(flat.split([len(part) for part in parts]))
+
+
 class _DeviceBlockTables:
     """Block tables on the device, one row per page, updated in place.
 
@@ -158,15 +172,9 @@ class _DeviceBlockTables:
             self.mirror[page] = list(table)
         if changes:
             self.entries_sent += len(changes) // 3
-            upd = torch.tensor(changes, dtype=torch.int64).view(-1, 3).to(self.device)
+            upd = _host_to_device(torch.tensor(changes, dtype=torch.int64), self.device).view(-1, 3)
             self.table[upd[:, 0], upd[:, 1]] = upd[:, 2]
         return self.table.index_select(0, page_ids)[:, :width]
-
-
-def _to_device(device: torch.device, *parts: list[int]) -> list[torch.Tensor]:
-    """Integer lists as int64 tensors on ``device`` through ONE host-to-device copy."""
-    flat = torch.tensor([x for part in parts for x in part], dtype=torch.int64).to(device)
-    return list(flat.split([len(part) for part in parts]))
 
 
 class ModelRunner:

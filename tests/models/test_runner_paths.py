@@ -10,7 +10,7 @@ from statebridge.connector.rank import KVBlocks
 from statebridge.models import ModelRunner
 from statebridge.models.runner import _DeviceBlockTables
 from statebridge.state.kv import BlockGeometry
-from tests.models._helpers import KV_BLOCK, KV_PROMPTS, NEW_TOKENS, make_cache
+from tests.models._helpers import KV_BLOCK, KV_PROMPTS, NEW_TOKENS, PROMPTS, make_cache
 
 
 STEPS = 3  # decode steps compared (a prefix of the reference); block boundaries are crossed
@@ -68,3 +68,46 @@ def test_device_block_tables_track_the_host_tables():
     assert tables.rows([2, 3], torch.tensor([2, 3]), [[3], [4, 6]]).tolist() == [[3, -1], [4, 6]]
     assert tables.table[2].tolist() == [3] + [-1] * 8  # the whole row, width 9
     assert tables.rows([], torch.tensor([], dtype=torch.int64), []).shape == (0, 0)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(),
+                    reason="needs a CUDA GPU and none is visible; run `pytest -m cuda` on a GPU machine")
+@pytest.mark.parametrize("name", ["lfm2-hybrid", "granite-hybrid", "mamba2-g1"])
+def test_cuda_runner_matches_transformers_without_syncs(hf_models, name):
+    """Pages, KV pool and weights on the GPU, the compiled kernels (provider auto): transformers'
+    tokens, and every decode step runs with CUDA sync debug mode 'error' (no host
+    synchronisation anywhere in a step; the host reads the logits after it)."""
+    from statebridge.state import PageGeometry, StateCache, StateSpec
+
+    hf_model = hf_models[name]
+    spec = StateSpec.from_pretrained(hf_model.path)
+    cache = StateCache(PageGeometry(spec, 1, "DLS"), 8, device="cuda")
+    prompts = KV_PROMPTS if spec.kv is not None else tuple(PROMPTS)
+    reference = hf_model.kv_reference if spec.kv is not None else hf_model.reference
+    kv, tables = None, None
+    if spec.kv is not None:
+        tables, nxt = [], 0
+        for p in prompts:
+            n = -(-(len(p) + NEW_TOKENS) // KV_BLOCK)
+            tables.append(list(range(nxt + n - 1, nxt - 1, -1)))
+            nxt += n
+        geo = BlockGeometry(spec.kv, 1, "HB", KV_BLOCK, nxt)
+        kv = KVBlocks(geo, torch.full((geo.nbytes,), 255, dtype=torch.uint8, device="cuda"), 0)
+    runner = ModelRunner(hf_model.path, 1, 0, cache, kv=kv)
+    pages = list(range(len(prompts)))
+    runner.prefill([p[:-1] for p in prompts], pages, blocks=tables)
+    tokens, positions = [p[-1] for p in prompts], [len(p) - 1 for p in prompts]
+    out: list[list[int]] = [[] for _ in prompts]
+    for _ in range(NEW_TOKENS):
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            logits = runner.decode(tokens, pages, blocks=tables, positions=positions if tables else None)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        tokens = logits.argmax(-1).tolist()
+        positions = [x + 1 for x in positions]
+        for o, t in zip(out, tokens):
+            o.append(t)
+    assert [tuple(o) for o in out] == list(reference)
