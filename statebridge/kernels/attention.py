@@ -621,8 +621,9 @@ def varlen_attention_prefill_ref(
         scale: softmax scale.
 
     Returns:
-        ``[T, Hq, D]`` in q's dtype (fp32 softmax); token t of a sequence attends to its tokens
-        ``0..t``. Tokens outside ``[qsl[0], qsl[B])`` are not written.
+        ``[T, Hq, D]`` in q's dtype (``F.scaled_dot_product_attention`` per sequence); token t
+        of a sequence attends to its tokens ``0..t``. Tokens outside ``[qsl[0], qsl[B])`` are
+        not written.
     """
     q_heads, kv_heads, _ = _check_prefill_args(q, k, v, query_start_loc, scale)
     group = q_heads // kv_heads

@@ -26,12 +26,11 @@ import traceback
 
 __all__ = ["main", "compile_shard"]
 
-# Each variant is compiled for every arch; a variant's position in the stable enumeration
-# decides its shard, so jobs split the work evenly without talking to each other.
-
-
 def compile_shard(archs: list[int], shard: int, shards: int) -> list[dict]:
-    """Compile this shard's variants (in this process); one result row per (variant, arch)."""
+    """Compile this shard's variants (in this process); one result row per (variant, arch).
+
+    A variant's position in the stable enumeration decides its shard, so jobs split the work
+    evenly without talking to each other."""
     if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
         raise RuntimeError("compile_check needs TRITON_INTERPRET unset: interpreted kernels cannot be compiled")
     import triton
@@ -54,7 +53,7 @@ def compile_shard(archs: list[int], shard: int, shards: int) -> list[dict]:
                     fn=kernels[variant.launcher], signature=dict(variant.signature), constexprs=dict(variant.constexprs)
                 )
                 compiled = triton.compile(src, target=GPUTarget("cuda", arch, 32))
-                row.update(ok=True, n_regs=getattr(compiled, "n_regs", None), shared=compiled.metadata.shared)
+                row.update(ok=True, shared_bytes=compiled.metadata.shared)
             except Exception as exc:  # every compiler error is a finding to report, not to raise
                 lines = [ln for ln in traceback.format_exception_only(type(exc), exc) if ln.strip()]
                 row.update(ok=False, error="".join(lines)[-4000:])

@@ -13,11 +13,13 @@ region, so both SSM layouts run the same kernel::
     HLPN  buf [pages, H, L, P, N] -> buf[:, :, l]     (stride of H is L*P*N)
 
 :func:`selective_state_update` is the Triton kernel with :func:`selective_state_update_ref`
-beside it. :func:`mamba_chunk_scan_ref` is the prefill reference (no Triton kernel yet): it
-returns the outputs and the final state, so a prefill worker can hand the state over.
+beside it. Prefill: :func:`mamba_chunk_scan_varlen` is the chunked scan (SSD) of packed prompts
+in three Triton kernels that read each prompt's initial state from its slot and write its final
+state back; :func:`mamba_chunk_scan_varlen_ref` does the same with :func:`mamba_chunk_scan_ref`,
+the plain-torch scan that returns the outputs and the final states.
 
-The in-place kernel is not autotuned: autotuning runs it several times on the same arguments
-and every extra run would advance the SSM state by another token.
+The in-place kernels are not autotuned: autotuning runs a kernel several times on the same
+arguments and every extra run would advance the SSM state again.
 """
 
 from __future__ import annotations

@@ -275,3 +275,23 @@ def test_mixers_match_their_reference_path_without_syncs(dtype, assert_close):
         assert_close_scaled(assert_close, got, want, dtype)
     for got, want in zip(*(results[p][1] for p in ("auto", "ref"))):
         assert_close_scaled(assert_close, got, want, dtype)
+
+
+def test_page_checksum_of_a_device_page():
+    """``page_checksum`` reads a page wherever it lives (it used to call ``.numpy()``, which
+    raises on a CUDA tensor)."""
+    from transformers import Lfm2Config
+
+    from statebridge.hf_config import ModelConfig
+    from statebridge.state import PageGeometry, StateCache, StateSpec
+    from statebridge.state.cache import page_checksum
+
+    config = Lfm2Config(vocab_size=32, hidden_size=64, num_hidden_layers=2, layer_types=["conv"] * 2,
+                        conv_L_cache=3, num_attention_heads=4, num_key_value_heads=2)
+    geo = PageGeometry(StateSpec.from_config(ModelConfig.from_dict(config.to_dict())), 1, "LDS")
+    host = StateCache(geo, 3)
+    host.buffer.copy_(torch.randint(0, 256, host.buffer.shape, dtype=torch.uint8))
+    dev = StateCache(geo, 3, device=DEV)
+    dev.buffer.copy_(host.buffer)
+    for page in range(3):
+        assert page_checksum(geo, dev.page_bytes(page)) == page_checksum(geo, host.page_bytes(page).numpy())
