@@ -26,7 +26,7 @@ import traceback
 
 __all__ = ["main", "compile_shard"]
 
-def compile_shard(archs: list[int], shard: int, shards: int) -> list[dict]:
+def compile_shard(archs: list[int], shard: int, shards: int, only: list[str] | None = None) -> list[dict]:
     """Compile this shard's variants (in this process); one result row per (variant, arch).
 
     A variant's position in the stable enumeration decides its shard, so jobs split the work
@@ -42,7 +42,8 @@ def compile_shard(archs: list[int], shard: int, shards: int) -> list[dict]:
 
     kernels = {launcher.name: launcher.kernel for launcher in launchers()}
     rows = []
-    for i, variant in enumerate(iter_variants()):
+    variants = [v for v in iter_variants() if not only or v.launcher in only]
+    for i, variant in enumerate(variants):
         if i % shards != shard:
             continue
         for arch in archs:
@@ -67,8 +68,9 @@ def _worker(argv: list[str]) -> int:
     p.add_argument("--worker", nargs=2, type=int, metavar=("SHARD", "SHARDS"))
     p.add_argument("--arch", nargs="+", type=int)
     p.add_argument("--out")
+    p.add_argument("--only", nargs="*", default=None)
     a = p.parse_args(argv)
-    rows = compile_shard(a.arch, *a.worker)
+    rows = compile_shard(a.arch, *a.worker, only=a.only)
     with open(a.out, "w") as f:
         json.dump(rows, f)
     return 0
@@ -82,6 +84,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--arch", nargs="+", type=int, default=[90, 80], help="compute capabilities, e.g. 90 80")
     p.add_argument("--jobs", type=int, default=2, help="worker processes")
     p.add_argument("--json", default=None, help="write every result row here")
+    p.add_argument("--only", nargs="+", default=None, metavar="LAUNCHER",
+                   help="compile only these launchers' variants, e.g. causal_conv1d.fwd")
     a = p.parse_args(argv)
     import tempfile
 
@@ -92,7 +96,7 @@ def main(argv: list[str] | None = None) -> int:
         for shard in range(a.jobs):
             out = os.path.join(tmp, f"shard{shard}.json")
             cmd = [sys.executable, "-m", "statebridge.kernels.compile_check", "--worker", str(shard), str(a.jobs),
-                   "--arch", *map(str, a.arch), "--out", out]
+                   "--arch", *map(str, a.arch), "--out", out, *(["--only", *a.only] if a.only else [])]
             procs.append((subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT), out))
         rows, failed_workers = [], []
         for proc, out in procs:
