@@ -6,11 +6,17 @@ Meant for a GPU machine, e.g.::
         --json results/kernels.json --png results/kernels.png
 
 Every kernel runs on a strided per-layer view of a page buffer in the chosen layout, as in
-serving; ``decode_attn`` (paged decode attention, LFM2-1.2B shapes by default: 32 query heads, 8
-KV heads, head dim 64, blocks of 16 tokens) reads scattered blocks of a real KV pool view and
-reports GB/s of K/V read. In-place kernels keep advancing their state between iterations; that
-does not change the work done. On CPU the Triton provider needs ``TRITON_INTERPRET=1`` (and is then very slow).
-This is a script, not a test.
+serving; ``decode_attn`` (split-K paged decode attention, LFM2-1.2B shapes by default: 32 query
+heads, 8 KV heads, head dim 64, blocks of 16 tokens) reads scattered blocks of a real KV pool
+view. In-place kernels keep advancing their state between iterations; that does not change the
+work done.
+
+Each row reports the bytes the call must read and write at least (its state, K/V, inputs and
+outputs, each once) and the achieved bandwidth ``read_gbps`` = bytes read / median time, the
+figure the decode kernels are judged by (at batch 64, the default), and ``moved_gbps`` = bytes
+read and written / time. With ``--hbm-gbps`` (or on an H100/H200, whose HBM peaks of 3350 and
+4800 GB/s are known) it also reports both as a fraction of the peak. On CPU the Triton provider
+needs ``TRITON_INTERPRET=1`` (and is then very slow). This is a script, not a test.
 """
 
 from __future__ import annotations
@@ -34,16 +40,22 @@ from statebridge.kernels import (
     causal_conv1d_fn_ref,
     causal_conv1d_update,
     causal_conv1d_update_ref,
-    mamba_chunk_scan_ref,
+    mamba_chunk_scan_varlen,
+    mamba_chunk_scan_varlen_ref,
     pack,
     pack_ref,
     paged_attention_decode,
     paged_attention_decode_ref,
+    prepare_runs,
     selective_state_update,
     selective_state_update_ref,
+    varlen_attention_prefill,
+    varlen_attention_prefill_ref,
 )
 
-KERNELS = ("conv_fn", "conv_update", "ssu", "chunk_scan", "pack", "decode_attn")
+KERNELS = ("conv_fn", "conv_update", "ssu", "chunk_scan", "pack", "decode_attn", "prefill_attn")
+#: HBM peaks (GB/s) of the GPUs the project targets, matched against the device name
+HBM_GBPS = {"H200": 4800.0, "H100": 3350.0}
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
@@ -75,6 +87,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--kv-block", type=int, default=16, help="tokens per KV block")
     p.add_argument("--kv-tokens", type=int, default=2048, help="tokens each decode request attends to")
     p.add_argument("--kv-layout", choices=sorted(KV_LAYOUT_PRESETS), default="HB", help="KV pool axis order")
+    p.add_argument("--hbm-gbps", type=float, default=None,
+                   help="the device's peak memory bandwidth, for the fraction-of-peak columns "
+                        "(default: known for H100/H200)")
     p.add_argument("--iters", type=int, default=50)
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--seed", type=int, default=0)
@@ -97,8 +112,8 @@ def ssm_view(layout: str, pages: int, layers: int, heads: int, hd: int, n: int, 
     return torch.randn(pages, heads, layers, hd, n, dtype=dtype, device=device)[:, :, 1]
 
 
-def build(kernel: str, provider: str, a: argparse.Namespace) -> tuple[Callable[[], object], int]:
-    """A closure running one call, and the bytes it must at least read + write."""
+def build(kernel: str, provider: str, a: argparse.Namespace) -> tuple[Callable[[], object], int, int]:
+    """A closure running one call, and the bytes it must at least read and write."""
     dev, dt, sdt = torch.device(a.device), DTYPES[a.dtype], DTYPES[a.ssm_dtype]
     tri = provider == "triton"
     pages = a.batch + 1
@@ -108,17 +123,20 @@ def build(kernel: str, provider: str, a: argparse.Namespace) -> tuple[Callable[[
         state = conv_view(a.layout, pages, a.layers, a.dim, a.width - 1, dt, dev)
         w = torch.randn(a.dim, a.width, dtype=dt, device=dev)
         b = torch.randn(a.dim, dtype=dt, device=dev)
-        state_bytes = 2 * a.batch * a.dim * (a.width - 1) * es
+        state_bytes = a.batch * a.dim * (a.width - 1) * es
+        params = (a.width + 1) * a.dim * es
         if kernel == "conv_fn":
             tokens = a.batch * a.seqlen
             x = torch.randn(tokens, a.dim, dtype=dt, device=dev).t()
             qsl = torch.arange(0, tokens + 1, a.seqlen, dtype=torch.int32, device=dev)
             init = torch.ones(a.batch, dtype=torch.bool, device=dev)
             fn = causal_conv1d_fn if tri else causal_conv1d_fn_ref
-            return (lambda: fn(x, w, b, state, qsl, slots, init, "silu")), 2 * tokens * a.dim * es + state_bytes
+            return ((lambda: fn(x, w, b, state, qsl, slots, init, "silu")),
+                    tokens * a.dim * es + state_bytes + params, tokens * a.dim * es + state_bytes)
         x = torch.randn(a.batch, a.dim, dtype=dt, device=dev)
         fn = causal_conv1d_update if tri else causal_conv1d_update_ref
-        return (lambda: fn(x, state, w, b, "silu", slots)), 2 * a.batch * a.dim * es + state_bytes
+        return ((lambda: fn(x, state, w, b, "silu", slots)),
+                a.batch * a.dim * es + state_bytes + params, a.batch * a.dim * es + state_bytes)
     if kernel == "ssu":
         h, p, n, g = a.heads, a.head_dim, a.d_state, a.groups
         state = ssm_view(a.ssm_layout, pages, a.layers, h, p, n, sdt, dev)
@@ -130,29 +148,34 @@ def build(kernel: str, provider: str, a: argparse.Namespace) -> tuple[Callable[[
         D = torch.randn(h, device=dev)[:, None].expand(h, p)
         dtb = torch.randn(h, device=dev)[:, None].expand(h, p)
         fn = selective_state_update if tri else selective_state_update_ref
-        return (
-            lambda: fn(state, x, dt_, A, B, C, D=D, dt_bias=dtb, dt_softplus=True, state_batch_indices=slots)
-        ), 2 * a.batch * h * p * n * ess
+        state_bytes = a.batch * h * p * n * ess
+        inputs = a.batch * (h * p + h + 2 * g * n) * es
+        return ((lambda: fn(state, x, dt_, A, B, C, D=D, dt_bias=dtb, dt_softplus=True, state_batch_indices=slots)),
+                state_bytes + inputs, state_bytes + a.batch * h * p * es)
     if kernel == "chunk_scan":
-        if tri:
-            raise StatebridgeError("chunk_scan has no Triton kernel (reference only)")
+        # varlen SSD prefill of batch x seqlen tokens on the state slots (initial states read,
+        # final states written)
         h, p, n, g = a.heads, a.head_dim, a.d_state, a.groups
         tokens = a.batch * a.seqlen
+        state = ssm_view(a.ssm_layout, pages, a.layers, h, p, n, sdt, dev)
         x = torch.randn(tokens, h, p, dtype=dt, device=dev)
         dt_ = torch.randn(tokens, h, dtype=dt, device=dev)
-        B = torch.randn(tokens, g, n, dtype=dt, device=dev)
-        C = torch.randn(tokens, g, n, dtype=dt, device=dev)
+        B = torch.randn(tokens, g, n, dtype=dt, device=dev) * 0.1
+        C = torch.randn(tokens, g, n, dtype=dt, device=dev) * 0.1
         A, D, dtb = -torch.rand(h, device=dev), torch.randn(h, device=dev), torch.randn(h, device=dev)
         cu = torch.arange(0, tokens + 1, a.seqlen, dtype=torch.int32, device=dev)
-        def scan():
-            return mamba_chunk_scan_ref(
-                x, dt_, A, B, C, a.chunk_size, D=D, dt_bias=dtb, dt_softplus=True, cu_seqlens=cu
-            )
+        init = torch.ones(a.batch, dtype=torch.bool, device=dev)
+        fn = mamba_chunk_scan_varlen if tri else mamba_chunk_scan_varlen_ref
 
-        return scan, 2 * tokens * h * p * es + a.batch * h * p * n * 4
+        def scan():
+            return fn(x, dt_, A, B, C, state, cu, slots, init, chunk_size=a.chunk_size, D=D, dt_bias=dtb,
+                      dt_softplus=True)
+
+        state_bytes = a.batch * h * p * n * ess
+        return scan, tokens * (h * p + h + 2 * g * n) * es + state_bytes, tokens * h * p * es + state_bytes
     if kernel == "decode_attn":
         # one decode token per request over a.kv_tokens of KV in scattered blocks of a real pool
-        # view (layer 1 of a.layers attention layers); the bytes are the K and V it must read
+        # view (layer 1 of a.layers attention layers); it must read all of that K and V once
         bs, hkv, d = a.kv_block, a.kv_heads, a.attn_head_dim
         per_req = -(-a.kv_tokens // bs)
         spec = KVSpec(tuple(range(a.layers)), hkv, d, {torch.float32: "float32", torch.bfloat16: "bfloat16",
@@ -166,16 +189,28 @@ def build(kernel: str, provider: str, a: argparse.Namespace) -> tuple[Callable[[
         q = torch.randn(a.batch, a.q_heads, d, dtype=dt, device=dev)
         out = torch.empty_like(q)
         fn = paged_attention_decode if tri else paged_attention_decode_ref
-        return (lambda: fn(q, k, v, tables, lens, d**-0.5, out=out)), 2 * a.batch * a.kv_tokens * hkv * d * es
-    # pack: R runs of L bytes scattered over a source twice as large, packed densely
+        kv_bytes = 2 * a.batch * a.kv_tokens * hkv * d * es
+        return ((lambda: fn(q, k, v, tables, lens, d**-0.5, out=out)),
+                kv_bytes + q.numel() * es + tables.numel() * 4, out.numel() * es)
+    if kernel == "prefill_attn":
+        tokens, d = a.batch * a.seqlen, a.attn_head_dim
+        q = torch.randn(tokens, a.q_heads, d, dtype=dt, device=dev)
+        k = torch.randn(tokens, a.kv_heads, d, dtype=dt, device=dev)
+        v = torch.randn(tokens, a.kv_heads, d, dtype=dt, device=dev)
+        cu = torch.arange(0, tokens + 1, a.seqlen, dtype=torch.int32, device=dev)
+        fn = varlen_attention_prefill if tri else varlen_attention_prefill_ref
+        return (lambda: fn(q, k, v, cu, d**-0.5)), (q.numel() + k.numel() + v.numel()) * es, q.numel() * es
+    # pack: R runs of L bytes scattered over a source twice as large, packed densely, from a run
+    # template checked and copied to the device once
     gen = np.random.default_rng(a.seed)
     r, length = a.pack_runs, a.pack_run_bytes
     src = torch.randint(0, 256, (2 * r * length,), dtype=torch.uint8, device=dev)
     staging = torch.empty(r * length, dtype=torch.uint8, device=dev)
     frm = gen.permutation(2 * r)[:r].astype(np.int64) * length
     runs = np.stack([frm, np.arange(r, dtype=np.int64) * length, np.full(r, length, dtype=np.int64)], axis=1)
+    template = prepare_runs(runs, src.numel(), staging.numel(), dev)
     fn = pack if tri else pack_ref
-    return (lambda: fn(src, runs, staging)), 2 * r * length
+    return (lambda: fn(src, template, staging)), r * length + template.runs.numel() * 8, r * length
 
 
 def time_it(call: Callable[[], object], device: torch.device, iters: int, warmup: int) -> list[float]:
@@ -204,26 +239,33 @@ def main(argv: list[str] | None = None) -> int:
     torch.manual_seed(a.seed)
     device = torch.device(a.device)
     providers = a.provider or (["triton", "ref"] if device.type == "cuda" else ["ref"])
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu"
+    peak = a.hbm_gbps or next((v for k, v in HBM_GBPS.items() if k in name), None)
     results = []
     for kernel in a.kernels:
         for provider in providers:
             row = {"kernel": kernel, "provider": provider}
             try:
-                call, nbytes = build(kernel, provider, a)
+                call, read, written = build(kernel, provider, a)
                 times = time_it(call, device, a.iters, a.warmup)
             except StatebridgeError as exc:
                 row["skipped"] = str(exc)
-                print(f"{kernel:11s} {provider:6s} skipped: {exc}")
+                print(f"{kernel:12s} {provider:6s} skipped: {exc}")
             else:
                 med = statistics.median(times)
                 row.update(median_ms=med, mean_ms=statistics.fmean(times), min_ms=min(times),
-                           bytes=nbytes, gbps=nbytes / (med * 1e-3) / 1e9)
-                print(f"{kernel:11s} {provider:6s} median {med:9.4f} ms  min {min(times):9.4f} ms  "
-                      f"{row['gbps']:8.2f} GB/s (of {nbytes} B)")
+                           read_bytes=read, written_bytes=written,
+                           read_gbps=read / (med * 1e-3) / 1e9, moved_gbps=(read + written) / (med * 1e-3) / 1e9)
+                if peak:
+                    row.update(read_of_peak=row["read_gbps"] / peak, moved_of_peak=row["moved_gbps"] / peak)
+                of_peak = f"  {100 * row['read_of_peak']:5.1f}% of {peak:.0f} GB/s" if peak else ""
+                print(f"{kernel:12s} {provider:6s} median {med:9.4f} ms  min {min(times):9.4f} ms  "
+                      f"read {row['read_gbps']:8.2f} GB/s  moved {row['moved_gbps']:8.2f} GB/s{of_peak}")
             results.append(row)
     report = {
         "args": vars(a),
-        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu",
+        "device": name,
+        "hbm_gbps": peak,
         "torch": torch.__version__,
         "results": results,
     }

@@ -45,22 +45,6 @@ def check_activation(activation: str | None) -> bool:
     return activation is not None
 
 
-def check_triton_runnable(kernel: object, *tensors: torch.Tensor | None) -> None:
-    """Raise :class:`ConfigError` when ``kernel`` cannot run on the tensors' device.
-
-    Compiled Triton kernels need CUDA tensors; on CPU they run only under ``TRITON_INTERPRET=1``,
-    which Triton reads when the kernel is *decorated*, i.e. when this package is imported.
-    """
-    from triton.runtime.interpreter import InterpretedFunction
-
-    device = next(t.device for t in tensors if t is not None)
-    if device.type != "cuda" and not isinstance(kernel, InterpretedFunction):
-        raise ConfigError(
-            f"the Triton kernels need CUDA tensors, got tensors on {device}; use provider='ref' "
-            "or set TRITON_INTERPRET=1 before statebridge.kernels is imported"
-        )
-
-
 def check_dims(name: str, t: torch.Tensor, dims: int | Sequence[int]) -> None:
     """Raise :class:`ShapeError` unless ``t.dim()`` is one of ``dims``."""
     allowed = (dims,) if isinstance(dims, int) else tuple(dims)

@@ -28,7 +28,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from statebridge.errors import ShapeError
+from statebridge.errors import ConfigError, ShapeError
 from statebridge.kernels._common import (
     check_activation,
     check_dims,
@@ -36,9 +36,9 @@ from statebridge.kernels._common import (
     check_int,
     check_same_device,
     check_shape,
-    check_triton_runnable,
-    next_power_of_2,
 )
+from statebridge.kernels._jit import BLOCK_B, find_chunk, varlen_programs
+from statebridge.kernels._launch import BOOLS, FLOATS, INDEX, Launcher, placeholder
 
 __all__ = [
     "causal_conv1d_fn",
@@ -81,6 +81,7 @@ def _causal_conv1d_fwd_kernel(
     p_slots,
     p_has_init,
     p_out,
+    batch,
     dim,
     state_len,
     stride_x_d,
@@ -98,15 +99,16 @@ def _causal_conv1d_fwd_kernel(
     BLOCK_D: tl.constexpr,
     BLOCK_T: tl.constexpr,
     BLOCK_S: tl.constexpr,
+    BLOCK_B: tl.constexpr,
 ):
-    # One program: one sequence x one chunk of BLOCK_T tokens x one block of BLOCK_D channels.
-    i_b = tl.program_id(0)
-    i_t = tl.program_id(1)
-    i_d = tl.program_id(2)
+    # One program: one chunk of BLOCK_T tokens of one sequence x one block of BLOCK_D channels.
+    # The chunk comes from the packed token axis (find_chunk), so no length is read on the host.
+    i_b, i_t = find_chunk(p_qsl, batch, tl.program_id(0), BLOCK_T, BLOCK_B)
+    if i_b >= batch:
+        return
+    i_d = tl.program_id(1)
     bos = tl.load(p_qsl + i_b).to(tl.int64)
     seqlen = tl.load(p_qsl + i_b + 1).to(tl.int64) - bos
-    if i_t * BLOCK_T >= seqlen:
-        return
     slot = tl.load(p_slots + i_b).to(tl.int64)
     # How many old-state columns may be read (state_len or 0). Masks are built from vector comparisons
     # against this integer rather than from a scalar bool (which the interpreter rejects).
@@ -142,19 +144,24 @@ def _causal_conv1d_fwd_kernel(
         # The final state is the last state_len inputs, oldest first: from x where the sequence is long
         # enough, else shifted old state (or zeros). This program is the only one that reads the
         # old state of this slot and channel block, so it is also the one that overwrites it.
-        o_s = tl.arange(0, BLOCK_S)
-        m_s = o_s < state_len
-        o_j = seqlen - state_len + o_s
-        m_new_x = m_d[:, None] & (m_s & (o_j >= 0))[None, :]
-        m_new_st = m_d[:, None] & (m_s & (o_j < 0) & (o_j >= -n_old))[None, :]
-        b_new = tl.load(p_x_rows + o_j[None, :] * stride_x_t, mask=m_new_x, other=0.0).to(tl.float32)
-        b_new += tl.load(p_st_rows + (state_len + o_j)[None, :] * stride_st_s, mask=m_new_st, other=0.0).to(tl.float32)
-        tl.debug_barrier()  # every read of the old state above happens before the overwrite
-        tl.store(
-            p_st_rows + o_s[None, :] * stride_st_s,
-            b_new.to(p_states.dtype.element_ty),
-            mask=m_d[:, None] & m_s[None, :],
-        )
+        # Column s takes old column s + seqlen (seqlen >= 1), so walking the columns upwards a
+        # block never reads a column an earlier block wrote.
+        for s0 in range(0, state_len, BLOCK_S):
+            o_s = s0 + tl.arange(0, BLOCK_S)
+            m_s = o_s < state_len
+            o_src = seqlen - state_len + o_s  # position of the input that lands in column o_s
+            m_new_x = m_d[:, None] & (m_s & (o_src >= 0))[None, :]
+            m_new_st = m_d[:, None] & (m_s & (o_src < 0) & (o_src >= -n_old))[None, :]
+            b_new = tl.load(p_x_rows + o_src[None, :] * stride_x_t, mask=m_new_x, other=0.0).to(tl.float32)
+            b_new += tl.load(
+                p_st_rows + (state_len + o_src)[None, :] * stride_st_s, mask=m_new_st, other=0.0
+            ).to(tl.float32)
+            tl.debug_barrier()  # every read of the old state above happens before the overwrite
+            tl.store(
+                p_st_rows + o_s[None, :] * stride_st_s,
+                b_new.to(p_states.dtype.element_ty),
+                mask=m_d[:, None] & m_s[None, :],
+            )
 
 
 def _check_conv_args(
@@ -165,6 +172,8 @@ def _check_conv_args(
     check_float("weight", weight)
     check_float("conv_state", conv_state)
     check_dims("weight", weight, 2)
+    if bias is not None and bias.dtype != weight.dtype:
+        raise ShapeError(f"bias must have weight's dtype {weight.dtype}, got {bias.dtype}")
     if weight.shape[0] != dim:
         raise ShapeError(f"weight must be [D={dim}, K], got {list(weight.shape)}")
     width = weight.shape[1]
@@ -246,19 +255,17 @@ def causal_conv1d_fn(
     width, state_len, silu = _check_fn_args(
         x, weight, bias, conv_states, query_start_loc, cache_indices, has_initial_state, activation
     )
-    check_triton_runnable(_causal_conv1d_fwd_kernel, x)
+    _check_triton_width(width)
+    _FWD.check_runnable(x)
     dim, num_tokens = x.shape
     out = torch.empty_like(x)  # keeps x's layout when x is dense (e.g. a transposed [T, D])
     batch = cache_indices.shape[0]
     if batch == 0 or num_tokens == 0:
         return out
-    max_len = int((query_start_loc[1:] - query_start_loc[:-1]).max())  # host sync: grid size
-    if max_len <= 0:
-        return out
-    block_t = max(min(64, next_power_of_2(max_len)), next_power_of_2(width))
-    block_d = min(64, next_power_of_2(dim))
-    grid = (batch, triton.cdiv(max_len, block_t), triton.cdiv(dim, block_d))
-    _causal_conv1d_fwd_kernel[grid](
+    # No length is read on the host: the grid covers every chunk of any split of the T tokens.
+    grid = (varlen_programs(num_tokens, batch, _FWD_BLOCK_T), triton.cdiv(dim, _FWD_BLOCK_D))
+    _FWD(
+        grid,
         x,
         weight,
         bias if bias is not None else weight,
@@ -267,6 +274,7 @@ def causal_conv1d_fn(
         cache_indices,
         has_initial_state,
         out,
+        batch,
         dim,
         state_len,
         x.stride(0),
@@ -281,9 +289,10 @@ def causal_conv1d_fn(
         K=width,
         HAS_BIAS=bias is not None,
         SILU=silu,
-        BLOCK_D=block_d,
-        BLOCK_T=block_t,
-        BLOCK_S=next_power_of_2(state_len),
+        BLOCK_D=_FWD_BLOCK_D,
+        BLOCK_T=_FWD_BLOCK_T,
+        BLOCK_S=_BLOCK_S,
+        BLOCK_B=BLOCK_B,
     )
     return out
 
@@ -406,22 +415,74 @@ def _causal_conv1d_update_kernel(
             b_acc = b_acc * tl.sigmoid(b_acc)
         tl.store(p_o_row + t * stride_o_t, b_acc.to(p_out.dtype.element_ty), mask=m_d)
 
-    # Shift left by num_new and append the new inputs: new[s] = [old | x][num_new + s].
-    o_s = tl.arange(0, BLOCK_S)
-    m_s = o_s < state_len
-    o_q = num_new - state_len + o_s
-    m_from_x = m_d[:, None] & (m_s & (o_q >= 0))[None, :]
-    m_from_st = m_d[:, None] & (m_s & (o_q < 0))[None, :]
-    b_new = tl.load(p_x_row[:, None] + o_q[None, :] * stride_x_t, mask=m_from_x, other=0.0).to(tl.float32)
-    b_new += tl.load(p_st_row[:, None] + (state_len + o_q)[None, :] * stride_st_s, mask=m_from_st, other=0.0).to(
-        tl.float32
-    )
-    tl.debug_barrier()  # every read of the old state above happens before the overwrite
-    tl.store(
-        p_st_row[:, None] + o_s[None, :] * stride_st_s,
-        b_new.to(p_state.dtype.element_ty),
-        mask=m_d[:, None] & m_s[None, :],
-    )
+    # Shift left by num_new and append the new inputs: new[s] = [old | x][num_new + s]. Column s
+    # takes old column s + num_new (num_new >= 1), so walking the columns upwards a block never
+    # reads a column an earlier block wrote.
+    for s0 in range(0, state_len, BLOCK_S):
+        o_s = s0 + tl.arange(0, BLOCK_S)
+        m_s = o_s < state_len
+        o_q = num_new - state_len + o_s
+        m_from_x = m_d[:, None] & (m_s & (o_q >= 0))[None, :]
+        m_from_st = m_d[:, None] & (m_s & (o_q < 0))[None, :]
+        b_new = tl.load(p_x_row[:, None] + o_q[None, :] * stride_x_t, mask=m_from_x, other=0.0).to(tl.float32)
+        b_new += tl.load(
+            p_st_row[:, None] + (state_len + o_q)[None, :] * stride_st_s, mask=m_from_st, other=0.0
+        ).to(tl.float32)
+        tl.debug_barrier()  # every read of the old state above happens before the overwrite
+        tl.store(
+            p_st_row[:, None] + o_s[None, :] * stride_st_s,
+            b_new.to(p_state.dtype.element_ty),
+            mask=m_d[:, None] & m_s[None, :],
+        )
+
+
+# The launches, declared once (the compile check builds every variant). Blocks are fixed, not
+# derived from shapes, so one compiled variant serves every model size: masks cover the rest.
+CONV_WIDTHS = (2, 3, 4)
+_FWD_BLOCK_D = 64
+_FWD_BLOCK_T = 64  # >= K - 1: only a sequence's first chunk reaches back into the state
+_UPDATE_BLOCK_D = 128
+_BLOCK_S = 4  # state columns per step of the state write
+
+_FWD = Launcher(
+    _causal_conv1d_fwd_kernel,
+    name="causal_conv1d.fwd",
+    constexprs=dict(
+        K=CONV_WIDTHS,
+        HAS_BIAS=BOOLS,
+        SILU=BOOLS,
+        BLOCK_D=(_FWD_BLOCK_D,),
+        BLOCK_T=(_FWD_BLOCK_T,),
+        BLOCK_S=(_BLOCK_S,),
+        BLOCK_B=(BLOCK_B,),
+    ),
+    dtypes={
+        ("p_x", "p_out"): FLOATS,
+        ("p_w", "p_bias"): FLOATS,
+        "p_states": FLOATS,
+        "p_qsl": INDEX,
+        "p_slots": INDEX,
+        "p_has_init": (torch.bool,),
+    },
+)
+_UPDATE = Launcher(
+    _causal_conv1d_update_kernel,
+    name="causal_conv1d.update",
+    constexprs=dict(
+        K=CONV_WIDTHS,
+        HAS_BIAS=BOOLS,
+        SILU=BOOLS,
+        HAS_SLOTS=BOOLS,
+        BLOCK_D=(_UPDATE_BLOCK_D,),
+        BLOCK_S=(_BLOCK_S,),
+    ),
+    dtypes={("p_x", "p_out"): FLOATS, ("p_w", "p_bias"): FLOATS, "p_state": FLOATS, "p_slots": INDEX},
+)
+
+
+def _check_triton_width(width: int) -> None:
+    if width not in CONV_WIDTHS:
+        raise ConfigError(f"the Triton conv kernels are built for widths K in {CONV_WIDTHS}, got K={width}")
 
 
 def _check_update_args(
@@ -474,18 +535,19 @@ def causal_conv1d_update(
         Output with the shape of ``x`` (``[B, D]`` or ``[B, D, T]``) in ``x.dtype``.
     """
     x3, width, state_len, silu = _check_update_args(x, conv_state, weight, bias, activation, conv_state_indices)
-    check_triton_runnable(_causal_conv1d_update_kernel, x)
+    _check_triton_width(width)
+    _UPDATE.check_runnable(x)
     batch, dim, num_new = x3.shape
     out3 = torch.empty((batch, dim, num_new), dtype=x.dtype, device=x.device)
     if batch > 0 and num_new > 0:
-        block_d = min(128, next_power_of_2(dim))
-        grid = (batch, triton.cdiv(dim, block_d))
-        _causal_conv1d_update_kernel[grid](
+        grid = (batch, triton.cdiv(dim, _UPDATE_BLOCK_D))
+        _UPDATE(
+            grid,
             x3,
             weight,
             bias if bias is not None else weight,
             conv_state,
-            conv_state_indices if conv_state_indices is not None else x3,
+            conv_state_indices if conv_state_indices is not None else placeholder(x.device, torch.int64),
             out3,
             dim,
             state_len,
@@ -505,8 +567,8 @@ def causal_conv1d_update(
             HAS_BIAS=bias is not None,
             SILU=silu,
             HAS_SLOTS=conv_state_indices is not None,
-            BLOCK_D=block_d,
-            BLOCK_S=next_power_of_2(state_len),
+            BLOCK_D=_UPDATE_BLOCK_D,
+            BLOCK_S=_BLOCK_S,
         )
     return out3.squeeze(-1) if x.dim() == 2 else out3
 
@@ -548,3 +610,4 @@ def causal_conv1d_update_ref(
     conv_state.index_copy_(0, slots, full[:, :, -state_len:].to(conv_state.dtype))
     y = y.to(x.dtype)
     return y.squeeze(-1) if x.dim() == 2 else y
+

@@ -14,13 +14,15 @@ Face checkpoint (and reading its ``config.json``) is :mod:`statebridge.models.tp
 ``models.tp.mamba2_from_hf(ModelConfig.load(path), state_dict, tp_size, tp_rank)``.
 
 Kernels: ``provider="auto"`` uses the Triton kernels for CUDA tensors and the torch references
-elsewhere; ``"ref"`` / ``"triton"`` force one (Triton on CPU needs ``TRITON_INTERPRET=1``). The
-Mamba2 prefill scan always uses :func:`mamba_chunk_scan_ref`.
+elsewhere; ``"ref"`` / ``"triton"`` force one (Triton on CPU needs ``TRITON_INTERPRET=1``). On
+the Triton path nothing on the per-step path reads a device value on the host: lengths, slots,
+positions and block tables stay on the device, and varlen kernels find their sequences
+themselves.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -33,8 +35,18 @@ from statebridge.kernels.causal_conv1d import (
     causal_conv1d_update,
     causal_conv1d_update_ref,
 )
-from statebridge.kernels.attention import paged_attention_decode, paged_attention_decode_ref
-from statebridge.kernels.ssm import mamba_chunk_scan_ref, selective_state_update, selective_state_update_ref
+from statebridge.kernels.attention import (
+    paged_attention_decode,
+    paged_attention_decode_ref,
+    varlen_attention_prefill,
+    varlen_attention_prefill_ref,
+)
+from statebridge.kernels.ssm import (
+    mamba_chunk_scan_varlen,
+    mamba_chunk_scan_varlen_ref,
+    selective_state_update,
+    selective_state_update_ref,
+)
 
 __all__ = ["ShortConvMixer", "Mamba2Mixer", "AttentionMixer", "AllReduce", "rotary"]
 
@@ -272,28 +284,29 @@ class Mamba2Mixer(torch.nn.Module):
         ssm_state ``[num_slots, H_l, P, N]`` written in place; query_start_loc ``[B + 1]``;
         slots ``[B]``; has_initial_state ``[B]`` bool. Returns the partial output ``[T, hidden]``."""
         _check_prefill_args(hidden, self.hidden_size, slots)
-        conv_fn, _ = _conv_ops(self.provider, hidden.device)
+        tri = use_triton(self.provider, hidden.device)
+        conv_fn = causal_conv1d_fn if tri else causal_conv1d_fn_ref
+        scan = mamba_chunk_scan_varlen if tri else mamba_chunk_scan_varlen_ref
         z, xbc, dt = self._split_proj(hidden)
         xbc = conv_fn(
             xbc.t(), self.conv_weight, self.conv_bias, conv_state, query_start_loc, slots, has_initial_state, "silu"
         ).t()  # [T, conv_dim_l]
         x, B, C = self._split_xbc(xbc)
-        idx = slots.long()
-        init = torch.where(has_initial_state[:, None, None, None], ssm_state.index_select(0, idx).float(), 0.0)
-        y, final = mamba_chunk_scan_ref(
+        y = scan(
             x,
             dt,
             self.A,
             B,
             C,
-            self.chunk_size,
+            ssm_state,
+            query_start_loc,
+            slots,
+            has_initial_state,
+            chunk_size=self.chunk_size,
             D=self.D,
             dt_bias=self.dt_bias,
             dt_softplus=True,
-            initial_states=init,
-            cu_seqlens=query_start_loc,
-        )
-        ssm_state.index_copy_(0, idx, final.to(ssm_state.dtype))
+        )  # final states written into the slots
         return self._out(y, z, hidden.dtype)
 
     def decode(
@@ -427,34 +440,37 @@ class AttentionMixer(torch.nn.Module):
         cache[blocks, :, slots] = values.to(cache.dtype)
 
     def prefill(self, hidden: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                query_start_loc: torch.Tensor, block_tables: list[torch.Tensor]) -> torch.Tensor:
+                query_start_loc: torch.Tensor,
+                block_tables: torch.Tensor | Sequence[torch.Tensor]) -> torch.Tensor:
         """Varlen causal prefill from position 0. hidden ``[T, hidden]``, query_start_loc
-        ``[B + 1]``, block_tables: B int64 tensors covering each sequence. Writes K/V of every
-        token into the pool; returns the partial output ``[T, hidden]``."""
+        ``[B + 1]`` (``qsl[0] == 0``, ``qsl[B] == T``), block_tables ``[B, max_blocks]`` int
+        (rows padded with anything, e.g. -1) or B 1-D int tensors, each covering its sequence.
+        Writes K/V of every token into the pool; returns the partial output ``[T, hidden]``.
+        Positions and block ids are computed on the device (no host read)."""
         if hidden.dim() != 2 or hidden.shape[1] != self.hidden_size:
             raise ShapeError(f"prefill hidden must be [T, hidden={self.hidden_size}], got "
                              f"{list(hidden.shape)}")
-        starts = query_start_loc.tolist()
-        bs = k_cache.shape[2]
-        positions = torch.cat([torch.arange(e - s, device=hidden.device)
-                               for s, e in zip(starts[:-1], starts[1:])]) \
-            if len(starts) > 1 else torch.zeros(0, dtype=torch.int64, device=hidden.device)
+        if not isinstance(block_tables, torch.Tensor):
+            block_tables = torch.nn.utils.rnn.pad_sequence(
+                [t.long() for t in block_tables], batch_first=True, padding_value=-1) \
+                if len(block_tables) else torch.zeros(0, 0, dtype=torch.int64, device=hidden.device)
+        num_tokens, dev = hidden.shape[0], hidden.device
+        qsl = query_start_loc.long()
+        batch = qsl.shape[0] - 1
+        if block_tables.dim() != 2 or block_tables.shape[0] != batch:
+            raise ShapeError(f"block_tables must be [B={batch}, max_blocks], got "
+                             f"{list(block_tables.shape)}")
+        lens = qsl[1:] - qsl[:-1]
+        seq = torch.repeat_interleave(torch.arange(batch, device=dev), lens, output_size=num_tokens)
+        positions = torch.arange(num_tokens, device=dev) - qsl[seq]
         q, k, v = self._qkv(hidden, positions)
-        out = torch.empty_like(q)
-        group = self.heads_local // self.kv_heads_local
-        for b, (s, e) in enumerate(zip(starts[:-1], starts[1:])):
-            if e == s:
-                continue
-            pos = positions[s:e]
-            table = block_tables[b]
-            self._write(k_cache, k[s:e], table[pos // bs], pos % bs)
-            self._write(v_cache, v[s:e], table[pos // bs], pos % bs)
-            qs = q[s:e].transpose(0, 1)                        # [Hq, n, P]
-            ks = k[s:e].repeat_interleave(group, dim=1).transpose(0, 1)
-            vs = v[s:e].repeat_interleave(group, dim=1).transpose(0, 1)
-            out[s:e] = F.scaled_dot_product_attention(
-                qs, ks, vs, is_causal=True, scale=self.scale).transpose(0, 1)
-        return self._out(out)
+        bs = k_cache.shape[2]
+        blocks = block_tables[seq, positions // bs]
+        self._write(k_cache, k, blocks, positions % bs)
+        self._write(v_cache, v, blocks, positions % bs)
+        attend = varlen_attention_prefill if use_triton(self.provider, dev) else \
+            varlen_attention_prefill_ref
+        return self._out(attend(q, k, v, query_start_loc, self.scale))
 
     def decode(self, hidden: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                block_tables: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:

@@ -11,12 +11,20 @@ and destination runs must not overlap (each destination byte is written at most 
 every offset, length and buffer is a multiple of 8, 4 or 2 bytes, the copy moves words of that
 size instead of single bytes; the result is the same.
 
+The per-step path checks runs ONCE: :func:`prepare_runs` checks them against the two buffer
+sizes and copies them to the device as a :class:`RunTemplate`; :func:`pack` / :func:`unpack`
+given a template only compare buffer sizes and addresses on the host (tensor metadata, no device
+work) and launch one kernel, with no host-to-device copy and no synchronisation. Given a numpy
+array or tensor instead, they build a template on the spot (a check and a copy per call).
+
 :func:`copy_runs_host` is the host copy of the data plane's staged transfers
 (``statebridge.connector.data``): plain numpy on CPU buffers, no checks (its caller checked the
 runs once), fast for hundreds of thousands of tiny runs.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -25,28 +33,72 @@ import triton.language as tl
 from numpy.lib.stride_tricks import as_strided
 
 from statebridge.errors import ShapeError
-from statebridge.kernels._common import check_same_device, check_triton_runnable
+from statebridge.kernels._common import check_same_device
+from statebridge.kernels._launch import Launcher
 
-__all__ = ["copy_runs_host", "pack", "pack_ref", "unpack", "unpack_ref"]
+__all__ = ["RunTemplate", "copy_runs_host", "pack", "pack_ref", "prepare_runs", "unpack", "unpack_ref"]
 
-_WORDS = ((8, torch.int64), (4, torch.int32), (2, torch.int16))
+_WORDS = ((8, torch.int64), (4, torch.int32), (2, torch.int16), (1, torch.uint8))
+_WORD_DTYPE = dict(_WORDS)
 
 
 @triton.jit
-def _pack_kernel(p_from, p_to, p_runs, BLOCK: tl.constexpr):
-    # Serves pack and unpack alike (only the roles of the buffers differ).
-    # One program: one run x a strided share of its BLOCK-sized pieces.
+def _pack_kernel(p_from, p_to, p_runs, WORD: tl.constexpr, BLOCK: tl.constexpr):
+    # Serves pack and unpack alike (only the roles of the buffers differ). The runs are in bytes;
+    # the buffers are viewed as WORD-byte words, and WORD divides every offset and length.
+    # One program: one run x a strided share of its BLOCK-word pieces.
     i_r = tl.program_id(0).to(tl.int64)
     i_c = tl.program_id(1).to(tl.int64)
     n_c = tl.num_programs(1).to(tl.int64)
-    from_off = tl.load(p_runs + i_r * 3)
-    to_off = tl.load(p_runs + i_r * 3 + 1)
-    length = tl.load(p_runs + i_r * 3 + 2)
+    from_off = tl.load(p_runs + i_r * 3) // WORD
+    to_off = tl.load(p_runs + i_r * 3 + 1) // WORD
+    length = tl.load(p_runs + i_r * 3 + 2) // WORD
     for start in range(i_c * BLOCK, length, n_c * BLOCK):
         o_x = start + tl.arange(0, BLOCK)
         m_x = o_x < length
         b_x = tl.load(p_from + from_off + o_x, mask=m_x)
         tl.store(p_to + to_off + o_x, b_x, mask=m_x)
+
+
+# The launches, declared once (the compile check builds every variant): the word size picks
+# the buffers' view dtype (1: uint8, 2: int16, 4: int32, 8: int64).
+_BLOCK = 1024
+_MAX_PROGRAMS_PER_RUN = 256
+_PACK = Launcher(
+    _pack_kernel,
+    name="pack.copy_runs",
+    constexprs=dict(WORD=tuple(w for w, _ in reversed(_WORDS)), BLOCK=(_BLOCK,)),
+    dtypes={("p_from", "p_to"): tuple(d for _, d in reversed(_WORDS)), "p_runs": (torch.int64,)},
+)
+
+
+@dataclass(frozen=True, eq=False)
+class RunTemplate:
+    """Runs checked once against two buffer sizes and held on a device.
+
+    ::
+
+        runs  [R, 3] int64 on ``device``: (from_offset, to_offset, length) in bytes, R >= 0,
+              every length > 0 (empty runs are dropped)
+
+    ``word`` is the widest of 8/4/2/1 bytes dividing every offset and length; ``max_length``
+    and ``total`` are the longest run and the sum of lengths, in bytes (host integers, so a
+    launch needs no device read).
+    """
+
+    runs: torch.Tensor
+    from_size: int
+    to_size: int
+    word: int
+    max_length: int
+    total: int
+
+    @property
+    def device(self) -> torch.device:
+        return self.runs.device
+
+    def __len__(self) -> int:
+        return self.runs.shape[0]
 
 
 def _check_buffer(name: str, t: torch.Tensor) -> None:
@@ -56,11 +108,7 @@ def _check_buffer(name: str, t: torch.Tensor) -> None:
         )
 
 
-def _check_runs(runs: object, from_name: str, from_buf: torch.Tensor, to_name: str, to_buf: torch.Tensor) -> np.ndarray:
-    """Return the runs as a host int64 array ``[R, 3]`` after checking bounds and overlaps."""
-    _check_buffer(from_name, from_buf)
-    _check_buffer(to_name, to_buf)
-    check_same_device(**{from_name: from_buf, to_name: to_buf})
+def _host_runs(runs: object) -> np.ndarray:
     if isinstance(runs, torch.Tensor):
         arr = runs.detach().cpu().numpy()
     elif isinstance(runs, np.ndarray):
@@ -71,12 +119,30 @@ def _check_runs(runs: object, from_name: str, from_buf: torch.Tensor, to_name: s
         raise ShapeError(f"runs must be [R, 3] (from_offset, to_offset, length), got shape {list(arr.shape)}")
     if not np.issubdtype(arr.dtype, np.integer):
         raise ShapeError(f"runs must be integers, got {arr.dtype}")
-    arr = np.ascontiguousarray(arr, dtype=np.int64)
+    return np.ascontiguousarray(arr, dtype=np.int64)
+
+
+def prepare_runs(
+    runs: object,
+    from_size: int,
+    to_size: int,
+    device: torch.device | str = "cpu",
+    *,
+    from_name: str = "from buffer",
+    to_name: str = "to buffer",
+) -> RunTemplate:
+    """Check ``runs`` ``[R, 3]`` (numpy or tensor) once against buffers of ``from_size`` and
+    ``to_size`` bytes and copy them to ``device``.
+
+    Raises :class:`ShapeError` naming the first bad run: a negative offset or length, a run
+    that ends past a buffer, or two runs that overlap in the destination.
+    """
+    arr = _host_runs(runs)
     frm, to, length = arr[:, 0], arr[:, 1], arr[:, 2]
     bad = np.flatnonzero((length < 0) | (frm < 0) | (to < 0))
     if bad.size:
         raise ShapeError(f"run {int(bad[0])} {arr[bad[0]].tolist()} has a negative offset or length")
-    for name, off, size in ((from_name, frm, from_buf.numel()), (to_name, to, to_buf.numel())):
+    for name, off, size in ((from_name, frm, from_size), (to_name, to, to_size)):
         bad = np.flatnonzero(off + length > size)
         if bad.size:
             raise ShapeError(f"run {int(bad[0])} {arr[bad[0]].tolist()} ends past {name} ({size} bytes)")
@@ -86,42 +152,65 @@ def _check_runs(runs: object, from_name: str, from_buf: torch.Tensor, to_name: s
     if clash.size:
         i, j = int(order[clash[0]]), int(order[clash[0] + 1])
         raise ShapeError(f"runs {i} {arr[i].tolist()} and {j} {arr[j].tolist()} overlap in {to_name}")
-    return arr
+    arr = arr[live]
+    align = int(np.bitwise_or.reduce(arr, axis=None)) if arr.size else 0
+    word = next(w for w, _ in _WORDS if align % w == 0)
+    return RunTemplate(
+        runs=torch.from_numpy(arr).to(device),
+        from_size=int(from_size),
+        to_size=int(to_size),
+        word=word,
+        max_length=int(arr[:, 2].max()) if arr.size else 0,
+        total=int(arr[:, 2].sum()) if arr.size else 0,
+    )
 
 
-def _as_words(arr: np.ndarray, *bufs: torch.Tensor) -> tuple[int, np.ndarray, list[torch.Tensor]]:
-    """Widest word that divides every run and buffer; the runs and buffers in that unit."""
-    for size, dtype in _WORDS:
-        if not (arr % size).any() and all(b.numel() % size == 0 and b.data_ptr() % size == 0 for b in bufs):
-            return size, arr // size, [b.view(dtype) for b in bufs]
-    return 1, arr, list(bufs)
+def _template(runs: object, from_name: str, from_buf: torch.Tensor, to_name: str, to_buf: torch.Tensor) -> RunTemplate:
+    """The template for one call: checked per call unless ``runs`` is a :class:`RunTemplate`."""
+    _check_buffer(from_name, from_buf)
+    _check_buffer(to_name, to_buf)
+    device = check_same_device(**{from_name: from_buf, to_name: to_buf})
+    if not isinstance(runs, RunTemplate):
+        return prepare_runs(runs, from_buf.numel(), to_buf.numel(), device, from_name=from_name, to_name=to_name)
+    for name, buf, size in ((from_name, from_buf, runs.from_size), (to_name, to_buf, runs.to_size)):
+        if buf.numel() < size:
+            raise ShapeError(f"{name} has {buf.numel()} bytes; the run template was checked against {size}")
+    if runs.device != device:
+        raise ShapeError(f"the run template is on {runs.device}, the buffers on {device}")
+    return runs
+
+
+def _word(template: RunTemplate, *bufs: torch.Tensor) -> int:
+    """The widest word dividing the runs, and each buffer's address and size."""
+    for size, _ in _WORDS:
+        if template.word % size == 0 and all(b.numel() % size == 0 and b.data_ptr() % size == 0 for b in bufs):
+            return size
+    return 1
 
 
 def _copy_runs(from_name: str, from_buf: torch.Tensor, runs: object, to_name: str, to_buf: torch.Tensor) -> None:
-    arr = _check_runs(runs, from_name, from_buf, to_name, to_buf)
-    check_triton_runnable(_pack_kernel, from_buf)
-    arr = arr[arr[:, 2] > 0]
-    if arr.shape[0] == 0:
+    template = _template(runs, from_name, from_buf, to_name, to_buf)
+    _PACK.check_runnable(from_buf)
+    if len(template) == 0:
         return
-    _, words, (frm, to) = _as_words(arr, from_buf, to_buf)
-    block = 1024
-    max_len = int(words[:, 2].max())
-    grid = (words.shape[0], min(triton.cdiv(max_len, block), 256))
-    runs_dev = torch.from_numpy(words).to(from_buf.device)
-    _pack_kernel[grid](frm, to, runs_dev, BLOCK=block)
+    word = _word(template, from_buf, to_buf)
+    dtype = _WORD_DTYPE[word]
+    grid = (len(template), min(triton.cdiv(template.max_length // word, _BLOCK), _MAX_PROGRAMS_PER_RUN))
+    _PACK(grid, from_buf.view(dtype), to_buf.view(dtype), template.runs, WORD=word, BLOCK=_BLOCK)
 
 
 def _copy_runs_ref(from_name: str, from_buf: torch.Tensor, runs: object, to_name: str, to_buf: torch.Tensor) -> None:
-    arr = _check_runs(runs, from_name, from_buf, to_name, to_buf)
-    arr = arr[arr[:, 2] > 0]
-    if arr.shape[0] == 0:
+    template = _template(runs, from_name, from_buf, to_name, to_buf)
+    if len(template) == 0:
         return
-    _, words, (frm, to) = _as_words(arr, from_buf, to_buf)
-    w = torch.from_numpy(words).to(from_buf.device)
+    word = _word(template, from_buf, to_buf)
+    frm, to = from_buf.view(_WORD_DTYPE[word]), to_buf.view(_WORD_DTYPE[word])
+    w = template.runs // word
     lengths = w[:, 2]
-    run_of = torch.repeat_interleave(torch.arange(w.shape[0], device=w.device), lengths)
+    total = template.total // word
+    run_of = torch.repeat_interleave(torch.arange(w.shape[0], device=w.device), lengths, output_size=total)
     run_start = torch.cumsum(lengths, 0) - lengths
-    within = torch.arange(int(lengths.sum()), device=w.device) - run_start[run_of]
+    within = torch.arange(total, device=w.device) - run_start[run_of]
     to[w[run_of, 1] + within] = frm[w[run_of, 0] + within]
 
 
@@ -130,7 +219,9 @@ def pack(src: torch.Tensor, runs: object, staging: torch.Tensor) -> torch.Tensor
 
     Args:
         src: ``[bytes]`` contiguous uint8 (e.g. a page buffer viewed as bytes).
-        runs: ``[R, 3]`` int64 numpy array or tensor of ``(src_offset, staging_offset, length)``.
+        runs: a :class:`RunTemplate` (checked once by :func:`prepare_runs`, on src's device),
+            or ``[R, 3]`` int64 numpy array or tensor of ``(src_offset, staging_offset, length)``
+            (checked and copied to the device on every call).
         staging: ``[bytes]`` contiguous uint8; bytes outside the runs are left as they were.
 
     Returns:
@@ -145,7 +236,9 @@ def pack_ref(src: torch.Tensor, runs: object, staging: torch.Tensor) -> torch.Te
 
     Args:
         src: ``[bytes]`` contiguous uint8 (e.g. a page buffer viewed as bytes).
-        runs: ``[R, 3]`` int64 numpy array or tensor of ``(src_offset, staging_offset, length)``.
+        runs: a :class:`RunTemplate` (checked once by :func:`prepare_runs`, on src's device),
+            or ``[R, 3]`` int64 numpy array or tensor of ``(src_offset, staging_offset, length)``
+            (checked and copied to the device on every call).
         staging: ``[bytes]`` contiguous uint8; bytes outside the runs are left as they were.
 
     Returns:
@@ -160,7 +253,9 @@ def unpack(staging: torch.Tensor, runs: object, dst: torch.Tensor) -> torch.Tens
 
     Args:
         staging: ``[bytes]`` contiguous uint8.
-        runs: ``[R, 3]`` int64 numpy array or tensor of ``(staging_offset, dst_offset, length)``.
+        runs: a :class:`RunTemplate` (checked once by :func:`prepare_runs`, on the buffers'
+            device), or ``[R, 3]`` int64 numpy array or tensor of
+            ``(staging_offset, dst_offset, length)`` (checked and copied on every call).
         dst: ``[bytes]`` contiguous uint8; bytes outside the runs are left as they were.
 
     Returns:
@@ -175,7 +270,9 @@ def unpack_ref(staging: torch.Tensor, runs: object, dst: torch.Tensor) -> torch.
 
     Args:
         staging: ``[bytes]`` contiguous uint8.
-        runs: ``[R, 3]`` int64 numpy array or tensor of ``(staging_offset, dst_offset, length)``.
+        runs: a :class:`RunTemplate` (checked once by :func:`prepare_runs`, on the buffers'
+            device), or ``[R, 3]`` int64 numpy array or tensor of
+            ``(staging_offset, dst_offset, length)`` (checked and copied on every call).
         dst: ``[bytes]`` contiguous uint8; bytes outside the runs are left as they were.
 
     Returns:
@@ -243,3 +340,4 @@ def copy_runs_host(frm: np.ndarray, runs: np.ndarray, to: np.ndarray) -> None:
         src_rows = as_strided(src, (src.size - n + 1, n), (word, word), writeable=False)
         dst_rows = as_strided(dst, (dst.size - n + 1, n), (word, word))
         dst_rows[offsets[:, 1]] = src_rows[offsets[:, 0]]
+

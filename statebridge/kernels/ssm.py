@@ -13,11 +13,13 @@ region, so both SSM layouts run the same kernel::
     HLPN  buf [pages, H, L, P, N] -> buf[:, :, l]     (stride of H is L*P*N)
 
 :func:`selective_state_update` is the Triton kernel with :func:`selective_state_update_ref`
-beside it. :func:`mamba_chunk_scan_ref` is the prefill reference (no Triton kernel yet): it
-returns the outputs and the final state, so a prefill worker can hand the state over.
+beside it. Prefill: :func:`mamba_chunk_scan_varlen` is the chunked scan (SSD) of packed prompts
+in three Triton kernels that read each prompt's initial state from its slot and write its final
+state back; :func:`mamba_chunk_scan_varlen_ref` does the same with :func:`mamba_chunk_scan_ref`,
+the plain-torch scan that returns the outputs and the final states.
 
-The in-place kernel is not autotuned: autotuning runs it several times on the same arguments
-and every extra run would advance the SSM state by another token.
+The in-place kernels are not autotuned: autotuning runs a kernel several times on the same
+arguments and every extra run would advance the SSM state again.
 """
 
 from __future__ import annotations
@@ -34,11 +36,17 @@ from statebridge.kernels._common import (
     check_int,
     check_same_device,
     check_shape,
-    check_triton_runnable,
-    next_power_of_2,
 )
+from statebridge.kernels._jit import BLOCK_B, chunks_before, dot, find_chunk, varlen_programs
+from statebridge.kernels._launch import BOOLS, FLOATS, INDEX, Launcher, placeholder
 
-__all__ = ["selective_state_update", "selective_state_update_ref", "mamba_chunk_scan_ref"]
+__all__ = [
+    "mamba_chunk_scan_ref",
+    "mamba_chunk_scan_varlen",
+    "mamba_chunk_scan_varlen_ref",
+    "selective_state_update",
+    "selective_state_update_ref",
+]
 
 
 @triton.jit
@@ -105,7 +113,8 @@ def _selective_state_update_kernel(
     BLOCK_P: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):
-    # One program: one request x one head x a block of BLOCK_P head-dim rows, all d_state columns.
+    # One program: one request x one head x a block of BLOCK_P head-dim rows, all d_state columns
+    # in steps of BLOCK_N.
     i_b = tl.program_id(0).to(tl.int64)
     i_h = tl.program_id(1).to(tl.int64)
     i_p = tl.program_id(2)
@@ -115,13 +124,8 @@ def _selective_state_update_kernel(
     else:
         slot = i_b
     o_p = i_p * BLOCK_P + tl.arange(0, BLOCK_P)
-    o_n = tl.arange(0, BLOCK_N)
     m_p = o_p < head_dim
-    m_n = o_n < d_state
-    m_pn = m_p[:, None] & m_n[None, :]
 
-    p_st = p_state + slot * stride_st_b + i_h * stride_st_h + o_p[:, None] * stride_st_p + o_n[None, :] * stride_st_n
-    b_state = tl.load(p_st, mask=m_pn, other=0.0).to(tl.float32)
     b_x = tl.load(p_x + i_b * stride_x_b + i_h * stride_x_h + o_p * stride_x_p, mask=m_p, other=0.0).to(tl.float32)
     b_dt = tl.load(p_dt + i_b * stride_dt_b + i_h * stride_dt_h + o_p * stride_dt_p, mask=m_p, other=0.0).to(
         tl.float32
@@ -130,21 +134,64 @@ def _selective_state_update_kernel(
         b_dt += tl.load(p_dt_bias + i_h * stride_dtb_h + o_p * stride_dtb_p, mask=m_p, other=0.0).to(tl.float32)
     if DT_SOFTPLUS:
         b_dt = _softplus(b_dt)
-    p_a = p_A + i_h * stride_A_h + o_p[:, None] * stride_A_p + o_n[None, :] * stride_A_n
-    b_A = tl.load(p_a, mask=m_pn, other=0.0).to(tl.float32)
-    b_B = tl.load(p_B + i_b * stride_B_b + i_g * stride_B_g + o_n * stride_B_n, mask=m_n, other=0.0).to(tl.float32)
-    b_C = tl.load(p_C + i_b * stride_C_b + i_g * stride_C_g + o_n * stride_C_n, mask=m_n, other=0.0).to(tl.float32)
 
-    b_state = b_state * tl.exp(b_A * b_dt[:, None]) + (b_dt * b_x)[:, None] * b_B[None, :]
-    tl.store(p_st, b_state.to(p_state.dtype.element_ty), mask=m_pn)
+    b_out = tl.zeros([BLOCK_P], dtype=tl.float32)
+    for n0 in range(0, d_state, BLOCK_N):
+        o_n = n0 + tl.arange(0, BLOCK_N)
+        m_n = o_n < d_state
+        m_pn = m_p[:, None] & m_n[None, :]
+        p_st = (
+            p_state + slot * stride_st_b + i_h * stride_st_h + o_p[:, None] * stride_st_p + o_n[None, :] * stride_st_n
+        )
+        b_state = tl.load(p_st, mask=m_pn, other=0.0).to(tl.float32)
+        p_a = p_A + i_h * stride_A_h + o_p[:, None] * stride_A_p + o_n[None, :] * stride_A_n
+        b_A = tl.load(p_a, mask=m_pn, other=0.0).to(tl.float32)
+        b_B = tl.load(p_B + i_b * stride_B_b + i_g * stride_B_g + o_n * stride_B_n, mask=m_n, other=0.0).to(
+            tl.float32
+        )
+        b_C = tl.load(p_C + i_b * stride_C_b + i_g * stride_C_g + o_n * stride_C_n, mask=m_n, other=0.0).to(
+            tl.float32
+        )
+        b_state = b_state * tl.exp(b_A * b_dt[:, None]) + (b_dt * b_x)[:, None] * b_B[None, :]
+        tl.store(p_st, b_state.to(p_state.dtype.element_ty), mask=m_pn)
+        b_out += tl.sum(b_state * b_C[None, :], axis=1)
 
-    b_out = tl.sum(b_state * b_C[None, :], axis=1)
     if HAS_D:
         b_out += b_x * tl.load(p_D + i_h * stride_D_h + o_p * stride_D_p, mask=m_p, other=0.0).to(tl.float32)
     if HAS_Z:
         b_z = tl.load(p_z + i_b * stride_z_b + i_h * stride_z_h + o_p * stride_z_p, mask=m_p, other=0.0).to(tl.float32)
         b_out = b_out * (b_z * tl.sigmoid(b_z))
     tl.store(p_out + i_b * stride_o_b + i_h * stride_o_h + o_p * stride_o_p, b_out.to(p_out.dtype.element_ty), mask=m_p)
+
+
+# The launches, declared once (the compile check builds every variant). Fixed blocks: one
+# compiled variant serves every head dim and d_state.
+_SSU_BLOCK_P = 16
+_SSU_BLOCK_N = 128
+_SSU = Launcher(
+    _selective_state_update_kernel,
+    name="ssm.selective_state_update",
+    constexprs=dict(
+        HAS_D=BOOLS,
+        HAS_Z=BOOLS,
+        HAS_DT_BIAS=BOOLS,
+        DT_SOFTPLUS=BOOLS,
+        HAS_SLOTS=BOOLS,
+        BLOCK_P=(_SSU_BLOCK_P,),
+        BLOCK_N=(_SSU_BLOCK_N,),
+    ),
+    dtypes={
+        "p_state": FLOATS,
+        ("p_x", "p_out"): FLOATS,
+        "p_dt": FLOATS,
+        "p_A": FLOATS,
+        ("p_B", "p_C"): FLOATS,
+        "p_D": FLOATS,
+        "p_z": FLOATS,
+        "p_dt_bias": FLOATS,
+        "p_slots": INDEX,
+    },
+)
 
 
 def _check_ssu_args(
@@ -232,18 +279,17 @@ def selective_state_update(
     batch, heads, head_dim, n_state, groups = _check_ssu_args(
         state, x, dt, A, B, C, D, z, dt_bias, state_batch_indices
     )
-    check_triton_runnable(_selective_state_update_kernel, x)
+    _SSU.check_runnable(x)
     out = torch.empty((batch, heads, head_dim), dtype=x.dtype, device=x.device)
     if batch == 0:
         return out
-    block_n = next_power_of_2(n_state)
-    block_p = min(next_power_of_2(head_dim), max(1, 4096 // block_n), 64)
-    grid = (batch, heads, triton.cdiv(head_dim, block_p))
+    grid = (batch, heads, triton.cdiv(head_dim, _SSU_BLOCK_P))
 
     def strides(t: torch.Tensor | None, n: int) -> tuple[int, ...]:
         return tuple(t.stride()) if t is not None else (0,) * n
 
-    _selective_state_update_kernel[grid](
+    _SSU(
+        grid,
         state,
         x,
         dt,
@@ -253,7 +299,7 @@ def selective_state_update(
         D if D is not None else x,
         z if z is not None else x,
         dt_bias if dt_bias is not None else x,
-        state_batch_indices if state_batch_indices is not None else x,
+        state_batch_indices if state_batch_indices is not None else placeholder(x.device, torch.int64),
         out,
         head_dim,
         n_state,
@@ -273,8 +319,8 @@ def selective_state_update(
         HAS_DT_BIAS=dt_bias is not None,
         DT_SOFTPLUS=bool(dt_softplus),
         HAS_SLOTS=state_batch_indices is not None,
-        BLOCK_P=block_p,
-        BLOCK_N=block_n,
+        BLOCK_P=_SSU_BLOCK_P,
+        BLOCK_N=_SSU_BLOCK_N,
     )
     return out
 
@@ -485,3 +531,534 @@ def mamba_chunk_scan_ref(
     if z is not None:
         y = y * F.silu(z.float())
     return y.to(x.dtype), final
+
+
+
+# --------------------------------------------------------------------------------------------
+# Chunked scan (SSD) of packed prompts on the state slots: Triton kernels and reference
+# --------------------------------------------------------------------------------------------
+#
+# Per sequence, head h and chunk c of Q tokens (the last one may be shorter), with
+# a[t] = sum_{s <= t in c} dt[s] * A[h] (log decay from the chunk start to t) and S_c the state
+# before the chunk:
+#
+#   chunk state    U_c      = sum_s exp(a[last] - a[s]) dt[s] x[s] B[s]^T                 [P, N]
+#   state passing  S_{c+1}  = exp(a[last]) S_c + U_c,    S_0 = initial state (or 0)
+#   output         y[t]     = sum_{s <= t} (C[t] . B[s]) exp(a[t] - a[s]) dt[s] x[s]
+#                             + exp(a[t]) S_c C[t]  (+ D x[t]) (* silu(z[t]))
+#
+# Three kernels, in stream order: chunk states (and dt, a per token), state passing (one program
+# walks the chunks of one sequence; reads the initial state from its slot, writes the final one
+# back), chunk scan (outputs). Chunks never span two sequences; their programs come from the
+# packed token axis (find_chunk), so no length is read on the host.
+
+SCAN_CHUNK = 64  # tokens per chunk of the Triton scan
+_SCAN_BLOCK_P = 32
+_SCAN_BLOCK_N = 64
+
+
+@triton.jit
+def _ssd_chunk_state_kernel(
+    p_x,
+    p_dt,
+    p_A,
+    p_B,
+    p_dt_bias,
+    p_qsl,
+    p_dt_out,
+    p_acs,
+    p_states,
+    p_decay,
+    batch,
+    heads,
+    head_dim,
+    d_state,
+    heads_per_group,
+    stride_x_t,
+    stride_x_h,
+    stride_x_p,
+    stride_dt_t,
+    stride_dt_h,
+    stride_B_t,
+    stride_B_g,
+    stride_B_n,
+    HAS_DT_BIAS: tl.constexpr,
+    DT_SOFTPLUS: tl.constexpr,
+    CHUNK: tl.constexpr,
+    BLOCK_P: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_B: tl.constexpr,
+):
+    # One program: one chunk x one head x one [BLOCK_P, BLOCK_N] tile of its chunk state.
+    i_c = tl.program_id(0)
+    i_b, i_t = find_chunk(p_qsl, batch, i_c, CHUNK, BLOCK_B)
+    if i_b >= batch:
+        return
+    i_h = tl.program_id(1).to(tl.int64)
+    i_g = i_h // heads_per_group
+    n_pblocks = tl.cdiv(head_dim, BLOCK_P)
+    i_p = tl.program_id(2) % n_pblocks
+    i_n = tl.program_id(2) // n_pblocks
+    bos = tl.load(p_qsl + i_b).to(tl.int64)
+    seqlen = tl.load(p_qsl + i_b + 1).to(tl.int64) - bos
+    o_q = tl.arange(0, CHUNK)
+    m_q = i_t * CHUNK + o_q < seqlen
+    o_tok = bos + i_t * CHUNK + o_q
+
+    b_dt = tl.load(p_dt + o_tok * stride_dt_t + i_h * stride_dt_h, mask=m_q, other=0.0).to(tl.float32)
+    if HAS_DT_BIAS:
+        b_dt += tl.load(p_dt_bias + i_h).to(tl.float32)
+    if DT_SOFTPLUS:
+        b_dt = _softplus(b_dt)
+    b_dt = tl.where(m_q, b_dt, 0.0)
+    b_acs = tl.cumsum(b_dt * tl.load(p_A + i_h).to(tl.float32), axis=0)
+    b_last = tl.sum(tl.where(o_q == tl.sum(m_q.to(tl.int32), axis=0) - 1, b_acs, 0.0), axis=0)
+    if tl.program_id(2) == 0:
+        # [T, H] fp32 per token; [NC, H] per chunk
+        tl.store(p_dt_out + o_tok * heads + i_h, b_dt, mask=m_q)
+        tl.store(p_acs + o_tok * heads + i_h, b_acs, mask=m_q)
+        tl.store(p_decay + i_c * heads + i_h, tl.exp(b_last))
+
+    o_p = i_p * BLOCK_P + tl.arange(0, BLOCK_P)
+    o_n = i_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    m_p = o_p < head_dim
+    m_n = o_n < d_state
+    p_xs = p_x + o_tok[:, None] * stride_x_t + i_h * stride_x_h + o_p[None, :] * stride_x_p
+    b_x = tl.load(p_xs, mask=m_q[:, None] & m_p[None, :], other=0.0)
+    b_w = tl.where(m_q, tl.exp(b_last - b_acs) * b_dt, 0.0)
+    b_xw = (b_x.to(tl.float32) * b_w[:, None]).to(b_x.dtype)  # [Q, P]
+    p_Bs = p_B + o_tok[:, None] * stride_B_t + i_g * stride_B_g + o_n[None, :] * stride_B_n
+    b_B = tl.load(p_Bs, mask=m_q[:, None] & m_n[None, :], other=0.0)  # [Q, N]
+    b_u = dot(tl.trans(b_xw), b_B)  # [P, N]
+    # [NC, H, P, N] fp32, contiguous
+    p_u = p_states + ((i_c * heads + i_h) * head_dim + o_p[:, None]) * d_state + o_n[None, :]
+    tl.store(p_u, b_u, mask=m_p[:, None] & m_n[None, :])
+
+
+@triton.jit
+def _ssd_state_passing_kernel(
+    p_states,
+    p_decay,
+    p_ssm,
+    p_qsl,
+    p_slots,
+    p_has_init,
+    heads,
+    head_dim,
+    d_state,
+    stride_ssm_b,
+    stride_ssm_h,
+    stride_ssm_p,
+    stride_ssm_n,
+    CHUNK: tl.constexpr,
+    BLOCK_P: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_B: tl.constexpr,
+):
+    # One program: one sequence x one head x one [BLOCK_P, BLOCK_N] tile of the state. Walks the
+    # sequence's chunks in order, replacing each chunk's state contribution U_c by the state
+    # S_c before the chunk, and writes the final state into the sequence's slot.
+    i_b = tl.program_id(0)
+    i_h = tl.program_id(1).to(tl.int64)
+    n_pblocks = tl.cdiv(head_dim, BLOCK_P)
+    i_p = tl.program_id(2) % n_pblocks
+    i_n = tl.program_id(2) // n_pblocks
+    bos = tl.load(p_qsl + i_b).to(tl.int64)
+    seqlen = tl.load(p_qsl + i_b + 1).to(tl.int64) - bos
+    c0 = chunks_before(p_qsl, i_b, CHUNK, BLOCK_B)
+    slot = tl.load(p_slots + i_b).to(tl.int64)
+    o_p = i_p * BLOCK_P + tl.arange(0, BLOCK_P)
+    o_n = i_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    m_pn = (o_p < head_dim)[:, None] & (o_n < d_state)[None, :]
+    p_slot = p_ssm + slot * stride_ssm_b + i_h * stride_ssm_h + o_p[:, None] * stride_ssm_p + o_n[None, :] * stride_ssm_n
+    # Masks are built from a vector comparison against an integer rather than from a scalar bool
+    # (which the interpreter rejects).
+    has_init = tl.load(p_has_init + i_b).to(tl.int32)
+    b_s = tl.load(p_slot, mask=m_pn & (tl.zeros_like(o_n) + has_init > 0)[None, :], other=0.0).to(tl.float32)
+    for i in range(0, tl.cdiv(seqlen, CHUNK)):
+        c = c0 + i
+        p_u = p_states + ((c * heads + i_h) * head_dim + o_p[:, None]) * d_state + o_n[None, :]
+        b_u = tl.load(p_u, mask=m_pn, other=0.0)
+        tl.store(p_u, b_s, mask=m_pn)
+        b_s = tl.load(p_decay + c * heads + i_h) * b_s + b_u
+    tl.store(p_slot, b_s.to(p_ssm.dtype.element_ty), mask=m_pn)
+
+
+@triton.jit
+def _ssd_chunk_scan_kernel(
+    p_x,
+    p_B,
+    p_C,
+    p_D,
+    p_z,
+    p_dt_out,
+    p_acs,
+    p_states,
+    p_qsl,
+    p_out,
+    batch,
+    heads,
+    head_dim,
+    d_state,
+    heads_per_group,
+    stride_x_t,
+    stride_x_h,
+    stride_x_p,
+    stride_B_t,
+    stride_B_g,
+    stride_B_n,
+    stride_C_t,
+    stride_C_g,
+    stride_C_n,
+    stride_D_h,
+    stride_D_p,
+    stride_z_t,
+    stride_z_h,
+    stride_z_p,
+    stride_o_t,
+    stride_o_h,
+    stride_o_p,
+    HAS_D: tl.constexpr,
+    HAS_Z: tl.constexpr,
+    CHUNK: tl.constexpr,
+    BLOCK_P: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_B: tl.constexpr,
+):
+    # One program: one chunk x one head x BLOCK_P head-dim columns of its outputs.
+    i_c = tl.program_id(0)
+    i_b, i_t = find_chunk(p_qsl, batch, i_c, CHUNK, BLOCK_B)
+    if i_b >= batch:
+        return
+    i_h = tl.program_id(1).to(tl.int64)
+    i_g = i_h // heads_per_group
+    i_p = tl.program_id(2)
+    bos = tl.load(p_qsl + i_b).to(tl.int64)
+    seqlen = tl.load(p_qsl + i_b + 1).to(tl.int64) - bos
+    o_q = tl.arange(0, CHUNK)
+    m_q = i_t * CHUNK + o_q < seqlen
+    o_tok = bos + i_t * CHUNK + o_q
+    o_p = i_p * BLOCK_P + tl.arange(0, BLOCK_P)
+    m_p = o_p < head_dim
+
+    b_dt = tl.load(p_dt_out + o_tok * heads + i_h, mask=m_q, other=0.0)
+    b_acs = tl.load(p_acs + o_tok * heads + i_h, mask=m_q, other=0.0)
+    b_cb = tl.zeros([CHUNK, CHUNK], dtype=tl.float32)
+    b_y = tl.zeros([CHUNK, BLOCK_P], dtype=tl.float32)
+    for n0 in range(0, d_state, BLOCK_N):
+        o_n = n0 + tl.arange(0, BLOCK_N)
+        m_n = o_n < d_state
+        m_qn = m_q[:, None] & m_n[None, :]
+        b_C = tl.load(p_C + o_tok[:, None] * stride_C_t + i_g * stride_C_g + o_n[None, :] * stride_C_n, mask=m_qn, other=0.0)
+        b_B = tl.load(p_B + o_tok[:, None] * stride_B_t + i_g * stride_B_g + o_n[None, :] * stride_B_n, mask=m_qn, other=0.0)
+        b_cb += dot(b_C, tl.trans(b_B))  # [Q, Q]
+        # the state before the chunk, [NC, H, P, N] fp32
+        p_s = p_states + ((i_c * heads + i_h) * head_dim + o_p[None, :]) * d_state + o_n[:, None]
+        b_s = tl.load(p_s, mask=m_n[:, None] & m_p[None, :], other=0.0)  # [N, P]
+        b_y += dot(b_C, b_s)  # [Q, P]
+    b_y = b_y * tl.exp(b_acs)[:, None]
+    # decay from s to t for s <= t, both in the chunk (masked before the exp: never overflows)
+    m_causal = (o_q[None, :] <= o_q[:, None]) & m_q[None, :] & m_q[:, None]
+    b_decay = tl.exp(tl.where(m_causal, b_acs[:, None] - b_acs[None, :], float("-inf")))
+    p_xs = p_x + o_tok[:, None] * stride_x_t + i_h * stride_x_h + o_p[None, :] * stride_x_p
+    b_x = tl.load(p_xs, mask=m_q[:, None] & m_p[None, :], other=0.0)  # [Q, P]
+    b_m = b_cb * b_decay * b_dt[None, :]
+    b_y += dot(b_m.to(b_x.dtype), b_x)
+    if HAS_D:
+        b_y += b_x.to(tl.float32) * tl.load(p_D + i_h * stride_D_h + o_p * stride_D_p, mask=m_p, other=0.0).to(
+            tl.float32
+        )[None, :]
+    if HAS_Z:
+        p_zs = p_z + o_tok[:, None] * stride_z_t + i_h * stride_z_h + o_p[None, :] * stride_z_p
+        b_z = tl.load(p_zs, mask=m_q[:, None] & m_p[None, :], other=0.0).to(tl.float32)
+        b_y = b_y * (b_z * tl.sigmoid(b_z))
+    p_os = p_out + o_tok[:, None] * stride_o_t + i_h * stride_o_h + o_p[None, :] * stride_o_p
+    tl.store(p_os, b_y.to(p_out.dtype.element_ty), mask=m_q[:, None] & m_p[None, :])
+
+
+# The launches, declared once (the compile check builds every variant).
+_SCAN_FIXED = dict(CHUNK=(SCAN_CHUNK,), BLOCK_P=(_SCAN_BLOCK_P,), BLOCK_N=(_SCAN_BLOCK_N,), BLOCK_B=(BLOCK_B,))
+_SCAN_STATE = Launcher(
+    _ssd_chunk_state_kernel,
+    name="ssm.scan_chunk_state",
+    constexprs=dict(HAS_DT_BIAS=BOOLS, DT_SOFTPLUS=BOOLS, **_SCAN_FIXED),
+    dtypes={
+        "p_x": FLOATS,
+        "p_dt": FLOATS,
+        "p_A": FLOATS,
+        "p_B": FLOATS,
+        "p_dt_bias": FLOATS,
+        "p_qsl": INDEX,
+        ("p_dt_out", "p_acs", "p_states", "p_decay"): (torch.float32,),
+    },
+)
+_SCAN_PASS = Launcher(
+    _ssd_state_passing_kernel,
+    name="ssm.scan_state_passing",
+    constexprs=_SCAN_FIXED,
+    dtypes={
+        ("p_states", "p_decay"): (torch.float32,),
+        "p_ssm": FLOATS,
+        "p_qsl": INDEX,
+        "p_slots": INDEX,
+        "p_has_init": (torch.bool,),
+    },
+)
+_SCAN_OUT = Launcher(
+    _ssd_chunk_scan_kernel,
+    name="ssm.scan_chunk_scan",
+    constexprs=dict(HAS_D=BOOLS, HAS_Z=BOOLS, **_SCAN_FIXED),
+    dtypes={
+        ("p_x", "p_z", "p_out"): FLOATS,
+        ("p_B", "p_C"): FLOATS,
+        "p_D": FLOATS,
+        ("p_dt_out", "p_acs", "p_states"): (torch.float32,),
+        "p_qsl": INDEX,
+    },
+)
+
+
+def _check_scan_varlen_args(
+    x: torch.Tensor,
+    dt: torch.Tensor,
+    A: torch.Tensor,
+    B: torch.Tensor,
+    C: torch.Tensor,
+    ssm_state: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    slots: torch.Tensor,
+    has_initial_state: torch.Tensor,
+    chunk_size: int,
+    D: torch.Tensor | None,
+    z: torch.Tensor | None,
+    dt_bias: torch.Tensor | None,
+) -> tuple[int, int, int, int, int]:
+    """Validate; return ``(B, H, P, N, G)``."""
+    check_dims("x", x, 3)
+    num_tokens, heads, head_dim = x.shape
+    check_dims("B", B, 3)
+    groups, n_state = B.shape[1:]
+    if groups == 0 or heads % groups != 0:
+        raise ShapeError(f"heads H={heads} must be a multiple of groups G={groups} (B is {list(B.shape)})")
+    check_dims("ssm_state", ssm_state, 4)
+    check_shape("ssm_state", ssm_state, (None, heads, head_dim, n_state))
+    for name, t, shape in (
+        ("x", x, None),
+        ("dt", dt, (num_tokens, heads)),
+        ("A", A, (heads,)),
+        ("B", B, (num_tokens, groups, n_state)),
+        ("C", C, (num_tokens, groups, n_state)),
+        ("z", z, (num_tokens, heads, head_dim)),
+        ("dt_bias", dt_bias, (heads,)),
+        ("ssm_state", ssm_state, None),
+    ):
+        if t is not None:
+            check_float(name, t)
+            if shape is not None:
+                check_shape(name, t, shape)
+    if z is not None and z.dtype != x.dtype:
+        raise ShapeError(f"z must have x's dtype {x.dtype}, got {z.dtype}")
+    if D is not None:
+        check_float("D", D)
+        if tuple(D.shape) not in ((heads,), (heads, head_dim)):
+            raise ShapeError(f"D must be [H={heads}] or [H, P={head_dim}], got {list(D.shape)}")
+    if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size <= 0:
+        raise ShapeError(f"chunk_size must be a positive integer, got {chunk_size!r}")
+    check_dims("slots", slots, 1)
+    batch = slots.shape[0]
+    check_int("query_start_loc", query_start_loc)
+    check_shape("query_start_loc", query_start_loc, (batch + 1,))
+    check_int("slots", slots)
+    check_shape("has_initial_state", has_initial_state, (batch,))
+    if has_initial_state.dtype != torch.bool:
+        raise ShapeError(f"has_initial_state must be bool, got {has_initial_state.dtype}")
+    check_same_device(
+        x=x, dt=dt, A=A, B=B, C=C, ssm_state=ssm_state, query_start_loc=query_start_loc, slots=slots,
+        has_initial_state=has_initial_state, D=D, z=z, dt_bias=dt_bias,
+    )
+    return batch, heads, head_dim, n_state, groups
+
+
+def mamba_chunk_scan_varlen(
+    x: torch.Tensor,
+    dt: torch.Tensor,
+    A: torch.Tensor,
+    B: torch.Tensor,
+    C: torch.Tensor,
+    ssm_state: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    slots: torch.Tensor,
+    has_initial_state: torch.Tensor,
+    *,
+    chunk_size: int,
+    D: torch.Tensor | None = None,
+    z: torch.Tensor | None = None,
+    dt_bias: torch.Tensor | None = None,
+    dt_softplus: bool = False,
+) -> torch.Tensor:
+    """Mamba2 chunked scan (SSD) of B packed prompts on their state slots; fp32 arithmetic.
+
+    Args:
+        x: ``[T, H, P]`` SSM inputs of B sequences packed along T.
+        dt: ``[T, H]`` raw time steps.
+        A: ``[H]`` (negative; the decay per unit step is ``exp(dt * A)``).
+        B, C: ``[T, G, N]`` with ``H % G == 0``; head h uses group ``h // (H / G)``.
+        ssm_state: ``[num_slots, H, P, N]`` strided view. Slot ``slots[b]`` holds sequence b's
+            initial state (read if ``has_initial_state[b]``, else zeros) and receives its final
+            state (an empty sequence's final state is its initial state).
+        query_start_loc: ``[B + 1]`` int32/int64, sequence b is tokens ``qsl[b]:qsl[b+1]``.
+        slots: ``[B]`` int32/int64 distinct slots.
+        has_initial_state: ``[B]`` bool.
+        chunk_size: tokens per chunk of the reference's scan. The Triton kernels scan chunks of
+            :data:`SCAN_CHUNK` tokens whatever it is: the chunk length changes only rounding.
+        D: ``[H]`` or ``[H, P]`` skip weight, or None.
+        z: ``[T, H, P]`` gate in x's dtype (output times ``silu(z)``), or None.
+        dt_bias: ``[H]`` added to dt before the softplus, or None.
+        dt_softplus: apply softplus to ``dt (+ dt_bias)``.
+
+    Returns:
+        ``[T, H, P]`` output in ``x.dtype``. Tokens outside ``[qsl[0], qsl[B])`` are not written.
+    """
+    batch, heads, head_dim, n_state, groups = _check_scan_varlen_args(
+        x, dt, A, B, C, ssm_state, query_start_loc, slots, has_initial_state, chunk_size, D, z, dt_bias
+    )
+    _SCAN_STATE.check_runnable(x)
+    num_tokens = x.shape[0]
+    out = torch.empty_like(x)
+    if batch == 0:
+        return out
+    dev, f32 = x.device, torch.float32
+    chunks = varlen_programs(num_tokens, batch, SCAN_CHUNK)
+    dt_out = torch.empty((num_tokens, heads), dtype=f32, device=dev)
+    acs = torch.empty((num_tokens, heads), dtype=f32, device=dev)
+    states = torch.empty((chunks, heads, head_dim, n_state), dtype=f32, device=dev)
+    decay = torch.empty((chunks, heads), dtype=f32, device=dev)
+    tiles = triton.cdiv(head_dim, _SCAN_BLOCK_P) * triton.cdiv(n_state, _SCAN_BLOCK_N)
+    fixed = dict(CHUNK=SCAN_CHUNK, BLOCK_P=_SCAN_BLOCK_P, BLOCK_N=_SCAN_BLOCK_N, BLOCK_B=BLOCK_B)
+    _SCAN_STATE(
+        (chunks, heads, tiles),
+        x,
+        dt,
+        A,
+        B,
+        dt_bias if dt_bias is not None else dt,
+        query_start_loc,
+        dt_out,
+        acs,
+        states,
+        decay,
+        batch,
+        heads,
+        head_dim,
+        n_state,
+        heads // groups,
+        *x.stride(),
+        *dt.stride(),
+        *B.stride(),
+        HAS_DT_BIAS=dt_bias is not None,
+        DT_SOFTPLUS=bool(dt_softplus),
+        **fixed,
+    )
+    _SCAN_PASS(
+        (batch, heads, tiles),
+        states,
+        decay,
+        ssm_state,
+        query_start_loc,
+        slots,
+        has_initial_state,
+        heads,
+        head_dim,
+        n_state,
+        *ssm_state.stride(),
+        **fixed,
+    )
+    if D is None:
+        d_strides = (0, 0)
+    elif D.dim() == 1:
+        d_strides = (D.stride(0), 0)
+    else:
+        d_strides = tuple(D.stride())
+    if num_tokens == 0:
+        return out
+    _SCAN_OUT(
+        (chunks, heads, triton.cdiv(head_dim, _SCAN_BLOCK_P)),
+        x,
+        B,
+        C,
+        D if D is not None else x,
+        z if z is not None else x,
+        dt_out,
+        acs,
+        states,
+        query_start_loc,
+        out,
+        batch,
+        heads,
+        head_dim,
+        n_state,
+        heads // groups,
+        *x.stride(),
+        *B.stride(),
+        *C.stride(),
+        *d_strides,
+        *(z.stride() if z is not None else (0, 0, 0)),
+        *out.stride(),
+        HAS_D=D is not None,
+        HAS_Z=z is not None,
+        **fixed,
+    )
+    return out
+
+
+def mamba_chunk_scan_varlen_ref(
+    x: torch.Tensor,
+    dt: torch.Tensor,
+    A: torch.Tensor,
+    B: torch.Tensor,
+    C: torch.Tensor,
+    ssm_state: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    slots: torch.Tensor,
+    has_initial_state: torch.Tensor,
+    *,
+    chunk_size: int,
+    D: torch.Tensor | None = None,
+    z: torch.Tensor | None = None,
+    dt_bias: torch.Tensor | None = None,
+    dt_softplus: bool = False,
+) -> torch.Tensor:
+    """Mamba2 chunked scan (SSD) of B packed prompts on their state slots; fp32 arithmetic.
+
+    Args:
+        x: ``[T, H, P]`` SSM inputs of B sequences packed along T.
+        dt: ``[T, H]`` raw time steps.
+        A: ``[H]`` (negative; the decay per unit step is ``exp(dt * A)``).
+        B, C: ``[T, G, N]`` with ``H % G == 0``; head h uses group ``h // (H / G)``.
+        ssm_state: ``[num_slots, H, P, N]`` strided view. Slot ``slots[b]`` holds sequence b's
+            initial state (read if ``has_initial_state[b]``, else zeros) and receives its final
+            state (an empty sequence's final state is its initial state).
+        query_start_loc: ``[B + 1]`` int32/int64, sequence b is tokens ``qsl[b]:qsl[b+1]``.
+        slots: ``[B]`` int32/int64 distinct slots.
+        has_initial_state: ``[B]`` bool.
+        chunk_size: tokens per chunk of the reference's scan. The Triton kernels scan chunks of
+            :data:`SCAN_CHUNK` tokens whatever it is: the chunk length changes only rounding.
+        D: ``[H]`` or ``[H, P]`` skip weight, or None.
+        z: ``[T, H, P]`` gate in x's dtype (output times ``silu(z)``), or None.
+        dt_bias: ``[H]`` added to dt before the softplus, or None.
+        dt_softplus: apply softplus to ``dt (+ dt_bias)``.
+
+    Returns:
+        ``[T, H, P]`` output in ``x.dtype``. Tokens outside ``[qsl[0], qsl[B])`` are not written.
+    """
+    _check_scan_varlen_args(
+        x, dt, A, B, C, ssm_state, query_start_loc, slots, has_initial_state, chunk_size, D, z, dt_bias
+    )
+    idx = slots.long()
+    init = torch.where(has_initial_state[:, None, None, None], ssm_state.index_select(0, idx).float(), 0.0)
+    y, final = mamba_chunk_scan_ref(
+        x, dt, A, B, C, chunk_size, D=D, z=z, dt_bias=dt_bias, dt_softplus=dt_softplus, initial_states=init,
+        cu_seqlens=query_start_loc,
+    )
+    ssm_state.index_copy_(0, idx, final.to(ssm_state.dtype))
+    return y

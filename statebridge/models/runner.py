@@ -26,6 +26,12 @@ at index ``spec.kv.layer_ids.index(i)`` (``kv.view(...)``, any KV layout), addre
 each request's block table. So a page and blocks filled by a transfer from another TP degree or
 layout are all a decode needs.
 
+Per step the host sends the device one small int64 tensor (token ids, pages, positions; for a
+prefill also the sequence bounds and resume flags) and, only when some block table changed,
+one tensor of the changed entries: block tables live on the device, one row per page (a
+request's page names its row), and are updated in place (:class:`_DeviceBlockTables`). Tables
+are checked on the host before they reach the device, so the kernels read nothing back.
+
 Not thread-safe: one thread drives a runner.
 """
 
@@ -115,6 +121,62 @@ def check_tp_size(config: ModelConfig, tp_size: int) -> None:
                           f"{config.num_attention_heads} is not divisible by tp_size={tp_size}")
 
 
+def _host_to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """``host`` on ``device``; to a GPU through pinned memory and without blocking the host (a
+    copy from pageable memory would wait for the device)."""
+    if device.type == "cuda":
+        return host.pin_memory().to(device, non_blocking=True)
+    return host.to(device)
+
+
+def _to_device(device: torch.device, *parts: list[int]) -> list[torch.Tensor]:
+    """Integer lists as int64 tensors on ``device`` through ONE host-to-device copy."""
+    flat = _host_to_device(torch.tensor([x for part in parts for x in part], dtype=torch.int64), device)
+    return list(flat.split([len(part) for part in parts]))
+
+
+class _DeviceBlockTables:
+    """Block tables on the device, one row per page, updated in place.
+
+    ``rows(pages, tables)`` makes row ``pages[b]`` hold ``tables[b]`` (padded with -1) and
+    returns those rows ``[B, max(len(t))]``. A host mirror of every row finds what changed: a
+    decode step usually changes nothing (a request gains a block every ``block_size`` tokens),
+    and whatever changed in the whole batch goes to the device as ONE ``[n, 3]`` tensor of
+    (row, column, block) scattered in place. The width grows by doubling (a device copy).
+    """
+
+    def __init__(self, num_rows: int, device: torch.device) -> None:
+        self.device = device
+        self.table = torch.full((num_rows, 0), -1, dtype=torch.int64, device=device)
+        self.mirror: list[list[int]] = [[] for _ in range(num_rows)]
+        #: table entries sent to the device so far
+        self.entries_sent = 0
+
+    def rows(self, pages: list[int], page_ids: torch.Tensor, tables: list[list[int]]) -> torch.Tensor:
+        width = max((len(t) for t in tables), default=0)
+        if width > self.table.shape[1]:
+            grown = torch.full((self.table.shape[0], max(width, 2 * self.table.shape[1])), -1,
+                               dtype=torch.int64, device=self.device)
+            grown[:, :self.table.shape[1]] = self.table
+            self.table = grown
+        changes: list[int] = []
+        for page, table in zip(pages, tables):
+            old = self.mirror[page]
+            if old == table:
+                continue
+            for i, block in enumerate(table):
+                if i >= len(old) or old[i] != block:
+                    changes += (page, i, block)
+            for i in range(len(table), len(old)):
+                changes += (page, i, -1)
+            self.mirror[page] = list(table)
+        if changes:
+            self.entries_sent += len(changes) // 3
+            upd = _host_to_device(torch.tensor(changes, dtype=torch.int64), self.device).view(-1, 3)
+            self.table[upd[:, 0], upd[:, 1]] = upd[:, 2]
+        return self.table.index_select(0, page_ids)[:, :width]
+
+
 class ModelRunner:
     """One TP rank of a model served from an HF checkpoint, state in ``cache`` pages.
 
@@ -162,6 +224,7 @@ class ModelRunner:
         self.device = cache.buffer.device
         self._all_reduce = all_reduce if tp_size > 1 else None
         self._provider = provider
+        self._block_tables = _DeviceBlockTables(cache.num_pages, self.device) if kv is not None else None
 
         with Checkpoint(model_dir) as ckpt:
             config = ckpt.config
@@ -344,17 +407,16 @@ class ModelRunner:
         if not rows:
             return logits
         lengths = [len(token_lists[b]) for b in rows]
-        ids = torch.tensor([tok for b in rows for tok in token_lists[b]], dtype=torch.long,
-                           device=self.device)
         qsl_list = [0]
         for n in lengths:
             qsl_list.append(qsl_list[-1] + n)
-        qsl = torch.tensor(qsl_list, dtype=torch.int64, device=self.device)
-        slots = torch.tensor([page_list[b] for b in rows], dtype=torch.int64, device=self.device)
-        has_init = torch.tensor([resume_list[b] for b in rows], dtype=torch.bool,
-                                device=self.device)
-        row_tables = [torch.tensor(tables[b], dtype=torch.int64, device=self.device)
-                      for b in rows] if tables is not None else None
+        row_pages = [page_list[b] for b in rows]
+        ids, qsl, slots, resumed, last = _to_device(
+            self.device, [tok for b in rows for tok in token_lists[b]], qsl_list, row_pages,
+            [int(resume_list[b]) for b in rows], rows)
+        has_init = resumed != 0
+        row_tables = self._block_tables.rows(row_pages, slots, [tables[b] for b in rows]) \
+            if tables is not None else None
 
         def mix(layer: _Layer, x: torch.Tensor) -> torch.Tensor:
             if layer.attention:
@@ -362,8 +424,7 @@ class ModelRunner:
             return layer.mixer.prefill(x, *layer.states, qsl, slots, has_init)
 
         hidden = self._layers(self._embed(ids), mix)
-        last = qsl[1:] - 1
-        logits[torch.tensor(rows, device=self.device)] = self._logits(hidden[last])
+        logits[last] = self._logits(hidden[qsl[1:] - 1])
         return logits
 
     @torch.no_grad()
@@ -380,8 +441,6 @@ class ModelRunner:
         page_list = self._pages(pages, len(token_list))
         if not token_list:
             return torch.zeros(0, self.vocab_size, dtype=torch.float32, device=self.device)
-        ids = torch.tensor(token_list, dtype=torch.long, device=self.device)
-        slots = torch.tensor(page_list, dtype=torch.int64, device=self.device)
         table = pos = None
         if self.has_attention:
             if positions is None:
@@ -390,11 +449,10 @@ class ModelRunner:
             if len(pos_list) != len(token_list) or min(pos_list) < 0:
                 raise ShapeError(f"positions {pos_list} must be {len(token_list)} integers >= 0")
             tables = self._tables(blocks, [n + 1 for n in pos_list])
-            width = max(len(t) for t in tables)
-            table = torch.full((len(tables), width), -1, dtype=torch.int64, device=self.device)
-            for b, t in enumerate(tables):
-                table[b, :len(t)] = torch.tensor(t, dtype=torch.int64)
-            pos = torch.tensor(pos_list, dtype=torch.int64, device=self.device)
+            ids, slots, pos = _to_device(self.device, token_list, page_list, pos_list)
+            table = self._block_tables.rows(page_list, slots, tables)
+        else:
+            ids, slots = _to_device(self.device, token_list, page_list)
 
         def mix(layer: _Layer, x: torch.Tensor) -> torch.Tensor:
             if layer.attention:

@@ -176,8 +176,12 @@ def page_checksum(geometry: PageGeometry, page_bytes: torch.Tensor | np.ndarray)
     """blake2b of the state bytes of one page (regions in page order; padding excluded).
 
     A decode rank reports it per request when its group computes checksums, so tests and
-    benchmarks can compare what arrived with what was sent."""
-    raw = page_bytes.numpy() if isinstance(page_bytes, torch.Tensor) else page_bytes
+    benchmarks can compare what arrived with what was sent. ``page_bytes`` may live on any
+    device: a tensor outside host memory is copied to the host first (one copy of the page)."""
+    if isinstance(page_bytes, torch.Tensor):
+        raw = page_bytes.detach().to("cpu").numpy()
+    else:
+        raw = page_bytes
     h = hashlib.blake2b(digest_size=16)
     for region in sorted(geometry.regions, key=lambda r: r.offset):
         h.update(raw[region.offset:region.end].tobytes())

@@ -1,4 +1,5 @@
-"""paged_attention_decode: Triton == reference == naive, on real KV pool views of every layout.
+"""paged_attention_decode: Triton (split-K over the block table) == reference == naive, on real
+KV pool views of every layout.
 
 Every unwritten byte of the pool (the tail of each request's last block, blocks in no table,
 the other layers) holds NaN, so a kernel that reads a position it must not read fails.
@@ -34,6 +35,13 @@ CASES = [
     ("bh-gqa4-d12-bf16", [4 * 8 + 3, 7], 8, 2, 12, 8, "BH", BF16, "neg", 0, False),
     ("hb-gqa2-bs5-d16-bf16", [3, 9, 11], 6, 3, 16, 5, "HB", BF16, "garbage", 16, True),
     ("lh-mha-d8-fp16", [2, 7], 3, 3, 8, 4, "LH", F16, "neg", 0, False),
+    # contexts of 1, BS-1, BS, BS+1 and many blocks in one batch: several splits of the context,
+    # some of them empty for the short requests
+    ("hb-gqa4-bs16-splits-fp32", [1, 15, 16, 17, 200], 8, 2, 64, 16, "HB", F32, "neg", 0, False),
+    # a GQA group of 17 query heads (two programs per KV head), head dim 40 (masked to 64)
+    ("lh-group17-d40-splits-bf16", [70, 3], 34, 2, 40, 8, "LH", BF16, "garbage", 0, True),
+    # blocks of 5 tokens: split boundaries (every 64 tokens) fall inside blocks
+    ("bh-bs5-splits-mid-block-fp32", [66, 130], 4, 2, 16, 5, "BH", F32, "neg", 8, False),
 ]
 
 

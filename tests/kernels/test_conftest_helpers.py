@@ -14,13 +14,10 @@ _conv = importlib.import_module("statebridge.kernels.causal_conv1d")
 _ssm = importlib.import_module("statebridge.kernels.ssm")
 _pack = importlib.import_module("statebridge.kernels.pack")
 _attn = importlib.import_module("statebridge.kernels.attention")
-KERNELS = [
-    _conv._causal_conv1d_fwd_kernel,
-    _conv._causal_conv1d_update_kernel,
-    _ssm._selective_state_update_kernel,
-    _pack._pack_kernel,
-    _attn._paged_attention_decode_kernel,
-]
+from statebridge.kernels._launch import launchers  # noqa: E402
+
+KERNELS = [launcher.kernel for launcher in launchers()]
+assert len(KERNELS) >= 10 and _conv and _ssm and _pack and _attn
 
 
 def test_kernels_are_interpreted_exactly_when_there_is_no_cuda():

@@ -3,6 +3,8 @@ the data plane's host copy (``copy_runs_host``) == the same slice copy."""
 
 from __future__ import annotations
 
+import importlib
+
 import numpy as np
 import pytest
 import torch
@@ -10,9 +12,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from statebridge.errors import ShapeError
-from statebridge.kernels.pack import copy_runs_host, pack, pack_ref, unpack, unpack_ref
+from statebridge.kernels.pack import RunTemplate, copy_runs_host, pack, pack_ref, prepare_runs, unpack, unpack_ref
 
 from .helpers import conv_region
+
+# (import_module: the package's ``pack`` attribute is the function, which shadows the module)
+pack_module = importlib.import_module("statebridge.kernels.pack")
 
 FILL = 0xAB  # staging/destination bytes outside every run must keep this value
 
@@ -52,11 +57,12 @@ def _case(case):
     return src, np.asarray(runs, dtype=np.int64), stage_n
 
 
-@pytest.mark.parametrize("runs_as", ["numpy", "torch"])
+@pytest.mark.parametrize("runs_as", ["numpy", "torch", "template"])
 @pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
 def test_pack_matches_ref_and_naive(case, runs_as, assert_close):
     src, runs, stage_n = _case(case)
-    given_runs = runs if runs_as == "numpy" else torch.from_numpy(runs)
+    given_runs = {"numpy": runs, "torch": torch.from_numpy(runs),
+                  "template": prepare_runs(runs, src.numel(), stage_n)}[runs_as]
     staging = torch.full((stage_n,), FILL, dtype=torch.uint8)
     staging_ref = staging.clone()
     want = naive_copy(src, runs, staging)
@@ -195,3 +201,41 @@ def test_copy_runs_host_matches_loop_and_ref(lengths):
     copy_runs_host(src, runs, got)
     np.testing.assert_array_equal(got, want)
     np.testing.assert_array_equal(ref, want)
+
+
+def test_template_is_checked_once_and_reused(monkeypatch, assert_close):
+    """Given a RunTemplate, pack/unpack neither check the runs again nor copy them to the device:
+    only the buffers' sizes and addresses (host metadata) are compared."""
+    src, runs, stage_n = _case(CASES[5])
+    template = prepare_runs(runs, src.numel(), stage_n, src.device, from_name="src", to_name="staging")
+    assert isinstance(template, RunTemplate) and len(template) == len(runs)
+    assert template.word == 1 and template.max_length == 3 and template.total == 3 * len(runs)
+
+    def refuse(*a, **k):
+        raise AssertionError("runs checked or copied again")
+
+    monkeypatch.setattr(pack_module, "prepare_runs", refuse)
+    monkeypatch.setattr(pack_module, "_host_runs", refuse)
+    want = naive_copy(src, runs, torch.full((stage_n,), FILL, dtype=torch.uint8))
+    for op in (pack, pack_ref):
+        for _ in range(2):
+            staging = torch.full((stage_n,), FILL, dtype=torch.uint8)
+            op(src, template, staging)
+            assert_close(staging, want, torch.uint8)
+
+
+def test_template_words_and_buffer_checks():
+    runs = np.array([[8, 0, 16], [800, 16, 64], [0, 100, 0]], dtype=np.int64)
+    template = prepare_runs(runs, 1024, 256)
+    assert template.word == 8 and len(template) == 2  # the empty run is dropped
+    assert template.runs.dtype == torch.int64 and template.runs.shape == (2, 3)
+    src = random_bytes(1025, seed=1)
+    want = naive_copy(src[1:], runs, torch.zeros(256, dtype=torch.uint8))
+    for op in (pack, pack_ref):
+        staging = torch.zeros(256, dtype=torch.uint8)
+        op(src[1:], template, staging)  # a misaligned source: bytes instead of words, same result
+        assert torch.equal(staging, want)
+    with pytest.raises(ShapeError, match="staging has 200 bytes; the run template was checked against 256"):
+        pack(src[:1024], template, torch.zeros(200, dtype=torch.uint8))
+    with pytest.raises(ShapeError, match="ends past to buffer"):
+        prepare_runs(runs, 1024, 70)
