@@ -14,6 +14,10 @@ For every (preset, prefill TP x decode TP, layout) cell, in one run on this mach
 - NIXL (UCX backend): READ of exactly the cell's runs between page buffers of separate
   processes, one descriptor per run; and vLLM's way: the same state laid out ``LDS`` (one
   descriptor per layer per piece). See :mod:`statebridge.bench._nixl`.
+- copy limit: the fastest copy of the cell's bytes this machine does, the best of several
+  candidates (the shared-map read and ``process_vm_readv``, one copier per core or per decode
+  rank, cold and warm sources); the report names the candidate (its yardstick) and lists any
+  figure above it, which would show the limit is wrong. See :mod:`statebridge.bench._copylimit`.
 
 Wire into a CLI with :func:`add_parser` and :func:`main`.
 
@@ -45,6 +49,11 @@ from statebridge.bench.hetero_tp.cli import (
     run,
 )
 from statebridge.bench.hetero_tp.procstats import _peak_rss_mib, _PeakRss
-from statebridge.bench.hetero_tp.report import CELL_FIELDS, format_table, write_plot
+from statebridge.bench.hetero_tp.report import (
+    CELL_FIELDS,
+    format_table,
+    limit_warnings,
+    write_plot,
+)
 
 __all__ = ["PRESETS", "TRANSPORTS", "add_parser", "main", "run", "preset_spec"]

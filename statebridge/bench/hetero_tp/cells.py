@@ -435,36 +435,25 @@ def _pair_bytes(plan, spec, a) -> list[tuple[int, int, int]]:
     return out
 
 
+#: The figures of a cell compared with its copy limit (``copy_limit_beaten_by``).
+LIMITED = (("statebridge", "gbps"), ("nixl", "nixl_gbps"), ("vllm_way", "vllm_way_gbps"))
+
+
 def _copy_limit_cell(plan, spec, src_tp, dst_tp, preset, a, cache, cell) -> dict:
-    """``copy_limit_gbps``: the cell's bytes per request copied between cold page buffers of
-    separate processes by ``os.cpu_count()`` copiers (:mod:`statebridge.bench._copylimit`);
-    the same bytes for every layout, so measured once per (preset, pair)."""
-    out = {"copy_limit_gbps": None, "ratio_to_copy_limit": None,
+    """``copy_limit_gbps``: the fastest copy of the cell's bytes this machine does, the best of
+    :data:`statebridge.bench._copylimit.CANDIDATES` (the shared-map read and
+    ``process_vm_readv``, one copier per core or per decode rank, cold and warm sources);
+    ``copy_limit_yardstick`` names the candidate it came from, ``copy_limit_candidates`` has
+    every candidate's figures. The same bytes for every layout, so measured once per (preset,
+    pair). ``copy_limit_beaten_by``: which of statebridge, NIXL and vLLM's way moved the bytes
+    faster than the limit (a limit that is beaten is wrong; the report says so)."""
+    out = {"copy_limit_gbps": None, "ratio_to_copy_limit": None, "copy_limit_yardstick": None,
+           "copy_limit_candidates": None, "copy_limit_beaten_by": None,
            "copy_limit_note": "disabled by --no-copy-limit" if a.no_copy_limit else None,
-           "copy_limit_cpu_us_per_request": None, "copy_limit_copiers": None,
-           "shared_map_copy_limit_gbps": None, "ratio_to_shared_map_copy_limit": None,
-           "shared_map_copy_limit_note": "disabled by --no-copy-limit" if a.no_copy_limit
-           else None}
+           "copy_limit_bytes_per_request": None, "copy_limit_cpu_us_per_request": None,
+           "copy_limit_copiers": None}
     if a.no_copy_limit:
         return out
-    if cell.get("shared_map_reads_per_request"):
-        # The same bytes copied the way the cell's shared-map reads copy them (memfd source,
-        # streaming copy): the limit of the mechanism statebridge used, beside cma's.
-        skey = (preset, src_tp, dst_tp, "shared_map")
-        try:
-            if skey not in cache:
-                from statebridge.bench._copylimit import copy_limit
-
-                cache[skey] = copy_limit(_pair_bytes(plan, spec, a), src_tp=src_tp,
-                                         requests=a.requests, pages=a.concurrency,
-                                         timeout=a.timeout, mechanism="shared_map")
-            out["shared_map_copy_limit_gbps"] = cache[skey]["gbps"]
-            out["ratio_to_shared_map_copy_limit"] = _ratio(cell["gbps"], cache[skey]["gbps"])
-        except Exception as e:  # noqa: BLE001 -- recorded
-            out["shared_map_copy_limit_note"] = f"shared-map copy limit failed: {e}"[:300]
-    else:
-        out["shared_map_copy_limit_note"] = "no shared-map read in this cell: UCX moved " \
-                                            "every byte"
     key = (preset, src_tp, dst_tp)
     try:
         if key not in cache:
@@ -477,8 +466,15 @@ def _copy_limit_cell(plan, spec, src_tp, dst_tp, preset, a, cache, cell) -> dict
     except Exception as e:  # noqa: BLE001 -- recorded
         out["copy_limit_note"] = f"copy limit failed: {e}"[:300]
         return out
+    failed = [f"{name}: {c['error']}" for name, c in r["candidates"].items() if c.get("error")]
     out.update({"copy_limit_gbps": r["gbps"], "ratio_to_copy_limit": _ratio(cell["gbps"],
                                                                              r["gbps"]),
+                "copy_limit_yardstick": r["yardstick"],
+                "copy_limit_candidates": r["candidates"],
+                "copy_limit_beaten_by": [who for who, field in LIMITED
+                                         if (cell.get(field) or 0) > r["gbps"]],
+                "copy_limit_note": ("candidates failed: " + "; ".join(failed))[:500]
+                if failed else None,
                 "copy_limit_bytes_per_request": r["bytes_per_request"],
                 "copy_limit_cpu_us_per_request": r["cpu_us_per_request"],
                 "copy_limit_copiers": r["copiers"]})

@@ -27,7 +27,13 @@ from statebridge.bench.hetero_tp.cells import (
     prompt_tokens,
 )
 from statebridge.bench.hetero_tp.procstats import _PeakRss
-from statebridge.bench.hetero_tp.report import _appended, _jsonable, format_table, write_plot
+from statebridge.bench.hetero_tp.report import (
+    _appended,
+    _jsonable,
+    format_table,
+    limit_warnings,
+    write_plot,
+)
 from statebridge.config import ConnectorConfig
 from statebridge.errors import ConfigError
 from statebridge.state.layout import Layout
@@ -328,7 +334,8 @@ def configure_parser(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--no-nixl", action="store_true", help="skip the NIXL measurements")
     p.add_argument("--no-line-rate", action="store_true", help="skip ucx_perftest")
     p.add_argument("--no-copy-limit", action="store_true",
-                   help="skip the process_vm_readv copy limit")
+                   help="skip the copy limit (the fastest copy of each cell's bytes: shared-map "
+                        "read or process_vm_readv, per core or per decode rank, cold or warm)")
     p.add_argument("--low-load-requests", type=int, default=100, metavar="N",
                    help="requests of each cell's concurrency-1 round (statebridge and vLLM's "
                         "way; 0: none)")
@@ -376,6 +383,8 @@ def main(args: "argparse.Namespace | Sequence[str] | None" = None) -> int:
     out = run(args)
     if not args.quiet:
         print(format_table(out["cells"]))
+        for line in limit_warnings(out["cells"]):
+            print(line)
         if not out["nixl"]["available"]:
             print(f"NIXL: not measured ({out['nixl']['reason']})")
         for s in out["skipped"]:

@@ -18,7 +18,7 @@ CELL_FIELDS = ("pair", "layout", "preset", "gbps", "messages_per_request",
                "vllm_way_cpu_us_per_request", "vllm_way_descriptors_per_request",
                "vllm_way_nixl_calls_per_request", "nixl_calls_per_request",
                "nixl_cpu_us_per_request", "copy_limit_gbps", "ratio_to_copy_limit",
-               "shared_map_copy_limit_gbps", "ratio_to_shared_map_copy_limit",
+               "copy_limit_yardstick", "copy_limit_candidates", "copy_limit_beaten_by",
                "shared_map_reads_per_request",
                "control_messages_per_request", "ucx_operations_per_request",
                "cpu_us_per_request", "wakeups_per_request", "completions_per_burst",
@@ -98,11 +98,12 @@ def format_table(cells: Sequence[dict]) -> str:
     def cpu(d):
         return "-" if not d else f"{d['total']:.0f}"
     rows = ["| preset | pair | layout | tokens | GB/s | req/s | msgs/req | p50 ms | p99 ms | "
-            "x line | x NIXL | vLLM's way GB/s | x vLLM's way | x copy limit | ctl msgs/req | "
+            "x line | x NIXL | vLLM's way GB/s | x vLLM's way | x copy limit | "
+            "copy limit GB/s (yardstick) | ctl msgs/req | "
             "UCX ops/req | CPU us/req | vLLM CPU us/req | vLLM NIXL calls/req | "
             "low-load final->held p50/p99 ms | vLLM low-load final->held p50/p99 ms | "
             "vLLM low-load READ post->done p50/p99 ms | peak RSS MiB P/D/NIXL |",
-            "|" + "---|" * 23]
+            "|" + "---|" * 24]
     for c in cells:
         layout = c["layout"] + (f"+{c['kv_layout']}" if c.get("kv_layout") else "")
         tokens = c.get("prompt_tokens") or "-"
@@ -112,7 +113,8 @@ def format_table(cells: Sequence[dict]) -> str:
             f"{f(c['latency_p50_ms'])} | {f(c['latency_p99_ms'])} | "
             f"{f(c['ratio_to_line_rate'])} | {f(c.get('ratio_to_nixl'))} | "
             f"{f(c.get('vllm_way_gbps'))} | {f(c.get('ratio_to_vllm_way'))} | "
-            f"{f(c.get('ratio_to_copy_limit'))} | {f(c.get('control_messages_per_request'))} | "
+            f"{f(c.get('ratio_to_copy_limit'))} | {_limit_text(c)} | "
+            f"{f(c.get('control_messages_per_request'))} | "
             f"{f(c.get('ucx_operations_per_request'))} | {cpu(c.get('cpu_us_per_request'))} | "
             f"{cpu(c.get('vllm_way_cpu_us_per_request'))} | "
             f"{f(c.get('vllm_way_nixl_calls_per_request'))} | "
@@ -124,6 +126,26 @@ def format_table(cells: Sequence[dict]) -> str:
             f"{f(c.get('vllm_way_low_load_latency_p99_ms'))} | "
             f"{_rss_text(c.get('peak_rss_mib'))} |")
     return "\n".join(rows)
+
+
+def _limit_text(c: dict) -> str:
+    """The copy limit and the candidate it came from: ``15.2 (shared_map/per_rank/warm)``."""
+    if c.get("copy_limit_gbps") is None:
+        return "-"
+    return f"{c['copy_limit_gbps']:.3g} ({c.get('copy_limit_yardstick')})"
+
+
+def limit_warnings(cells: Sequence[dict]) -> list[str]:
+    """One line per cell whose copy limit was beaten (``copy_limit_beaten_by``): a figure
+    above the fastest copy of the same bytes shows the limit is wrong, not a fast cell."""
+    out = []
+    for c in cells:
+        for who in c.get("copy_limit_beaten_by") or ():
+            field = "gbps" if who == "statebridge" else f"{who}_gbps"
+            out.append(f"copy limit beaten: {c['preset']} {c['pair']} {c['layout']}: {who} "
+                       f"{c[field]:.3g} GB/s > {c['copy_limit_gbps']:.3g} GB/s "
+                       f"({c['copy_limit_yardstick']}); the limit is wrong")
+    return out
 
 
 def _rss_text(rss: dict | None) -> str:
