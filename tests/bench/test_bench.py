@@ -6,6 +6,7 @@ staging bytes match the transfer plan.
 
 from __future__ import annotations
 
+import csv
 import json
 import math
 
@@ -195,16 +196,27 @@ def test_counts_per_request_match_the_plan(report):
 
 
 @pytest.mark.timeout(180)
-def test_append_adds_a_run_to_an_existing_file(tmp_path):
+def test_append_adds_a_run_to_an_existing_file_and_csv_has_every_cell(tmp_path):
     out = tmp_path / "bench.json"
     base = ["--preset", "tiny", "--layouts", "DLS", "--requests", "4", "--concurrency", "2",
             "--check-requests", "1", "--no-nixl", "--no-line-rate", "--json", str(out),
             "--quiet"]
     assert hetero_tp.main(base + ["--pairs", "1x2"]) == 0
-    assert hetero_tp.main(base + ["--pairs", "2x1", "--append"]) == 0
+    table = tmp_path / "cells.csv"
+    assert hetero_tp.main(base + ["--pairs", "2x1", "--append", "--csv", str(table)]) == 0
     merged = json.loads(out.read_text())
     assert [c["pair"] for c in merged["cells"]] == ["1x2", "2x1"]
     assert len(merged["runs"]) == 2 and "--append" in merged["runs"][1]["argv"]
+    # the CSV: one row per cell of the merged file, numbers as in the JSON, nested figures as
+    # JSON, a figure not measured (NIXL here) empty
+    with open(table, newline="") as f:
+        rows = list(csv.DictReader(f))
+    assert list(rows[0]) == list(hetero_tp.CSV_FIELDS)
+    assert [r["pair"] for r in rows] == ["1x2", "2x1"]
+    for row, cell in zip(rows, merged["cells"]):
+        assert float(row["gbps"]) == pytest.approx(cell["gbps"])
+        assert json.loads(row["cpu_us_per_request"]) == pytest.approx(cell["cpu_us_per_request"])
+        assert row["nixl_gbps"] == "" and cell["nixl_gbps"] is None
     (tmp_path / "other.json").write_text('{"benchmark": "something else"}')
     with pytest.raises(Exception, match="not a hetero_tp result file"):
         hetero_tp.main(base[:-3] + ["--pairs", "1x2", "--append", "--json",

@@ -24,7 +24,7 @@ Wire into a CLI with :func:`add_parser` and :func:`main`.
 One concern per module: :mod:`~statebridge.bench.hetero_tp.cli` (the command line, the presets,
 the run over every cell), :mod:`~statebridge.bench.hetero_tp.cells` (running one cell),
 :mod:`~statebridge.bench.hetero_tp.procstats` (per-process figures from ``/proc``),
-:mod:`~statebridge.bench.hetero_tp.report` (JSON, plot, table).
+:mod:`~statebridge.bench.hetero_tp.report` (JSON, CSV, plot, table).
 """
 
 from statebridge.bench.hetero_tp.cells import (
@@ -51,8 +51,11 @@ from statebridge.bench.hetero_tp.cli import (
 from statebridge.bench.hetero_tp.procstats import _peak_rss_mib, _PeakRss
 from statebridge.bench.hetero_tp.report import (
     CELL_FIELDS,
+    CSV_FIELDS,
     format_table,
     limit_warnings,
+    write_csv,
+    write_json,
     write_plot,
 )
 

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import logging
 import os
 import platform
@@ -28,10 +27,10 @@ from statebridge.bench.hetero_tp.cells import (
 )
 from statebridge.bench.hetero_tp.procstats import _PeakRss
 from statebridge.bench.hetero_tp.report import (
-    _appended,
-    _jsonable,
     format_table,
     limit_warnings,
+    write_csv,
+    write_json,
     write_plot,
 )
 from statebridge.config import ConnectorConfig
@@ -285,10 +284,9 @@ def run(a: argparse.Namespace) -> dict:
                 nixl.close()
     out["runs"] = [{"argv": getattr(a, "argv", None), "machine": out["machine"]}]
     if a.json:
-        if a.append and Path(a.json).exists():
-            out = _appended(json.loads(Path(a.json).read_text()), out, a.json)
-        Path(a.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(a.json).write_text(json.dumps(out, indent=1, default=_jsonable) + "\n")
+        out = write_json(a.json, out, append=a.append)
+    if a.csv:
+        write_csv(a.csv, out["cells"])
     if a.plot:
         out["plot"] = write_plot(a.plot, out["cells"])
     return out
@@ -342,6 +340,8 @@ def configure_parser(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--json", default=None, help="write every figure here")
     p.add_argument("--append", action="store_true",
                    help="add this run's cells to an existing --json file (and plot them all)")
+    p.add_argument("--csv", default=None,
+                   help="write one row per cell here (with --append: every cell of --json)")
     p.add_argument("--plot", default=None, help="PNG plot (needs matplotlib)")
     p.add_argument("--quiet", action="store_true", help="no progress bar, no table")
     return p

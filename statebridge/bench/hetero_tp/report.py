@@ -1,7 +1,10 @@
-"""The report: the JSON file (and ``--append``), the PNG plot, and the printed table."""
+"""The report: the JSON file (and ``--append``), the CSV file, the PNG plot, and the printed
+table with its warnings."""
 
 from __future__ import annotations
 
+import csv
+import json
 import sys
 from pathlib import Path
 from typing import Sequence
@@ -27,6 +30,40 @@ CELL_FIELDS = ("pair", "layout", "preset", "gbps", "messages_per_request",
                "vllm_way_low_load_latency_p50_ms", "vllm_way_low_load_latency_p99_ms",
                "vllm_way_low_load_final_to_held_p50_ms",
                "vllm_way_low_load_final_to_held_p99_ms", "peak_rss_mib", "peak_rss_scope")
+
+
+#: CSV columns: the cell's identity, then :data:`CELL_FIELDS`.
+CSV_FIELDS = ("preset", "pair", "layout", "transport", "prompt_tokens", "kv_layout",
+              "requests_per_s") + tuple(f for f in CELL_FIELDS
+                                        if f not in ("preset", "pair", "layout"))
+
+
+def write_json(path: str, out: dict, *, append: bool = False) -> dict:
+    """Write the run's object to ``path``; with ``append`` and an existing file, this run's
+    cells are added to it (:func:`_appended`). Returns what was written."""
+    if append and Path(path).exists():
+        out = _appended(json.loads(Path(path).read_text()), out, path)
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    Path(path).write_text(json.dumps(out, indent=1, default=_jsonable) + "\n")
+    return out
+
+
+def write_csv(path: str, cells: Sequence[dict]) -> str:
+    """One row per cell, :data:`CSV_FIELDS` as columns: numbers and text as they are, nested
+    figures (per process class, per candidate) as JSON, a missing figure empty."""
+    def value(x):
+        if x is None:
+            return ""
+        if isinstance(x, (dict, list, tuple)):
+            return json.dumps(x, default=_jsonable, sort_keys=True)
+        return _jsonable(x) if isinstance(x, (np.generic, np.ndarray)) else x
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(CSV_FIELDS)
+        for c in cells:
+            w.writerow([value(c.get(k)) for k in CSV_FIELDS])
+    return path
 
 
 def _appended(old: dict, new: dict, path: str) -> dict:
