@@ -97,6 +97,7 @@ def _check_copy_limit(cell, dst_tp: int) -> None:
     assert cell["copy_limit_yardstick"] == max(figures, key=figures.get)
     assert cell["ratio_to_copy_limit"] == pytest.approx(cell["gbps"] / cell["copy_limit_gbps"])
     assert cell["copy_limit_copiers"] == candidates[cell["copy_limit_yardstick"]]["copiers"]
+    assert cell["copy_limit_cpu_share"] == candidates[cell["copy_limit_yardstick"]]["cpu_share"]
     per_core = __import__("os").cpu_count() or 1
     for name, c in candidates.items():
         assert c["copiers"] == (per_core if "/per_core/" in name else dst_tp), (name, c)

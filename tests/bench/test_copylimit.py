@@ -1,5 +1,5 @@
-"""The copy limit (``statebridge bench``'s ``copy_limit_gbps``): the best of its candidates,
-named; each candidate copies the right bytes. No timing thresholds."""
+"""The copy limit (``statebridge bench``'s ``copy_limit_gbps``): the best of its candidates by
+the copy's CPU, named; each candidate copies the right bytes. No timing thresholds."""
 
 from __future__ import annotations
 
@@ -117,6 +117,9 @@ def test_the_limit_is_the_best_candidate_and_names_it():
     for name, c in r["candidates"].items():
         assert c["copiers"] == (2 if "/per_core/" in name else 3), (name, c)
         assert _positive(c["cpu_us_per_request"]) and _positive(c["seconds"])
+        # ranked by the copy's CPU, never below the wall-clock figure of the same pass
+        assert 0 < c["cpu_share"] <= 1.05 and c["wall_gbps"] <= c["gbps"] * 1.05, (name, c)
+        assert c["gbps"] == pytest.approx(c["wall_gbps"] / c["cpu_share"])
     assert r["copiers"] == r["candidates"][r["yardstick"]]["copiers"]
 
 
@@ -126,3 +129,22 @@ def test_only_the_candidates_asked_for_are_measured():
     r = copy_limit(PAIRS, src_tp=2, requests=6, pages=2, candidates=["cma/per_rank/warm"])
     assert list(r["candidates"]) == ["cma/per_rank/warm"]
     assert r["yardstick"] == "cma/per_rank/warm" and _positive(r["gbps"])
+
+
+@pytest.mark.parametrize("spans, copiers, cores, expected", [
+    # two copiers on two cores, each busy half of the pass: the cores could copy twice as much
+    ([(0.0, 1.0, 0.5), (0.2, 1.0, 0.5)], 2, 2, dict(gbps=2.0, wall_gbps=1.0, cpu_share=0.5)),
+    # four copiers time-share two cores, which were all theirs: the wall-clock figure
+    ([(0.0, 2.0, 1.0)] * 4, 4, 2, dict(gbps=0.5, wall_gbps=0.5, cpu_share=1.0)),
+    # one copier on two cores uses one
+    ([(0.0, 1.0, 0.25)], 1, 2, dict(gbps=4.0, wall_gbps=1.0, cpu_share=0.25)),
+    # no CPU measured (a pass too short for the clock): the wall-clock figure
+    ([(0.0, 0.5, 0.0)], 1, 2, dict(gbps=2.0, wall_gbps=2.0, cpu_share=0.0)),
+], ids=["half-busy", "time-shared", "one-copier", "no-cpu"])
+def test_a_pass_is_ranked_by_its_cpu_on_the_cores_it_can_use(monkeypatch, spans, copiers,
+                                                              cores, expected):
+    monkeypatch.setattr(_copylimit.os, "cpu_count", lambda: cores)
+    got = _copylimit._figures(spans, copiers, requests=10, bytes_per_request=100_000_000)
+    assert got == pytest.approx(dict(expected, copiers=copiers,
+                                     seconds=max(s[1] for s in spans) - min(s[0] for s in spans),
+                                     cpu_us_per_request=sum(s[2] for s in spans) / 10 * 1e6))

@@ -16,8 +16,9 @@ For every (preset, prefill TP x decode TP, layout) cell, in one run on this mach
   descriptor per layer per piece). See :mod:`statebridge.bench._nixl`.
 - copy limit: the fastest copy of the cell's bytes this machine does, the best of several
   candidates (the shared-map read and ``process_vm_readv``, one copier per core or per decode
-  rank, cold and warm sources); the report names the candidate (its yardstick) and lists any
-  figure above it, which would show the limit is wrong. See :mod:`statebridge.bench._copylimit`.
+  rank, cold and warm sources), counted by the copy's CPU so that other work on the machine
+  does not lower it; the report names the candidate (its yardstick) and lists any figure above
+  it, which would show the limit is wrong. See :mod:`statebridge.bench._copylimit`.
 
 Wire into a CLI with :func:`add_parser` and :func:`main`.
 

@@ -442,16 +442,19 @@ LIMITED = (("statebridge", "gbps"), ("nixl", "nixl_gbps"), ("vllm_way", "vllm_wa
 def _copy_limit_cell(plan, spec, src_tp, dst_tp, preset, a, cache, cell) -> dict:
     """``copy_limit_gbps``: the fastest copy of the cell's bytes this machine does, the best of
     :data:`statebridge.bench._copylimit.CANDIDATES` (the shared-map read and
-    ``process_vm_readv``, one copier per core or per decode rank, cold and warm sources);
-    ``copy_limit_yardstick`` names the candidate it came from, ``copy_limit_candidates`` has
-    every candidate's figures. The same bytes for every layout, so measured once per (preset,
-    pair). ``copy_limit_beaten_by``: which of statebridge, NIXL and vLLM's way moved the bytes
-    faster than the limit (a limit that is beaten is wrong; the report says so)."""
+    ``process_vm_readv``, one copier per core or per decode rank, cold and warm sources), by
+    the copy's CPU (bytes per CPU-second x the cores it can use, so that other work on the
+    machine does not lower it; :mod:`statebridge.bench._copylimit`). ``copy_limit_yardstick``
+    names the candidate it came from, ``copy_limit_candidates`` has every candidate's figures
+    (wall-clock ones too), ``copy_limit_cpu_share`` says how much of the cores its copiers got
+    (about 1 on an idle machine). The same bytes for every layout, so measured once per
+    (preset, pair). ``copy_limit_beaten_by``: which of statebridge, NIXL and vLLM's way moved
+    the bytes faster than the limit (a limit that is beaten is wrong; the report says so)."""
     out = {"copy_limit_gbps": None, "ratio_to_copy_limit": None, "copy_limit_yardstick": None,
            "copy_limit_candidates": None, "copy_limit_beaten_by": None,
            "copy_limit_note": "disabled by --no-copy-limit" if a.no_copy_limit else None,
            "copy_limit_bytes_per_request": None, "copy_limit_cpu_us_per_request": None,
-           "copy_limit_copiers": None}
+           "copy_limit_copiers": None, "copy_limit_cpu_share": None}
     if a.no_copy_limit:
         return out
     key = (preset, src_tp, dst_tp)
@@ -477,7 +480,7 @@ def _copy_limit_cell(plan, spec, src_tp, dst_tp, preset, a, cache, cell) -> dict
                 if failed else None,
                 "copy_limit_bytes_per_request": r["bytes_per_request"],
                 "copy_limit_cpu_us_per_request": r["cpu_us_per_request"],
-                "copy_limit_copiers": r["copiers"]})
+                "copy_limit_copiers": r["copiers"], "copy_limit_cpu_share": r["cpu_share"]})
     return out
 
 
