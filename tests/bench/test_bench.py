@@ -115,7 +115,8 @@ def test_the_copy_limit_is_the_best_candidate_and_says_which(report):
     table = hetero_tp.format_table(report["cells"])
     assert "copy limit GB/s (yardstick)" in table.splitlines()[0]
     for cell in report["cells"]:
-        assert f"({cell['copy_limit_yardstick']})" in table
+        assert (f"{cell['copy_limit_gbps']:.3g} ({cell['copy_limit_yardstick']}, CPU share "
+                f"{cell['copy_limit_cpu_share']:.2f})") in table
 
 
 def test_a_beaten_copy_limit_is_reported_as_wrong():

@@ -166,10 +166,14 @@ def format_table(cells: Sequence[dict]) -> str:
 
 
 def _limit_text(c: dict) -> str:
-    """The copy limit and the candidate it came from: ``15.2 (shared_map/per_rank/warm)``."""
+    """The copy limit, the candidate it came from and the share of the cores its copiers got
+    (well under 1: the machine was busy, and the limit reads high):
+    ``15.2 (shared_map/per_rank/warm, CPU share 0.97)``."""
     if c.get("copy_limit_gbps") is None:
         return "-"
-    return f"{c['copy_limit_gbps']:.3g} ({c.get('copy_limit_yardstick')})"
+    share = c.get("copy_limit_cpu_share")
+    return (f"{c['copy_limit_gbps']:.3g} ({c.get('copy_limit_yardstick')}, CPU share "
+            f"{'-' if share is None else format(share, '.2f')})")
 
 
 def limit_warnings(cells: Sequence[dict]) -> list[str]:
