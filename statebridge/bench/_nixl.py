@@ -222,6 +222,31 @@ def _open(state: dict, role: str, nixl_agent, nixl_agent_config, *, name: str, n
     return state["agent"].get_agent_metadata(), buf.data_ptr(), env
 
 
+def _poll(agent, active: dict, calls: dict, done, deadline: float, timeout: float,
+          yield_cpu: bool) -> None:
+    """One poll of every request in flight (``active``: slot -> (request, post time, handles)):
+    ``check_xfer_state`` on each of its handles; a request whose handles are all ``DONE``
+    leaves ``active`` and ``done(slot, request, latency in s, handles)`` runs at once (it may
+    post the slot's next request). RuntimeError on a failed READ; when nothing finished, past
+    ``deadline``; otherwise, when nothing finished and ``yield_cpu``, the CPU is yielded."""
+    progressed = False
+    for slot, (req, started, handles) in list(active.items()):
+        states = [agent.check_xfer_state(h) for h in handles]
+        calls["check_xfer_state"] += len(handles)
+        if "ERR" in states:
+            raise RuntimeError(f"NIXL READ of request {req} failed")
+        if all(st == "DONE" for st in states):
+            latency = time.perf_counter() - started
+            del active[slot]
+            progressed = True
+            done(slot, req, latency, handles)
+    if not progressed:
+        if time.perf_counter() > deadline:
+            raise RuntimeError(f"NIXL READs not done after {timeout} s ({len(active)} in flight)")
+        if yield_cpu:
+            os.sched_yield()
+
+
 def _read(state: dict, *, sources: Sequence[tuple[str, int, np.ndarray]], src_page: int,
           dst_page: int, pages: int, requests: int, concurrency: int, start_at: float,
           timeout: float) -> dict:
@@ -283,26 +308,15 @@ def _read(state: dict, *, sources: Sequence[tuple[str, int, np.ndarray]], src_pa
 
         for slot in range(min(slots, count)):
             post(slot)
+
+        def done(slot: int, req: int, latency: float, handles: list) -> None:
+            latencies[req] = latency
+            release(handles)
+            if nxt < count:
+                post(slot)
+
         while active:
-            progressed = False
-            for slot, (req, started, handles) in list(active.items()):
-                states = [agent.check_xfer_state(h) for h in handles]
-                calls["check_xfer_state"] += len(handles)
-                if "ERR" in states:
-                    raise RuntimeError(f"NIXL READ of request {req} failed")
-                if all(s == "DONE" for s in states):
-                    latencies[req] = time.perf_counter() - started
-                    release(handles)
-                    del active[slot]
-                    progressed = True
-                    if nxt < count:
-                        post(slot)
-            if not progressed:
-                if time.perf_counter() > deadline:
-                    raise RuntimeError(f"NIXL READs not done after {timeout} s "
-                                       f"({len(active)} in flight)")
-                if opts.wait == "yield":
-                    os.sched_yield()
+            _poll(agent, active, calls, done, deadline, timeout, opts.wait == "yield")
         return latencies
 
     try:
@@ -431,31 +445,20 @@ def _vllm_read(state: dict, *, sources, dst_tp: int, requests: int, concurrency:
             active[slot] = (nxt, started, handles)
             nxt += 1
 
+        def done(slot: int, req: int, latency: float, handles: list) -> None:
+            latencies[req] = latency
+            if paced:
+                held[req] = time.monotonic()
+            for h in handles:
+                agent.release_xfer_handle(h)
+            calls["release_xfer_handle"] += len(handles)
+
         while active or nxt < count:
             # one engine step: start what has room, then poll every in-flight handle
             for slot in range(slots):
                 if slot not in active and nxt < count:
                     post(slot)
-            progressed = False
-            for slot, (req, started, handles) in list(active.items()):
-                states = [agent.check_xfer_state(h) for h in handles]
-                calls["check_xfer_state"] += len(handles)
-                if "ERR" in states:
-                    raise RuntimeError(f"NIXL READ of request {req} failed")
-                if all(st == "DONE" for st in states):
-                    latencies[req] = time.perf_counter() - started
-                    if paced:
-                        held[req] = time.monotonic()
-                    for h in handles:
-                        agent.release_xfer_handle(h)
-                    calls["release_xfer_handle"] += len(handles)
-                    del active[slot]
-                    progressed = True
-            if not progressed:
-                if time.perf_counter() > deadline:
-                    raise RuntimeError(f"NIXL READs not done after {timeout} s "
-                                       f"({len(active)} in flight)")
-                os.sched_yield()
+            _poll(agent, active, calls, done, deadline, timeout, True)
         return latencies
 
     try:

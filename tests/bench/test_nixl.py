@@ -167,3 +167,41 @@ def test_slot_plan_reads_state_and_kv_exactly(pool, src_tp, dst_tp, kv_layout, t
     assert plan.bytes_per_request == spec.bytes_per_request() + kv_bytes
     r = pool.run_cell(plan, pages=3, requests=5, concurrency=3, timeout=60, verify=True)
     assert r["verified_bytes"] == 3 * plan.bytes_per_request          # 3 slots read
+
+
+class _FakeAgent:
+    """``check_xfer_state`` answers from a script: handle -> states, one per poll."""
+
+    def __init__(self, states: dict) -> None:
+        self.states = {h: list(s) for h, s in states.items()}
+
+    def check_xfer_state(self, h):
+        return self.states[h].pop(0) if len(self.states[h]) > 1 else self.states[h][0]
+
+
+def test_poll_finishes_a_request_only_when_all_its_handles_are_done():
+    agent = _FakeAgent({"a": ["PROC", "DONE"], "b": ["DONE"], "c": ["PROC", "PROC", "DONE"]})
+    active = {0: (7, 0.0, ["a", "b"]), 1: (8, 0.0, ["c"])}
+    calls, finished = {"check_xfer_state": 0}, []
+
+    def done(slot, req, latency, handles):
+        assert slot not in active                   # out of the window before the callback
+        finished.append((slot, req, handles))
+        assert latency > 0
+    far = 1e18
+    _nixl._poll(agent, active, calls, done, far, 1.0, yield_cpu=True)
+    assert finished == [] and set(active) == {0, 1} and calls["check_xfer_state"] == 3
+    _nixl._poll(agent, active, calls, done, far, 1.0, yield_cpu=False)
+    assert finished == [(0, 7, ["a", "b"])] and set(active) == {1}
+    _nixl._poll(agent, active, calls, done, far, 1.0, yield_cpu=True)
+    assert finished[1:] == [(1, 8, ["c"])] and active == {}
+    assert calls["check_xfer_state"] == 3 + 3 + 1
+
+
+def test_poll_raises_on_a_failed_read_and_past_the_deadline():
+    with pytest.raises(RuntimeError, match="READ of request 5 failed"):
+        _nixl._poll(_FakeAgent({"a": ["DONE"], "b": ["ERR"]}), {2: (5, 0.0, ["a", "b"])},
+                    {"check_xfer_state": 0}, lambda *a: None, 1e18, 1.0, True)
+    with pytest.raises(RuntimeError, match=r"not done after 3.5 s \(1 in flight\)"):
+        _nixl._poll(_FakeAgent({"a": ["PROC"]}), {0: (0, 0.0, ["a"])},
+                    {"check_xfer_state": 0}, lambda *a: None, 0.0, 3.5, True)
