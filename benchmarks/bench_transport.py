@@ -302,10 +302,8 @@ class ModeTransport(tr.Transport):
         return handle
 
     def stats(self) -> dict:
-        c = self._counters
-        return {**super().stats(), "progress_mode": self.progress_mode,
-                "multi_messages_sent": c["multi_messages_sent"],
-                "multi_messages_received": c["multi_messages_received"]}
+        return {"multi_messages_sent": 0, "multi_messages_received": 0, **super().stats(),
+                "progress_mode": self.progress_mode}
 
 
 # -- the two Transport processes -----------------------------------------------------------------

@@ -37,7 +37,7 @@ import zmq
 
 from statebridge.connector import messages as m
 from statebridge.connector.local import LocalChannel, LocalDealer, LocalRouter
-from statebridge.connector.opcounts import counter as _op_counter
+from statebridge.connector.stats import Counters, ops
 from statebridge.errors import (
     AuthenticationError,
     ClosedError,
@@ -49,31 +49,11 @@ from statebridge.errors import (
 if TYPE_CHECKING:
     from statebridge.security import CurveKeys
 
-__all__ = ["EventLoop", "PeerWatch", "Counters", "bind_router", "connect_dealer", "flush",
+__all__ = ["EventLoop", "PeerWatch", "bind_router", "connect_dealer", "flush",
            "dial_dealer", "HandshakeWatch", "watch_handshake", "poll_dealer"]
 
 log = logging.getLogger(__name__)
 _current = threading.local()        # .loop: the EventLoop running on this thread
-
-
-class Counters:
-    """Thread-safe named counters (failures by kind, messages, bytes)."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._values: collections.Counter[str] = collections.Counter()
-
-    def add(self, name: str, value: int | float = 1) -> None:
-        with self._lock:
-            self._values[name] += value
-
-    def get(self, name: str) -> int | float:
-        with self._lock:
-            return self._values.get(name, 0)
-
-    def snapshot(self) -> dict[str, int | float]:
-        with self._lock:
-            return dict(self._values)
 
 
 class EventLoop:
@@ -564,7 +544,6 @@ _leftover: "weakref.WeakKeyDictionary[zmq.Socket, collections.deque]" = weakref.
 # pyzmq's Python layer (send, send_multipart, recv_multipart) spends 1-3 us per call turning
 # flags into enums; the loops below call its backend with plain int flags (same semantics:
 # a multipart message is accepted or refused as a whole on its first frame).
-_opcounts = _op_counter
 _raw_send = zmq.backend.Socket.send
 _raw_recv = zmq.backend.Socket.recv
 _raw_get = zmq.backend.Socket.get
@@ -574,6 +553,7 @@ _RCVMORE = int(zmq.RCVMORE)
 _EVENTS = int(zmq.EVENTS)
 _POLLIN = int(zmq.POLLIN)
 _LOCAL = (LocalRouter, LocalDealer)
+_count = ops.add              # the process's control_sent / control_received (connector.stats)
 
 
 def _send_frames(sock: "zmq.Socket | LocalChannel", frames: list) -> None:
@@ -616,7 +596,7 @@ def _decode_batch(frames: list, max_bytes: int) -> list:
             out.extend(m.decode_frame(frame, max_bytes=max_bytes))
         except ProtocolError as e:
             out.append(e)
-    _opcounts()["control_received"] += len(out)
+    _count("control_received", len(out))
     return out
 
 
@@ -722,7 +702,7 @@ def send_router_many(sock: zmq.Socket, identities: Sequence[bytes], message: m.M
     """:func:`send_router` of one message to several peers, encoded once (a
     :attr:`~statebridge.connector.messages.Message.BATCH` message queued on a loop thread
     leaves in a row batch with the others of its type queued to the same peer)."""
-    _opcounts()["control_sent"] += len(identities)
+    _count("control_sent", len(identities))
     loop = getattr(_current, "loop", None)
     if loop is not None and getattr(message, "BATCH", False):
         item = (type(message), m.message_row(message))
@@ -742,7 +722,7 @@ def send_router_many(sock: zmq.Socket, identities: Sequence[bytes], message: m.M
 
 def send_dealer(sock: zmq.Socket, message: m.Message) -> None:
     """Send on a DEALER; queued and coalesced like :func:`send_router` on a loop thread."""
-    _opcounts()["control_sent"] += 1
+    _count("control_sent")
     loop = getattr(_current, "loop", None)
     if loop is not None:
         loop._outbox.setdefault((sock, None), []).append(

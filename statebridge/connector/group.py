@@ -27,6 +27,7 @@ from statebridge.connector import messages as m
 from statebridge.connector.local import LocalRouter
 from statebridge.connector.launch import Launcher, RankHandle, rank_log_level, spawn_launcher
 from statebridge.connector.rank import RankSetup
+from statebridge.connector.stats import Counters
 from statebridge.connector.ledger import Ledger, Record
 from statebridge.errors import (
     ClosedError,
@@ -110,7 +111,7 @@ class RankGroup:
         self.num_blocks = self.kv_geometry.num_blocks if self.kv_geometry else 0
         self.node_id = node_id or f"{self.role}-{uuid.uuid4().hex[:8]}"
         log.info("%s", self.memory_line())
-        self.counters = c.Counters()
+        self.counters = Counters()
         keys = CurveKeys.from_config(self.config, listen=True)   # bad keys: nothing to clean up
         self.loop = c.EventLoop(self.node_id)
         try:

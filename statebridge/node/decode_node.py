@@ -56,6 +56,7 @@ from statebridge.connector import control as c
 from statebridge.connector import messages as m
 from statebridge.connector.group import Launcher, spawn_launcher
 from statebridge.connector.decode import DecodeCoordinator, TransferResult
+from statebridge.connector.stats import Counters
 from statebridge.errors import (
     CacheFullError,
     FailureKind,
@@ -165,7 +166,7 @@ class DecodeNode:
             num_blocks=nc.num_blocks(spec, tp_size))
         self.kv = spec.kv is not None
         self.loop = self.coordinator.loop
-        self.counters = c.Counters()
+        self.counters = Counters()
         self.gens: dict[str, _Gen] = {}
         self.waiting: collections.deque[_Gen] = collections.deque()   # no free page yet
         self.running: list[_Gen] = []

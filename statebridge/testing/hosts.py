@@ -27,7 +27,7 @@ log = logging.getLogger(__name__)
 
 
 def _host_main(conn, initializer: Callable[..., Any] | None, initargs: tuple) -> None:
-    """Serve ``(seq, what)`` requests: a :class:`RankSetup` to start, ``"opcounts"``, or
+    """Serve ``(seq, what)`` requests: a :class:`RankSetup` to start, ``"ops"``, or
     ``None`` to exit. Every answer is ``(seq, status, value)``, so a launcher that gave up on
     an answer (a slow rank start) can tell it from the answer to its next request."""
     if initializer is not None:
@@ -42,10 +42,10 @@ def _host_main(conn, initializer: Callable[..., Any] | None, initargs: tuple) ->
             # Workers were shut down by their coordinators; do not wait on UCX/zmq teardown.
             logging.shutdown()
             os._exit(0)
-        if setup == "opcounts":
-            from statebridge.connector.opcounts import snapshot
+        if setup == "ops":
+            from statebridge.connector.stats import ops
 
-            conn.send((seq, "opcounts", snapshot()))
+            conn.send((seq, "ops", ops.snapshot()))
             continue
         try:
             worker = RankWorker(setup)
@@ -134,17 +134,18 @@ class RankHostPool:
             return handles
         return launch
 
-    def opcounts(self, hosts: int | None = None) -> list[dict[str, int]]:
-        """Each host's :func:`~statebridge.connector.opcounts.snapshot` (control messages and
-        UCX operations of every rank it ran, since it started), for the first ``hosts``."""
+    def ops(self, hosts: int | None = None) -> list[dict[str, int]]:
+        """Each host's operation counts (:data:`statebridge.connector.stats.ops`: control
+        messages, UCX operations, ... of every rank it ran, since it started), for the first
+        ``hosts``."""
         out = []
         with self._lock:
             for i, (proc, conn) in enumerate(self.hosts[:hosts]):
                 seq = next(self._seq)
-                conn.send((seq, "opcounts"))
-                status, value = _answer(conn, seq, 30.0, f"host {i} opcounts")
-                if status != "opcounts":
-                    raise ConfigError(f"host answered opcounts with {status!r}")
+                conn.send((seq, "ops"))
+                status, value = _answer(conn, seq, 30.0, f"host {i} ops")
+                if status != "ops":
+                    raise ConfigError(f"host answered ops with {status!r}")
                 out.append(value)
         return out
 

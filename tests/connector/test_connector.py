@@ -104,12 +104,12 @@ def _wave(server, decode, rng, dst_tp):
 
 def unattended_sleeps(hosts, ranks: int) -> int:
     """Loop sleeps of the first ``ranks`` hosts' ranks with UCX's events left unpolled."""
-    return sum(c.get("unattended_sleeps", 0) for c in hosts.opcounts(ranks))
+    return sum(c.get("unattended_sleeps", 0) for c in hosts.ops(ranks))
 
 
 def shared_map_reads(hosts, ranks: int) -> int:
     """Shared-map reads (one request from one prefill rank) of the first ``ranks`` hosts."""
-    return sum(c.get("shared_map_reads", 0) for c in hosts.opcounts(ranks))
+    return sum(c.get("shared_map_reads", 0) for c in hosts.ops(ranks))
 
 
 #: Every zero-copy pair reads out of the prefill rank's shared map, however small.

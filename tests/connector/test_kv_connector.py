@@ -163,10 +163,10 @@ def rank_pairs(spec_name: str, src_tp: int, dst_tp: int) -> int:
                           for c in CASES])
 def test_kv_moves_byte_exact_and_blocks_are_freed(pools, spec_name, src_tp, dst_tp, src_kv,
                                                    dst_kv, config):
-    reads = sum(c.get("shared_map_reads", 0) for c in pools[1].opcounts(dst_tp))
+    reads = sum(c.get("shared_map_reads", 0) for c in pools[1].ops(dst_tp))
     results, p_stats, d_stats = kv_round(pools, spec_name, src_tp, dst_tp, src_kv, dst_kv,
                                          config)
-    reads = sum(c.get("shared_map_reads", 0) for c in pools[1].opcounts(dst_tp)) - reads
+    reads = sum(c.get("shared_map_reads", 0) for c in pools[1].ops(dst_tp)) - reads
     # Through the shared map every request is one read per rank pair; over UCX none.
     assert reads == (len(LENGTHS) * rank_pairs(spec_name, src_tp, dst_tp)
                      if config.shared_map else 0)
@@ -191,9 +191,9 @@ def test_staged_pages_go_over_ucx_while_kv_reads_the_shared_map(pools):
     packed messages, while the KV of the same rank pairs is read out of the shared map --
     one read per rank pair with KV, byte-exact, everything freed."""
     spec_name, src_tp, dst_tp = "hybrid-kv2", 2, 4
-    reads = sum(c.get("shared_map_reads", 0) for c in pools[1].opcounts(dst_tp))
+    reads = sum(c.get("shared_map_reads", 0) for c in pools[1].ops(dst_tp))
     results, p_stats, _ = kv_round(pools, spec_name, src_tp, dst_tp, src_layout="LSD")
-    reads = sum(c.get("shared_map_reads", 0) for c in pools[1].opcounts(dst_tp)) - reads
+    reads = sum(c.get("shared_map_reads", 0) for c in pools[1].ops(dst_tp)) - reads
     spec = KV_SPECS[spec_name]
     kv = KVPlan(BlockGeometry(spec.kv, src_tp, "HB", BS, 1),
                 BlockGeometry(spec.kv, dst_tp, "HB", BS, 1))

@@ -16,6 +16,7 @@ import zmq.auth
 from statebridge.config import ConnectorConfig
 from statebridge.connector import control as c
 from statebridge.connector import messages as m
+from statebridge.connector.stats import Counters
 from statebridge.errors import AuthenticationError, ConfigError
 from statebridge.security import CurveKeys, authorized_keys, generate_keys, key_files
 
@@ -131,7 +132,7 @@ def _exchange(router: zmq.Socket, dealer: zmq.Socket, watch: c.HandshakeWatch) -
 @pytest.fixture
 def keyed_router(keys_dir):
     ctx = zmq.Context.instance()
-    counters = c.Counters()
+    counters = Counters()
     router, port = c.bind_router(ctx, "127.0.0.1", keys=CurveKeys.load(keys_dir, listen=True),
                                  counters=counters, name="test-router")
     yield router, f"127.0.0.1:{port}", counters

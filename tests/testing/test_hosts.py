@@ -32,5 +32,5 @@ def test_a_late_answer_is_dropped_not_taken_for_the_next_launch(caplog):
         pool.start_timeout = 60.0
         handles = launch([setup("statebridge.testing.models:SyntheticModel", "fine")])
         assert len(handles) == 1 and handles[0].is_alive()
-        counts = pool.opcounts()
+        counts = pool.ops()
         assert len(counts) == 1 and isinstance(counts[0], dict)

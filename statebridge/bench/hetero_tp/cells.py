@@ -216,7 +216,7 @@ def _statebridge_cell(spec: StateSpec, src_tp: int, dst_tp: int, layout: str,
             groups = {"bench_process": [os.getpid()],
                       "prefill_ranks": prefill_hosts.pids[:src_tp],
                       "decode_ranks": decode_hosts.pids[:dst_tp]}
-            ops0 = _opcounts_snapshot(prefill_hosts, decode_hosts, src_tp, dst_tp)
+            ops0 = _ops_snapshot(prefill_hosts, decode_hosts, src_tp, dst_tp)
             cpu0, sleeps0 = _cpu_snapshot(groups), _sleeps_snapshot(groups)
             started = time.perf_counter()
             results = _run_requests(decode, a.requests, c, "req-", a.timeout, tokens)
@@ -225,7 +225,7 @@ def _statebridge_cell(spec: StateSpec, src_tp: int, dst_tp: int, layout: str,
             dst_staging = np.max([r.rank_staging_bytes for r in results], axis=0) - dst_staging0
             time.sleep(0.05)                      # the last RankDone of the prefill side
             src_staging = np.array(server.stats()["rank_staging_bytes"]) - src_staging0
-            ops1 = _opcounts_snapshot(prefill_hosts, decode_hosts, src_tp, dst_tp)
+            ops1 = _ops_snapshot(prefill_hosts, decode_hosts, src_tp, dst_tp)
             # 3. low load: one request in flight
             low = (_run_requests(decode, a.low_load_requests, 1, "low-", a.timeout, tokens)
                    if a.low_load else [])
@@ -297,10 +297,10 @@ def _state_final_times(server, decode_node: str, ids: list[str],
     return finals
 
 
-def _opcounts_snapshot(prefill_hosts, decode_hosts, src_tp: int, dst_tp: int) -> dict:
-    """Operation counts (:mod:`statebridge.connector.opcounts`) by process class: this process
-    (the coordinators), the prefill rank hosts, the decode rank hosts."""
-    from statebridge.connector.opcounts import snapshot
+def _ops_snapshot(prefill_hosts, decode_hosts, src_tp: int, dst_tp: int) -> dict:
+    """Operation counts (:data:`statebridge.connector.stats.ops`) by process class: this
+    process (the coordinators), the prefill rank hosts, the decode rank hosts."""
+    from statebridge.connector.stats import ops
 
     def total(snaps):
         out: dict[str, int] = {}
@@ -308,8 +308,8 @@ def _opcounts_snapshot(prefill_hosts, decode_hosts, src_tp: int, dst_tp: int) ->
             for k, v in snap.items():
                 out[k] = out.get(k, 0) + v
         return out
-    return {"bench_process": snapshot(), "prefill_ranks": total(prefill_hosts.opcounts(src_tp)),
-            "decode_ranks": total(decode_hosts.opcounts(dst_tp))}
+    return {"bench_process": ops.snapshot(), "prefill_ranks": total(prefill_hosts.ops(src_tp)),
+            "decode_ranks": total(decode_hosts.ops(dst_tp))}
 
 
 def _per_request_counts(ops0: dict, ops1: dict, requests: int) -> dict:

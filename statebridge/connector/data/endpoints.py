@@ -3,7 +3,7 @@ peers, declaring them lost, UCX's endpoint errors and how a failed UCX request i
 
 :class:`Endpoints` holds methods only; they work on the state :class:`Transport` sets up
 (``_worker``, ``_peers``, ``_lost``, ``_serial``, ``_ep_events``, ``_outstanding``,
-``_abandoned``, ``_counters``, ``error_handling``, ``name``). See the transport's docstring for
+``_abandoned``, ``counters``, ``error_handling``, ``name``). See the transport's docstring for
 why error handling is a choice and what each choice costs.
 """
 
@@ -105,7 +105,7 @@ class Endpoints:
         self._lost[peer_id] = str(reason)
         peer = self._peers.pop(peer_id, None)
         handles = [h for h in self._outstanding.values() if h.peer_id == peer_id]
-        self._counters["peers_failed"] += 1
+        self.counters.add("peers_failed")
         if peer is not None:
             # Closing the endpoint cancels the requests registered on it (status CANCELED). The
             # peer is dead or unreachable: a blocking close would wait for a flush that never
@@ -168,7 +168,7 @@ class Endpoints:
                                  f"{handle._describe()}", request_id=handle.request_id,
                                  peer=peer_id)
         if status == _UCS_ERR_MESSAGE_TRUNCATED:
-            self._counters["rejected_wrong_size"] += 1
+            self.counters.add("rejected_wrong_size")
             return TransferError(f"{self.name}: {handle._describe()}: message {handle._checked} "
                                  f"of {handle.messages} is longer than its posted receive "
                                  f"({handle.nbytes} bytes posted in all; {detail})",
@@ -189,7 +189,7 @@ class Endpoints:
             peer = self._peers.get(peer_id)
             if peer is None or peer.serial != serial or peer.closing:
                 continue
-            self._counters["ucx_peer_errors"] += 1
+            self.counters.add("ucx_peer_errors")
             try:
                 peer.endpoint.raise_on_error()
                 detail = "endpoint closed by UCX"

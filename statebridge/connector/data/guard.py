@@ -12,11 +12,14 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import numpy as np
 
 from statebridge.connector.data.tags import split_tag, tag_match
+
+if TYPE_CHECKING:
+    from statebridge.connector.stats import Counters
 
 log = logging.getLogger(__name__)
 
@@ -31,19 +34,19 @@ class UnexpectedGuard:
     """Receives unmatched messages of one UCX worker into scratch memory and counts them.
 
     ``ucx_api`` is ``ucxx._lib.libucxx`` and ``array`` ucxx's ``Array`` (the transport imported
-    them). Counters: :attr:`rejected` / :attr:`rejected_bytes` (unannounced messages and their
-    announced lengths), :attr:`discarded` (messages of a drained generation). Used by its
-    transport's owner thread only; :meth:`close` drops the worker.
+    them). It counts in its transport's ``counters``: ``rejected_unannounced`` /
+    ``rejected_unannounced_bytes`` (unannounced messages and their announced lengths),
+    ``stale_messages_discarded`` (messages of a drained generation). Used by its transport's
+    owner thread only; :meth:`close` drops the worker.
     """
 
-    def __init__(self, worker: Any, ucx_api: Any, array: Any, name: str) -> None:
+    def __init__(self, worker: Any, ucx_api: Any, array: Any, name: str,
+                 counters: "Counters") -> None:
         self._worker = worker
         self._ucx = ucx_api
         self._Array = array
         self.name = name
-        self.rejected = 0
-        self.rejected_bytes = 0
-        self.discarded = 0
+        self.counters = counters
         self._rejecting: list[tuple[Any, np.ndarray]] = []   # receives not yet completed
         self._head: tuple[int, float] | None = None          # (tag, first seen) of the head
 
@@ -78,8 +81,8 @@ class UnexpectedGuard:
             request = worker.tag_recv_with_handle(self._Array(scratch), probe)
             self._rejecting.append((request, scratch))
             self._head = None
-            self.rejected += 1
-            self.rejected_bytes += nbytes
+            self.counters.add("rejected_unannounced")
+            self.counters.add("rejected_unannounced_bytes", nbytes)
             rejected += 1
             log.debug("%s: rejected an unannounced message of %d bytes (generation %d, "
                       "src_rank %d)", self.name, nbytes, generation, src_rank)
@@ -104,7 +107,7 @@ class UnexpectedGuard:
             while not request.completed and time.monotonic() < deadline:
                 drive(0.001, lambda: request.completed)
             count += 1
-        self.discarded += count
+        self.counters.add("stale_messages_discarded", count)
         return count
 
     def close(self) -> None:

@@ -4,7 +4,7 @@ sends and receives of runs (zero-copy, straight from and into its buffer), of st
 
 :class:`Posting` holds methods only; they work on the state :class:`Transport` sets up
 (``_worker``, ``_np``, ``_mv``, ``_arrays``, ``_size``, ``_pool``, ``_outstanding``,
-``_counters``, ``_Array``, ``_Tag``, ``name``) and its endpoints
+``counters``, ``_Array``, ``_Tag``, ``name``) and its endpoints
 (:class:`~statebridge.connector.data.endpoints.Endpoints`).
 """
 
@@ -25,7 +25,7 @@ from statebridge.connector.data.tags import (
     make_tag,
     pack_tag,
 )
-from statebridge.connector.opcounts import counter as _op_counter
+from statebridge.connector.stats import ops
 from statebridge.errors import ConfigError, TransferError
 
 __all__ = ["Posting"]
@@ -183,8 +183,9 @@ class Posting:
                                 generation=generation, src_rank=src_rank, nbytes=nbytes,
                                 messages=1, request_id=request_id, requests=requests,
                                 staging=staging, on_success=on_success)
-        self._counters["staging_buffers_used"] += 1
-        self._counters["staging_bytes"] += nbytes
+        c = self.counters.shard()
+        c["staging_buffers_used"] += 1
+        c["staging_bytes"] += nbytes
         self._outstanding[id(handle)] = handle
         return handle
 
@@ -203,7 +204,7 @@ class Posting:
             requests.clear()      # dropping ucxx's requests cancels what was posted
             raise TransferError(f"{self.name}: posting to {peer_id!r} failed: {e}",
                                 peer=peer_id) from e
-        _op_counter()["ucx_ops"] += len(requests)
+        ops.add("ucx_ops", len(requests))
         return requests
 
     def _view(self, start: int, n: int):
@@ -220,7 +221,7 @@ class Posting:
     def _post_one(self, op, array, tag: int, peer_id: str | None) -> list:
         """One UCX request on ``array``: a ucxx view of this rank's buffer or of a staging
         buffer (None: ``op`` needs no buffer)."""
-        _op_counter()["ucx_ops"] += 1
+        ops.add("ucx_ops")
         try:
             return [op(array, self._Tag(tag))]
         except Exception as e:  # noqa: BLE001

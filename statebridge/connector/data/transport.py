@@ -80,6 +80,7 @@ from statebridge.connector.data.guard import UnexpectedGuard
 from statebridge.connector.data.handle import TransferHandle
 from statebridge.connector.data.posting import Posting
 from statebridge.connector.data.staging import StagingPool
+from statebridge.connector.stats import Counters
 from statebridge.errors import ClosedError, ConfigError, kind_of
 
 if TYPE_CHECKING:
@@ -87,13 +88,30 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-__all__ = ["Transport"]
+__all__ = ["Transport", "TRANSPORT_COUNTERS"]
 
 
 def _done_counters(kinds: tuple[str, ...]) -> dict[tuple[str, str], tuple[str, str, str]]:
     """(direction, handle kind) -> the counters a completed handle adds to."""
     return {(d, k): (f"messages_{side}", f"bytes_{side}", f"{k}_messages_{side}")
             for d, side in (("send", "sent"), ("recv", "received")) for k in kinds}
+
+
+#: Handle kinds a completed handle is counted under.
+_DONE = _done_counters(("zero_copy", "staged", "notice"))
+
+#: :attr:`Transport.counters` (:class:`~statebridge.connector.stats.Counters`): messages and
+#: bytes of completed handles (``messages_sent`` ... ``notice_messages_received``, by handle
+#: kind), staging buffers used and their bytes (0 while only zero-copy runs were posted),
+#: completed handles, peers declared lost, UCX endpoint errors, messages of a drained
+#: generation discarded, unannounced messages rejected (and their announced bytes), messages of
+#: the wrong size. Failed handles count as ``failed_<kind>`` (``failed_timeout``: waits that
+#: timed out), reported by :meth:`Transport.stats` as ``failures``.
+TRANSPORT_COUNTERS = (
+    *dict.fromkeys(name for names in _DONE.values() for name in names),
+    "staging_buffers_used", "staging_bytes", "handles_completed", "peers_failed",
+    "ucx_peer_errors", "stale_messages_discarded", "rejected_unannounced",
+    "rejected_unannounced_bytes", "rejected_wrong_size")
 
 
 class Transport(Endpoints, Posting):
@@ -120,8 +138,8 @@ class Transport(Endpoints, Posting):
     owner's progress calls.
     """
 
-    #: Handle kinds a completed handle is counted under (see :meth:`stats`).
-    _DONE_COUNTERS = _done_counters(("zero_copy", "staged", "notice"))
+    #: (direction, handle kind) -> the counters a completed handle adds to.
+    _DONE_COUNTERS = _DONE
 
     def __init__(self, buffer: torch.Tensor, *, error_handling: bool = False,
                  ucx_options: Mapping[str, str] | None = None,
@@ -171,10 +189,10 @@ class Transport(Endpoints, Posting):
         self._ep_events: collections.deque = collections.deque()   # from UCX callbacks
         self._outstanding: dict[int, TransferHandle] = {}
         self._pool = StagingPool(staging_pool_bytes)
-        self._counters: collections.Counter = collections.Counter()
-        self._failures: collections.Counter = collections.Counter()
+        #: This transport's counters (:data:`TRANSPORT_COUNTERS`); any thread may read them.
+        self.counters = Counters(TRANSPORT_COUNTERS)
         self._abandoned: list[_Peer] = []     # endpoints of lost peers, closed without waiting
-        self._guard = UnexpectedGuard(self._worker, ucx_api, Array, name)
+        self._guard = UnexpectedGuard(self._worker, ucx_api, Array, name, self.counters)
         log.info("%s: UCX worker ready (%d-byte buffer, error_handling=%s)", name, self._size,
                  error_handling)
 
@@ -315,44 +333,23 @@ class Transport(Endpoints, Posting):
     # -- counters -------------------------------------------------------------------------------
     @property
     def staging_bytes(self) -> int:
-        """Bytes that went through staging buffers so far (cheap: one counter)."""
-        return int(self._counters["staging_bytes"])
+        """Bytes that went through staging buffers so far."""
+        return int(self.counters.get("staging_bytes"))
 
     def stats(self) -> dict[str, Any]:
-        """Counters since creation (plain data). Messages and bytes count completed transfers;
-        ``staging_*`` stay 0 as long as only zero-copy runs were posted; ``failures`` counts
-        failed handles by kind (``timeout`` counts waits that timed out)."""
-        c = dict(self._counters)            # one C-level copy: safe to read from a monitor
-        guard, pool = self._guard, self._pool
-        return {
-            "messages_sent": c.get("messages_sent", 0),
-            "bytes_sent": c.get("bytes_sent", 0),
-            "messages_received": c.get("messages_received", 0),
-            "bytes_received": c.get("bytes_received", 0),
-            "zero_copy_messages": c.get("zero_copy_messages_sent", 0)
-            + c.get("zero_copy_messages_received", 0),
-            "zero_copy_messages_sent": c.get("zero_copy_messages_sent", 0),
-            "zero_copy_messages_received": c.get("zero_copy_messages_received", 0),
-            "staged_messages_sent": c.get("staged_messages_sent", 0),
-            "staged_messages_received": c.get("staged_messages_received", 0),
-            "notice_messages_sent": c.get("notice_messages_sent", 0),
-            "notice_messages_received": c.get("notice_messages_received", 0),
-            "staging_buffers_used": c.get("staging_buffers_used", 0),
-            "staging_bytes": c.get("staging_bytes", 0),
-            "staging_buffers_allocated": pool.allocations,
-            "staging_pool_bytes": pool.cached_bytes,
-            "staging_quarantined_bytes": pool.quarantined_bytes,
-            "handles_completed": c.get("handles_completed", 0),
-            "handles_outstanding": len(self._outstanding),
-            "failures": dict(self._failures),
-            "peers": len(self._peers),
-            "peers_failed": c.get("peers_failed", 0),
-            "ucx_peer_errors": c.get("ucx_peer_errors", 0),
-            "stale_messages_discarded": guard.discarded,
-            "rejected_unannounced": guard.rejected,
-            "rejected_unannounced_bytes": guard.rejected_bytes,
-            "rejected_wrong_size": c.get("rejected_wrong_size", 0),
-        }
+        """:attr:`counters` (plain data; every name of :data:`TRANSPORT_COUNTERS`, failed
+        handles as ``failures``: kind -> count) with the transport's gauges: staging buffers
+        allocated, pooled and quarantined bytes, handles outstanding, peers connected."""
+        counts = self.counters.snapshot()
+        failures = {name[len("failed_"):]: counts.pop(name)
+                    for name in [n for n in counts if n.startswith("failed_")]}
+        pool = self._pool
+        return {**counts, "failures": failures,
+                "staging_buffers_allocated": pool.allocations,
+                "staging_pool_bytes": pool.cached_bytes,
+                "staging_quarantined_bytes": pool.quarantined_bytes,
+                "handles_outstanding": len(self._outstanding),
+                "peers": len(self._peers)}
 
     # -- internals ------------------------------------------------------------------------------
     def _check_open(self) -> None:
@@ -365,15 +362,15 @@ class Transport(Endpoints, Posting):
         if staging is not None:
             self._pool.release(staging, quiescent=quiescent)
         self._outstanding.pop(id(handle), None)
-        c = self._counters
         if handle.ok:
+            c = self.counters.shard()
             c["handles_completed"] += 1
             messages, nbytes, kind_messages = self._DONE_COUNTERS[handle.direction, handle.kind]
             c[messages] += handle.messages
             c[nbytes] += handle.nbytes
             c[kind_messages] += handle.messages
         else:
-            self._failures[kind_of(handle.error).value] += 1
+            self.counters.add(f"failed_{kind_of(handle.error).value}")
 
     def _count_failure(self, kind: str) -> None:
-        self._failures[kind] += 1
+        self.counters.add(f"failed_{kind}")

@@ -25,8 +25,9 @@ from statebridge.errors import ConfigError, StatebridgeError
 from statebridge.state.kv import blocks_for
 
 if TYPE_CHECKING:
-    from statebridge.connector.control import Counters, EventLoop
+    from statebridge.connector.control import EventLoop
     from statebridge.connector.rank import KVBlocks, RankModel
+    from statebridge.connector.stats import Counters
 
 log = logging.getLogger(__name__)
 

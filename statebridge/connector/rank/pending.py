@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Callable, Iterator
 
 from statebridge.connector.ledger import RequestKey
-from statebridge.connector.opcounts import counter as _op_counter
+from statebridge.connector.stats import ops
 from statebridge.errors import FailureKind, kind_of
 
 if TYPE_CHECKING:
@@ -211,7 +211,7 @@ class PendingTransfers:
             self.loop.watch_fd(self.transport.fileno(), not unattended)
             self._ucx_watched = not unattended
         if unattended:
-            _op_counter()["unattended_sleeps"] += 1
+            ops.add("unattended_sleeps")
             return reap
         armed = self.transport.arm()
         if armed and self._awaiting:

@@ -19,7 +19,7 @@ import numpy as np
 
 from statebridge.connector.data import shared
 from statebridge.connector.data.tags import READY_INDEX
-from statebridge.connector.opcounts import counter as _op_counter
+from statebridge.connector.stats import ops
 from statebridge.connector.rank.pending import Pending, fail_pending
 from statebridge.errors import StatebridgeError, kind_of
 
@@ -224,7 +224,7 @@ class SharedMaps:
                                    src_pool + first * pair.src_block_stride,
                                    kv_base + d0 * pair.dst_block_stride))
         copied = self.memory.copy_from(src, groups)
-        _op_counter()["shared_map_reads"] += 1
+        ops.add("shared_map_reads")
         return copied
 
     def close(self) -> None:

@@ -24,6 +24,7 @@ from statebridge.connector.rank.memory import RankMemory
 from statebridge.connector.rank.pending import Pending, PendingTransfers, fail_pending
 from statebridge.connector.rank.routes import Routes
 from statebridge.connector.rank.shared_map import SharedMaps
+from statebridge.connector.stats import Counters
 from statebridge.errors import FailureKind, ProtocolError, StatebridgeError, kind_of
 from statebridge.net import same_host
 from statebridge.security import CurveKeys
@@ -64,7 +65,7 @@ class RankWorker:
             self.kv = KVBlocks(self.kv_geometry, self.memory.kv_pool, self.memory.kv_base)
         self.transport = Transport(self.memory.registered,
                                    error_handling=self.config.ucx_error_handling)
-        self.counters = c.Counters()
+        self.counters = Counters()
         model = load_callable(setup.model) if setup.model else RankModel
         self.model: RankModel = model(setup, self.cache, self.kv)
         self.model.rank_stats = self.stats
