@@ -64,6 +64,7 @@ from statebridge.errors import (
 )
 from statebridge.state.spec import StateSpec
 from statebridge.testing.models import SyntheticModel
+from statebridge.testing.probes import instrumented, probes_of
 
 log = logging.getLogger("statebridge.soak")
 
@@ -408,9 +409,9 @@ class Soak:
         from statebridge.connector.decode import DecodeCoordinator
         from statebridge.state.cache import StateCache
 
-        self.decode = DecodeCoordinator(self.spec, self.a.dst_tp, self.a.layout,
-                                        num_pages=self.num_pages, config=self.config,
-                                        node_id="decode", model=MODEL, checksums=True)
+        self.decode = instrumented(DecodeCoordinator(
+            self.spec, self.a.dst_tp, self.a.layout, num_pages=self.num_pages,
+            config=self.config, node_id="decode", model=MODEL, probes="checksums"))
         self.reports.install(self.decode)
         self.server = self._start_server(0)
         self.decode.wait_ready(timeout=120)
@@ -532,10 +533,11 @@ class Soak:
             if req.check:
                 self.checked += 1
                 want = expected_checksums(self.decode.geometry, req.rid, self._oracle_cache)
-                if result.checksums != want:
+                probes = probes_of(self.decode)
+                if probes.checksums(result) != want:
                     self.mismatches.append(req.rid)
-                if self.spec.kv is not None and result.kv_checksums != expected_kv_checksums(
-                        self.spec, req.rid, req.tokens, self.a.dst_tp):
+                if self.spec.kv is not None and probes.kv_checksums(result) != \
+                        expected_kv_checksums(self.spec, req.rid, req.tokens, self.a.dst_tp):
                     self.mismatches.append(f"{req.rid} (KV)")
             self.decode.release(result)
         except Exception as e:  # noqa: BLE001 -- reported as a failed check

@@ -97,15 +97,7 @@ class TransferResult:
     prefill_node: str
     seconds: float                  # submit -> every decode rank holds the state
     nbytes: int                     # payload bytes received by all decode ranks
-    messages: int                   # messages received by all decode ranks
-    checksums: tuple[str, ...]      # per decode rank, when the group computes them
-    rank_seconds: tuple[float, ...]
-    rank_staging_bytes: tuple[int, ...]   # each decode rank's transport staging counter (total)
-    blocks: tuple[int, ...] = ()          # the request's KV block table (spec with KV)
-    kv_checksums: tuple[str, ...] = ()    # per decode rank: its K/V of the prompt's tokens
-    #: time.monotonic() when the last decode rank held the state (compare with
-    #: PrefillServer.state_final_times: the same clock on one machine); 0 for a local prefill
-    held_at: float = 0.0
+    blocks: tuple[int, ...] = ()    # the request's KV block table (spec with KV)
 
 
 #: ``on_done(result, error)`` of :meth:`DecodeCoordinator.start`: exactly one is not None.
@@ -652,13 +644,7 @@ class DecodeCoordinator(RankGroup):
         result = record.result = TransferResult(
             request_id=record.request_id, generation=record.generation, page=record.page,
             prefill_node=record.peer_node, seconds=time.perf_counter() - record.started,
-            nbytes=sum(d.nbytes for d in done), messages=sum(d.messages for d in done),
-            checksums=tuple(d.checksum for d in done),
-            rank_seconds=tuple(d.seconds for d in done),
-            rank_staging_bytes=tuple(d.staging_bytes for d in done),
-            blocks=tuple(record.blocks),
-            kv_checksums=tuple(d.kv_checksum for d in done) if record.blocks else (),
-            held_at=max(d.held_at for d in done))
+            nbytes=sum(d.nbytes for d in done), blocks=tuple(record.blocks))
         self.counters.add("transfers_ok")
         self.counters.add("bytes", result.nbytes)
         self._report(record, result, None)

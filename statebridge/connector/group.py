@@ -71,7 +71,8 @@ class RankGroup:
 
     ``model``: ``module:Class`` of the :class:`~statebridge.connector.rank.RankModel` every rank
     runs (None: none -- the ranks move state and compute nothing; the nodes name the real
-    model, tests their stand-in).
+    model, tests their stand-in). ``probes``: the instrumentation switch of the ranks, for
+    benchmarks and tests (:class:`~statebridge.connector.messages.RankProbe`; "" off).
 
     Subclasses get :meth:`_on_rank_done`, :meth:`_on_rank_lost` and :meth:`_on_peer_message`.
     """
@@ -83,13 +84,16 @@ class RankGroup:
                  port: int = 0, launcher: Launcher | None = spawn_launcher,
                  region_align: int = 16, model: str | None = None, model_dir: str = "",
                  dist_init: "str | Callable[[], tuple[str, Any]]" = "",
-                 checksums: bool = False,
+                 probes: str = "",
                  kv_layout: str = DEFAULT_KV_LAYOUT, block_size: int = DEFAULT_BLOCK_SIZE,
                  num_blocks: int | None = None) -> None:
         # ``dist_init`` as a callable: called once this group's sockets are bound, it returns
         # (init_method, store) -- the node's rendezvous store (models.Rendezvous), kept while
         # the ranks live and closed after they stopped.
         self.dist_store: Any = None
+        if probes not in m.PROBES:
+            raise ConfigError(f"probes must be one of {m.PROBES} (see messages.RankProbe), "
+                              f"got {probes!r}")
         self.config = config or ConnectorConfig()
         self.spec = spec
         self.tp_size = tp_size
@@ -159,7 +163,7 @@ class RankGroup:
                                 tp_rank=r, tp_size=tp_size, spec_json=spec.to_json(),
                                 layout=self.layout.name, num_pages=num_pages,
                                 node_id=self.node_id, config=self.config,
-                                region_align=region_align, checksums=checksums,
+                                region_align=region_align, probes=probes,
                                 model_dir=model_dir, dist_init=dist_init,
                                 local_coordinator=(self.local.address
                                                    if self.config.local_ranks else ""),

@@ -43,6 +43,10 @@ Version 10: a coordinator tells its ranks to connect to a peer group by forwardi
 checked :class:`GroupInfo` as it came (``RankConnect``, a hand-made copy of its fields with a
 ``peer_`` prefix, is gone): one handshake record between groups and inside them.
 
+Version 11: ``RankDone`` carries what the protocol needs (outcome and bytes moved); what a
+benchmark or a test measures or verifies travels in :class:`RankProbe`, which only an
+instrumented rank sends (the one switch, documented there).
+
 Layers above the connector (the decode node's stepping and front door) declare their own
 messages with :func:`message`; they travel through the same codec.
 """
@@ -74,7 +78,7 @@ __all__ = [
     "MAX_BATCH_ROWS", "Tokens", "pack_tokens", "unpack_tokens", "token_count",
     "Hello", "Reject", "GroupInfo", "TransferRequest", "TransferFailed",
     "Abort", "Heartbeat", "Error", "Goodbye",
-    "RankHello", "RankPrefill", "RankRecv", "RankDone", "RankCancel",
+    "RankHello", "RankPrefill", "RankRecv", "RankDone", "RankProbe", "PROBES", "RankCancel",
     "RankShutdown", "RankLocalPrefill", "RankFailed",
 ]
 
@@ -224,8 +228,10 @@ class RankRecv(Message):
 @message
 class RankDone(Message):
     """Rank -> coordinator: this rank finished its part (``kind`` empty) or failed it (``kind``
-    a :class:`~statebridge.errors.FailureKind` name). Sent once per request, only when nothing
-    of it can still touch the page."""
+    a :class:`~statebridge.errors.FailureKind` name; ``message`` says why). Sent once per
+    request, only when nothing of it can still touch the page. ``nbytes``: payload bytes the
+    rank moved for the request (recurrent state and KV; the decode node's transfer-size
+    metric sums them over its ranks)."""
     BATCH = True
     tp_rank: int
     peer_node: str
@@ -233,19 +239,53 @@ class RankDone(Message):
     generation: int
     kind: str
     message: str
-    checksum: str
+    nbytes: int = 0
+
+
+#: The values of the instrumentation switch, ``RankSetup.probes`` (see :class:`RankProbe`).
+PROBES = ("", "timing", "checksums")
+
+
+@message
+class RankProbe(Message):
+    """Rank -> coordinator, only from an instrumented rank: what a benchmark or a test measures
+    or verifies of one request on this rank. The product never sends or reads it; the
+    benchmark and the tests receive it through :meth:`RankGroup.on_rank_message
+    <statebridge.connector.group.RankGroup.on_rank_message>`
+    (:class:`statebridge.testing.probes.Probes`).
+
+    The instrumentation switch is ``RankSetup.probes`` (``RankGroup(probes=...)``), one of
+    :data:`PROBES`; this is the one place its meaning is written:
+
+    - ``""`` (the default, the product): no probes; a rank answers each request with its
+      ``RankDone`` alone.
+    - ``"timing"``: every rank sends a ``RankProbe`` for each request whose transfers it
+      settled (not for a local prefill, nor for a request that failed before anything was
+      posted), just before that request's ``RankDone`` (so a probe is in by the time the
+      coordinator reports the request): ``seconds`` from posting to settling on this rank,
+      ``messages`` (data-plane messages this rank moved for it), ``staging_bytes`` (the rank's
+      staging counter, total since it started), ``state_final_at`` (a prefill rank: when the
+      model's state of the request was final) or ``held_at`` (a decode rank: when it held all
+      of it) -- ``time.monotonic()``, CLOCK_MONOTONIC, one clock for every process of a machine;
+      0 for a request that failed.
+    - ``"checksums"``: as ``"timing"``, and a decode rank also hashes what it received for a
+      request that succeeded: ``checksum``
+      (:func:`~statebridge.state.cache.page_checksum` of its page) and, for a request with
+      KV, ``kv_checksum`` (:func:`~statebridge.connector.rank.kv_checksum`) -- a pass over
+      the request's bytes before the rank answers.
+    """
+    BATCH = True
+    tp_rank: int
+    peer_node: str
+    request_id: str
+    generation: int
     seconds: float
-    nbytes: int
     messages: int
     staging_bytes: int
-    #: Decode ranks with checksums on and a request with KV: blake2b of the request's K and
-    #: V for tokens < kv_tokens (see rank.kv_checksum).
-    kv_checksum: str = ""
-    #: ``time.monotonic()`` (CLOCK_MONOTONIC: one clock for the machine's processes) when a
-    #: prefill rank's state of the request was final (0 on decode ranks and failures) ...
     state_final_at: float = 0.0
-    #: ... and when a decode rank held all of it (0 on prefill ranks and failures).
     held_at: float = 0.0
+    checksum: str = ""
+    kv_checksum: str = ""
 
 
 @message

@@ -41,9 +41,6 @@ from statebridge.state.kv import blocks_for
 
 log = logging.getLogger(__name__)
 
-#: How many sent requests' state-final times a PrefillServer keeps (state_final_times).
-FINAL_TIMES_KEPT = 4096
-
 __all__ = ["PrefillServer"]
 
 
@@ -73,11 +70,6 @@ class PrefillServer(RankGroup):
         self.waiting: collections.deque[tuple[_Peer, m.TransferRequest]] = collections.deque()
         self._pending_info: list[tuple[bytes, m.GroupInfo]] = []
         self.peer_watch = c.PeerWatch(self.config.peer_timeout)
-        self.rank_staging_bytes = [0] * self.tp_size
-        #: (decode node, request id) -> time.monotonic() when the last prefill rank's state of
-        #: it was final, for the last FINAL_TIMES_KEPT requests sent (see state_final_times)
-        self._final_at: collections.OrderedDict[tuple[str, str], float] = \
-            collections.OrderedDict()
 
     # -- decode peers ----------------------------------------------------------------------------
     def _on_peer_message(self, identity: bytes, msg: m.Message) -> None:
@@ -261,7 +253,6 @@ class PrefillServer(RankGroup):
         if record is None:
             self.counters.add("stale_rank_done")
             return
-        self.rank_staging_bytes[rank] = msg.staging_bytes
         if msg.kind and record.failure is None:
             self._fail(record, FailureKind.parse(msg.kind),
                        f"prefill rank {rank}: {msg.message}", notify=True)
@@ -286,12 +277,6 @@ class PrefillServer(RankGroup):
             return
         if not self.ledger.free(record):
             return                                   # freed already (callers may re-check)
-        if record.phase is Phase.DONE:
-            finals = self._final_at
-            finals[record.key.peer_node, record.request_id] = max(
-                d.state_final_at for d in record.done.values())
-            if len(finals) > FINAL_TIMES_KEPT:
-                finals.popitem(last=False)
         record.peer.inflight -= 1
         self._start_waiting()
 
@@ -350,24 +335,10 @@ class PrefillServer(RankGroup):
             c.send_router(self.router, identity, m.Goodbye(node_id=self.node_id))
 
     # -- introspection (thread-safe) -----------------------------------------------------------
-    def state_final_times(self, decode_node: str, request_ids) -> dict[str, float]:
-        """``time.monotonic()`` at which the state of each request sent to ``decode_node`` was
-        final on every prefill rank (the newest :data:`FINAL_TIMES_KEPT` requests sent; ids
-        not among them are left out). A request is recorded once every prefill rank's sends
-        completed, which is just after the decode side holds it. With
-        :attr:`TransferResult.held_at` (the same clock on one machine) it gives "state final
-        -> every decode rank holds it"."""
-        ids = list(request_ids)
-
-        def collect():
-            return {rid: self._final_at[decode_node, rid] for rid in ids
-                    if (decode_node, rid) in self._final_at}
-        return self.loop.call(collect)
-
     def stats(self) -> dict:
         def collect():
             return {**self._page_stats(),
                     "waiting": len(self.waiting), "peers": len(self.peers),
-                    "healthy": self.healthy, "rank_staging_bytes": list(self.rank_staging_bytes),
+                    "healthy": self.healthy,
                     **self.counters.snapshot()}
         return self.loop.call(collect)

@@ -16,6 +16,8 @@ from statebridge.state.plan import TransferPlan
 from statebridge.state.spec import StateSpec
 from statebridge.testing import stable_seed
 from statebridge.testing.hosts import RankHostPool
+from statebridge.errors import ConfigError
+from statebridge.testing.probes import Probes
 
 from ._helpers import (
     FAST,
@@ -56,9 +58,11 @@ def transfer_round(pools, spec_name, src_tp, dst_tp, src_layout, dst_layout, con
     spec = {**SPECS, "mamba2-wide": WIDE}[spec_name]
     rng = np.random.default_rng(stable_seed(spec_name, src_tp, dst_tp, src_layout, dst_layout))
     with PrefillServer(spec, src_tp, src_layout, num_pages=REQUESTS + 2, config=config,
-                       launcher=prefill_hosts.launcher(), model=SYNTHETIC) as server, \
+                       launcher=prefill_hosts.launcher(), model=SYNTHETIC,
+                       probes="timing") as server, \
             DecodeCoordinator(spec, dst_tp, dst_layout, num_pages=REQUESTS + 2, config=config,
-                              launcher=decode_hosts.launcher(), checksums=True) as decode:
+                              launcher=decode_hosts.launcher(), probes="checksums") as decode:
+        probes = Probes(decode, server)
         server.wait_ready()
         decode.connect(server.address)
         for group in (server, decode):           # the ranks' channel is the one configured
@@ -66,40 +70,49 @@ def transfer_round(pools, spec_name, src_tp, dst_tp, src_layout, dst_layout, con
             assert all(r.sock is channel for r in group.ranks)
         sleeps = unattended_sleeps(prefill_hosts, src_tp)
         for _ in range(rounds):
-            results = _wave(server, decode, rng, dst_tp)
+            results = _wave(server, decode, probes, rng, dst_tp)
         wait_until(lambda: server.stats()["pages_used"] == 0, 10, "prefill pages freed")
         assert decode.stats()["pages_used"] == 0
         prefill_stats = dict(server.stats(),
-                             unattended_sleeps=unattended_sleeps(prefill_hosts, src_tp) - sleeps)
-        return results, prefill_stats, decode.stats()
+                             unattended_sleeps=unattended_sleeps(prefill_hosts, src_tp) - sleeps,
+                             rank_staging_bytes=probes.staging_bytes(server))
+        decode_stats = dict(decode.stats(), rank_staging_bytes=probes.staging_bytes(decode))
+        return results, prefill_stats, decode_stats
 
 
-def _wave(server, decode, rng, dst_tp):
+def _wave(server, decode, probes, rng, dst_tp):
     ids = [f"req-{i}-{uuid.uuid4().hex[:6]}" for i in range(REQUESTS)]
     submitted = time.monotonic()
     futures = [decode.submit(rid, random_prompt(rng)) for rid in ids]
     results = [f.result(timeout=60) for f in futures]
     # Rank timestamps, one clock for the machine: submitted < state final on the prefill
     # ranks < held by every decode rank < now.
-    # (The prefill side records a request once its sends completed: just after the
-    # decode side holds it.)
-    wait_until(lambda: len(server.state_final_times(decode.node_id, ids)) == len(ids), 10,
-               "state-final times recorded")
-    finals = server.state_final_times(decode.node_id, ids + ["never-sent"])
-    assert set(finals) == set(ids)
+    # (A prefill rank settles a request once its sends completed: just after the decode side
+    # holds it; its probe comes a moment after the result.)
+    wait_until(lambda: all(_has_probes(probes, r, server) for r in results), 10,
+               "prefill-side probes")
     now = time.monotonic()
     for r in results:
-        assert submitted < finals[r.request_id] < r.held_at < now, \
-            (submitted, finals[r.request_id], r.held_at, now)
+        final, held = probes.state_final_at(r, server), probes.held_at(r, decode)
+        assert submitted < final < held < now, (submitted, final, held, now)
     for rid, result in zip(ids, results):
         assert result.request_id == rid
         expected = tuple(expected_checksum(decode.geometry, rid, r) for r in range(dst_tp))
-        assert result.checksums == expected, f"{rid}: decode pages differ from the oracle"
+        assert probes.checksums(result, decode) == expected, \
+            f"{rid}: decode pages differ from the oracle"
     pages = {r.page for r in results}
     assert len(pages) == REQUESTS                      # every request its own page
     for result in results:
         decode.release(result)
     return results
+
+
+def _has_probes(probes, result, group) -> bool:
+    try:
+        probes.of(result, group)
+    except ConfigError:
+        return False
+    return True
 
 
 def unattended_sleeps(hosts, ranks: int) -> int:
@@ -135,8 +148,7 @@ def test_transfers_are_byte_exact(pools, spec_name, src_tp, dst_tp, src_layout, 
     assert prefill_stats["requests"] == REQUESTS
     assert decode_stats["transfers_ok"] == REQUESTS
     staged = src_layout != dst_layout
-    staging = [b for r in results for b in r.rank_staging_bytes] + \
-        prefill_stats["rank_staging_bytes"]
+    staging = decode_stats["rank_staging_bytes"] + prefill_stats["rank_staging_bytes"]
     if src_layout in ("LDS", "DLS") and not staged:
         # Zero-copy is real: no staging buffer was touched on either side.
         assert max(staging) == 0
@@ -206,7 +218,7 @@ def test_shared_map_reads_are_byte_exact(pools, spec_name, src_tp, dst_tp, src_l
     assert decode_stats["transfers_ok"] == 2 * REQUESTS
     assert shared_map_reads(decode_hosts, dst_tp) - before == 2 * REQUESTS * zero_copy
     if not any(p.staged for p in plan.pairs.values()):
-        assert max(b for r in results for b in r.rank_staging_bytes) == 0
+        assert max(decode_stats["rank_staging_bytes"]) == 0
 
 
 @pytest.mark.timeout(180)
@@ -229,13 +241,15 @@ def test_a_decode_group_without_shared_map_is_served_over_ucx(pools):
     rng = np.random.default_rng(7)
     before = shared_map_reads(decode_hosts, 2)
     with PrefillServer(WIDE, 2, "DLS", num_pages=REQUESTS + 2, config=SHM,
-                       launcher=prefill_hosts.launcher(), model=SYNTHETIC) as server, \
+                       launcher=prefill_hosts.launcher(), model=SYNTHETIC,
+                       probes="timing") as server, \
             DecodeCoordinator(WIDE, 2, "DLS", num_pages=REQUESTS + 2,
                               config=SHM.replace(shared_map=False),
-                              launcher=decode_hosts.launcher(), checksums=True) as decode:
+                              launcher=decode_hosts.launcher(), probes="checksums") as decode:
+        probes = Probes(decode, server)
         server.wait_ready()
         decode.connect(server.address)
-        _wave(server, decode, rng, 2)
+        _wave(server, decode, probes, rng, 2)
         wait_until(lambda: server.stats()["pages_used"] == 0, 10, "prefill pages freed")
     assert shared_map_reads(decode_hosts, 2) == before
 
@@ -269,13 +283,14 @@ def test_shared_buffers_are_released_when_their_ranks_end(pools):
         10, "prefill rank hosts closed their memfds")
     rng = np.random.default_rng(11)
     server = PrefillServer(WIDE, 2, "DLS", num_pages=REQUESTS + 2, config=SHM,
-                           model=SYNTHETIC)  # own processes
+                           model=SYNTHETIC, probes="timing")  # own processes
     try:
         with DecodeCoordinator(WIDE, 2, "DLS", num_pages=REQUESTS + 2, config=SHM,
-                               launcher=decode_hosts.launcher(), checksums=True) as decode:
+                               launcher=decode_hosts.launcher(), probes="checksums") as decode:
+            probes = Probes(decode, server)
             server.wait_ready()
             decode.connect(server.address)
-            _wave(server, decode, rng, 2)
+            _wave(server, decode, probes, rng, 2)
             decoders = decode_hosts.pids[:2]
             assert all(_memfd_links(p) for p in decoders), "decode ranks map the buffers"
             server.close()                      # the prefill rank processes exit

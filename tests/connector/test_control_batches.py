@@ -13,8 +13,7 @@ from statebridge.connector import messages as m
 
 def _done(i: int) -> m.RankDone:
     return m.RankDone(tp_rank=i % 4, peer_node="prefill-x", request_id=f"r{i}", generation=i,
-                      kind="", message="", checksum="", seconds=0.001 * i, nbytes=i,
-                      messages=3, staging_bytes=0)
+                      kind="", message="", nbytes=i)
 
 
 def _prefill(i: int, tokens: int) -> m.RankPrefill:
@@ -113,8 +112,7 @@ def test_a_row_bigger_than_the_budget_still_goes_alone(pair):
 def test_a_row_msgpack_cannot_pack_is_dropped_and_the_others_leave(pair, caplog):
     router, dealer, identity = pair
     bad = m.RankDone(tp_rank=0, peer_node="p", request_id="bad", generation=1, kind="",
-                     message="", checksum="", seconds=0.0, nbytes=1 << 70, messages=1,
-                     staging_bytes=0)
+                     message="", nbytes=1 << 70)
     sent = [_done(1), bad, _done(2)]
     _send_from_loop(lambda: sent, router, identity)
     frames = _frames(dealer, 2)

@@ -30,6 +30,7 @@ from statebridge.connector.data import STAGED_INDEX, Transport, alloc_buffer, ma
 from statebridge.errors import ConfigError
 from statebridge.state.layout import PageGeometry
 from statebridge.state.plan import TransferPlan
+from statebridge.testing.probes import instrumented, probes_of
 
 from ._helpers import FAST, SPECS, SYNTHETIC, expected_checksum, log_to_stderr, wait_until
 
@@ -250,14 +251,15 @@ def test_decode_rank_processes_sweep_rogue_messages_and_keep_serving():
     with RankHostPool(1, initializer=log_to_stderr) as hosts, \
             PrefillServer(SPEC, 1, "DLS", num_pages=4, config=FAST,
                           launcher=hosts.launcher(), model=SYNTHETIC) as server, \
-            DecodeCoordinator(SPEC, 1, "LDS", num_pages=4, config=FAST, checksums=True,
-                              launcher=hosts.launcher()) as decode, \
+            instrumented(DecodeCoordinator(SPEC, 1, "LDS", num_pages=4, config=FAST,
+                                           probes="checksums",
+                                           launcher=hosts.launcher())) as decode, \
             Transport(alloc_buffer(1 << 20), name="rogue") as rogue:
         server.wait_ready()
         decode.connect(server.address)
         rid = f"guard-{uuid.uuid4().hex[:6]}"
         result = decode.submit(rid, [1, 2, 3]).result(timeout=30)
-        assert result.checksums == (expected_checksum(decode.geometry, rid, 0),)
+        assert probes_of(decode).checksums(result) == (expected_checksum(decode.geometry, rid, 0),)
         decode.release(result)
         rogue.connect("dec", decode.rank_addresses[0])
         runs = np.array([[0, 0, 200_000]], np.int64)     # rendezvous: needs the receiver
@@ -269,7 +271,7 @@ def test_decode_rank_processes_sweep_rogue_messages_and_keep_serving():
         future.wait(0)
         rid = f"guard-{uuid.uuid4().hex[:6]}"
         result = decode.submit(rid, [4, 5]).result(timeout=30)
-        assert result.checksums == (expected_checksum(decode.geometry, rid, 0),)
+        assert probes_of(decode).checksums(result) == (expected_checksum(decode.geometry, rid, 0),)
         decode.release(result)
 
 

@@ -18,6 +18,7 @@ from statebridge.connector.prefill import PrefillServer
 from statebridge.errors import AbortedError, IncompatiblePeerError, PeerLostError, TransferError
 from statebridge.state.spec import StateSpec
 from statebridge.testing.hosts import RankHostPool
+from statebridge.testing.probes import instrumented, probes_of
 
 from ._helpers import FAST, SPECS, SYNTHETIC, expected_checksum, log_to_stderr, thaw, wait_until
 
@@ -46,8 +47,8 @@ def ids(n):
 
 def check_ok(decode, future, rid, timeout=30):
     result = future.result(timeout=timeout)
-    assert result.checksums == tuple(expected_checksum(decode.geometry, rid, r)
-                                     for r in range(decode.tp_size))
+    assert probes_of(decode).checksums(result) == tuple(
+        expected_checksum(decode.geometry, rid, r) for r in range(decode.tp_size))
     decode.release(result)
 
 
@@ -55,8 +56,8 @@ def check_ok(decode, future, rid, timeout=30):
 def test_sigkill_prefill_rank_fails_its_requests_then_fresh_group_serves(decode_hosts,
                                                                          monkeypatch):
     monkeypatch.setenv("STATEBRIDGE_TEST_PREFILL_DELAY", "0.3")
-    decode = DecodeCoordinator(SPEC, 2, "DLS", num_pages=16, config=FAST,
-                               launcher=decode_hosts.launcher(), checksums=True)
+    decode = instrumented(DecodeCoordinator(SPEC, 2, "DLS", num_pages=16, config=FAST,
+                                            launcher=decode_hosts.launcher(), probes="checksums"))
     server = PrefillServer(SPEC, 2, "DLS", num_pages=16, config=FAST, model=SLOW)  # spawned
     try:
         server.wait_ready()
@@ -105,7 +106,8 @@ def test_sigkill_decode_rank_fails_its_requests_and_frees_prefill_pages(prefill_
     monkeypatch.setenv("STATEBRIDGE_TEST_PREFILL_DELAY", "0.3")
     server = PrefillServer(SPEC, 2, "LDS", num_pages=16, config=FAST, model=SLOW,
                            launcher=prefill_hosts.launcher())
-    decode = DecodeCoordinator(SPEC, 2, "LDS", num_pages=16, config=FAST, checksums=True)
+    decode = instrumented(DecodeCoordinator(SPEC, 2, "LDS", num_pages=16, config=FAST,
+                                            probes="checksums"))
     try:
         server.wait_ready()
         decode.connect(server.address)
@@ -195,8 +197,9 @@ def test_abort_mid_transfer(prefill_hosts, decode_hosts, monkeypatch):
     monkeypatch.setenv("STATEBRIDGE_TEST_PREFILL_DELAY", "0.5")
     with PrefillServer(SPEC, 2, "DLS", num_pages=8, config=FAST, model=SLOW,
                        launcher=prefill_hosts.launcher()) as server, \
-            DecodeCoordinator(SPEC, 2, "DLS", num_pages=8, config=FAST, checksums=True,
-                              launcher=decode_hosts.launcher()) as decode:
+            instrumented(DecodeCoordinator(SPEC, 2, "DLS", num_pages=8, config=FAST,
+                                           probes="checksums",
+                                           launcher=decode_hosts.launcher())) as decode:
         server.wait_ready()
         decode.connect(server.address)
         keep, drop = ids(2)
@@ -224,8 +227,9 @@ def test_bad_messages_get_typed_errors_and_the_server_keeps_serving(prefill_host
                                                                     decode_hosts):
     with PrefillServer(SPEC, 2, "DLS", num_pages=8, config=FAST,
                        launcher=prefill_hosts.launcher(), model=SYNTHETIC) as server, \
-            DecodeCoordinator(SPEC, 2, "LDS", num_pages=8, config=FAST, checksums=True,
-                              launcher=decode_hosts.launcher()) as decode:
+            instrumented(DecodeCoordinator(SPEC, 2, "LDS", num_pages=8, config=FAST,
+                                           probes="checksums",
+                                           launcher=decode_hosts.launcher())) as decode:
         server.wait_ready()
         decode.connect(server.address)
         sock = raw_peer(server.address)
@@ -270,8 +274,9 @@ def test_stale_generation_messages_are_ignored(prefill_hosts, decode_hosts, monk
     monkeypatch.setenv("STATEBRIDGE_TEST_PREFILL_DELAY", "0.3")
     with PrefillServer(SPEC, 2, "DLS", num_pages=8, config=FAST, model=SLOW,
                        launcher=prefill_hosts.launcher()) as server, \
-            DecodeCoordinator(SPEC, 2, "DLS", num_pages=8, config=FAST, checksums=True,
-                              launcher=decode_hosts.launcher()) as decode:
+            instrumented(DecodeCoordinator(SPEC, 2, "DLS", num_pages=8, config=FAST,
+                                           probes="checksums",
+                                           launcher=decode_hosts.launcher())) as decode:
         server.wait_ready()
         node = decode.connect(server.address)
         rid = ids(1)[0]
@@ -308,8 +313,9 @@ def test_bad_shared_map_fields_in_group_info_are_refused(prefill_hosts, decode_h
 
     with PrefillServer(SPEC, 2, "DLS", num_pages=4, config=FAST,
                        launcher=prefill_hosts.launcher(), model=SYNTHETIC) as server, \
-            DecodeCoordinator(SPEC, 2, "DLS", num_pages=4, config=FAST, checksums=True,
-                              launcher=decode_hosts.launcher()) as decode:
+            instrumented(DecodeCoordinator(SPEC, 2, "DLS", num_pages=4, config=FAST,
+                                           probes="checksums",
+                                           launcher=decode_hosts.launcher())) as decode:
         server.wait_ready()
         decode.wait_ready()
         sock = raw_peer(server.address)

@@ -33,6 +33,7 @@ from statebridge.errors import ProtocolError
 from statebridge.node.decode_node import DecodeNode
 from statebridge.state.spec import StateSpec
 from statebridge.testing.hosts import RankHostPool
+from statebridge.testing.probes import instrumented, probes_of
 
 from ._helpers import FAST, SYNTHETIC, expected_checksum, log_to_stderr
 from .test_messages import ALL_TYPES, example
@@ -59,8 +60,9 @@ def nodes(tmp_path_factory):
     with RankHostPool(1, initializer=log_to_stderr) as hosts, \
             PrefillServer(spec, 1, "DLS", num_pages=4, config=CONFIG,
                           launcher=hosts.launcher(), model=SYNTHETIC) as server, \
-            DecodeCoordinator(spec, 1, "LDS", num_pages=4, config=CONFIG, checksums=True,
-                              launcher=hosts.launcher()) as decode:
+            instrumented(DecodeCoordinator(spec, 1, "LDS", num_pages=4, config=CONFIG,
+                                           probes="checksums",
+                                           launcher=hosts.launcher())) as decode:
         server.wait_ready()
         decode.connect(server.address)
         node = DecodeNode(str(model_dir), 1, [server.address], num_pages=4, config=CONFIG,
@@ -260,7 +262,7 @@ def test_every_node_still_serves_after_the_fuzzing(nodes):
     for _ in range(2):
         rid = f"after-fuzz-{uuid.uuid4().hex[:6]}"
         result = decode.submit(rid, [3, 1, 4]).result(timeout=30)
-        assert result.checksums == (expected_checksum(decode.geometry, rid, 0),)
+        assert probes_of(decode).checksums(result) == (expected_checksum(decode.geometry, rid, 0),)
         decode.release(result)
     # The decode node's own path through the prefill server: a transfer then a decode step
     # (the synthetic rank model cannot decode: a typed failure, not a hang).

@@ -27,6 +27,7 @@ from statebridge.state.plan import TransferPlan
 from statebridge.state.spec import StateSpec
 from statebridge.testing.hosts import RankHostPool
 from statebridge.testing.synthetic import global_kv, request_seed
+from statebridge.testing.probes import Probes, instrumented, probes_of
 
 from ._helpers import FAST, SYNTHETIC, expected_checksum, log_to_stderr, thaw, wait_until
 
@@ -84,9 +85,10 @@ def pools():
 def check_result(decode, spec, result, rid, tokens):
     assert result.request_id == rid
     assert len(result.blocks) == blocks_for(tokens, BS)
-    assert result.checksums == tuple(expected_checksum(decode.geometry, rid, r)
-                                     for r in range(decode.tp_size)), f"{rid}: pages differ"
-    assert result.kv_checksums == tuple(
+    assert probes_of(decode).checksums(result) == tuple(
+        expected_checksum(decode.geometry, rid, r) for r in range(decode.tp_size)), \
+        f"{rid}: pages differ"
+    assert probes_of(decode).kv_checksums(result) == tuple(
         expected_kv_checksum(spec, rid, tokens, decode.tp_size, r)
         for r in range(decode.tp_size)), f"{rid} ({tokens} tokens): KV differs from the oracle"
 
@@ -105,11 +107,12 @@ def kv_round(pools, spec_name, src_tp, dst_tp, src_kv="HB", dst_kv="HB", config=
     spec = KV_SPECS[spec_name]
     n = len(LENGTHS)
     with PrefillServer(spec, src_tp, src_layout, num_pages=n + 2, config=config,
-                       kv_layout=src_kv, block_size=BS,
+                       kv_layout=src_kv, block_size=BS, probes="timing",
                        launcher=prefill_hosts.launcher(), model=SYNTHETIC) as server, \
             DecodeCoordinator(spec, dst_tp, "DLS", num_pages=n + 2, config=config,
                               kv_layout=dst_kv, block_size=BS, num_blocks=160,
-                              launcher=decode_hosts.launcher(), checksums=True) as decode:
+                              launcher=decode_hosts.launcher(), probes="checksums") as decode:
+        probes = Probes(decode, server)
         server.wait_ready()
         decode.connect(server.address)
         rids = ids(n)
@@ -123,7 +126,8 @@ def kv_round(pools, spec_name, src_tp, dst_tp, src_kv="HB", dst_kv="HB", config=
         for result in results:
             decode.release(result)
         wait_until(lambda: server.stats()["pages_used"] == 0, 10, "prefill pages freed")
-        p_stats, d_stats = server.stats(), decode.stats()
+        p_stats = dict(server.stats(), rank_staging_bytes=probes.staging_bytes(server))
+        d_stats = dict(decode.stats(), rank_staging_bytes=probes.staging_bytes(decode))
         assert p_stats["blocks_used"] == 0 and p_stats["blocks_free"] == p_stats["blocks_total"]
         assert d_stats["pages_used"] == 0 and d_stats["blocks_used"] == 0
         return results, p_stats, d_stats
@@ -172,7 +176,7 @@ def test_kv_moves_byte_exact_and_blocks_are_freed(pools, spec_name, src_tp, dst_
                      if config.shared_map else 0)
     assert p_stats["requests"] == len(LENGTHS) and d_stats["transfers_ok"] == len(LENGTHS)
     # Page layouts pair (DLS both sides) and KV runs are always zero-copy: no staging at all.
-    staging = [b for r in results for b in r.rank_staging_bytes] + p_stats["rank_staging_bytes"]
+    staging = d_stats["rank_staging_bytes"] + p_stats["rank_staging_bytes"]
     assert max(staging) == 0
     spec = KV_SPECS[spec_name]
     # Every decode rank received whole blocks of its heads besides the (constant) page bytes.
@@ -192,13 +196,13 @@ def test_staged_pages_go_over_ucx_while_kv_reads_the_shared_map(pools):
     one read per rank pair with KV, byte-exact, everything freed."""
     spec_name, src_tp, dst_tp = "hybrid-kv2", 2, 4
     reads = sum(c.get("shared_map_reads", 0) for c in pools[1].ops(dst_tp))
-    results, p_stats, _ = kv_round(pools, spec_name, src_tp, dst_tp, src_layout="LSD")
+    _, p_stats, d_stats = kv_round(pools, spec_name, src_tp, dst_tp, src_layout="LSD")
     reads = sum(c.get("shared_map_reads", 0) for c in pools[1].ops(dst_tp)) - reads
     spec = KV_SPECS[spec_name]
     kv = KVPlan(BlockGeometry(spec.kv, src_tp, "HB", BS, 1),
                 BlockGeometry(spec.kv, dst_tp, "HB", BS, 1))
     assert reads == len(LENGTHS) * len(kv.pairs)
-    assert max(b for r in results for b in r.rank_staging_bytes) > 0   # pages were staged
+    assert max(d_stats["rank_staging_bytes"]) > 0                      # pages were staged
 
 
 @pytest.mark.timeout(120)
@@ -215,9 +219,10 @@ def test_a_scattered_decode_block_table_moves_byte_exact(pools, spec_name, src_t
     with PrefillServer(spec, src_tp, "DLS", num_pages=6, config=config, block_size=BS,
                        num_blocks=16, launcher=prefill_hosts.launcher(),
                        model=SYNTHETIC) as server, \
-            DecodeCoordinator(spec, dst_tp, "DLS", num_pages=6, config=config, block_size=BS,
-                              num_blocks=6, launcher=decode_hosts.launcher(),
-                              checksums=True) as decode:
+            instrumented(DecodeCoordinator(spec, dst_tp, "DLS", num_pages=6, config=config,
+                                           block_size=BS,
+                                           num_blocks=6, launcher=decode_hosts.launcher(),
+                                           probes="checksums")) as decode:
         server.wait_ready()
         decode.connect(server.address)
         rids = ids(4)
@@ -244,9 +249,9 @@ def test_decode_block_exhaustion_is_cache_full_with_numbers_and_leaks_nothing(po
     spec = KV_SPECS["hybrid-kv2"]
     with PrefillServer(spec, 1, "DLS", num_pages=4, config=FAST, block_size=BS,
                        launcher=prefill_hosts.launcher(), model=SYNTHETIC) as server, \
-            DecodeCoordinator(spec, 2, "DLS", num_pages=4, config=FAST, block_size=BS,
-                              num_blocks=8, launcher=decode_hosts.launcher(),
-                              checksums=True) as decode:
+            instrumented(DecodeCoordinator(spec, 2, "DLS", num_pages=4, config=FAST, block_size=BS,
+                                           num_blocks=8, launcher=decode_hosts.launcher(),
+                                           probes="checksums")) as decode:
         server.wait_ready()
         decode.connect(server.address)
         big, other = ids(2)
@@ -277,9 +282,9 @@ def test_prefill_block_shortage_waits_then_serves(pools):
     spec = KV_SPECS["hybrid-kv4"]
     with PrefillServer(spec, 2, "DLS", num_pages=8, config=FAST, block_size=BS, num_blocks=8,
                        launcher=prefill_hosts.launcher(), model=SYNTHETIC) as server, \
-            DecodeCoordinator(spec, 1, "DLS", num_pages=8, config=FAST, block_size=BS,
-                              num_blocks=64, launcher=decode_hosts.launcher(),
-                              checksums=True) as decode:
+            instrumented(DecodeCoordinator(spec, 1, "DLS", num_pages=8, config=FAST, block_size=BS,
+                                           num_blocks=64, launcher=decode_hosts.launcher(),
+                                           probes="checksums")) as decode:
         server.wait_ready()
         decode.connect(server.address)
         rids = ids(3)
@@ -322,8 +327,9 @@ def test_sigkill_decode_rank_during_shared_map_reads_frees_prefill_pages_and_blo
     config = FAST.replace(transfer_timeout=120.0)
     server = PrefillServer(spec, 2, "DLS", num_pages=16, config=config, block_size=BS,
                            model=SLOW, launcher=prefill_hosts.launcher())
-    decode = DecodeCoordinator(spec, 2, "DLS", num_pages=16, config=config, block_size=BS,
-                               checksums=True)                         # spawned: killable
+    decode = instrumented(DecodeCoordinator(spec, 2, "DLS", num_pages=16, config=config,
+                                            block_size=BS,
+                                            probes="checksums"))  # spawned: killable
     try:
         server.wait_ready()
         decode.connect(server.address)
@@ -361,8 +367,9 @@ def test_frozen_decode_ranks_hold_prefill_pages_until_the_lease_and_late_answers
     config = FAST.replace(lease_timeout=2.0, peer_timeout=60.0, transfer_timeout=60.0)
     server = PrefillServer(spec, 2, "DLS", num_pages=3, config=config, block_size=BS,
                            num_blocks=16, model=SLOW, launcher=prefill_hosts.launcher())
-    decode = DecodeCoordinator(spec, 2, "DLS", num_pages=4, config=config, block_size=BS,
-                               checksums=True)                         # spawned: stoppable
+    decode = instrumented(DecodeCoordinator(spec, 2, "DLS", num_pages=4, config=config,
+                                            block_size=BS,
+                                            probes="checksums"))  # spawned: stoppable
     frozen = [h.pid for h in decode.handles]
     try:
         server.wait_ready()
@@ -401,8 +408,9 @@ def test_sigkill_prefill_rank_during_kv_fails_its_requests_and_leaks_no_block(po
     _, decode_hosts = pools
     monkeypatch.setenv("STATEBRIDGE_TEST_PREFILL_DELAY", "0.3")
     spec = KV_SPECS["hybrid-kv2"]
-    decode = DecodeCoordinator(spec, 4, "DLS", num_pages=16, config=FAST, block_size=BS,
-                               launcher=decode_hosts.launcher(), checksums=True)
+    decode = instrumented(DecodeCoordinator(spec, 4, "DLS", num_pages=16, config=FAST,
+                                            block_size=BS,
+                                            launcher=decode_hosts.launcher(), probes="checksums"))
     server = PrefillServer(spec, 2, "DLS", num_pages=16, config=FAST, block_size=BS,
                            model=SLOW)                                    # spawned: killable
     try:
@@ -452,9 +460,9 @@ def test_abort_during_the_prefill_frees_kv_blocks_on_both_sides_only_once_quiet(
     spec = KV_SPECS["hybrid-kv2"]
     with PrefillServer(spec, 2, "DLS", num_pages=6, config=FAST, block_size=BS, num_blocks=24,
                        launcher=prefill_hosts.launcher(), model=SLOW) as server, \
-            DecodeCoordinator(spec, 4, "DLS", num_pages=6, config=FAST, block_size=BS,
-                              num_blocks=24, launcher=decode_hosts.launcher(),
-                              checksums=True) as decode:
+            instrumented(DecodeCoordinator(spec, 4, "DLS", num_pages=6, config=FAST, block_size=BS,
+                                           num_blocks=24, launcher=decode_hosts.launcher(),
+                                           probes="checksums")) as decode:
         server.wait_ready()
         decode.connect(server.address)
         doomed = ids(3)
@@ -539,9 +547,11 @@ def test_frozen_prefill_rank_resumed_cannot_write_into_a_reused_page_or_blocks(p
     tokens = 3 * BS + 1                                   # 4 blocks: the decode pool's all
     server = PrefillServer(spec, 2, "DLS", num_pages=2, config=config, block_size=BS,
                            num_blocks=8, model=SLOW)      # spawned ranks: real processes
-    decode = DecodeCoordinator(spec, 2, "DLS", num_pages=1, config=config, block_size=BS,
-                               num_blocks=4, launcher=decode_hosts.launcher(), checksums=True,
-                               model="tests.connector._helpers:QueryModel")
+    decode = instrumented(DecodeCoordinator(spec, 2, "DLS", num_pages=1, config=config,
+                                            block_size=BS,
+                                            num_blocks=4, launcher=decode_hosts.launcher(),
+                                            probes="checksums",
+                                            model="tests.connector._helpers:QueryModel"))
     reports: dict[int, list] = {}
     decode.on_rank_message(PageReport, lambda rank, msg: reports.setdefault(
         msg.query, []).append(msg))

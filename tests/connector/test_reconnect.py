@@ -14,6 +14,7 @@ from statebridge.connector.decode import DecodeCoordinator
 from statebridge.connector.prefill import PrefillServer
 from statebridge.errors import PeerLostError
 from statebridge.testing.hosts import RankHostPool
+from statebridge.testing.probes import instrumented, probes_of
 
 from ._helpers import FAST, SPECS, SYNTHETIC, expected_checksum, log_to_stderr, wait_until
 
@@ -47,8 +48,8 @@ def transfer_ok(decode: DecodeCoordinator, timeout: float = 30) -> None:
     """One request end to end; the decode pages hold exactly the oracle's state."""
     request_id = rid()
     result = decode.submit(request_id, [3, 1, 4]).result(timeout=timeout)
-    assert result.checksums == tuple(expected_checksum(decode.geometry, request_id, r)
-                                     for r in range(decode.tp_size))
+    assert probes_of(decode).checksums(result) == tuple(
+        expected_checksum(decode.geometry, request_id, r) for r in range(decode.tp_size))
     decode.release(result)
 
 
@@ -64,8 +65,9 @@ def test_frozen_prefill_coordinator_is_lost_then_redialed(hosts):
     prefill_hosts, decode_hosts = hosts
     with PrefillServer(SPEC, 2, "DLS", num_pages=8, config=PREFILL, model=SLOW,
                        launcher=prefill_hosts.launcher()) as server, \
-            DecodeCoordinator(SPEC, 2, "DLS", num_pages=8, config=DECODE, checksums=True,
-                              launcher=decode_hosts.launcher()) as decode:
+            instrumented(DecodeCoordinator(SPEC, 2, "DLS", num_pages=8, config=DECODE,
+                                           probes="checksums",
+                                           launcher=decode_hosts.launcher())) as decode:
         server.wait_ready()
         node = decode.connect(server.address)
         transfer_ok(decode)
@@ -112,8 +114,9 @@ def test_prefill_restarted_on_the_same_port_past_a_silent_listener(hosts, caplog
     silent_ctx = zmq.Context()       # its own context: term() returns once the port is free
     silent = None
     try:
-        with DecodeCoordinator(SPEC, 2, "DLS", num_pages=8, config=DECODE, checksums=True,
-                               launcher=decode_hosts.launcher()) as decode:
+        with instrumented(DecodeCoordinator(SPEC, 2, "DLS", num_pages=8, config=DECODE,
+                                            probes="checksums",
+                                            launcher=decode_hosts.launcher())) as decode:
             first.wait_ready()
             old = decode.connect(first.address)
             transfer_ok(decode)

@@ -31,6 +31,7 @@ from statebridge.errors import (
     kind_of,
 )
 from statebridge.net import free_port
+from statebridge.testing.probes import instrumented, probes_of
 
 from ._helpers import FAST, SPECS, SYNTHETIC, expected_checksum, log_to_stderr, wait_until
 
@@ -52,8 +53,9 @@ def test_decode_started_before_its_prefill_server_dials_until_it_is_up(pools):
     prefill_hosts, decode_hosts, _ = pools
     port = free_port()
     address = f"127.0.0.1:{port}"
-    with DecodeCoordinator(SPEC, 2, "DLS", num_pages=4, config=FAST,
-                           launcher=decode_hosts.launcher(), checksums=True) as decode:
+    with instrumented(DecodeCoordinator(SPEC, 2, "DLS", num_pages=4, config=FAST,
+                                        launcher=decode_hosts.launcher(),
+                                        probes="checksums")) as decode:
         assert decode.connect(address, wait=False) is None          # returns at once
         ready, why = decode.loop.call(decode.status)
         assert not ready and address in why and "no prefill server connected" in why
@@ -68,8 +70,8 @@ def test_decode_started_before_its_prefill_server_dials_until_it_is_up(pools):
             wait_until(lambda: decode.loop.call(decode.status)[0], 30, "prefill dialled")
             assert decode.prefill_nodes() == [server.node_id]
             result = decode.submit("late", [1, 2, 3]).result(timeout=30)
-            assert result.checksums == tuple(expected_checksum(decode.geometry, "late", r)
-                                             for r in range(2))
+            assert probes_of(decode).checksums(result) == tuple(
+                expected_checksum(decode.geometry, "late", r) for r in range(2))
             decode.release(result)
 
 
@@ -78,10 +80,12 @@ def test_two_decode_nodes_may_use_the_same_request_id(pools):
     prefill_hosts, decode_hosts, other_hosts = pools
     with PrefillServer(SPEC, 2, "DLS", num_pages=8, config=FAST,
                        launcher=prefill_hosts.launcher(), model=SYNTHETIC) as server, \
-            DecodeCoordinator(SPEC, 2, "DLS", num_pages=4, config=FAST,
-                              launcher=decode_hosts.launcher(), checksums=True) as a, \
-            DecodeCoordinator(SPEC, 2, "LDS", num_pages=4, config=FAST,
-                              launcher=other_hosts.launcher(), checksums=True) as b:
+            instrumented(DecodeCoordinator(SPEC, 2, "DLS", num_pages=4, config=FAST,
+                                           launcher=decode_hosts.launcher(),
+                                           probes="checksums")) as a, \
+            instrumented(DecodeCoordinator(SPEC, 2, "LDS", num_pages=4, config=FAST,
+                                           launcher=other_hosts.launcher(),
+                                           probes="checksums")) as b:
         server.wait_ready()
         a.connect(server.address)
         b.connect(server.address)
@@ -92,7 +96,7 @@ def test_two_decode_nodes_may_use_the_same_request_id(pools):
             ra, rb = fa.result(timeout=30), fb.result(timeout=30)
             assert ra.generation == rb.generation == round_ + 1
             for node, result in ((a, ra), (b, rb)):
-                assert result.checksums == tuple(
+                assert probes_of(node).checksums(result) == tuple(
                     expected_checksum(node.geometry, "same-id", r) for r in range(2))
                 node.release(result)
         wait_until(lambda: server.stats()["pages_used"] == 0, 10, "prefill pages freed")

@@ -19,6 +19,7 @@ from statebridge.connector import messages as m
 from statebridge.connector.stats import Counters
 from statebridge.errors import AuthenticationError, ConfigError
 from statebridge.security import CurveKeys, authorized_keys, generate_keys, key_files
+from statebridge.testing.probes import instrumented, probes_of
 
 from ._helpers import FAST, SPECS, SYNTHETIC, expected_checksum, log_to_stderr, wait_until
 
@@ -233,8 +234,8 @@ def _transfer(decode, server_stats_fn, n: int) -> None:
     ids = [f"sec-{i}-{uuid.uuid4().hex[:6]}" for i in range(n)]
     results = [f.result(timeout=60) for f in [decode.submit(rid, (1, 2, 3)) for rid in ids]]
     for rid, result in zip(ids, results):
-        assert result.checksums == tuple(expected_checksum(decode.geometry, rid, r)
-                                         for r in range(decode.tp_size))
+        assert probes_of(decode).checksums(result) == tuple(
+            expected_checksum(decode.geometry, rid, r) for r in range(decode.tp_size))
         decode.release(result)
     wait_until(lambda: server_stats_fn()["pages_used"] == 0, 20, "prefill pages freed")
 
@@ -255,8 +256,9 @@ def test_keyed_groups_transfer_and_refuse_intruders(tmp_path, keys_dir, hosts):
         shutil.copy(os.path.join(keys_dir, name), stolen / name)
     with PrefillServer(spec, 1, "DLS", num_pages=8, config=config,
                        launcher=hosts.launcher(), model=SYNTHETIC) as server, \
-            DecodeCoordinator(spec, 2, "LDS", num_pages=8, config=config,
-                              launcher=hosts.launcher(), checksums=True) as decode:
+            instrumented(DecodeCoordinator(spec, 2, "LDS", num_pages=8, config=config,
+                                           launcher=hosts.launcher(),
+                                           probes="checksums")) as decode:
         server.wait_ready()
         decode.connect(server.address)
         _transfer(decode, server.stats, 3)

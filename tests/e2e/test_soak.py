@@ -176,9 +176,8 @@ def test_decode_rank_failure_settles_the_request_once():
     try:
         future = decode.submit_local("r0", [1, 2])
         generation = decode.loop.call(lambda: decode.current["r0"].generation)
-        done = m.RankDone(tp_rank=0, peer_node="", request_id="r0", generation=generation, kind="timeout",
-                          message="transfer not done after 1 s", checksum="", seconds=1.0,
-                          nbytes=0, messages=0, staging_bytes=0)
+        done = m.RankDone(tp_rank=0, peer_node="", request_id="r0", generation=generation,
+                          kind="timeout", message="transfer not done after 1 s")
         decode.loop.call(decode._on_rank_done, 0, done)      # raised DoubleFreeError before
         with pytest.raises(TransferTimeoutError, match="decode rank 0"):
             future.result(timeout=5)

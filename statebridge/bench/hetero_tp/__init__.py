@@ -6,7 +6,10 @@ For every (preset, prefill TP x decode TP, layout) cell, in one run on this mach
   :class:`~statebridge.connector.decode.DecodeCoordinator`, every rank its own process
   (:class:`~statebridge.testing.hosts.RankHostPool`), move ``--requests`` requests with
   ``--concurrency`` in flight. Byte-exactness is checked first on a few requests (decode-rank
-  checksums against the synthetic-state oracle), then the timed round runs without checksums.
+  checksums against the synthetic-state oracle), then the timed round runs with timing probes
+  only: per-rank times, message and staging counts come from the ranks' ``RankProbe``
+  messages (:class:`~statebridge.testing.probes.Probes`; the switch is documented in
+  :class:`~statebridge.connector.messages.RankProbe`), never from the product's own messages.
   The prefill "model" (:class:`~statebridge.bench._model.PageOnceModel`) fills each page once,
   so the transfer, not the stand-in model, is measured.
 - line rate: ``ucx_perftest -t tag_bw`` over the same UCX transport at the plan's mean message

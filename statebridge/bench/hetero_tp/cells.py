@@ -164,8 +164,8 @@ def _statebridge_cell(spec: StateSpec, src_tp: int, dst_tp: int, layout: str,
     from statebridge.bench._model import CHECK_PREFIX
     from statebridge.connector.decode import DecodeCoordinator
     from statebridge.connector.prefill import PrefillServer
-
     from statebridge.state.kv import blocks_for
+    from statebridge.testing.probes import Probes
 
     prefill_hosts, decode_hosts = pools
     c = a.concurrency
@@ -177,29 +177,36 @@ def _statebridge_cell(spec: StateSpec, src_tp: int, dst_tp: int, layout: str,
                 "num_blocks": max(1, pages * blocks)} if spec.kv is not None else {}
     out: dict[str, Any] = {"prompt_tokens": tokens if spec.kv is not None else None,
                            "kv_layout": a.kv_layout if spec.kv is not None else None}
+    # Every rank is instrumented (connector.messages.RankProbe): the check round's decode ranks
+    # with checksums, the others with timing probes -- per rank and request one more row in
+    # the RankDone's frame, left out of the control-message counts below.
     with PrefillServer(spec, src_tp, layout, num_pages=c + 2, config=config,
-                       launcher=prefill_hosts.launcher(), model=MODEL, **kv(c + 2)) as server:
+                       launcher=prefill_hosts.launcher(), model=MODEL, probes="timing",
+                       **kv(c + 2)) as server:
         server.wait_ready()
         # 1. byte-exactness on a few requests, checksums on
         if a.check_requests:
             with DecodeCoordinator(spec, dst_tp, layout, num_pages=a.check_requests,
                                    config=config, launcher=decode_hosts.launcher(),
-                                   checksums=True, **kv(a.check_requests)) as check:
+                                   probes="checksums", **kv(a.check_requests)) as check:
+                probes = Probes(check)
                 check.connect(server.address)
                 results = _run_requests(check, a.check_requests, a.check_requests,
                                         CHECK_PREFIX, a.timeout, tokens)
                 for r in results:
-                    if r.checksums != _expected_checksums(check.geometry, r.request_id):
+                    if probes.checksums(r) != _expected_checksums(check.geometry, r.request_id):
                         raise AssertionError(f"{r.request_id}: decode pages differ from the "
                                              f"synthetic-state oracle")
-                    if spec.kv is not None and r.kv_checksums != _expected_kv_checksums(
+                    if spec.kv is not None and probes.kv_checksums(r) != _expected_kv_checksums(
                             check.kv_geometry, r.request_id, tokens):
                         raise AssertionError(f"{r.request_id}: decode KV blocks differ from "
                                              f"the synthetic-KV oracle")
             out["checked_requests"] = len(results)
-        # 2. the timed round, checksums off
+        # 2. the timed round, timing probes only
         with DecodeCoordinator(spec, dst_tp, layout, num_pages=c, config=config,
-                               launcher=decode_hosts.launcher(), **kv(c)) as decode:
+                               launcher=decode_hosts.launcher(), probes="timing",
+                               **kv(c)) as decode:
+            probes = Probes(decode, server)
             decode.connect(server.address)
             plan = TransferPlan(server.geometry, decode.geometry)
             if spec.kv is not None:
@@ -209,30 +216,37 @@ def _statebridge_cell(spec: StateSpec, src_tp: int, dst_tp: int, layout: str,
                 out["plan_kv_runs_per_request"] = kv_plan["kv_runs"]
                 out["plan_kv_bytes_per_request"] = kv_plan["kv_bytes"]
             warm = _run_requests(decode, c + 2 + c, c, "warm-", a.timeout, tokens)
-            dst_staging0 = np.max([r.rank_staging_bytes for r in warm], axis=0)
-            src_staging0 = np.array(server.stats()["rank_staging_bytes"])
+            _wait_for_probes(probes, server, warm, a.timeout)
+            dst_staging0 = np.array(probes.staging_bytes(decode))
+            src_staging0 = np.array(probes.staging_bytes(server))
             # CPU seconds per process group over the timed round: where the work goes, and a
             # figure that (unlike wall time) other load on a shared machine barely moves.
             groups = {"bench_process": [os.getpid()],
                       "prefill_ranks": prefill_hosts.pids[:src_tp],
                       "decode_ranks": decode_hosts.pids[:dst_tp]}
             ops0 = _ops_snapshot(prefill_hosts, decode_hosts, src_tp, dst_tp)
+            received0 = probes.received
             cpu0, sleeps0 = _cpu_snapshot(groups), _sleeps_snapshot(groups)
             started = time.perf_counter()
             results = _run_requests(decode, a.requests, c, "req-", a.timeout, tokens)
             wall = time.perf_counter() - started
             cpu1, sleeps1 = _cpu_snapshot(groups), _sleeps_snapshot(groups)
-            dst_staging = np.max([r.rank_staging_bytes for r in results], axis=0) - dst_staging0
-            time.sleep(0.05)                      # the last RankDone of the prefill side
-            src_staging = np.array(server.stats()["rank_staging_bytes"]) - src_staging0
+            _wait_for_probes(probes, server, results, a.timeout)  # the prefill side's last
+            dst_staging = np.array(probes.staging_bytes(decode)) - dst_staging0
+            src_staging = np.array(probes.staging_bytes(server)) - src_staging0
             ops1 = _ops_snapshot(prefill_hosts, decode_hosts, src_tp, dst_tp)
+            ops1["bench_process"]["probes_received"] = probes.received - received0
             # 3. low load: one request in flight
             low = (_run_requests(decode, a.low_load_requests, 1, "low-", a.timeout, tokens)
                    if a.low_load else [])
-            finals = _state_final_times(server, decode.node_id, [r.request_id for r in low])
+            _wait_for_probes(probes, server, low, a.timeout)
+            rank_lat = np.array([max(probes.rank_seconds(r)) for r in results])
+            messages = sorted({probes.messages(r) for r in results})
+            held_at = [probes.held_at(r) for r in results]
+            low_rank = np.array([max(probes.rank_seconds(r)) for r in low]) * 1e3
+            held = np.array([(probes.held_at(r) - probes.state_final_at(r, server)) * 1e3
+                             for r in low])
     lat = np.array([r.seconds for r in results])
-    rank_lat = np.array([max(r.rank_seconds) for r in results])
-    messages = sorted({r.messages for r in results})
     nbytes = sum(r.nbytes for r in results)
     out.update({
         "gbps": nbytes / wall / 1e9,
@@ -259,7 +273,7 @@ def _statebridge_cell(spec: StateSpec, src_tp: int, dst_tp: int, layout: str,
     out["cpu_us_per_request"]["total"] = sum(out["cpu_us_per_request"].values())
     out["wakeups_per_request"] = {k: (sleeps1[k] - sleeps0[k]) / len(results) for k in groups}
     out["wakeups_per_request"]["total"] = sum(out["wakeups_per_request"].values())
-    out["completions_per_burst"] = completions_per_burst([r.held_at for r in results])
+    out["completions_per_burst"] = completions_per_burst(held_at)
     out.update(_per_request_counts(ops0, ops1, len(results)))
     out.update({"low_load_requests": len(low), "low_load_latency_p50_ms": None,
                 "low_load_latency_p99_ms": None, "low_load_rank_transfer_p50_ms": None,
@@ -267,34 +281,34 @@ def _statebridge_cell(spec: StateSpec, src_tp: int, dst_tp: int, layout: str,
                 "low_load_final_to_held_p99_ms": None})
     if low:
         low_lat = np.array([r.seconds for r in low]) * 1e3
-        low_rank = np.array([max(r.rank_seconds) for r in low]) * 1e3
         out.update({"low_load_latency_p50_ms": float(np.percentile(low_lat, 50)),
                     "low_load_latency_p99_ms": float(np.percentile(low_lat, 99)),
                     "low_load_rank_transfer_p50_ms": float(np.percentile(low_rank, 50)),
                     "low_load_rank_transfer_p99_ms": float(np.percentile(low_rank, 99))})
         # "prefill state final -> every decode rank holds it": the last prefill rank's
         # state-final moment to the last decode rank's completion, one clock (CLOCK_MONOTONIC)
-        held = np.array([(r.held_at - finals[r.request_id]) * 1e3 for r in low
-                         if r.request_id in finals])
-        if len(held) != len(low):
-            raise AssertionError(f"state-final times of {len(low) - len(held)} low-load "
-                                 f"requests missing")
         out.update({"low_load_final_to_held_p50_ms": float(np.percentile(held, 50)),
                     "low_load_final_to_held_p99_ms": float(np.percentile(held, 99))})
     return out, plan
 
 
-def _state_final_times(server, decode_node: str, ids: list[str],
-                       timeout: float = 10.0) -> dict[str, float]:
-    """``server.state_final_times`` of ``ids``, waiting up to ``timeout`` for all of them: the
-    prefill side records a request once its sends completed, just after the decode side holds
-    it (the caller checks that none is missing)."""
+def _wait_for_probes(probes, server, results: list, timeout: float) -> None:
+    """Wait until the prefill ranks' probes of ``results`` are in: a prefill rank settles a
+    request once its sends completed, just after the decode side holds it (the decode ranks'
+    probes are in when a result is). AssertionError naming a request whose probes never came."""
+    from statebridge.errors import ConfigError
+
     give_up = time.monotonic() + timeout
-    finals = server.state_final_times(decode_node, ids)
-    while len(finals) < len(ids) and time.monotonic() < give_up:
-        time.sleep(0.01)
-        finals = server.state_final_times(decode_node, ids)
-    return finals
+    for r in results:
+        while True:
+            try:
+                probes.of(r, server)
+                break
+            except ConfigError:
+                if time.monotonic() > give_up:
+                    raise AssertionError(f"no prefill-side probes of {r.request_id} after "
+                                         f"{timeout} s") from None
+                time.sleep(0.005)
 
 
 def _ops_snapshot(prefill_hosts, decode_hosts, src_tp: int, dst_tp: int) -> dict:
@@ -314,14 +328,19 @@ def _ops_snapshot(prefill_hosts, decode_hosts, src_tp: int, dst_tp: int) -> dict
 
 def _per_request_counts(ops0: dict, ops1: dict, requests: int) -> dict:
     """``control_messages_per_request`` (control messages sent + received, all statebridge
-    processes) and ``ucx_operations_per_request`` (UCX tag sends + receives posted), each with
-    its split by process class, over the timed round."""
-    def per(keys, group):
-        return sum(ops1[group].get(k, 0) - ops0[group].get(k, 0) for k in keys) / requests
+    processes, the benchmark's own probes left out: ``probes_sent`` by the ranks,
+    ``probes_received`` by this process) and ``ucx_operations_per_request`` (UCX tag sends +
+    receives posted), each with its split by process class, over the timed round."""
+    def per(keys, group, minus=()):
+        def moved(k):
+            return ops1[group].get(k, 0) - ops0[group].get(k, 0)
+        return (sum(map(moved, keys)) - sum(map(moved, minus))) / requests
     out = {}
-    for field, keys in (("control_messages", ("control_sent", "control_received")),
-                        ("ucx_operations", ("ucx_ops",))):
-        split = {g: per(keys, g) for g in ops0}
+    for field, keys, minus in (
+            ("control_messages", ("control_sent", "control_received"),
+             ("probes_sent", "probes_received")),
+            ("ucx_operations", ("ucx_ops",), ())):
+        split = {g: per(keys, g, minus) for g in ops0}
         out[f"{field}_per_request"] = sum(split.values())
         out[f"{field}_per_request_by_process"] = split
     # decode ranks' copies out of a prefill rank's shared map (one per rank pair per request

@@ -120,7 +120,9 @@ class RankSetup:
     model: str = ""
     model_dir: str = ""                                         # checkpoint, for real models
     dist_init: str = ""                                         # torch.distributed rendezvous
-    checksums: bool = False
+    #: The instrumentation switch: one of ``messages.PROBES`` ("": off, the product);
+    #: what it turns on is written in ONE place, :class:`~statebridge.connector.messages.RankProbe`.
+    probes: str = ""
     log_level: str = ""                                         # "": leave logging alone
     kv_layout: str = "HB"                                       # KV block pool (spec.kv)
     block_size: int = 16

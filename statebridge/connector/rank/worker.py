@@ -24,7 +24,7 @@ from statebridge.connector.rank.memory import RankMemory
 from statebridge.connector.rank.pending import Pending, PendingTransfers, fail_pending
 from statebridge.connector.rank.routes import Routes
 from statebridge.connector.rank.shared_map import SharedMaps
-from statebridge.connector.stats import Counters
+from statebridge.connector.stats import Counters, ops
 from statebridge.errors import FailureKind, ProtocolError, StatebridgeError, kind_of
 from statebridge.net import same_host
 from statebridge.security import CurveKeys
@@ -334,37 +334,48 @@ class RankWorker:
         self.transport.progress()
         if self.maps.reads:
             self.maps.read()
-        for key in self.pending.scan():
+        ready = self.pending.scan()
+        if ready and self.setup.probes:
+            self._probe(ready)
+        for key in ready:
             self._settle(key)
 
     def _settle(self, key: RequestKey) -> None:
         """A request whose handles are all finished: answer the coordinator with its outcome."""
         p = self.pending.pop(key)
         kind, message = self.pending.outcome(p)
-        checksum = kv_sum = ""
-        if not kind and self.setup.checksums and self.setup.role == "decode":
-            checksum = page_checksum(self.geometry, self.cache.page_bytes(p.page))
-            if p.blocks and self.kv is not None:
-                kv_sum = kv_checksum(self.kv, p.blocks, p.kv_tokens)
         self.counters.add("transfers_ok" if not kind else f"failed_{kind}")
         self.counters.add("bytes", p.nbytes)
-        prefill = self.setup.role == "prefill"
-        self._done(key, kind, message, checksum, seconds=time.perf_counter() - p.started,
-                   nbytes=p.nbytes, messages=p.messages, kv_checksum=kv_sum,
-                   state_final_at=p.final_at if prefill and not kind else 0.0,
-                   held_at=time.monotonic() if not prefill and not kind else 0.0)
+        self._done(key, kind, message, nbytes=p.nbytes)
 
-    def _done(self, key: RequestKey, kind: "FailureKind | str", message: str,
-              checksum: str = "", *, seconds: float = 0.0, nbytes: int = 0,
-              messages: int = 0, kv_checksum: str = "", state_final_at: float = 0.0,
-              held_at: float = 0.0) -> None:
+    def _probe(self, keys: list[RequestKey]) -> None:
+        """An instrumented rank (``setup.probes``): a ``RankProbe`` of each request about to be
+        settled, all before their ``RankDone`` (see
+        :class:`~statebridge.connector.messages.RankProbe`)."""
+        checksums = self.setup.probes == "checksums" and self.setup.role == "decode"
+        prefill = self.setup.role == "prefill"
+        now, staging = time.perf_counter(), self.transport.staging_bytes
+        for key in keys:
+            p = self.pending.get(key)
+            ok = not self.pending.outcome(p)[0]
+            checksum = kv_sum = ""
+            if ok and checksums:
+                checksum = page_checksum(self.geometry, self.cache.page_bytes(p.page))
+                if p.blocks and self.kv is not None:
+                    kv_sum = kv_checksum(self.kv, p.blocks, p.kv_tokens)
+            self._send(m.RankProbe(
+                tp_rank=self.setup.tp_rank, peer_node=key.peer_node, request_id=key.request_id,
+                generation=key.generation, seconds=now - p.started, messages=p.messages,
+                staging_bytes=staging, checksum=checksum, kv_checksum=kv_sum,
+                state_final_at=p.final_at if prefill and ok else 0.0,
+                held_at=time.monotonic() if not prefill and ok else 0.0))
+        ops.add("probes_sent", len(keys))
+
+    def _done(self, key: RequestKey, kind: "FailureKind | str", message: str, *,
+              nbytes: int = 0) -> None:
         self._send(m.RankDone(tp_rank=self.setup.tp_rank, peer_node=key.peer_node,
                               request_id=key.request_id, generation=key.generation,
-                              kind=str(kind), message=message,
-                              checksum=checksum, seconds=seconds, nbytes=nbytes,
-                              messages=messages, staging_bytes=self.transport.staging_bytes,
-                              kv_checksum=kv_checksum, state_final_at=state_final_at,
-                              held_at=held_at))
+                              kind=str(kind), message=message, nbytes=nbytes))
 
 
 def generation_after(a: int, b: int) -> bool:
