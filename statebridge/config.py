@@ -10,7 +10,13 @@ from typing import Mapping
 
 from statebridge.errors import ConfigError
 
-__all__ = ["ConnectorConfig", "NodeConfig", "HttpConfig"]
+__all__ = ["ConnectorConfig", "NodeConfig", "HttpConfig", "AB_SWITCHES"]
+
+#: Fields of :class:`ConnectorConfig` that are not settings but experimental A/B switches,
+#: owned by the benchmark harness: :mod:`statebridge.bench.ab` says what each one compares.
+#: No CLI flag and no ``STATEBRIDGE_*`` variable sets them (:meth:`ConnectorConfig.from_env`
+#: refuses those variables).
+AB_SWITCHES = ("local_ranks", "shared_map")
 
 
 @dataclass(frozen=True, slots=True)
@@ -29,10 +35,6 @@ class ConnectorConfig:
     - ``keys_dir``: a directory written by ``statebridge keygen``; when set, every control socket
       uses CurveZMQ and listening sockets admit only the public keys in it (see
       :mod:`statebridge.security`). ``key_name``: the key pair this process dials with.
-    - ``local_ranks``: rank processes reach their coordinator over a Unix socket that both
-      loop threads serve themselves (:mod:`statebridge.connector.local`; admitted: processes of
-      the node's own user) instead of zmq over TCP, whose I/O threads cost two more wake-ups
-      per message. Off: the zmq path (CurveZMQ with ``keys_dir``), e.g. to compare.
     - ``send_reap_interval``: how long a prefill rank may sleep through the completions of
       sends that its receivers read by themselves (same host, shared memory) before it reaps
       them -- so a freed prefill page waits at most this much longer -- used only while sends
@@ -41,17 +43,19 @@ class ConnectorConfig:
       each completion. Also how often a prefill rank looks at the answer words of its
       shared-map readers while answers are due (0: every millisecond): an answer is a word
       in its memory, which wakes nobody.
-    - ``shared_map``: on one host a decode rank copies its runs out of a read-only mapping of
-      the prefill rank's buffer (a memfd; :mod:`statebridge.connector.data.shared`) instead of
-      receiving them over UCX's cma rendezvous; both groups must have it on. Off: UCX carries
-      every byte, e.g. to compare. ``shared_map_min_bytes``: for a spec without attention
-      KV, only rank pairs whose recurrent runs are at least this long per request go that way
+    - ``shared_map_min_bytes``: on one host a decode rank copies its runs out of a read-only
+      mapping of the prefill rank's buffer (a memfd; :mod:`statebridge.connector.data.shared`)
+      instead of receiving them over UCX's cma rendezvous. For a spec without attention KV,
+      only rank pairs whose recurrent runs are at least this long per request go that way
       (the prefill group's value holds; a prefill rank whose page is smaller keeps huge-page
-      memory). A hybrid link (both groups hold KV pools) moves its KV and every zero-copy
-      recurrent pair through the map, whatever their size: one notice per rank pair covers
-      both. Measured here (README, "Reading state out of a shared map" and "Written KV
-      sources, and attention KV through the shared map"): Mamba2-2.7B's 10-21 MB pairs 1.2x
-      faster; LFM2-1.2B hybrid at 1,024 tokens 1.05-1.21x.
+      memory): below it the copy saves less than the notice and the answer cost. A hybrid
+      link (both groups hold KV pools) moves its KV and every zero-copy recurrent pair through
+      the map, whatever their size: one notice per rank pair covers both. Results:
+      docs/measurements.md, "Data plane on one host".
+
+    Not settings: ``local_ranks`` and ``shared_map`` (:data:`AB_SWITCHES`) are experimental
+    A/B switches that turn a fast path off to compare it with the path it replaced; the
+    benchmark harness owns them and :mod:`statebridge.bench.ab` documents them. Leave them on.
     """
 
     bind_host: str = "127.0.0.1"
@@ -66,10 +70,11 @@ class ConnectorConfig:
     torch_threads: int = 1
     keys_dir: str = ""
     key_name: str = "node"
-    local_ranks: bool = True
     send_reap_interval: float = 0.005
-    shared_map: bool = True
     shared_map_min_bytes: int = 4 << 20
+    # -- experimental A/B switches, not settings (AB_SWITCHES; statebridge.bench.ab) --------
+    local_ranks: bool = True
+    shared_map: bool = True
 
     def __post_init__(self) -> None:
         for name in ("heartbeat_interval", "peer_timeout", "lease_timeout", "transfer_timeout",
@@ -86,6 +91,9 @@ class ConnectorConfig:
         if self.peer_timeout <= self.heartbeat_interval:
             raise ConfigError(f"peer_timeout {self.peer_timeout} must exceed heartbeat_interval "
                               f"{self.heartbeat_interval}")
+        for name in AB_SWITCHES:
+            if not isinstance(getattr(self, name), bool):
+                raise ConfigError(f"{name} must be a bool, got {getattr(self, name)!r}")
         if isinstance(self.shared_map_min_bytes, bool) \
                 or not isinstance(self.shared_map_min_bytes, int) or self.shared_map_min_bytes < 0:
             raise ConfigError(f"shared_map_min_bytes must be a non-negative integer, got "
@@ -103,13 +111,18 @@ class ConnectorConfig:
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None, **overrides) -> "ConnectorConfig":
-        """Defaults, then ``STATEBRIDGE_<FIELD>`` variables, then ``overrides``."""
+        """Defaults, then ``STATEBRIDGE_<FIELD>`` variables, then ``overrides``. The A/B switches
+        (:data:`AB_SWITCHES`) are no settings: their variables raise :class:`ConfigError`."""
         environ = os.environ if environ is None else environ
         values = {}
         for f in dataclasses.fields(cls):
             key = f"STATEBRIDGE_{f.name.upper()}"
             if key not in environ:
                 continue
+            if f.name in AB_SWITCHES:
+                raise ConfigError(f"{key}={environ[key]!r}: {f.name} is not a setting but an "
+                                  f"A/B switch of the benchmark harness (statebridge bench "
+                                  f"--off {f.name}; see statebridge/bench/ab.py)")
             text = environ[key]
             default = f.default
             try:

@@ -11,8 +11,8 @@ Topology (every arrow a connection carrying :mod:`~statebridge.connector.message
 Between nodes (and for clients) the connections are zmq. A coordinator and its own ranks share
 a machine, and their channel is a Unix socket served by the two loop threads themselves
 (:mod:`~statebridge.connector.local`: no zmq I/O threads, so a message wakes one thread, not
-three); ``ConnectorConfig.local_ranks=False`` puts the ranks on the zmq ROUTER instead. The
-send and receive helpers here take either kind of socket.
+three); the benchmark's A/B switch ``local_ranks`` (:mod:`statebridge.bench.ab`) puts the
+ranks on the zmq ROUTER instead. The send and receive helpers here take either kind of socket.
 
 A component owns its sockets and touches them only from its loop thread (zmq sockets are not
 thread-safe); other threads hand work to the loop with :meth:`EventLoop.call_soon`. Every

@@ -343,6 +343,26 @@ def test_shared_map_cells_count_their_reads_and_measure_the_copy_limit(tmp_path,
     _check_copy_limit(cell, 1)
 
 
+@pytest.mark.timeout(180)
+def test_an_ab_switch_turned_off_by_the_harness_moves_every_byte_over_ucx(tmp_path,
+                                                                        monkeypatch):
+    """``--off shared_map`` (statebridge/bench/ab.py): the same cell as above, with no
+    shared-map read; byte-exact, and the cell says which switch was off."""
+    monkeypatch.setenv("STATEBRIDGE_SHARED_MAP_MIN_BYTES", "0")
+    out = tmp_path / "off.json"
+    assert hetero_tp.main(["--preset", "tiny", "--pairs", "2x1", "--layouts", "DLS",
+                           "--requests", "8", "--concurrency", "4", "--check-requests", "2",
+                           "--no-nixl", "--no-line-rate", "--no-copy-limit",
+                           "--low-load-requests", "0", "--off", "shared_map",
+                           "--json", str(out), "--quiet"]) == 0
+    cell = json.loads(out.read_text())["cells"][0]
+    plan = TransferPlan.build(hetero_tp.preset_spec("tiny"), 2, "DLS", 1)
+    assert cell["switched_off"] == ["shared_map"] and cell["checked_requests"] == 2
+    assert cell["shared_map_reads_per_request"] == 0
+    assert cell["ucx_operations_per_request"] == 2 * plan.messages_per_request   # every run
+    assert "(shared_map off)" in hetero_tp.format_table([cell])
+
+
 @pytest.mark.timeout(120)
 def test_completions_per_burst_is_reported_within_its_bounds(report):
     for cell in report["cells"]:

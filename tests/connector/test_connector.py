@@ -10,6 +10,7 @@ import uuid
 import numpy as np
 import pytest
 
+from statebridge.bench.ab import with_switches
 from statebridge.connector.decode import DecodeCoordinator
 from statebridge.connector.prefill import PrefillServer
 from statebridge.state.plan import TransferPlan
@@ -172,7 +173,8 @@ def test_transfers_with_ranks_on_zmq(pools):
     """``local_ranks=False``: ranks reach their coordinators over zmq (the path CurveZMQ
     covers) and move the same bytes."""
     results, prefill_stats, decode_stats = transfer_round(
-        pools, "mamba2-g1", 2, 4, "DLS", "DLS", config=FAST.replace(local_ranks=False))
+        pools, "mamba2-g1", 2, 4, "DLS", "DLS",
+        config=with_switches(FAST, local_ranks=False))
     assert len(results) == REQUESTS and decode_stats["transfers_ok"] == REQUESTS
 
 
@@ -222,7 +224,7 @@ def test_shared_map_reads_are_byte_exact(pools, spec_name, src_tp, dst_tp, src_l
 
 
 @pytest.mark.timeout(180)
-@pytest.mark.parametrize("config", [FAST, SHM.replace(shared_map=False)],
+@pytest.mark.parametrize("config", [FAST, with_switches(SHM, shared_map=False)],
                          ids=["below-threshold", "shared-map-off"])
 def test_small_pairs_or_shared_map_off_go_over_ucx(pools, config):
     """Pairs under ``shared_map_min_bytes`` (the tiny specs under the 4 MiB default), or
@@ -244,7 +246,7 @@ def test_a_decode_group_without_shared_map_is_served_over_ucx(pools):
                        launcher=prefill_hosts.launcher(), model=SYNTHETIC,
                        probes="timing") as server, \
             DecodeCoordinator(WIDE, 2, "DLS", num_pages=REQUESTS + 2,
-                              config=SHM.replace(shared_map=False),
+                              config=with_switches(SHM, shared_map=False),
                               launcher=decode_hosts.launcher(), probes="checksums") as decode:
         probes = Probes(decode, server)
         server.wait_ready()

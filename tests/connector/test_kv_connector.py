@@ -13,6 +13,7 @@ import uuid
 import pytest
 import torch
 
+from statebridge.bench.ab import with_switches
 from statebridge.connector.decode import DecodeCoordinator
 from statebridge.connector.prefill import PrefillServer
 from statebridge.errors import (
@@ -143,7 +144,7 @@ CASES += [pytest.param("hybrid-kv2", 2, 4, "HB", "LH", id="kv2-2x4-HB-to-LH"),
 
 #: On one host (the default) a hybrid link reads pages and KV out of the prefill rank's
 #: shared map; with ``shared_map`` off every byte goes over UCX.
-UCX = FAST.replace(shared_map=False)
+UCX = with_switches(FAST, shared_map=False)
 CASES += [pytest.param("hybrid-kv2", p, d, "HB", "HB", UCX, id=f"kv2-{p}x{d}-ucx")
           for p, d in [(2, 4), (1, 8)]]
 CASES += [pytest.param("hybrid-kv4", 4, 1, "HB", "HB", UCX, id="kv4-4x1-ucx"),

@@ -15,6 +15,7 @@ import os
 import numpy as np
 import pytest
 
+from statebridge.bench.ab import with_switches
 from statebridge.config import ConnectorConfig
 from statebridge.connector.data import shared
 from statebridge.connector.data.shared import (
@@ -251,6 +252,6 @@ def test_both_sides_of_a_link_see_the_same_sides():
     unlisted = dataclasses.replace(info, rank_shm_fds=(5,))
     assert not MapSide.of_info(unlisted).takes_part
     assert map_threshold(MapSide.of_info(unlisted), decode) is None
-    off = MapSide.of_config("decode", ConnectorConfig(shared_map=False), tp_size=1,
-                            page_size=1, has_kv=True)
+    off = MapSide.of_config("decode", with_switches(ConnectorConfig(), shared_map=False),
+                            tp_size=1, page_size=1, has_kv=True)
     assert map_threshold(own, off) is None

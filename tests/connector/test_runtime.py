@@ -9,6 +9,7 @@ import time
 
 import pytest
 
+from statebridge.bench.ab import with_switches
 from statebridge.connector import control as c
 from statebridge.connector.group import spawn_launcher
 from statebridge.connector.decode import DecodeCoordinator
@@ -136,7 +137,7 @@ def test_a_rank_failing_at_start_fails_the_group_at_once_with_its_error(model, n
     or the network when ranks are not local), and the group takes it from there."""
     started = time.monotonic()
     group = PrefillServer(SPEC, 2, "DLS", num_pages=2,
-                          config=FAST.replace(local_ranks=local_ranks),
+                          config=with_switches(FAST, local_ranks=local_ranks),
                           launcher=spawn_launcher, model=model)
     try:
         with pytest.raises(StartupError) as info:

@@ -175,10 +175,13 @@ def test_shared_map_min_bytes_is_checked(value):
         ConnectorConfig(shared_map_min_bytes=value)
 
 
-def test_shared_map_settings_come_from_the_environment():
-    c = ConnectorConfig.from_env({"STATEBRIDGE_SHARED_MAP": "0",
-                                  "STATEBRIDGE_SHARED_MAP_MIN_BYTES": "65536"})
-    assert c.shared_map is False and c.shared_map_min_bytes == 65536
+def test_the_shared_map_threshold_comes_from_the_environment_and_the_switch_does_not():
+    c = ConnectorConfig.from_env({"STATEBRIDGE_SHARED_MAP_MIN_BYTES": "65536"})
+    assert c.shared_map is True and c.shared_map_min_bytes == 65536
+    # shared_map is an A/B switch of the benchmark harness (statebridge/bench/ab.py)
+    with pytest.raises(ConfigError, match="STATEBRIDGE_SHARED_MAP='0': shared_map is not a "
+                                          "setting but an A/B switch"):
+        ConnectorConfig.from_env({"STATEBRIDGE_SHARED_MAP": "0"})
 
 
 def test_an_answer_swaps_only_the_pending_mark_of_its_own_request():

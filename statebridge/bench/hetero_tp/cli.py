@@ -225,9 +225,12 @@ def run(a: argparse.Namespace) -> dict:
     if not cells:
         raise ConfigError("no cell to run (all skipped: " + "; ".join(s["reason"] for s in skipped)
                           + ")")
-    # (STATEBRIDGE_* variables apply, as for the nodes)
-    config = ConnectorConfig.from_env(ucx_error_handling=TRANSPORTS[a.transport][0],
-                                      transfer_timeout=a.timeout, handshake_timeout=60.0)
+    # (STATEBRIDGE_* variables apply, as for the nodes; --off turns A/B switches off)
+    from statebridge.bench.ab import switched_off
+
+    config = switched_off(ConnectorConfig.from_env(
+        ucx_error_handling=TRANSPORTS[a.transport][0], transfer_timeout=a.timeout,
+        handshake_timeout=60.0), a.off)
     nixl_why = "disabled by --no-nixl" if a.no_nixl else nixl_available()
     if nixl_why is None and a.transport != "sm":
         nixl_why = (f"NIXL has no equivalent of --transport {a.transport}; measured only "
@@ -253,7 +256,8 @@ def run(a: argparse.Namespace) -> dict:
             for preset, spec, src_tp, dst_tp, layout in cells:
                 progress.step(f"{preset} {src_tp}x{dst_tp} {layout}")
                 cell: dict[str, Any] = {"preset": preset, "pair": f"{src_tp}x{dst_tp}",
-                                        "layout": layout, "transport": a.transport}
+                                        "layout": layout, "transport": a.transport,
+                                        "switched_off": sorted(set(a.off))}
                 rss_groups = {"bench_process": [os.getpid()],
                               "prefill_ranks": prefill_hosts.pids[:src_tp],
                               "decode_ranks": decode_hosts.pids[:dst_tp]}
@@ -334,6 +338,13 @@ def configure_parser(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--no-copy-limit", action="store_true",
                    help="skip the copy limit (the fastest copy of each cell's bytes: shared-map "
                         "read or process_vm_readv, per core or per decode rank, cold or warm)")
+    from statebridge.bench.ab import SWITCHES
+
+    p.add_argument("--off", action="append", default=[], choices=sorted(SWITCHES),
+                   metavar="SWITCH",
+                   help="turn an A/B switch of the connector off, to compare the path it "
+                        "replaced (repeatable; statebridge/bench/ab.py): " + "; ".join(
+                            f"{k}: {v}" for k, v in sorted(SWITCHES.items())))
     p.add_argument("--low-load-requests", type=int, default=100, metavar="N",
                    help="requests of each cell's concurrency-1 round (statebridge and vLLM's "
                         "way; 0: none)")

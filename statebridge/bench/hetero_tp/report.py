@@ -33,8 +33,8 @@ CELL_FIELDS = ("pair", "layout", "preset", "gbps", "messages_per_request",
 
 
 #: CSV columns: the cell's identity, then :data:`CELL_FIELDS`.
-CSV_FIELDS = ("preset", "pair", "layout", "transport", "prompt_tokens", "kv_layout",
-              "requests_per_s") + tuple(f for f in CELL_FIELDS
+CSV_FIELDS = ("preset", "pair", "layout", "transport", "switched_off", "prompt_tokens",
+              "kv_layout", "requests_per_s") + tuple(f for f in CELL_FIELDS
                                         if f not in ("preset", "pair", "layout"))
 
 
@@ -142,7 +142,8 @@ def format_table(cells: Sequence[dict]) -> str:
             "vLLM low-load READ post->done p50/p99 ms | peak RSS MiB P/D/NIXL |",
             "|" + "---|" * 24]
     for c in cells:
-        layout = c["layout"] + (f"+{c['kv_layout']}" if c.get("kv_layout") else "")
+        layout = c["layout"] + (f"+{c['kv_layout']}" if c.get("kv_layout") else "") + "".join(
+            f" ({name} off)" for name in c.get("switched_off") or ())
         tokens = c.get("prompt_tokens") or "-"
         rows.append(
             f"| {c['preset']} | {c['pair']} | {layout} | {tokens} | {f(c['gbps'])} | "
