@@ -14,7 +14,6 @@ from typing import TYPE_CHECKING, Any
 
 from statebridge.errors import (
     AbortedError,
-    ClosedError,
     ConfigError,
     PeerLostError,
     TransferError,
@@ -68,7 +67,7 @@ class Endpoints:
             if peer.address == address:
                 return
             raise ConfigError(f"peer {peer_id!r} is already connected with another address; "
-                              f"disconnect() or fail_peer() it first")
+                              f"fail_peer() it first")
         try:
             ucx_address = self._ucx.UCXAddress.create_from_buffer(address)
             endpoint = self._worker.create_endpoint_from_worker_address(
@@ -84,17 +83,6 @@ class Endpoints:
         self._peers[peer_id] = peer
         self._lost.pop(peer_id, None)
         log.info("%s: connected to %s", self.name, peer_id)
-
-    def disconnect(self, peer_id: str) -> None:
-        """Close the endpoint to ``peer_id`` (idempotent); its outstanding handles fail with
-        :class:`ClosedError`."""
-        peer = self._peers.pop(peer_id, None)
-        if peer is None:
-            return
-        for h in [h for h in self._outstanding.values() if h.peer_id == peer_id]:
-            h._fail(ClosedError(f"{self.name}: peer {peer_id!r} disconnected while "
-                                f"{h._describe()} was in flight"))
-        self._close_endpoint(peer)
 
     def fail_peer(self, peer_id: str, reason: str) -> int:
         """The control plane declared ``peer_id`` dead: cancel every outstanding request
