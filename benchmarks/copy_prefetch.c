@@ -1,5 +1,5 @@
-/* The streaming copy's source prefetch, measured alone (README, "Prefetching the shared map's
- * source"): statebridge's own nt_copy (statebridge/connector/data/shared/_copy.c, included
+/* The streaming copy's source prefetch, measured alone (docs/measurements.md, "Prefetching the
+ * shared map's source"): statebridge's own nt_copy (statebridge/connector/data/shared/_copy.c, included
  * below) built with another PREFETCH_AHEAD (0: no prefetch) or PREFETCH_HINT copies runs of
  * RUN bytes from scattered offsets of a written 256 MiB memfd (4 KiB pages, as a prefill
  * rank's buffer) into a huge-page-backed 64 MiB buffer for SECONDS and prints GB/s. Run two at

@@ -189,7 +189,7 @@ def _config_args(p: argparse.ArgumentParser) -> None:
                    help="seconds of silence before a peer is declared lost (default 3)")
     p.add_argument("--ucx-error-handling", action=argparse.BooleanOptionalAction, default=None,
                    help="UCX endpoint error handling (detects dead peers in UCX, but forces TCP "
-                        "lanes: ~10x slower on one host; default $STATEBRIDGE_UCX_ERROR_HANDLING "
+                        "lanes: much slower on one host; default $STATEBRIDGE_UCX_ERROR_HANDLING "
                         "or off)")
     p.add_argument("--kv-layout", default=None, choices=tuple(KV_LAYOUT_PRESETS),
                    help="KV block pool layout of models with attention layers (default HB: "

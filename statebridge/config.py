@@ -29,7 +29,7 @@ class ConnectorConfig:
     - ``lease_timeout``: how long a prefill page is held for a decode side that never confirms.
     - ``transfer_timeout``: bound on one request's transfer once both sides work on it.
     - ``ucx_error_handling``: UCX endpoint error handling (detects dead peers itself, but UCX then
-      skips shared memory: ~1 GB/s TCP instead of ~10 GB/s); heartbeats work either way.
+      skips shared memory for TCP, several times slower on one host); heartbeats work either way.
     - ``bind_host``: the address every listening control socket binds (``0.0.0.0`` / ``::``
       only if you mean it: a warning is logged).
     - ``keys_dir``: a directory written by ``statebridge keygen``; when set, every control socket

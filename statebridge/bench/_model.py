@@ -1,11 +1,12 @@
 """The prefill "model" of the transfer benchmark: synthetic state that costs (almost) nothing.
 
 :class:`~statebridge.testing.models.SyntheticModel` draws and shards a request's whole global
-state on every prefill (~0.5 s for Mamba2-2.7B): the benchmark would time the stand-in model,
-not the transfer. :class:`PageOnceModel` fills a page with the full synthetic state of the first
-request that uses it and afterwards only stamps the request's 8-byte seed into the page's first
-state bytes. Request ids starting with :data:`CHECK_PREFIX` are always filled in full, so the
-decode side's checksums of those requests can be compared with the oracle (byte-exactness).
+state on every prefill (far longer than a transfer for Mamba2-2.7B): the benchmark would time
+the stand-in model, not the transfer. :class:`PageOnceModel` fills a page with the full
+synthetic state of the first request that uses it and afterwards only stamps the request's
+8-byte seed into the page's first state bytes. Request ids starting with :data:`CHECK_PREFIX`
+are always filled in full, so the decode side's checksums of those requests can be compared
+with the oracle (byte-exactness).
 A prefill rank's KV block pool is written once in full before any request: the timed requests
 move whatever their blocks hold, and a block never written would be read from the kernel's
 zero page (cache-hot, no memory traffic), where the NIXL yardstick's sources are written.

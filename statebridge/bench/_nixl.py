@@ -10,21 +10,20 @@ prepared once per cell (``prep_xfer_dlist``) and each request's transfer is made
 index (``make_prepped_xfer``), the way vLLM's NixlConnector does; ``reuse_handles`` instead makes
 one transfer per (slot, source) once and re-posts it.
 
-Fairness to NIXL on this machine (2 cores shared by every process of the benchmark): what
-:class:`NixlOptions` defaults to, and why. Measured with ``benchmarks/bench_nixl.py``
-(mamba2-2.7b 2x4 DLS, whole cell, quiet machine): the first cut's settings gave 3.5 GB/s, these
-8.7 GB/s; under load 12 from other jobs 0.75 vs 3.7 GB/s -- the first cut's 0.4-0.76 GB/s.
+Fairness to NIXL on a machine whose cores every process of the benchmark shares: what
+:class:`NixlOptions` defaults to, and why (compared with the first cut's settings by
+``benchmarks/bench_nixl.py``; docs/measurements.md, "NIXL, measured fairly").
 
 - Page buffers from transparent huge pages (``alloc_buffer``), written before use: a READ here
   is cma (``process_vm_readv``) done by the destination's CPU, and out of 4 KiB pages it costs
-  ~0.34 instead of ~0.20 CPU-seconds per GB.
+  more CPU per byte.
 - No NIXL progress thread on the sources: the Python API fixes its delay at 0, so each source
-  agent's thread spins 0.85 of a core, idle or not. A READ over cma is one-sided; sources
+  agent's thread spins most of a core, idle or not. A READ over cma is one-sided; sources
   progress their worker from their command loop (wire-up replies) and otherwise sleep. (The
   first cut also kept each closed agent alive until the next cell, its thread spinning through
   the next cells' statebridge and line-rate measurements; ``close`` now destroys it.)
 - One untimed READ per slot before the timed round: the first READ to a peer wires the
-  endpoint up (40-200 ms here with error handling on).
+  endpoint up, which takes far longer than a READ.
 - UCX endpoint error handling off (``ucx_error_handling_mode=none``), as statebridge's ``sm``
   transport. The READs go by cma either way (``UCX_PROTO_INFO=y``: ``remote memory read by
   ucp_get*`` -> ``cma/memory``); NIXL's default ``peer`` moves UCX's active messages (wire-up)
@@ -111,7 +110,7 @@ class NixlOptions:
 
     @classmethod
     def first_cut(cls) -> "NixlOptions":
-        """The settings of the first benchmark run (hetero-tp-2026-12-02): NIXL's defaults
+        """The settings of the first benchmark run: NIXL's defaults
         (error handling on, progress thread), 4 KiB pages, spinning destinations, no warm-up."""
         return cls(error_handling=True, huge_pages=False, progress_thread=True, wait="spin",
                    warmup=False)
@@ -157,7 +156,8 @@ def _worker_main(conn, role: str, index: int) -> None:
 
     def wait_for_command():
         # Without a progress thread a source progresses its UCX worker itself between commands
-        # (wire-up replies), sleeping on the pipe in between: ~1 ms of latency, no spinning.
+        # (wire-up replies), sleeping on the pipe in between: a millisecond's latency at most
+        # (the poll's timeout), no spinning.
         agent = state.get("agent")
         if role == "src" and agent is not None and not state["options"].progress_thread:
             while not conn.poll(0.001):
@@ -770,7 +770,8 @@ class NixlPool:
             for d in range(dst_tp):
                 pairs = plan.for_destination(d)
                 self.dst[d].call("peers", metadata=[src_info[p.src_rank][0] for p in pairs])
-            # Warm-up rounds run before start_at; leave them time (a cma copy runs at >1 GB/s).
+            # Warm-up rounds run before start_at; leave them time (2 s per GB to copy: a cma
+            # copy is faster than that).
             warm = 0.3 + (2.0 * min(concurrency, pages, requests) * plan.bytes_per_request / 1e9
                           if opts.warmup else 0.0)
             start_at = time.perf_counter() + warm

@@ -31,7 +31,7 @@ UCXX_ENV = {"UCX_RNDV_THRESH": "8192", "UCX_MAX_RNDV_RAILS": "1",
             "UCX_WARN_UNUSED_ENV_VARS": "n"}
 # perftest allocates its buffers through UCX; by default from SysV segments without
 # transparent huge pages. Put THP first so it moves bytes out of the same kind of memory as
-# alloc_buffer() (measured here at 16 MiB: 2.8 GB/s default vs 4.4 GB/s THP, polling).
+# alloc_buffer() (docs/measurements.md, "Transport choices", on huge pages).
 PERFTEST_ENV = {"UCX_ALLOC_PRIO": "thp,md:sysv,md:posix,huge,mmap,heap"}
 
 # -f prints one line: iterations, latency p50/avg/overall (us), bandwidth avg/overall (MiB/s),

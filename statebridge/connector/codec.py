@@ -135,9 +135,10 @@ _INT_MIN, _INT_END = -(1 << 63), 1 << 64
 
 class Tokens(bytes):
     """Annotation of a field of token ids: little-endian int32 ids packed as bytes
-    (:func:`pack_tokens`). Version 5 moved prompts from msgpack int lists to this: a
-    1,024-token prompt cost ~60 us to decode and check as a list, ~1 us as bytes. Values are
-    plain ``bytes``; the codec checks the type and that the length is a multiple of 4."""
+    (:func:`pack_tokens`). Version 5 moved prompts from msgpack int lists to this: a list is
+    decoded and checked item by item, bytes at once (docs/measurements.md, "Binary prompts and
+    row batches"). Values are plain ``bytes``; the codec checks the type and that the length is
+    a multiple of 4."""
 
 
 _TOKEN_TYPE = "i"                   # C int: 4 bytes on every platform CPython supports here

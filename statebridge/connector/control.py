@@ -541,7 +541,7 @@ MAX_BATCH_FRAMES = 1024
 _leftover: "weakref.WeakKeyDictionary[zmq.Socket, collections.deque]" = weakref.WeakKeyDictionary()
 
 
-# pyzmq's Python layer (send, send_multipart, recv_multipart) spends 1-3 us per call turning
+# pyzmq's Python layer (send, send_multipart, recv_multipart) spends time on every call turning
 # flags into enums; the loops below call its backend with plain int flags (same semantics:
 # a multipart message is accepted or refused as a whole on its first frame).
 _raw_send = zmq.backend.Socket.send

@@ -3,11 +3,11 @@ the loop thread reads and writes itself.
 
 Why not zmq here: libzmq moves every message through I/O threads, so one control message
 between two sleeping processes wakes three threads (the sender's I/O thread, the receiver's
-I/O thread, then the receiver's loop thread). On this 2-core VM a wake-up across cores costs
-25-35 us of CPU, and a control message to a sleeping peer measured 102 us of receiver CPU and
-52 us of sender CPU over zmq against 52 and 35 us over this channel, statebridge's codec
-included (``benchmarks/bench_control.py``). Ranks and their coordinator always share a machine (the
-coordinator starts them), and 10 of the 11 control messages of a request travel between them.
+I/O thread, then the receiver's loop thread), and a wake-up across cores costs more CPU than
+the message itself: a control message to a sleeping peer costs both sides less over this
+channel (``benchmarks/bench_control.py``; docs/measurements.md, "The ranks' local channel").
+Ranks and their coordinator always share a machine (the coordinator starts them), and 10 of
+the 11 control messages of a request travel between them.
 Between nodes, and for clients, the zmq sockets (CURVE, reconnects) stay.
 
 The channels mimic the two zmq socket kinds they replace, as far as :mod:`.control` uses them:

@@ -301,12 +301,11 @@ def copy_runs_host(frm: np.ndarray, runs: np.ndarray, to: np.ndarray) -> None:
     ``[size - L + 1, L]`` with strides (1, 1) -- in 8/4/2-byte words when the offsets and the
     length allow -- and the selected rows copied at once. Runs of 64 KiB and more are copied
     one slice each: there are at most ``bytes / 64 KiB`` of them, a slice copy runs at memcpy
-    speed without the row gather's temporary, and the per-call cost (~2 us) is under 5% of
-    moving 64 KiB.
+    speed without the row gather's temporary, and the per-call cost is small against moving
+    64 KiB.
 
-    Measured on 2 shared cores: 2-5 GB/s; 300 000 two-byte runs take ~12 ms. :func:`pack_ref`,
-    the pure torch reference, ran at 0.02-0.09 GB/s on the same runs, and the Triton
-    :func:`pack` needs CUDA.
+    It is far faster than :func:`pack_ref`, the pure torch reference, on the same runs
+    (docs/measurements.md, "Transport choices"), and the Triton :func:`pack` needs CUDA.
     """
     lengths = runs[:, 2]
     big = lengths >= _DIRECT_COPY_BYTES

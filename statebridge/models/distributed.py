@@ -261,7 +261,7 @@ def init_tp_group(tp_size: int, tp_rank: int, init_method: str | None = None, *,
         collective_timeout_s: bound on every collective after joining (default: ``timeout_s``).
         cpu_threads: when set, ``torch.set_num_threads(cpu_threads)`` for this process (several
             CPU ranks on one machine should share its cores, e.g. ``cores // tp_size``: intra-op
-            threads that wait for a busy core make small matmuls ~1000x slower).
+            threads that wait for a busy core make small matmuls orders of magnitude slower).
 
     At ``tp_size == 1`` without ``init_method`` nothing is initialised and ``all_reduce`` is
     None. The group is private (see the module docstring): ``torch.distributed``'s default

@@ -47,7 +47,7 @@ class ModelRankModel(RankModel):
 
         if not torch.cuda.is_available():
             # Several rank processes share the CPUs; torch's default of one thread per core in
-            # every process makes them fight (a tiny matmul goes from ~15 us to ~20 ms).
+            # every process makes them fight (docs/measurements.md, "Transport choices").
             torch.set_num_threads(setup.config.torch_threads)
         self.process_group = None
         all_reduce = None

@@ -1,6 +1,6 @@
 """Long-lived rank host processes: start many TP groups without paying a process start each.
 
-Starting a rank process costs ~3 s of CPU here (torch, UCX imports). Tests and benchmarks that
+Starting a rank process costs seconds of CPU (torch, UCX imports). Tests and benchmarks that
 build many groups (every TP pair x layout x model) instead start a :class:`RankHostPool` once:
 host ``i`` runs rank ``i`` of every group it is given, each :class:`RankWorker` in its own thread
 with its own UCX worker and page buffer. Ranks of one group are still separate processes.

@@ -41,12 +41,12 @@ status OK and does not expose the received length (its ``RequestTag`` length che
 rapidsai/ucxx#104), so the tail of that run keeps its old bytes.
 
 Per-run sends vs ``send_multi``: each zero-copy run is one tagged send straight from the page and
-one tagged receive straight into the page. ``tag_send_multi`` was measured and not taken: ucxx
-sends a header message plus one message per frame anyway, and ``tag_recv_multi`` receives into
-buffers *it* allocates, so the receive side copies. ``benchmarks/bench_transport.py`` (which
-keeps that path), blocking: 8 KiB 0.67 GB/s per run vs 0.15 multi; 64 KiB 3.02 vs 0.72; 1 MiB
-4.61 vs 1.34; 64 MiB 6.21 vs 0.72. Posting costs ~10-20 us of Python + ucxx per message here, so
-pairs with many small runs are staged instead (the plan marks them).
+one tagged receive straight into the page. ``tag_send_multi`` was not taken: ucxx sends a
+header message plus one message per frame anyway, and ``tag_recv_multi`` receives into buffers
+*it* allocates, so the receive side copies (``benchmarks/bench_transport.py`` keeps that path
+for comparison; results in docs/measurements.md, "Transport choices"). Each posted message
+costs Python and ucxx work of its own, so pairs with many small runs are staged instead (the
+plan marks them).
 """
 
 from statebridge.connector.data.env import alloc_buffer, configure_ucx_env

@@ -5,8 +5,8 @@ process entry point calls :func:`configure_ucx_env` before it builds its first
 :class:`Transport` (UCX options can also go to the transport as ``ucx_options``).
 
 Huge pages: torch CPU tensors are not backed by transparent huge pages, numpy arrays are
-(``madvise`` from 4 MiB). Out of non-THP buffers shared-memory transfers ran at 3.14 / 2.70 /
-3.79 GB/s (1 / 16 / 64 MiB) instead of 4.61 / 5.51 / 6.21 (``benchmarks/bench_transport.py``).
+(``madvise`` from 4 MiB). Shared-memory transfers out of non-THP buffers are markedly slower
+from 1 MiB up (``benchmarks/bench_transport.py``; docs/measurements.md, "Transport choices").
 :func:`alloc_buffer` returns a THP-backed uint8 tensor for
 ``StateCache(..., buffer=alloc_buffer(n))``.
 """

@@ -208,7 +208,7 @@ class Posting:
         return requests
 
     def _view(self, start: int, n: int):
-        """The ucxx view of ``buffer[start:start + n]`` (~3 us to build), cached per (start,
+        """The ucxx view of ``buffer[start:start + n]`` (costly to build), cached per (start,
         length): a rank posts the same few page slices and notice slots over and over."""
         arrays = self._arrays
         array = arrays.get((start, n))

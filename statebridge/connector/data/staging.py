@@ -3,9 +3,9 @@
 :meth:`Transport.post_send_staged` gathers a pair's source pieces into a pooled staging buffer
 and sends it as one message; :meth:`Transport.post_recv_staged` receives into a pooled buffer
 and scatters it into the page before the handle reports done. The gather/scatter is
-:func:`statebridge.kernels.pack.copy_runs_host` (numbers in its docstring); end to end a staged
-pair moved 0.6-1.8 GB/s here (two host copies plus one message). Page buffers on CUDA are not
-supported yet (ConfigError).
+:func:`statebridge.kernels.pack.copy_runs_host`; a staged pair costs two host copies plus one
+message (docs/measurements.md, "Transport choices"). Page buffers on CUDA are not supported
+yet (ConfigError).
 """
 
 from __future__ import annotations

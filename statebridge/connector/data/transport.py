@@ -8,7 +8,7 @@ Why the low-level request API and not ucxx's asyncio API
 The owner is a plain thread (a connector rank loop), so the transport offers a synchronous API
 with pollable handles, built on ``ucxx._lib.libucxx`` requests (``UCXEndpoint.tag_send`` /
 ``tag_recv``, ``UCXRequest.completed`` / ``status``): no event loop, no futures, no notifier
-thread. ucxx's asyncio API costs 150-800 us per awaited message in its default ``thread`` mode
+thread. ucxx's asyncio API costs far more per awaited message in its default ``thread`` mode
 (reference/transport-limits.md) and cannot be awaited from a plain thread.
 
 Progress
@@ -30,27 +30,12 @@ send handle completes at the sender's next progress after the acknowledgement
 (:meth:`sends_complete_unattended` says when this holds). Over TCP (error handling on, another
 host) the sender pushes the data and must keep progressing.
 
-``benchmarks/results/transport-2026-12-02.json`` (2 shared cores, load average 1.3 at the start;
-one sender and one receiver process, N messages in flight, shared memory, THP buffers), GB/s;
-the other progress modes live in ``benchmarks/bench_transport.py`` (``ModeTransport``):
-
-=============  ======  ======  ======  ======  ======
-progress       8 KiB   64 KiB  1 MiB   16 MiB  64 MiB
-=============  ======  ======  ======  ======  ======
-blocking       0.67    3.02    4.61    5.51    6.21
-polling        0.85    3.63    5.74    5.55    5.23
-background     0.44    2.70    4.29    5.02    5.39
-thread         0.31    1.96    4.35    5.33    5.45
-perftest sm    1.15    7.06    16.97   7.53    7.51
-=============  ======  ======  ======  ======  ======
-
-``blocking`` is within 10-20% of ``polling`` below 1 MiB and as fast above, without burning a
-core that the model needs on 2 cores; ``background`` and ``thread`` pay their hand-offs on small
-messages. One message per handle, posted and waited in turn, costs 190-280 us per 8 KiB message
-under that load (85 us on an idle machine): per-handle Python overhead, so a pair should be one
-handle with all its runs. The ``ucx_perftest`` line rate never writes its buffers (the sender's
-pages are the kernel's zero page, which cma reads fastest); out of such untouched buffers the
-transport reaches 0.90 of it at 64 MiB, out of filled page buffers 0.73-0.83 at >= 16 MiB.
+Why blocking progress: it stays close to polling on small messages and matches it on large
+ones without burning a core that the model needs; a background progress thread or ucxx's
+``thread`` mode pay a hand-off per small message. A handle costs Python overhead of its own,
+so a pair is one handle with all its runs. The other progress modes live in
+``benchmarks/bench_transport.py`` (``ModeTransport``); the comparison is in
+docs/measurements.md, "Transport choices".
 
 Error handling and transports
 -----------------------------
@@ -58,10 +43,9 @@ Error handling and transports
 so UCX picks shared memory (sysv eager below 8 KiB, cma rendezvous above; ``UCX_TLS`` left at
 UCX's default); UCX never reports a dead peer -- its requests just stay pending -- so the control
 plane's heartbeats must call :meth:`Transport.fail_peer`. ``error_handling=True``: UCX notices a
-SIGKILLed peer by itself (4-8 ms on loopback, ~30 ms through the test harness) and the affected
-handles fail with :class:`PeerLostError`, but UCX then drops shared memory for TCP: 0.19 / 0.39 /
-0.81 / 0.84 / 0.80 GB/s at 8 KiB / 64 KiB / 1 MiB / 16 MiB / 64 MiB, 3.5-7.8x slower from 64 KiB
-up (``ucx_perftest tcp -e``: 0.30-1.11 GB/s). UCX options are passed explicitly as
+SIGKILLed peer by itself within milliseconds and the affected handles fail with
+:class:`PeerLostError`, but UCX then drops shared memory for TCP, several times slower on one
+host (docs/measurements.md, "Transport choices"). UCX options are passed explicitly as
 ``ucx_options`` or set by the process entry point with :func:`configure_ucx_env`.
 """
 
@@ -121,7 +105,7 @@ class Transport(Endpoints, Posting):
         buffer: the :class:`~statebridge.state.cache.StateCache` buffer; every run offset is an
             absolute byte offset into it (``PairPlan.runs_at(src_base, dst_base)``).
         error_handling: UCX endpoint error handling (see the module docstring: detects dead
-            peers in milliseconds, but forces TCP, 3.5-8x slower on one host).
+            peers in milliseconds, but forces TCP, several times slower on one host).
         ucx_options: UCX configuration for this worker's context, without the ``UCX_`` prefix
             (e.g. ``{"TLS": "sm,self"}``); environment variables still apply to unset keys.
         staging_pool_bytes: most bytes of free staging buffers kept for reuse.

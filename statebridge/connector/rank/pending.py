@@ -192,8 +192,9 @@ class PendingTransfers:
         page is freed a little later), and UCX's receiver pays a signal to wake it. When sends
         finish at least once per reap interval on average, a wake-up by the clock reaps
         one or more of them at the cost of one acknowledgement's wake-up, and the receiver
-        sends no signal (measured: less CPU per request on hybrid cells). Fewer completions
-        (long transfers, low load) keep the loop armed: the clock would only add wake-ups.
+        sends no signal (less CPU per request on hybrid cells: docs/measurements.md, "Prefill
+        ranks sleep through their sends"). Fewer completions (long transfers, low load) keep
+        the loop armed: the clock would only add wake-ups.
         Receives (decode ranks), and sends that need this side's progress (TCP: UCX endpoint
         error handling, another host), keep it armed too. Where UCX needs the sender after all
         (the wire-up of a new endpoint's first transfer), the transfer waits at most the

@@ -8,9 +8,9 @@
  * passed as they are, only the request's bases change.
  * Runs of NT_MIN bytes or more are copied with non-temporal stores where the CPU has AVX2:
  * a copied state is read by the decode kernels later, not at once, and streaming stores skip
- * the read-for-ownership of the destination (measured here: 8.1 vs 6.3 GB/s per core for
- * process_vm_readv, 6.7 for memcpy; README, "Reading state out of a shared map"), prefetching
- * the source a few KiB ahead (PREFETCH_AHEAD). Shorter runs use memcpy.
+ * the read-for-ownership of the destination (faster per core than process_vm_readv and memcpy:
+ * docs/measurements.md, "Reading state out of a shared map"), prefetching the source a few KiB
+ * ahead (PREFETCH_AHEAD). Shorter runs use memcpy.
  *
  * answer(addr, size, offset, expected, value) is the reader's "done": a compare-and-swap of
  * one word of the control area in the peer's buffer, from the pending mark the peer wrote for
@@ -28,10 +28,9 @@
 #define NT_MIN (64 * 1024)
 /* How far ahead of the loads the streaming copy prefetches its source, into L2. A source is a
  * peer's memfd in 4 KiB pages (shmem gets no huge pages here) and the hardware prefetchers stop
- * at a page's end, so without it every page starts with demand misses: measured here with two
- * copiers at once, 3 MiB runs out of a memfd into huge pages, 7.8-8.2 GB/s per core without,
- * 8.9-9.1 with 3 KiB (2 KiB 8.8, 4-12 KiB 8.6-8.9; the same hint into L1 gained nothing at 4-8
- * KiB, the non-temporal hint halved the rate). */
+ * at a page's end, so without it every page starts with demand misses. The distance and the
+ * hint are the fastest of those compared (docs/measurements.md, "Prefetching the shared map's
+ * source"). */
 #ifndef PREFETCH_AHEAD                  /* benchmarks/copy_prefetch.c builds other values */
 #define PREFETCH_AHEAD 3072
 #endif
