@@ -40,12 +40,18 @@ class RankStep(Message):
 @message
 class RankStepResult(Message):
     """The sampling rank -> decode node: one token per request of the step (``kind`` empty),
-    or the step failed (``kind`` a FailureKind name, ``message`` why)."""
+    or the step failed as a whole (``kind`` a FailureKind name, ``message`` why; every request
+    of the batch fails). A row that could not be served fails alone: its index is in
+    ``failed_rows`` (its token is -1), with its FailureKind name and why at the same position
+    of ``failed_kinds`` and ``failed_messages``; the other rows' tokens are good."""
     step: int
     tp_rank: int
     tokens: tuple[int, ...]
     kind: str
     message: str
+    failed_rows: tuple[int, ...] = ()
+    failed_kinds: tuple[str, ...] = ()
+    failed_messages: tuple[str, ...] = ()
 
 
 @message
