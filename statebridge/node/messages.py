@@ -118,8 +118,9 @@ class StatsQuery(Message):
 class NodeStats(Message):
     """Decode node -> client: readiness as in NodeStatus, and what the node holds now: pages
     and KV blocks (per rank, the same on every rank) used and free, requests decoding and
-    waiting for a page, connected prefill peers, and ``refused_peers``: prefill nodes whose
-    handshake failed (incompatible, or they refused us) since the node started."""
+    waiting for a page, connected prefill peers, ``refused_peers``: prefill nodes whose
+    handshake failed (incompatible, or they refused us), and ``refused_clients``: clients of
+    the zmq front door refused by CURVE authentication, since the node started."""
     node_id: str
     ready: bool
     reason: str
@@ -132,3 +133,4 @@ class NodeStats(Message):
     waiting: int
     refused_peers: int
     aborted: int
+    refused_clients: int = 0
