@@ -82,6 +82,25 @@ POLICIES = NodeConfig.POLICIES
 _RETRY_WAITING_S = 0.05
 
 
+def _front_door(setting: str, http, config: ConnectorConfig) -> tuple[bool, str]:
+    """Whether the zmq front door listens (NodeConfig.front_door), and why not: ``auto``
+    keeps it closed when the HTTP API requires an API key and the control plane has no CURVE
+    keys, since anyone reaching the door could generate without the key."""
+    if setting == "off":
+        return False, "--front-door off"
+    keyed_http = http is not None and http.port is not None and bool(http.api_key)
+    if setting == "on":
+        if keyed_http and not config.keys_dir:
+            log.warning("the zmq front door on %s accepts generation requests WITHOUT "
+                        "authentication while the HTTP API requires an API key (--front-door "
+                        "on, no --keys)", config.bind_host)
+        return True, ""
+    if keyed_http and not config.keys_dir:
+        return False, ("the HTTP API requires an API key and the control plane has no CURVE "
+                       "keys; --keys DIR or --front-door on opens it")
+    return True, ""
+
+
 class FrontDoorClient(Protocol):
     """Who sent a front-door message: the node answers it through ``deliver``, on the loop
     thread, never blocking. Equal clients are the same client (only the client that sent a
@@ -178,11 +197,16 @@ class DecodeNode:
         self._steps = itertools.count(1)
         self._closed = False
         self.http = None
+        self.router, self.port = None, 0
+        door, why = _front_door(nc.front_door, http, self.config)
         try:
-            self.router, self.port = c.bind_router(
-                self.loop.context, self.config.bind_host, port, counters=self.counters,
-                keys=CurveKeys.from_config(self.config, listen=True), name="decode front door",
-                max_message_bytes=self.config.max_message_bytes)
+            if door:
+                self.router, self.port = c.bind_router(
+                    self.loop.context, self.config.bind_host, port, counters=self.counters,
+                    keys=CurveKeys.from_config(self.config, listen=True),
+                    name="decode front door", max_message_bytes=self.config.max_message_bytes)
+            else:
+                log.warning("zmq front door off (%s): clients use the HTTP API", why)
         except BaseException:
             self.coordinator.close()
             raise
@@ -190,7 +214,8 @@ class DecodeNode:
         self.coordinator.on_rank_lost(self._on_rank_lost)
 
         def attach() -> None:
-            self.loop.add_reader(self.router, self._on_client)
+            if self.router is not None:
+                self.loop.add_reader(self.router, self._on_client)
             self.loop.call_every(_RETRY_WAITING_S, self._start_waiting)
             self.loop.call_every(self.config.heartbeat_interval, self._check_step)
         try:
@@ -309,7 +334,8 @@ class DecodeNode:
             prefill_nodes=g.prefill_nodes, pages_used=g.pages_used, pages_free=g.pages_free,
             blocks_used=g.blocks_used, blocks_free=g.blocks_free,
             running=len(self.running), waiting=len(self.waiting),
-            refused_peers=g.refused_peers, aborted=int(self.counters.get("finished_aborted")))
+            refused_peers=g.refused_peers, aborted=int(self.counters.get("finished_aborted")),
+            refused_clients=int(self.counters.get("auth_refused")))
 
     def _on_abort(self, client: FrontDoorClient, msg: nm.AbortRequest) -> None:
         """Drop a client's request wherever it is. Decoding in the step in flight: it finishes
@@ -615,7 +641,7 @@ class DecodeNode:
         except StatebridgeError:
             pass
         self.coordinator.close()
-        if hasattr(self, "router"):
+        if getattr(self, "router", None) is not None:
             self.router.close(0)
 
     def _fail_all(self) -> None:

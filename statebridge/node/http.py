@@ -1105,7 +1105,7 @@ class HttpServer:
         process (its tokenizer, limits and keys)."""
         tokenizer = TextTokenizer.from_dir(model_dir)
         nc = node.node_config
-        link = NodeLink(node, name=f"decode node {node.address}")
+        link = NodeLink(node, name=f"decode node {node.address if node.port else node.coordinator.node_id}")
         name = config.served_model_name or os.path.basename(os.path.normpath(model_dir))
         app = build_app(link, tokenizer, config, model_name=name,
                         model_dir=os.path.abspath(model_dir), max_prompt_len=nc.max_prompt_len,

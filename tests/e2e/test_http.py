@@ -12,7 +12,7 @@ import sys
 
 import pytest
 
-from statebridge.config import HttpConfig
+from statebridge.config import HttpConfig, NodeConfig
 from statebridge.models.checkpoint import make_checkpoint
 from statebridge.net import free_port
 from statebridge.node.client import Client
@@ -86,6 +86,9 @@ def served(pools, tmp_path_factory):
         node = DecodeNode(model, 2, [server.address], num_pages=PAGES, config=FAST,
                           kv_blocks=128, max_prompt_len=64, max_new_tokens=MAX_NEW,
                           launcher=decode_hosts.launcher(),
+                          # The zmq door too (these tests compare both doors): with an API
+                          # key and no CURVE keys it is off unless asked for.
+                          node=NodeConfig(front_door="on"),
                           http=HttpConfig(port=0, api_key=KEY))
         try:
             node.wait_ready(60)
