@@ -154,8 +154,8 @@ def _stream_body(port: int, total: int, content_length: bool) -> tuple[bytes, in
             except (socket.timeout, BlockingIOError):
                 pass
         s.settimeout(60)
-        while not head:
-            head = s.recv(65536)
+        while more := s.recv(65536):          # the rest of the answer, until the server closes
+            head += more
     except ConnectionResetError:
         pass
     finally:
