@@ -428,7 +428,7 @@ def _add_nodes(sub: argparse._SubParsersAction) -> None:
                         "$STATEBRIDGE_API_KEY; none: open)")
     p.add_argument("--max-body-bytes", type=_byte_size, default=None, metavar="SIZE",
                    help="largest HTTP request body read; larger ones get 413 before or while "
-                        "they are read (default 4MiB)")
+                        "they are read (default 1MiB)")
     p.add_argument("--served-model-name", default=None, metavar="NAME",
                    help="the model's name in the HTTP API (default: the checkpoint "
                         "directory's name)")

@@ -239,7 +239,7 @@ class HttpConfig:
     max_inflight: int = 0
     default_max_tokens: int = 16
     node_timeout: float = 120.0
-    max_body_bytes: int = 4 << 20
+    max_body_bytes: int = 1 << 20
     header_timeout: float = 10.0
     body_timeout: float = 30.0
 

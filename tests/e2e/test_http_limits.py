@@ -102,7 +102,10 @@ def pair(pools, tmp_path_factory):
     try:
         node = DecodeNode(model, 2, [server.address], num_pages=PAGES, config=FAST,
                           kv_blocks=256, max_prompt_len=MAX_PROMPT, max_new_tokens=16,
-                          launcher=decode_hosts.launcher(), http=HttpConfig(port=0))
+                          launcher=decode_hosts.launcher(),
+                          # Above the default (1 MiB), so the 4 MB prompt is read, parsed and
+                          # refused from its length: the path that once tokenized it.
+                          http=HttpConfig(port=0, max_body_bytes=8 << 20))
         try:
             node.wait_ready(60)
             yield Pair(model, server, node)

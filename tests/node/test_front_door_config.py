@@ -19,7 +19,7 @@ def test_the_flags_reach_the_configs():
     assert _http_config(args).max_body_bytes == 1 << 20
     assert _node_config(args).front_door == "off"
     args = build_parser().parse_args(BASE + ["--http-port", "0"])
-    assert _http_config(args).max_body_bytes == HttpConfig().max_body_bytes == 4 << 20
+    assert _http_config(args).max_body_bytes == HttpConfig().max_body_bytes == 1 << 20
     assert _node_config(args).front_door == "auto"
     assert NODE_FRONT_DOORS == NodeConfig.FRONT_DOORS
     with pytest.raises(SystemExit):
