@@ -254,7 +254,10 @@ def test_a_stop_string_ends_the_text_and_frees_the_page(served):
     assert served.node.stats().get("finished_aborted", 0) == before + 1     # cut at the node
 
 
-def test_a_client_disconnect_mid_stream_aborts_and_leaks_no_page(served):
+def test_a_client_disconnect_mid_stream_aborts_and_leaks_no_page(served, caplog):
+    import logging
+
+    caplog.set_level(logging.DEBUG)
     before = served.node.stats().get("finished_aborted", 0)
     with httpx.stream("POST", f"{served.url}/v1/completions", timeout=60,
                       headers={"Authorization": f"Bearer {KEY}"},
@@ -268,6 +271,11 @@ def test_a_client_disconnect_mid_stream_aborts_and_leaks_no_page(served):
     stats = served.node.stats()
     assert stats["finished_aborted"] == before + 1
     assert stats["running"] == 0 and stats["waiting"] == 0
+    # A client that leaves is routine: one DEBUG line, no ERROR traceback.
+    http_side = [r for r in caplog.records if r.name.startswith(("statebridge.node", "uvicorn",
+                                                                 "asyncio", "starlette"))]
+    assert [r for r in http_side if r.levelno >= logging.WARNING] == []
+    assert len([r for r in http_side if "disconnect" in r.getMessage()]) == 1
 
 
 def test_only_the_door_that_sent_a_request_can_abort_it(served):
