@@ -23,10 +23,22 @@ serialization, and the node validates and serves an HTTP request exactly as a zm
 request whose client disconnects, or whose text meets a stop string, is aborted at the node
 (:class:`~statebridge.node.messages.AbortRequest`): its page and KV blocks free at once.
 
+Limits come before work, and no request may hold up the node's loop thread, which shares
+this process (and its interpreter lock) with the server: the body is read under
+``max_body_bytes`` and ``body_timeout`` and never buffered whole; a request head must come
+within ``header_timeout`` (:func:`_guarded_protocol`); a batch larger than can ever be in
+flight, and a text longer than :data:`MAX_CHARS_PER_TOKEN` characters per token of the
+prompt limit, are refused before anything is tokenized; long text is tokenized in a small
+pool by the batch encoder, which releases the lock. What remains is the JSON parse of one
+body, bounded by ``max_body_bytes``.
+
 Errors have OpenAI's shape ``{"error": {"message", "type", "param", "code"}}``: 400 for a bad
-request (wrong field types, limits, unknown model, no chat template), 401 for a missing or
-wrong API key, 429 (too many requests in flight, or the node is out of pages or blocks) and 503
-(no prefill node connected, the node does not answer or is closing) with ``Retry-After``.
+request (wrong field types, limits, malformed or too deeply nested JSON, lone surrogates, a
+batch that can never fit, unknown model, no chat template), 401 for a missing or wrong API
+key, 408 (a head or body too slow), 413 (a body over the limit), 429 (too many requests in
+flight now, or the node is out of pages or blocks) and 503 (no prefill node connected, the
+node does not answer or is closing) with ``Retry-After``, 500 when a decode step failed
+(``internal``).
 """
 
 from __future__ import annotations
@@ -1105,7 +1117,8 @@ class HttpServer:
         process (its tokenizer, limits and keys)."""
         tokenizer = TextTokenizer.from_dir(model_dir)
         nc = node.node_config
-        link = NodeLink(node, name=f"decode node {node.address if node.port else node.coordinator.node_id}")
+        where = node.address if node.port else node.coordinator.node_id   # (zmq door off)
+        link = NodeLink(node, name=f"decode node {where}")
         name = config.served_model_name or os.path.basename(os.path.normpath(model_dir))
         app = build_app(link, tokenizer, config, model_name=name,
                         model_dir=os.path.abspath(model_dir), max_prompt_len=nc.max_prompt_len,

@@ -9,7 +9,6 @@ attention layers (vocabulary 256) in this process, so the node process is this o
 from __future__ import annotations
 
 import concurrent.futures
-import json
 import os
 import socket
 import threading
@@ -232,7 +231,7 @@ def test_an_out_of_vocabulary_token_at_the_zmq_door_fails_only_its_request(pair)
     pair.serves()
 
 
-# -- the zmq front door next to an API key ------------------------------------------------------------
+# -- the zmq front door next to an API key --------------------------------------------------------
 def _listening(port: int) -> bool:
     with socket.socket() as s:
         s.settimeout(2)

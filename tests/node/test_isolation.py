@@ -29,7 +29,7 @@ testclient = pytest.importorskip("starlette.testclient")
 VOCAB = 8
 
 
-# -- one rule set, in float32 ----------------------------------------------------------------------
+# -- one rule set, in float32 ---------------------------------------------------------------------
 @pytest.mark.parametrize("temperature,top_p,seed,param", [
     (1.0, 1e-300, 0, "top_p"),            # 0 in float32: the sampler's dtype
     (1.0, 7e-46, 0, "top_p"),
@@ -120,7 +120,7 @@ def test_the_http_door_refuses_top_p_that_is_zero_in_float32(tmp_path):
     assert link.requests == []
 
 
-# -- the rank's step: rows fail alone ---------------------------------------------------------------
+# -- the rank's step: rows fail alone -------------------------------------------------------------
 class FakeRunner:
     """Logits whose argmax is token + 1; rejects an out-of-vocabulary id for the whole batch,
     as the real model's embedding does."""
