@@ -35,6 +35,8 @@ __all__ = ["main"]
 #: (spelled out so that building the parser does not import the model runtime; a test checks
 #: that the two agree).
 CHECKPOINT_ARCHS = ("lfm2", "mamba2", "lfm2-hybrid", "granite-hybrid")
+#: ``decode --front-door`` choices (:attr:`statebridge.config.NodeConfig.FRONT_DOORS`).
+NODE_FRONT_DOORS = ("auto", "on", "off")
 
 
 _SIZE_UNITS = {"": 1, "b": 1, "k": 1 << 10, "kb": 1 << 10, "kib": 1 << 10, "m": 1 << 20,
@@ -234,7 +236,7 @@ def _node_config(args: argparse.Namespace):
 
     return NodeConfig().replace(**{name: getattr(args, name, None) for name in (
         "layout", "num_pages", "max_batch", "max_prompt_len", "max_new_tokens", "policy",
-        "rank_model", "kv_layout", "block_size", "kv_blocks", "kv_memory")})
+        "rank_model", "kv_layout", "block_size", "kv_blocks", "kv_memory", "front_door")})
 
 
 def _http_config(args: argparse.Namespace):
@@ -245,7 +247,8 @@ def _http_config(args: argparse.Namespace):
     if args.http_port is None:
         return None
     return HttpConfig.from_env(port=args.http_port, host=args.http_host, api_key=args.api_key,
-                               served_model_name=args.served_model_name)
+                               served_model_name=args.served_model_name,
+                               max_body_bytes=args.max_body_bytes)
 
 
 def _stop_on_signal() -> threading.Event:
@@ -293,7 +296,8 @@ def _cmd_decode(args: argparse.Namespace) -> int:
         print(f"OpenAI-compatible HTTP API on {node.http.url}/v1 (model "
               f"{node.http.model_name!r}{', API key required' if node.http.keyed else ''})",
               flush=True)
-    print(f"decode node {'ready' if ready else 'up'} on {node.address} (TP {args.tp}, "
+    door = node.address if node.router is not None else "HTTP only, zmq front door off"
+    print(f"decode node {'ready' if ready else 'up'} on {door} (TP {args.tp}, "
           f"{node.node_config.layout}, {state})", flush=True)
     try:
         _wait(stop)
@@ -398,7 +402,13 @@ def _add_nodes(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--tp", type=_positive_int, required=True, help="TP size")
     p.add_argument("--prefill", action="append", required=True, metavar="HOST:PORT",
                    help="a prefill node (repeat for several: used round robin)")
-    p.add_argument("--port", type=int, required=True, help="port clients connect to")
+    p.add_argument("--port", type=int, required=True,
+                   help="port of the zmq front door clients connect to (not bound when the "
+                        "door is off, see --front-door)")
+    p.add_argument("--front-door", choices=NODE_FRONT_DOORS, default=None,
+                   help="the zmq front door: on, off (HTTP only), or auto (default): on unless "
+                        "--api-key is set without --keys, since the door would let anyone who "
+                        "reaches the port generate without the key")
     p.add_argument("--max-batch", type=_positive_int, default=None,
                    help="requests per decode step (default 32)")
     p.add_argument("--max-prompt-len", type=_positive_int, default=None,
@@ -416,6 +426,9 @@ def _add_nodes(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--api-key", default=None, metavar="KEY",
                    help="require Authorization: Bearer KEY on /v1/* (default "
                         "$STATEBRIDGE_API_KEY; none: open)")
+    p.add_argument("--max-body-bytes", type=_byte_size, default=None, metavar="SIZE",
+                   help="largest HTTP request body read; larger ones get 413 before or while "
+                        "they are read (default 1MiB)")
     p.add_argument("--served-model-name", default=None, metavar="NAME",
                    help="the model's name in the HTTP API (default: the checkpoint "
                         "directory's name)")

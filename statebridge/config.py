@@ -155,9 +155,14 @@ class NodeConfig:
     - Attention KV (models with attention layers): ``kv_layout`` of each rank's block pool,
       ``block_size`` tokens per block (the same on both nodes), and its size: ``kv_blocks``
       blocks per rank, or (``kv_blocks = 0``) as many as fit in ``kv_memory`` bytes per rank.
+    - ``front_door``: the decode node's zmq front door (``--front-door``): ``on`` listens on
+      ``bind_host:port``; ``off`` does not listen (HTTP only); ``auto`` (the default) listens
+      unless the HTTP API requires an API key while the control plane has no CURVE keys --
+      then the zmq door would let anyone who reaches the port generate without the key.
     """
 
     POLICIES = ("fail", "recompute")
+    FRONT_DOORS = ("auto", "on", "off")
 
     layout: str = "DLS"
     num_pages: int = 64
@@ -170,6 +175,7 @@ class NodeConfig:
     block_size: int = 16
     kv_blocks: int = 0
     kv_memory: int = 256 << 20
+    front_door: str = "auto"
 
     def __post_init__(self) -> None:
         for name in ("num_pages", "max_batch", "max_prompt_len", "max_new_tokens",
@@ -181,6 +187,9 @@ class NodeConfig:
                 self.kv_blocks < 0:
             raise ConfigError(f"kv_blocks must be a non-negative integer (0: from kv_memory), "
                               f"got {self.kv_blocks!r}")
+        if self.front_door not in self.FRONT_DOORS:
+            raise ConfigError(f"front_door must be one of {self.FRONT_DOORS}, got "
+                              f"{self.front_door!r}")
         if self.policy not in self.POLICIES:
             raise ConfigError(f"unknown failure policy {self.policy!r}; expected one of "
                               f"{self.POLICIES}")
@@ -227,6 +236,13 @@ class HttpConfig:
       times the node's pages).
     - ``default_max_tokens``: ``max_tokens`` of a request that gives none (OpenAI's 16).
     - ``node_timeout``: seconds without a word from the decode node before a request fails.
+    - ``max_body_bytes``: the largest request body read (``--max-body-bytes``); a larger one
+      is refused with 413 from its ``Content-Length``, or as soon as that much arrived,
+      never buffered whole. It also bounds the one step that holds the interpreter lock for
+      a whole body (parsing its JSON), so it bounds how long one request can stall the node.
+    - ``header_timeout``: seconds a connection has to send a whole request head, from its
+      opening or from its previous response (slow clients are closed with 408).
+    - ``body_timeout``: seconds to read a request's whole body once its head came (408).
     """
 
     port: int | None = None
@@ -236,6 +252,9 @@ class HttpConfig:
     max_inflight: int = 0
     default_max_tokens: int = 16
     node_timeout: float = 120.0
+    max_body_bytes: int = 1 << 20
+    header_timeout: float = 10.0
+    body_timeout: float = 30.0
 
     def __post_init__(self) -> None:
         if self.port is not None and (not isinstance(self.port, int) or
@@ -250,9 +269,15 @@ class HttpConfig:
                     name == "default_max_tokens" and value == 0):
                 raise ConfigError(f"{name} must be a {'positive' if name[0] == 'd' else 'non-negative'} "
                                   f"integer, got {value!r}")
-        if not isinstance(self.node_timeout, (int, float)) or self.node_timeout <= 0:
-            raise ConfigError(f"node_timeout must be a positive number of seconds, got "
-                              f"{self.node_timeout!r}")
+        for name in ("node_timeout", "header_timeout", "body_timeout"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or \
+                    not 0 < value < float("inf"):
+                raise ConfigError(f"{name} must be a positive number of seconds, got {value!r}")
+        if isinstance(self.max_body_bytes, bool) or not isinstance(self.max_body_bytes, int) \
+                or self.max_body_bytes < 1024:
+            raise ConfigError(f"max_body_bytes must be an integer of at least 1024, got "
+                              f"{self.max_body_bytes!r}")
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None, **overrides) -> "HttpConfig":
