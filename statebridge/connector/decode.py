@@ -497,9 +497,9 @@ class DecodeCoordinator(RankGroup):
             raise ClosedError(f"{self.node_id} is closed")
         whole, why = self.whole()
         if not whole:
-            if self.fatal or not self.healthy:
-                raise PeerLostError(why, request_id=request_id)
-            raise NotReadyError(why, request_id=request_id)        # starting, restarting
+            if self.restarting or not (self.fatal or not self.healthy):
+                raise NotReadyError(why, request_id=request_id)    # starting, restarting
+            raise PeerLostError(why, request_id=request_id)
         live = self.current.get(request_id)
         if live is not None and self.ledger.get(live).phase is not Phase.FAILED:
             # (A FAILED attempt only waits for its page: a retry -- the recompute policy --
