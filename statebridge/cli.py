@@ -10,6 +10,12 @@
     statebridge generate --decode HOST:PORT --prompt-ids 1,2,3 [--max-new-tokens K] [--json]
     statebridge plan --model DIR_OR_CONFIG_JSON --prefill-tp P --decode-tp D --layout DLS [--json]
     statebridge bench --preset mamba2-2.7b --pairs 2x4,4x2 --layouts DLS,LDS,LSD --json FILE
+
+Exit status of the node commands (``prefill``, ``decode``): 0 after SIGTERM/SIGINT; 2 when the
+node cannot start (bad flags, checkpoint, a rank that fails to start or does not start within
+``--rank-start-timeout``); 3 when a running node cannot serve any more (its rank group failed:
+``--on-rank-loss exit``, a failed restart, or too many restarts) -- a supervisor (systemd,
+Kubernetes) restarts it.
 """
 
 from __future__ import annotations
@@ -29,7 +35,11 @@ from statebridge.state.layout import LAYOUT_PRESETS
 from statebridge.state.plan import TransferPlan
 from statebridge.state.spec import StateSpec
 
-__all__ = ["main"]
+__all__ = ["main", "EXIT_START_FAILED", "EXIT_NODE_FAILED"]
+
+#: Exit status of a node command that could not start; of a node that failed while serving.
+EXIT_START_FAILED = 2
+EXIT_NODE_FAILED = 3
 
 #: ``make-checkpoint --arch`` choices: the keys of :data:`statebridge.models.checkpoint.ARCHS`
 #: (spelled out so that building the parser does not import the model runtime; a test checks
@@ -189,6 +199,14 @@ def _config_args(p: argparse.ArgumentParser) -> None:
                    help="state pages per rank = requests in flight (default 64)")
     p.add_argument("--peer-timeout", type=float, default=None,
                    help="seconds of silence before a peer is declared lost (default 3)")
+    p.add_argument("--on-rank-loss", choices=("restart", "exit"), default=None,
+                   help="when a rank process dies or goes silent: restart the node's rank "
+                        "group (requests in flight fail; default), or exit with status 3 for a "
+                        "supervisor to restart the node. A failed restart, or the 4th within "
+                        "10 minutes, exits too")
+    p.add_argument("--rank-start-timeout", type=float, default=None, metavar="SECONDS",
+                   help="bound on starting the rank group (model load, TP rendezvous), at "
+                        "start and at each restart (default 120)")
     p.add_argument("--ucx-error-handling", action=argparse.BooleanOptionalAction, default=None,
                    help="UCX endpoint error handling (detects dead peers in UCX, but forces TCP "
                         "lanes: much slower on one host; default $STATEBRIDGE_UCX_ERROR_HANDLING "
@@ -221,7 +239,10 @@ def _config(args: argparse.Namespace):
 
     overrides = {name: value for name, value in (("bind_host", args.host),
                                                   ("ucx_error_handling", args.ucx_error_handling),
-                                                  ("peer_timeout", args.peer_timeout))
+                                                  ("peer_timeout", args.peer_timeout),
+                                                  ("on_rank_loss", args.on_rank_loss),
+                                                  ("rank_start_timeout",
+                                                   args.rank_start_timeout))
                  if value is not None}
     if args.keys is not None:
         overrides["keys_dir"] = os.path.abspath(args.keys) if args.keys else ""
@@ -260,9 +281,20 @@ def _stop_on_signal() -> threading.Event:
     return stop
 
 
-def _wait(stop: threading.Event) -> None:
-    while not stop.wait(0.5):
-        pass
+def _wait(stop: threading.Event, fatal) -> str:
+    """Until a signal (returns "") or the node fails for good (returns ``fatal()``, why)."""
+    while not stop.wait(0.2):
+        why = fatal()
+        if why:
+            return why
+    return ""
+
+
+def _failed(args: argparse.Namespace, why: str) -> int:
+    print(f"statebridge {args.command}: the node cannot serve any more: {why}; exiting "
+          f"(status {EXIT_NODE_FAILED}) for its supervisor to restart it", file=sys.stderr,
+          flush=True)
+    return EXIT_NODE_FAILED
 
 
 def _cmd_prefill(args: argparse.Namespace) -> int:
@@ -275,10 +307,10 @@ def _cmd_prefill(args: argparse.Namespace) -> int:
     print(server.memory_line(), flush=True)
     print(f"prefill node ready on {server.address} (TP {args.tp}, {node.layout})", flush=True)
     try:
-        _wait(stop)
+        why = _wait(stop, lambda: server.fatal)
     finally:
         server.close()
-    return 0
+    return _failed(args, why) if why else 0
 
 
 def _cmd_decode(args: argparse.Namespace) -> int:
@@ -300,10 +332,10 @@ def _cmd_decode(args: argparse.Namespace) -> int:
     print(f"decode node {'ready' if ready else 'up'} on {door} (TP {args.tp}, "
           f"{node.node_config.layout}, {state})", flush=True)
     try:
-        _wait(stop)
+        why = _wait(stop, lambda: node.fatal)
     finally:
         node.close()
-    return 0
+    return _failed(args, why) if why else 0
 
 
 def _token_list(text: str) -> list[int]:
@@ -492,7 +524,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return args.func(args)
     except StatebridgeError as e:
         print(f"statebridge {args.command}: error: {e}", file=sys.stderr)
-        return 2
+        return EXIT_START_FAILED
 
 
 if __name__ == "__main__":

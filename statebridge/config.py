@@ -53,10 +53,25 @@ class ConnectorConfig:
       the map, whatever their size: one notice per rank pair covers both. Results:
       docs/measurements.md, "Data plane on one host".
 
+    Supervision of the rank group (:class:`~statebridge.connector.group.RankGroup`):
+
+    - ``on_rank_loss``: what a node whose rank died (or went silent for ``peer_timeout``)
+      does: ``restart`` its whole rank group (in-flight requests fail with ``peer_lost``;
+      pages, KV blocks and the ledger are reset once every old rank process is gone; peers
+      re-handshake), or ``exit``: the group is failed (:attr:`RankGroup.fatal
+      <statebridge.connector.group.RankGroup.fatal>`) and the node's command exits non-zero
+      for its supervisor (systemd, Kubernetes) to restart it. A restart that fails, or the
+      ``max_rank_restarts + 1``-th within ``rank_restart_window`` seconds, fails the group
+      the same way.
+    - ``rank_start_timeout``: bound on a rank group's start (every rank announced itself:
+      model loaded, TP rendezvous done), at node start and at each restart.
+
     Not settings: ``local_ranks`` and ``shared_map`` (:data:`AB_SWITCHES`) are experimental
     A/B switches that turn a fast path off to compare it with the path it replaced; the
     benchmark harness owns them and :mod:`statebridge.bench.ab` documents them. Leave them on.
     """
+
+    ON_RANK_LOSS = ("restart", "exit")
 
     bind_host: str = "127.0.0.1"
     heartbeat_interval: float = 0.5
@@ -72,13 +87,17 @@ class ConnectorConfig:
     key_name: str = "node"
     send_reap_interval: float = 0.005
     shared_map_min_bytes: int = 4 << 20
+    on_rank_loss: str = "restart"
+    rank_start_timeout: float = 120.0
+    max_rank_restarts: int = 3
+    rank_restart_window: float = 600.0
     # -- experimental A/B switches, not settings (AB_SWITCHES; statebridge.bench.ab) --------
     local_ranks: bool = True
     shared_map: bool = True
 
     def __post_init__(self) -> None:
         for name in ("heartbeat_interval", "peer_timeout", "lease_timeout", "transfer_timeout",
-                     "handshake_timeout"):
+                     "handshake_timeout", "rank_start_timeout", "rank_restart_window"):
             value = getattr(self, name)
             if not isinstance(value, (int, float)) or value <= 0:
                 raise ConfigError(f"{name} must be a positive number of seconds, got {value!r}")
@@ -98,6 +117,13 @@ class ConnectorConfig:
                 or not isinstance(self.shared_map_min_bytes, int) or self.shared_map_min_bytes < 0:
             raise ConfigError(f"shared_map_min_bytes must be a non-negative integer, got "
                               f"{self.shared_map_min_bytes!r}")
+        if self.on_rank_loss not in self.ON_RANK_LOSS:
+            raise ConfigError(f"on_rank_loss must be one of {self.ON_RANK_LOSS}, got "
+                              f"{self.on_rank_loss!r}")
+        if isinstance(self.max_rank_restarts, bool) or not isinstance(self.max_rank_restarts, int) \
+                or self.max_rank_restarts < 0:
+            raise ConfigError(f"max_rank_restarts must be a non-negative integer, got "
+                              f"{self.max_rank_restarts!r}")
         for name in ("max_message_bytes", "max_inflight_per_peer", "torch_threads"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:

@@ -18,6 +18,9 @@ A component owns its sockets and touches them only from its loop thread (zmq soc
 thread-safe); other threads hand work to the loop with :meth:`EventLoop.call_soon`. Every
 connection heartbeats; :class:`PeerWatch` declares a peer lost after ``peer_timeout`` seconds of
 silence, which is how a SIGKILLed process or a cut link is noticed when UCX error handling is off.
+Silence is counted in the watching loop's own running time: a loop that was itself stalled
+(stopped by SIGSTOP, a handler that blocked, the GIL held elsewhere) does not blame its peers for
+the messages it could not read meanwhile (:meth:`EventLoop.stalls`).
 A message that fails to decode is counted, answered with ``Error`` where the sender is known, and
 the loop keeps serving.
 """
@@ -89,6 +92,16 @@ class EventLoop:
         # (socket, identity or None) -> messages queued this iteration (see flush): encoded,
         # or (type, row) of a BATCH type (see _frames)
         self._outbox: dict[tuple[zmq.Socket, bytes | None], list] = {}
+        #: A gap of at least this many seconds in the loop's own running (beyond the sleep it
+        #: asked for) is a stall: its watches do not count it as their peers' silence.
+        self.stall_threshold = 0.25
+        #: Called with (seconds) on the loop thread after each stall, before any timer runs.
+        self.on_stall: list[Callable[[float], None]] = []
+        self._watches: "weakref.WeakSet[PeerWatch]" = weakref.WeakSet()
+        self._mark = 0.0              # monotonic time the loop last checked for a stall
+        #: Stalls seen and their seconds in all (loop thread writes; any thread may read).
+        self.stalls = 0
+        self.stalled_seconds = 0.0
 
     # -- registration (loop thread, or before start) ---------------------------------------
     def add_reader(self, sock: zmq.Socket, handler: Callable[[], None]) -> None:
@@ -202,10 +215,31 @@ class EventLoop:
                 except zmq.ZMQError as e:           # socket closed meanwhile
                     log.debug("%s: dropped %d queued message(s): %s", self.name, len(chunk), e)
 
+    def _stalled(self, now: float, allowed: float) -> None:
+        """The loop runs again at ``now``; it meant to be away at most ``allowed`` seconds
+        (a poll's timeout) since its last check. A longer gap is a stall (see
+        :attr:`stall_threshold`): every :class:`PeerWatch` of this loop forgives it, then the
+        :attr:`on_stall` callbacks run."""
+        gap = now - self._mark - allowed
+        self._mark = now
+        if gap < self.stall_threshold:
+            return
+        self.stalls += 1
+        self.stalled_seconds += gap
+        log.log(logging.WARNING if gap >= 1.0 else logging.DEBUG,
+                "%s: the loop stalled for %.2f s (process stopped, or a handler or another "
+                "thread held it); peers' silence meanwhile is not counted", self.name, gap)
+        for watch in list(self._watches):
+            watch.forgive(gap)
+        for fn in list(self.on_stall):
+            self._guard(fn, gap)
+
     def _run(self) -> None:
+        self._mark = time.monotonic()
         while not self._stop.is_set():
             self.flush()
             now = time.monotonic()
+            self._stalled(now, 0.0)
             timeout = self.idle_poll
             if self._timers:
                 timeout = min(timeout, max(0.0, self._timers[0][0] - now))
@@ -225,6 +259,8 @@ class EventLoop:
                     break
                 log.error("%s: poll failed: %s", self.name, e)
                 continue
+            # (A process stopped while it slept shows up here, before its input is read.)
+            self._stalled(time.monotonic(), max(timeout, 0.001))
             if self._wake_pull in events:
                 while _recv_frames(self._wake_pull) is not None:
                     pass
@@ -235,6 +271,7 @@ class EventLoop:
                 fn, args = self._calls.popleft()
                 self._guard(fn, *args)
             now = time.monotonic()
+            self._stalled(now, 0.0)              # a handler blocked: before any watch expires
             while self._timers and self._timers[0][0] <= now:
                 _, _, fn, args = heapq.heappop(self._timers)
                 self._guard(fn, *args)
@@ -280,11 +317,25 @@ class EventLoop:
 
 
 class PeerWatch:
-    """Last-heard times of peers; reports the ones silent for longer than ``timeout``."""
+    """Last-heard times of peers; reports the ones silent for longer than ``timeout``.
 
-    def __init__(self, timeout: float) -> None:
+    With ``loop`` (the :class:`EventLoop` that reads the peers' messages) silence is counted in
+    that loop's running time: a stall of the loop (:meth:`EventLoop._stalled`) is forgiven, so
+    a process that was stopped, or whose loop was blocked, does not declare its peers lost for
+    the messages it could not read meanwhile. A peer that really died is declared lost after
+    ``timeout`` seconds of the loop running."""
+
+    def __init__(self, timeout: float, loop: EventLoop | None = None) -> None:
         self.timeout = timeout
         self._seen: dict[object, float] = {}
+        if loop is not None:
+            loop._watches.add(self)
+
+    def forgive(self, seconds: float) -> None:
+        """Do not count the last ``seconds`` as anyone's silence (the watcher was away)."""
+        now = time.monotonic()
+        for peer, t in self._seen.items():
+            self._seen[peer] = min(now, t + seconds)
 
     def heard(self, peer: object) -> None:
         self._seen[peer] = time.monotonic()

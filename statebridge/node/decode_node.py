@@ -39,6 +39,13 @@ and blocks are freed, it waits at the front of the queue and is resumed by a loc
 its prompt and the tokens generated so far). Either way no other request is touched. A node
 started before its prefill nodes keeps dialling them (with backoff) and answers ``not_ready``
 meanwhile.
+
+Ready means it can serve: its decode rank group is whole and at least one prefill node is
+connected (with the ``recompute`` policy a whole group is enough); :meth:`DecodeNode.status`
+names the missing part otherwise (the HTTP door's ``/health`` says it). A decode rank lost
+fails every request in flight (``peer_lost``); the group then restarts or fails for good
+(:mod:`statebridge.connector.group`): :attr:`DecodeNode.fatal` says why, and the node's
+command exits non-zero.
 """
 
 from __future__ import annotations
@@ -257,14 +264,24 @@ class DecodeNode:
         return self.node_config.policy
 
     def status(self) -> tuple[bool, str]:
-        """(ready, why not): ready once the decode ranks are up and a prefill node is
-        connected."""
+        """(ready, why not): ready once the decode rank group is whole and a prefill node is
+        connected (``recompute``: once the group is whole)."""
         return self.loop.call(self._status)
 
     def _status(self) -> tuple[bool, str]:
         if self._closed:
             return False, "decode node is closing"
-        return self.coordinator.status()
+        ready, why = self.coordinator.status()
+        if not ready and self.policy == "recompute" and self.coordinator.whole()[0]:
+            return True, ""                    # no prefill node: it prefills locally
+        return ready, why
+
+    @property
+    def fatal(self) -> str:
+        """Why the node cannot serve any more ("" while it serves or heals): its rank group
+        failed for good (see :mod:`statebridge.connector.group`). Its command exits non-zero
+        on it; a library user closes the node and starts a new one."""
+        return self.coordinator.fatal
 
     def wait_ready(self, timeout: float = 60.0) -> None:
         """Block until the node serves (a prefill node connected); TransferTimeoutError with

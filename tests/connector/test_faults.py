@@ -55,10 +55,12 @@ def check_ok(decode, future, rid, timeout=30):
 @pytest.mark.timeout(120)
 def test_sigkill_prefill_rank_fails_its_requests_then_fresh_group_serves(decode_hosts,
                                                                          monkeypatch):
+    """on_rank_loss=exit: the group fails for good (its node exits) and a fresh one serves."""
     monkeypatch.setenv("STATEBRIDGE_TEST_PREFILL_DELAY", "0.3")
     decode = instrumented(DecodeCoordinator(SPEC, 2, "DLS", num_pages=16, config=FAST,
                                             launcher=decode_hosts.launcher(), probes="checksums"))
-    server = PrefillServer(SPEC, 2, "DLS", num_pages=16, config=FAST, model=SLOW)  # spawned
+    server = PrefillServer(SPEC, 2, "DLS", num_pages=16, config=FAST.replace(on_rank_loss="exit"),
+                           model=SLOW)  # spawned
     try:
         server.wait_ready()
         decode.connect(server.address)
@@ -82,6 +84,7 @@ def test_sigkill_prefill_rank_fails_its_requests_then_fresh_group_serves(decode_
         wait_until(lambda: decode.stats()["pages_used"] == 0, 10, "decode pages reclaimed")
         wait_until(lambda: server.stats()["pages_used"] == 0, 10, "prefill pages reclaimed")
         assert not server.stats()["healthy"]
+        assert "rank 1 lost (its process exited with code -9)" in server.fatal
         with pytest.raises(PeerLostError):                  # broken group refuses new work
             decode.submit(ids(1)[0], [1]).result(timeout=10)
     finally:
