@@ -1,0 +1,83 @@
+"""How many max-length requests a prefill/decode pair holds at once, and which pool bounds it.
+
+Four pools bound the requests in flight between a prefill node and a decode node:
+
+- the decode node's pages (one per request, from arrival to the last token) and its KV pool
+  (a request's prompt and generated tokens: up to ``max_prompt_len + max_new_tokens``);
+- the prefill node's pages and KV pool (a request's prompt but its last token, from the
+  prefill until every decode rank holds the state).
+
+A KV pool holds the same tokens on every rank of its node (each rank its share of the heads),
+so its capacity is counted in tokens per rank whatever the TP. The decode node learns the
+prefill node's pages and KV pool in the handshake (``GroupInfo``) and logs the pair's bound,
+naming the binding pool -- a warning when a KV pool, not the page counts the user chose,
+bounds it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from statebridge.state.kv import blocks_for
+
+__all__ = ["PoolBound", "pair_bounds", "capacity_message"]
+
+
+@dataclass(frozen=True)
+class PoolBound:
+    """One pool's bound: ``requests`` max-length requests of ``tokens_each`` tokens fit in it
+    at once (``tokens`` its tokens per rank; 0 for pages)."""
+
+    side: str                 # "decode" | "prefill"
+    node_id: str
+    tp_size: int
+    pool: str                 # "pages" | "KV pool"
+    requests: int
+    tokens: int = 0
+    tokens_each: int = 0
+
+    def name(self) -> str:
+        return f"the {self.pool} of {self.side} node {self.node_id} (TP {self.tp_size})"
+
+    def describe(self) -> str:
+        if self.pool == "pages":
+            return f"{self.name()}: {self.requests} pages"
+        return (f"{self.name()}: {self.tokens:,} tokens per rank = {self.requests} requests of "
+                f"{self.tokens_each:,} tokens")
+
+
+def pair_bounds(*, decode_id: str, decode_tp: int, decode_pages: int, decode_blocks: int,
+                prefill_id: str, prefill_tp: int, prefill_pages: int, prefill_blocks: int,
+                block_size: int, max_prompt_len: int, max_model_len: int) -> list[PoolBound]:
+    """Every pool's bound on max-length requests in flight (``max_model_len`` tokens in all,
+    prompts of up to ``max_prompt_len``), tightest first (KV pools before page pools on a tie:
+    they are the ones a page count does not show). ``*_blocks`` 0: that node has no KV pool
+    (a model without attention layers), it bounds nothing."""
+    bounds = [PoolBound("decode", decode_id, decode_tp, "pages", decode_pages),
+              PoolBound("prefill", prefill_id, prefill_tp, "pages", prefill_pages)]
+    if decode_blocks:
+        each = max_model_len
+        bounds.append(PoolBound("decode", decode_id, decode_tp, "KV pool",
+                                decode_blocks // blocks_for(each, block_size),
+                                decode_blocks * block_size, each))
+    if prefill_blocks:
+        each = max(1, min(max_prompt_len, max_model_len) - 1)   # it computes prompt[:-1]
+        bounds.append(PoolBound("prefill", prefill_id, prefill_tp, "KV pool",
+                                prefill_blocks // blocks_for(each, block_size),
+                                prefill_blocks * block_size, each))
+    return sorted(bounds, key=lambda b: (b.requests, b.pool == "pages"))
+
+
+def capacity_message(bounds: list[PoolBound]) -> tuple[bool, str]:
+    """(warn, line): the pair's bound naming the binding pool; ``warn`` when a KV pool binds
+    below the page counts (concurrency is then not what ``--num-pages`` says)."""
+    binding = bounds[0]
+    pages = min(b.requests for b in bounds if b.pool == "pages")
+    others = "; ".join(b.describe() for b in bounds[1:])
+    line = (f"{binding.requests} max-length requests fit at once; the binding pool is "
+            f"{binding.describe()} (then: {others})")
+    warn = binding.pool != "pages" and binding.requests < pages
+    if warn:
+        line += (f". The {binding.side} node's KV pool, not the {pages} pages, bounds "
+                 f"concurrency: give it more with --kv-tokens or --kv-gib on that node")
+    return warn, line
