@@ -16,7 +16,7 @@ from __future__ import annotations
 from statebridge.connector.messages import Message, message
 
 __all__ = ["RankStep", "RankStepResult", "GenerateRequest", "GenerateTokens", "StatusQuery",
-           "NodeStatus", "AbortRequest", "StatsQuery", "NodeStats"]
+           "NodeStatus", "AbortRequest", "StatsQuery", "NodeStats", "memory_fields"]
 
 
 @message
@@ -120,7 +120,8 @@ class NodeStats(Message):
     and KV blocks (per rank, the same on every rank) used and free, requests decoding and
     waiting for a page, connected prefill peers, ``refused_peers``: prefill nodes whose
     handshake failed (incompatible, or they refused us), and ``refused_clients``: clients of
-    the zmq front door refused by CURVE authentication, since the node started."""
+    the zmq front door refused by CURVE authentication, since the node started; and the
+    memory of each rank (the ``rank_*`` tuples; :func:`memory_fields`)."""
     node_id: str
     ready: bool
     reason: str
@@ -134,3 +135,19 @@ class NodeStats(Message):
     refused_peers: int
     aborted: int
     refused_clients: int = 0
+    #: Per rank (rank 0 first), the bytes it holds: its weights (private, and resident pages of
+    #: the checkpoint mapped into it), its state pages, its KV pool.
+    rank_weights_private: tuple[int, ...] = ()
+    rank_weights_mapped: tuple[int, ...] = ()
+    rank_pages_bytes: tuple[int, ...] = ()
+    rank_kv_pool_bytes: tuple[int, ...] = ()
+
+
+def memory_fields(group) -> dict:
+    """NodeStats' ``rank_*`` memory fields of a rank group (its
+    :meth:`~statebridge.connector.group.RankGroup.rank_memory`; loop thread)."""
+    rows = group.rank_memory()
+    return {"rank_weights_private": tuple(r["weights_private"] for r in rows),
+            "rank_weights_mapped": tuple(r["weights_mapped"] for r in rows),
+            "rank_pages_bytes": tuple(r["pages"] for r in rows),
+            "rank_kv_pool_bytes": tuple(r["kv_pool"] for r in rows)}

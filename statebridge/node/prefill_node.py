@@ -73,6 +73,6 @@ def answer_queries(server: PrefillServer) -> None:
             blocks_free=blocks.num_free if blocks else 0,
             running=len(server.ledger), waiting=len(server.waiting),
             refused_peers=int(server.counters.get("incompatible_peers")),
-            aborted=int(server.counters.get("aborted_by_peer")))
+            aborted=int(server.counters.get("aborted_by_peer")), **nm.memory_fields(server))
     server.on_query(nm.StatusQuery, status)
     server.on_query(nm.StatsQuery, stats)
