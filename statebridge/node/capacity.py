@@ -20,7 +20,14 @@ from dataclasses import dataclass
 
 from statebridge.state.kv import blocks_for
 
-__all__ = ["PoolBound", "pair_bounds", "capacity_message"]
+__all__ = ["PoolBound", "pair_bounds", "capacity_message", "max_model_len"]
+
+
+def max_model_len(limits: int, kv_tokens: int) -> int:
+    """The longest request (prompt + new tokens) a decode node serves: its limits'
+    (``max_prompt_len + max_new_tokens``), capped at the tokens one of its ranks' KV pool holds
+    (``kv_tokens``; 0: no KV pool, no cap) -- a longer request could never get its blocks."""
+    return min(limits, kv_tokens) if kv_tokens else limits
 
 
 @dataclass(frozen=True)
@@ -42,8 +49,8 @@ class PoolBound:
     def describe(self) -> str:
         if self.pool == "pages":
             return f"{self.name()}: {self.requests} pages"
-        return (f"{self.name()}: {self.tokens:,} tokens per rank = {self.requests} requests of "
-                f"{self.tokens_each:,} tokens")
+        return (f"{self.name()}: {self.tokens:,} tokens per rank = {_requests(self.requests)} "
+                f"of {self.tokens_each:,} tokens")
 
 
 def pair_bounds(*, decode_id: str, decode_tp: int, decode_pages: int, decode_blocks: int,
@@ -74,10 +81,17 @@ def capacity_message(bounds: list[PoolBound]) -> tuple[bool, str]:
     binding = bounds[0]
     pages = min(b.requests for b in bounds if b.pool == "pages")
     others = "; ".join(b.describe() for b in bounds[1:])
-    line = (f"{binding.requests} max-length requests fit at once; the binding pool is "
-            f"{binding.describe()} (then: {others})")
+    line = (f"{_requests(binding.requests)} of the longest length fit at once; the binding "
+            f"pool is {binding.describe()} (then: {others})")
     warn = binding.pool != "pages" and binding.requests < pages
+    if binding.requests == 0:
+        line += (f". A request of {binding.tokens_each:,} tokens never fits in it: such "
+                 f"requests are refused")
     if warn:
         line += (f". The {binding.side} node's KV pool, not the {pages} pages, bounds "
                  f"concurrency: give it more with --kv-tokens or --kv-gib on that node")
     return warn, line
+
+
+def _requests(n: int) -> str:
+    return f"{n} request" if n == 1 else f"{n} requests"

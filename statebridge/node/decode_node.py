@@ -75,6 +75,7 @@ from statebridge.errors import (
 from statebridge.hf_config import ModelConfig
 from statebridge.models.distributed import Rendezvous
 from statebridge.models.sampling import sampling_problem
+from statebridge.node import capacity
 from statebridge.node import messages as nm
 from statebridge.node.checks import check_checkpoint
 from statebridge.security import CurveKeys
@@ -201,8 +202,7 @@ class DecodeNode:
         self.kv = spec.kv is not None
         #: The longest request (prompt + new tokens) served: the limits', capped at the tokens
         #: one decode rank's KV pool holds (a longer one could never get its blocks).
-        self.max_model_len = min(nc.max_model_len, self.coordinator.kv_tokens) if self.kv \
-            else nc.max_model_len
+        self.max_model_len = capacity.max_model_len(nc.max_model_len, self.coordinator.kv_tokens)
         if self.max_model_len < nc.max_model_len:
             log.warning("%s: the KV pool holds %d tokens per rank, fewer than max_prompt_len + "
                         "max_new_tokens = %d: requests are limited to %d tokens "
@@ -282,16 +282,14 @@ class DecodeNode:
     def _on_prefill_connected(self, info: m.GroupInfo) -> None:
         """Loop thread, after a handshake: log what the pair holds at once, naming the
         binding pool; the first one that makes the node serve logs "ready in N s"."""
-        from statebridge.node.capacity import capacity_message, pair_bounds
-
         co, nc = self.coordinator, self.node_config
-        bounds = pair_bounds(
+        bounds = capacity.pair_bounds(
             decode_id=co.node_id, decode_tp=co.tp_size, decode_pages=co.num_pages,
             decode_blocks=co.num_blocks, prefill_id=info.node_id, prefill_tp=info.tp_size,
             prefill_pages=info.num_pages, prefill_blocks=info.num_blocks,
             block_size=co.block_size, max_prompt_len=nc.max_prompt_len,
             max_model_len=self.max_model_len)
-        warn, line = capacity_message(bounds)
+        warn, line = capacity.capacity_message(bounds)
         log.log(logging.WARNING if warn else logging.INFO, "%s + prefill %s: %s", co.node_id,
                 info.node_id, line)
         if self._up and self._status()[0] and self._served():
