@@ -76,20 +76,25 @@ def pair_bounds(*, decode_id: str, decode_tp: int, decode_pages: int, decode_blo
 
 
 def capacity_message(bounds: list[PoolBound]) -> tuple[bool, str]:
-    """(warn, line): the pair's bound naming the binding pool; ``warn`` when a KV pool binds
-    below the page counts (concurrency is then not what ``--num-pages`` says)."""
+    """(warn, line): the pair's bound naming the binding pool. ``warn`` when the prefill
+    node's KV pool binds below the page counts (it holds a request only until its state moved,
+    so a prefill pool that bounds the pair is too small for its peer), or when no request of
+    the longest length fits at all. A decode KV pool binding is the expected case (it holds
+    every request for its whole life): said, not warned about."""
     binding = bounds[0]
     pages = min(b.requests for b in bounds if b.pool == "pages")
     others = "; ".join(b.describe() for b in bounds[1:])
     line = (f"{_requests(binding.requests)} of the longest length fit at once; the binding "
             f"pool is {binding.describe()} (then: {others})")
-    warn = binding.pool != "pages" and binding.requests < pages
+    warn = binding.requests == 0 or (binding.pool != "pages" and binding.side == "prefill"
+                                     and binding.requests < pages)
     if binding.requests == 0:
         line += (f". A request of {binding.tokens_each:,} tokens never fits in it: such "
                  f"requests are refused")
-    if warn:
+    if binding.pool != "pages" and binding.requests < pages:
         line += (f". The {binding.side} node's KV pool, not the {pages} pages, bounds "
-                 f"concurrency: give it more with --kv-tokens or --kv-gib on that node")
+                 f"concurrency at the longest length: more with --kv-tokens or --kv-gib on "
+                 f"that node")
     return warn, line
 
 

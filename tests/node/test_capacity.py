@@ -92,6 +92,14 @@ def test_equal_bytes_per_rank_make_the_lower_tp_prefill_pool_bind():
     assert "not the 64 pages, bounds concurrency" in line
 
 
+def test_a_binding_decode_pool_is_said_not_warned_about():
+    warn, line = capacity_message(_bounds(decode_blocks=400))        # 400 // 80 = 5 requests
+    assert not warn
+    assert line.startswith("5 requests of the longest length fit at once; the binding pool is "
+                           "the KV pool of decode node decode-d (TP 2)")
+    assert "not the 64 pages, bounds concurrency" in line
+
+
 def test_pages_binding_is_no_warning_and_a_pool_without_kv_bounds_nothing():
     warn, line = capacity_message(_bounds(decode_pages=8))
     assert not warn and "binding pool is the pages of decode node decode-d (TP 2): 8 pages" \
