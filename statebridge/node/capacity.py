@@ -1,4 +1,5 @@
-"""How many max-length requests a prefill/decode pair holds at once, and which pool bounds it.
+"""How many max-length requests a prefill/decode pair holds at once, which pool bounds it, and
+what each rank holds (:func:`memory_fields`).
 
 Four pools bound the requests in flight between a prefill node and a decode node:
 
@@ -20,7 +21,7 @@ from dataclasses import dataclass
 
 from statebridge.state.kv import blocks_for
 
-__all__ = ["PoolBound", "pair_bounds", "capacity_message", "max_model_len"]
+__all__ = ["PoolBound", "pair_bounds", "capacity_message", "max_model_len", "memory_fields"]
 
 
 def max_model_len(limits: int, kv_tokens: int) -> int:
@@ -100,3 +101,14 @@ def capacity_message(bounds: list[PoolBound]) -> tuple[bool, str]:
 
 def _requests(n: int) -> str:
     return f"{n} request" if n == 1 else f"{n} requests"
+
+
+def memory_fields(group) -> dict:
+    """The ``rank_*`` memory fields of :class:`~statebridge.node.messages.NodeStats` for a
+    rank group (its :meth:`~statebridge.connector.group.RankGroup.rank_memory`; loop
+    thread)."""
+    rows = group.rank_memory()
+    return {"rank_weights_private": tuple(r["weights_private"] for r in rows),
+            "rank_weights_mapped": tuple(r["weights_mapped"] for r in rows),
+            "rank_pages_bytes": tuple(r["pages"] for r in rows),
+            "rank_kv_pool_bytes": tuple(r["kv_pool"] for r in rows)}

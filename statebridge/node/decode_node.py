@@ -402,7 +402,7 @@ class DecodeNode:
             running=len(self.running), waiting=len(self.waiting),
             refused_peers=g.refused_peers, aborted=int(self.counters.get("finished_aborted")),
             refused_clients=int(self.counters.get("auth_refused")),
-            **nm.memory_fields(self.coordinator))
+            **capacity.memory_fields(self.coordinator))
 
     def _on_abort(self, client: FrontDoorClient, msg: nm.AbortRequest) -> None:
         """Drop a client's request wherever it is. Decoding in the step in flight: it finishes

@@ -16,7 +16,7 @@ from __future__ import annotations
 from statebridge.connector.messages import Message, message
 
 __all__ = ["RankStep", "RankStepResult", "GenerateRequest", "GenerateTokens", "StatusQuery",
-           "NodeStatus", "AbortRequest", "StatsQuery", "NodeStats", "memory_fields"]
+           "NodeStatus", "AbortRequest", "StatsQuery", "NodeStats"]
 
 
 @message
@@ -121,7 +121,8 @@ class NodeStats(Message):
     waiting for a page, connected prefill peers, ``refused_peers``: prefill nodes whose
     handshake failed (incompatible, or they refused us), and ``refused_clients``: clients of
     the zmq front door refused by CURVE authentication, since the node started; and the
-    memory of each rank (the ``rank_*`` tuples; :func:`memory_fields`)."""
+    memory of each rank (the ``rank_*`` tuples:
+    :func:`statebridge.node.capacity.memory_fields`)."""
     node_id: str
     ready: bool
     reason: str
@@ -142,12 +143,3 @@ class NodeStats(Message):
     rank_pages_bytes: tuple[int, ...] = ()
     rank_kv_pool_bytes: tuple[int, ...] = ()
 
-
-def memory_fields(group) -> dict:
-    """NodeStats' ``rank_*`` memory fields of a rank group (its
-    :meth:`~statebridge.connector.group.RankGroup.rank_memory`; loop thread)."""
-    rows = group.rank_memory()
-    return {"rank_weights_private": tuple(r["weights_private"] for r in rows),
-            "rank_weights_mapped": tuple(r["weights_mapped"] for r in rows),
-            "rank_pages_bytes": tuple(r["pages"] for r in rows),
-            "rank_kv_pool_bytes": tuple(r["kv_pool"] for r in rows)}
