@@ -1,10 +1,9 @@
 """KV pools sized in tokens or GiB per node, the pool that binds a pair, max_model_len, and the
-rank-side startup helpers (weights memory, the UCX warning switch)."""
+UCX warning switch of the ranks."""
 
 from __future__ import annotations
 
 import pytest
-import torch
 
 from statebridge.config import DEFAULT_KV_REQUESTS, NodeConfig
 from statebridge.connector.data.env import quiet_unused_env_warnings
@@ -126,28 +125,3 @@ def test_the_ucx_warning_switch_keeps_a_users_setting():
     env = {"UCX_WARN_UNUSED_ENV_VARS": "y"}
     assert not quiet_unused_env_warnings(env) and env == {"UCX_WARN_UNUSED_ENV_VARS": "y"}
 
-
-def test_weight_memory_counts_storages_once_and_leaves_out_the_rank_buffer(tmp_path):
-    from statebridge.connector.rank.startup import mapped_bytes, mapped_ranges, tensor_bytes
-
-    class Holder:                         # a statebridge object: walked
-        pass
-    Holder.__module__ = "statebridge.test"
-    buffer = torch.zeros(1000, dtype=torch.uint8)
-    w = torch.zeros(10, 4)                                   # 160 bytes
-    h = Holder()
-    h.w, h.view, h.tied = w, w[:5], {"again": w}
-    h.layers = [torch.zeros(3, dtype=torch.float64), buffer[10:20]]
-    assert tensor_bytes(h, exclude=(buffer,)) == 160 + 24
-    assert tensor_bytes(h, exclude=(buffer,), exclude_ranges=(
-        (w.data_ptr(), w.data_ptr() + 160),)) == 24
-    # A file mapped into this process: its resident pages and its range.
-    import mmap
-
-    path = tmp_path / "model.safetensors"
-    path.write_bytes(b"x" * (3 * mmap.PAGESIZE))
-    with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as m:
-        m[:]                                                   # touch every page
-        assert mapped_bytes(str(tmp_path)) == 3 * mmap.PAGESIZE
-        assert [b - a for a, b in mapped_ranges(str(tmp_path))] == [3 * mmap.PAGESIZE]
-    assert mapped_bytes(str(tmp_path)) == 0 and mapped_ranges(str(tmp_path)) == ()

@@ -92,7 +92,7 @@ class WeightProgress:
             if tqdm is not None:
                 self._bar = tqdm(desc=f"{who}: weights", unit="B", unit_scale=True,
                                  unit_divisor=1024, file=sys.stderr, leave=False,
-                                 mininterval=0.5)
+                                 mininterval=min(0.5, interval))
         self._start = time.perf_counter()
         self._next_log = self._start + interval
         self._lock = threading.Lock()
