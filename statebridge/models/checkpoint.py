@@ -179,7 +179,13 @@ class LazyTensor:
         squeeze = [i for i, (_, _, s) in enumerate(view) if s]
         for i in reversed(squeeze):
             tensor = tensor.squeeze(i)
-        return tensor.to(device=self._device, dtype=self._dtype).contiguous()
+        tensor = tensor.to(device=self._device, dtype=self._dtype).contiguous()
+        if tensor.device.type == "cpu" and self._checkpoint.maps(self._name, tensor):
+            # Still a view of the file mapping: copy it, so the weights are the process's own
+            # memory and the mapping (with every page read for other shards) goes when the
+            # checkpoint is closed.
+            tensor = tensor.clone()
+        return tensor
 
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
@@ -337,14 +343,15 @@ class Checkpoint:
         """The whole tensor ``name``."""
         return self.lazy(name, dtype=dtype, device=device).materialize()
 
+    def maps(self, name: str, tensor: torch.Tensor) -> bool:
+        """Whether ``tensor``'s memory lies in this checkpoint's mapping of the file of weight
+        ``name`` (safetensors hands out whole tensors and row ranges as views of it)."""
+        ptr = tensor.untyped_storage().data_ptr()
+        return any(a <= ptr < b for a, b in self._mapped.get(self._file_of[self.resolve(name)],
+                                                              ()))
+
     def _read(self, name: str, index: tuple[slice, ...]) -> torch.Tensor:
         tensor = self._slice(name)[index] if index else self._slice(name)[:]
-        ptr = tensor.untyped_storage().data_ptr()
-        if any(a <= ptr < b for a, b in self._mapped.get(self._file_of[self.resolve(name)], ())):
-            # safetensors hands out whole tensors and row ranges as views of its mapping of
-            # the file: copy them, so the weights are the process's own memory and the mapping
-            # (with every page read for other shards) goes when the checkpoint is closed.
-            tensor = tensor.clone()
         nbytes = tensor.numel() * tensor.element_size()
         self.bytes_read[name] += nbytes
         callback = getattr(_observer, "callback", None)
