@@ -217,7 +217,8 @@ def _config_args(p: argparse.ArgumentParser) -> None:
                         "10 minutes, exits too")
     p.add_argument("--rank-start-timeout", type=float, default=None, metavar="SECONDS",
                    help="bound on starting the rank group (model load, TP rendezvous), at "
-                        "start and at each restart (default 120)")
+                        "start and at each restart (default 120; raise it for a checkpoint of "
+                        "several GB on a cold disk)")
     p.add_argument("--ucx-error-handling", action=argparse.BooleanOptionalAction, default=None,
                    help="UCX endpoint error handling (detects dead peers in UCX, but forces TCP "
                         "lanes: much slower on one host; default $STATEBRIDGE_UCX_ERROR_HANDLING "
