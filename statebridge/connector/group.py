@@ -82,8 +82,6 @@ class _RankState:
     weights_mapped: int = 0
 
 
-
-
 class RankGroup:
     """A coordinator's view of its TP group: the rank processes, their sockets and liveness.
 

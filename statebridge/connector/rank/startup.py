@@ -3,8 +3,8 @@ memory it holds once it is up.
 
 Phases (:func:`phase`) are logged at INFO as they start and as they end, with their duration,
 so a node's output tells a slow start from a hang: ``pools`` (the rank buffer: pages and KV
-pool), ``ucx`` (the rank's UCX worker), ``rendezvous`` (the TP group's ``torch.distributed``
-store) and ``weights`` (with the bytes read).
+pool), ``UCX worker``, ``rendezvous of TP n`` (the TP group's ``torch.distributed`` store) and
+``weights from DIR`` (with the bytes read).
 
 Weights loading progress (:class:`WeightProgress`): on a terminal, rank 0 draws one ``tqdm``
 bar of the bytes it has read (the ranks of a group read their shards at the same time, so one
@@ -14,10 +14,11 @@ bar stands for all and stays readable at any TP); elsewhere every rank logs one 
 Memory (:func:`weight_memory`): what the weights cost the rank process, read from the process
 itself -- the bytes of the distinct tensor storages the model holds outside the checkpoint's
 file mappings (private memory: the shards it copied), and the resident pages of those
-mappings (``/proc/self/smaps``). safetensors hands out a whole tensor (a replicated weight:
-embeddings, norms) straight from its mapping of the file, and reading a shard leaves the pages
-it read resident; those pages are page cache, shared with every process mapping the file (the
-other ranks on the host) and reclaimable, but ``ps`` counts them in each process's RSS.
+mappings (``/proc/self/smaps``). safetensors hands out whole tensors and row ranges as views
+of its mapping of the file, and reading a shard leaves the pages it read resident: page cache,
+but ``ps`` counts it in each process's RSS. :class:`~statebridge.models.checkpoint.Checkpoint`
+copies what it reads out of the mapping, so a loaded rank normally maps nothing; the mapped
+figure says so rather than assuming it.
 """
 
 from __future__ import annotations
