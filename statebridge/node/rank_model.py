@@ -56,7 +56,12 @@ class ModelRankModel(RankModel):
             # Several rank processes share the CPUs; torch's default of one thread per core in
             # every process makes them fight (docs/measurements.md, "Transport choices").
             torch.set_num_threads(setup.config.torch_threads)
-        from statebridge.connector.rank.startup import WeightProgress, fmt_bytes, phase
+        from statebridge.connector.rank.startup import (
+            WeightProgress,
+            fmt_bytes,
+            phase,
+            release_free_heap,
+        )
         from statebridge.models.checkpoint import observe_reads
 
         who = f"{setup.role} rank {setup.tp_rank}"
@@ -78,6 +83,7 @@ class ModelRankModel(RankModel):
             self.runner = ModelRunner(setup.model_dir, setup.tp_size, setup.tp_rank, cache,
                                       kv=kv, all_reduce=all_reduce)
             p.detail = f"{fmt_bytes(progress.nbytes)} read"
+        release_free_heap()             # the loading's freed temporaries leave the RSS
 
     def weight_memory(self) -> tuple[int, int]:
         """(private, mapped) bytes of the weights in this rank process: the distinct tensor
