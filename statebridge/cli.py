@@ -27,6 +27,7 @@ import os
 import signal
 import sys
 import threading
+import time
 from typing import Sequence
 
 from statebridge.errors import StatebridgeError
@@ -75,6 +76,16 @@ def _positive_int(text: str) -> int:
         raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
     if value < 1:
         raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+    return value
+
+
+def _positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}") from None
+    if not 0 < value < float("inf"):
+        raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}")
     return value
 
 
@@ -206,7 +217,8 @@ def _config_args(p: argparse.ArgumentParser) -> None:
                         "10 minutes, exits too")
     p.add_argument("--rank-start-timeout", type=float, default=None, metavar="SECONDS",
                    help="bound on starting the rank group (model load, TP rendezvous), at "
-                        "start and at each restart (default 120)")
+                        "start and at each restart (default 120; raise it for a checkpoint of "
+                        "several GB on a cold disk)")
     p.add_argument("--ucx-error-handling", action=argparse.BooleanOptionalAction, default=None,
                    help="UCX endpoint error handling (detects dead peers in UCX, but forces TCP "
                         "lanes: much slower on one host; default $STATEBRIDGE_UCX_ERROR_HANDLING "
@@ -216,10 +228,18 @@ def _config_args(p: argparse.ArgumentParser) -> None:
                         "heads outermost, the fewest transfer runs)")
     p.add_argument("--block-size", type=_positive_int, default=None,
                    help="tokens per KV block; the same on prefill and decode nodes (default 16)")
-    p.add_argument("--kv-blocks", type=_positive_int, default=None,
-                   help="KV blocks per rank (default: as many as --kv-memory holds)")
-    p.add_argument("--kv-memory", type=_byte_size, default=None, metavar="SIZE",
-                   help="KV pool bytes per rank when --kv-blocks is not given (default 256MiB)")
+    kv = p.add_mutually_exclusive_group()
+    kv.add_argument("--kv-tokens", type=_positive_int, default=None, metavar="N",
+                    help="KV pool of the node in tokens: every rank holds N tokens (its share "
+                         "of the KV heads), at any TP (default: 4 max-length requests, 4 x "
+                         "(max prompt + max new tokens) = 49152 tokens with the default limits)")
+    kv.add_argument("--kv-gib", type=_positive_float, default=None, metavar="G",
+                    help="KV pool of the node in GiB, split evenly over its ranks")
+    kv.add_argument("--kv-blocks", type=_positive_int, default=None,
+                    help="KV blocks per rank")
+    kv.add_argument("--kv-memory", type=_byte_size, default=None, metavar="SIZE",
+                    help="deprecated (the tokens it holds depend on TP): KV pool bytes per rank; "
+                         "use --kv-tokens or --kv-gib")
     p.add_argument("--rank-model", default=None, metavar="MODULE:CLASS",
                    help="the RankModel class each rank runs (swap in your own implementation; "
                         "default statebridge.node.rank_model:ModelRankModel)")
@@ -255,9 +275,14 @@ def _node_config(args: argparse.Namespace):
     """The node's settings: its flags where given, else the NodeConfig defaults."""
     from statebridge.config import NodeConfig
 
+    if getattr(args, "kv_memory", None) is not None:
+        logging.getLogger("statebridge.cli").warning(
+            "--kv-memory is deprecated: it sizes each rank's pool in bytes, so a node at lower "
+            "TP holds fewer tokens than its peer; use --kv-tokens N or --kv-gib G (per node)")
     return NodeConfig().replace(**{name: getattr(args, name, None) for name in (
         "layout", "num_pages", "max_batch", "max_prompt_len", "max_new_tokens", "policy",
-        "rank_model", "kv_layout", "block_size", "kv_blocks", "kv_memory", "front_door")})
+        "rank_model", "kv_layout", "block_size", "kv_blocks", "kv_memory", "kv_tokens",
+        "kv_gib", "front_door")})
 
 
 def _http_config(args: argparse.Namespace):
@@ -301,11 +326,13 @@ def _cmd_prefill(args: argparse.Namespace) -> int:
     from statebridge.node.prefill_node import start_prefill_node
 
     stop = _stop_on_signal()
+    started = time.monotonic()
     node = _node_config(args)
     server = start_prefill_node(args.model, args.tp, port=args.port, node=node,
                                 config=_config(args))
     print(server.memory_line(), flush=True)
-    print(f"prefill node ready on {server.address} (TP {args.tp}, {node.layout})", flush=True)
+    print(f"prefill node ready on {server.address} (TP {args.tp}, {node.layout}): ready in "
+          f"{time.monotonic() - started:.1f} s", flush=True)
     try:
         why = _wait(stop, lambda: server.fatal)
     finally:
@@ -329,8 +356,9 @@ def _cmd_decode(args: argparse.Namespace) -> int:
               f"{node.http.model_name!r}{', API key required' if node.http.keyed else ''})",
               flush=True)
     door = node.address if node.router is not None else "HTTP only, zmq front door off"
+    when = f": ready in {node.ready_after:.1f} s" if ready else ""
     print(f"decode node {'ready' if ready else 'up'} on {door} (TP {args.tp}, "
-          f"{node.node_config.layout}, {state})", flush=True)
+          f"{node.node_config.layout}, {state}){when}", flush=True)
     try:
         why = _wait(stop, lambda: node.fatal)
     finally:
@@ -518,7 +546,12 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.WARNING - 10 * args.verbose,
+    level = logging.WARNING - 10 * args.verbose
+    if args.command in ("prefill", "decode"):
+        # A node says what it is doing while it starts (phases, weights, capacity): INFO
+        # unless -vv asks for more.
+        level = min(level, logging.INFO)
+    logging.basicConfig(level=level,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         return args.func(args)

@@ -169,6 +169,18 @@ class ConnectorConfig:
         return dataclasses.replace(self, **changes)
 
 
+#: Max-length requests the default KV pool of a node holds (NodeConfig.kv_tokens_default).
+DEFAULT_KV_REQUESTS = 4
+
+
+def _physical_memory() -> int:
+    """Bytes of memory of this machine (0 when unknown)."""
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return 0
+
+
 @dataclass(frozen=True, slots=True)
 class NodeConfig:
     """What a node serves with, beside its connector settings (the CLI's node flags).
@@ -181,8 +193,12 @@ class NodeConfig:
       typed error) or ``recompute`` (the decode ranks prefill the prompt themselves).
     - ``rank_model``: ``module:Class`` of the RankModel every rank runs.
     - Attention KV (models with attention layers): ``kv_layout`` of each rank's block pool,
-      ``block_size`` tokens per block (the same on both nodes), and its size: ``kv_blocks``
-      blocks per rank, or (``kv_blocks = 0``) as many as fit in ``kv_memory`` bytes per rank.
+      ``block_size`` tokens per block (the same on both nodes), and its size, at most one of:
+      ``kv_tokens`` tokens per node (every rank of the node holds them, its share of the KV
+      heads), ``kv_gib`` GiB per node (split evenly over its ranks), ``kv_blocks`` blocks per
+      rank, or ``kv_memory`` bytes per rank (deprecated: the tokens it holds depend on the TP
+      size). None given: :data:`DEFAULT_KV_REQUESTS` max-length requests (``max_prompt_len +
+      max_new_tokens`` tokens each) per node, at any TP (:meth:`kv_tokens_default`).
     - ``front_door``: the decode node's zmq front door (``--front-door``): ``on`` listens on
       ``bind_host:port``; ``off`` does not listen (HTTP only); ``auto`` (the default) listens
       unless the HTTP API requires an API key while the control plane has no CURVE keys --
@@ -202,19 +218,33 @@ class NodeConfig:
     kv_layout: str = "HB"
     block_size: int = 16
     kv_blocks: int = 0
-    kv_memory: int = 256 << 20
+    kv_memory: int = 0
     front_door: str = "auto"
+    kv_tokens: int = 0
+    kv_gib: float = 0.0
+
+    #: KV pool sizes, one of which may be set (0: not set).
+    KV_SIZES = ("kv_tokens", "kv_gib", "kv_blocks", "kv_memory")
 
     def __post_init__(self) -> None:
         for name in ("num_pages", "max_batch", "max_prompt_len", "max_new_tokens",
-                     "block_size", "kv_memory"):
+                     "block_size"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ConfigError(f"{name} must be a positive integer, got {value!r}")
-        if not isinstance(self.kv_blocks, int) or isinstance(self.kv_blocks, bool) or \
-                self.kv_blocks < 0:
-            raise ConfigError(f"kv_blocks must be a non-negative integer (0: from kv_memory), "
-                              f"got {self.kv_blocks!r}")
+        for name in ("kv_blocks", "kv_memory", "kv_tokens"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                raise ConfigError(f"{name} must be a positive integer (0: not set), got "
+                                  f"{value!r}")
+        if isinstance(self.kv_gib, bool) or not isinstance(self.kv_gib, (int, float)) or \
+                not 0 <= self.kv_gib < float("inf"):
+            raise ConfigError(f"kv_gib must be a positive number of GiB (0: not set), got "
+                              f"{self.kv_gib!r}")
+        given = [name for name in self.KV_SIZES if getattr(self, name)]
+        if len(given) > 1:
+            sizes = ", ".join(f"{n}={getattr(self, n)!r}" for n in given)
+            raise ConfigError(f"give one KV pool size, got {sizes}")
         if self.front_door not in self.FRONT_DOORS:
             raise ConfigError(f"front_door must be one of {self.FRONT_DOORS}, got "
                               f"{self.front_door!r}")
@@ -230,20 +260,50 @@ class NodeConfig:
 
         KVLayout.parse(self.kv_layout)
 
-    def num_blocks(self, spec, tp_size: int) -> int:
-        """KV blocks per rank for ``spec`` at ``tp_size``: ``kv_blocks``, else as many as
-        ``kv_memory`` holds (ConfigError when not even one fits); 0 without attention KV."""
+    @property
+    def max_model_len(self) -> int:
+        """The longest request the limits allow: ``max_prompt_len + max_new_tokens``."""
+        return self.max_prompt_len + self.max_new_tokens
+
+    def kv_tokens_default(self) -> int:
+        """Tokens of KV per node when no size is given: :data:`DEFAULT_KV_REQUESTS` requests
+        of :attr:`max_model_len` tokens. The same at every TP on both nodes of a pair: a
+        request's blocks hold the same tokens on every rank (each rank its heads), so sizing
+        in tokens never leaves the lower-TP side with fewer tokens than its peer."""
+        return DEFAULT_KV_REQUESTS * self.max_model_len
+
+    def num_blocks(self, spec, tp_size: int, *, physical_memory: int | None = None) -> int:
+        """KV blocks per rank for ``spec`` at ``tp_size`` from the one KV size given (see the
+        class docstring), 0 without attention KV. ConfigError naming the value when not even
+        one block fits, or when the node's pools would exceed ``physical_memory`` (default:
+        this machine's memory)."""
         if spec.kv is None:
             return 0
-        if self.kv_blocks:
-            return self.kv_blocks
         from statebridge.state.kv import BlockGeometry
 
         per_block = BlockGeometry(spec.kv, tp_size, self.kv_layout, self.block_size, 1).nbytes
-        if self.kv_memory < per_block:
-            raise ConfigError(f"kv_memory={self.kv_memory} bytes holds no KV block of "
-                              f"{per_block} bytes ({self.block_size} tokens at TP {tp_size})")
-        return self.kv_memory // per_block
+        if self.kv_blocks:
+            what, blocks = f"kv_blocks={self.kv_blocks}", self.kv_blocks
+        elif self.kv_memory:
+            what, blocks = f"kv_memory={self.kv_memory} bytes", self.kv_memory // per_block
+        elif self.kv_gib:
+            what = f"kv_gib={self.kv_gib:g}"
+            blocks = int(self.kv_gib * (1 << 30)) // tp_size // per_block
+        else:
+            tokens = self.kv_tokens or self.kv_tokens_default()
+            what = f"kv_tokens={tokens}" if self.kv_tokens else \
+                f"the default KV pool of {tokens} tokens"
+            blocks = -(-tokens // self.block_size)
+        if blocks < 1:
+            raise ConfigError(f"{what} holds no KV block of {per_block} bytes "
+                              f"({self.block_size} tokens at TP {tp_size})")
+        memory = _physical_memory() if physical_memory is None else physical_memory
+        node_bytes = blocks * per_block * tp_size
+        if memory and node_bytes > memory:
+            raise ConfigError(f"{what}: {blocks} KV blocks per rank x {per_block} bytes x TP "
+                              f"{tp_size} = {node_bytes} bytes exceeds this machine's memory "
+                              f"of {memory} bytes")
+        return blocks
 
     def replace(self, **changes) -> "NodeConfig":
         """A copy with the given fields changed; None leaves a field as it is (unset flags)."""

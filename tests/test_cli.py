@@ -235,8 +235,12 @@ def test_kv_pool_flags_reach_the_node_config(command):
     if command == "decode":
         base += ["--prefill", "127.0.0.1:2"]
     node = _node_config(build_parser().parse_args(base))
-    assert (node.kv_layout, node.block_size, node.kv_blocks, node.kv_memory) == \
-        ("HB", 16, 0, 256 << 20)
+    # No size given: every size is unset (0) and the pool holds the default tokens.
+    assert (node.kv_layout, node.block_size, node.kv_blocks, node.kv_memory, node.kv_tokens,
+            node.kv_gib) == ("HB", 16, 0, 0, 0, 0.0)
+    assert _node_config(build_parser().parse_args(
+        base + ["--kv-tokens", "5000"])).kv_tokens == 5000
+    assert _node_config(build_parser().parse_args(base + ["--kv-gib", "1.5"])).kv_gib == 1.5
     node = _node_config(build_parser().parse_args(
         base + ["--kv-layout", "LH", "--block-size", "32", "--kv-memory", "1.5GiB"]))
     assert (node.kv_layout, node.block_size, node.kv_memory) == ("LH", 32, 3 << 29)
@@ -247,6 +251,8 @@ def test_kv_pool_flags_reach_the_node_config(command):
 
 @pytest.mark.parametrize("flag,value,needle", [
     ("--kv-memory", "lots", "'lots'"), ("--kv-memory", "0MiB", "'0MiB'"),
+    ("--kv-tokens", "0", "'0'"), ("--kv-tokens", "-5", "'-5'"), ("--kv-gib", "nan", "'nan'"),
+    ("--kv-gib", "0", "'0'"),
     ("--kv-blocks", "0", "0"), ("--block-size", "-4", "-4"), ("--kv-layout", "XY", "'XY'")])
 def test_bad_kv_pool_flags_exit_nonzero_naming_the_value(flag, value, needle, capsys):
     from statebridge.cli import build_parser

@@ -145,6 +145,8 @@ class _Prefill:
         self.geometry: PageGeometry | None = None
         self.plan: TransferPlan | None = None
         self.deadline = 0.0                          # monotonic end of a re-dial's handshake
+        self.info: m.GroupInfo | None = None         # the peer group, once it sent it
+        self.opened_at = time.monotonic()
 
 
 class _Dial:
@@ -178,6 +180,12 @@ class DecodeCoordinator(RankGroup):
         self._rr = itertools.count()
         self.prefill_watch = c.PeerWatch(self.config.peer_timeout, self.loop)
         self._dials: dict[str, _Dial] = {}           # address -> kept connection
+        self._prefill_handlers: list[Callable[[m.GroupInfo], None]] = []
+
+    def on_prefill_connected(self, handler: "Callable[[m.GroupInfo], None]") -> None:
+        """Call ``handler(info)`` on the loop thread after each handshake with a prefill node
+        succeeded, with that node's group (its TP size, pages, KV pool)."""
+        self._prefill_handlers.append(handler)
 
     # -- prefill servers -------------------------------------------------------------------------
     def connect(self, address: str, timeout: float | None = None, *,
@@ -386,11 +394,18 @@ class DecodeCoordinator(RankGroup):
             self.prefill_watch.heard(msg.node_id)
             self.to_ranks(self.rank_connect(msg))
             peer.state = PeerState.READY
-            log.info("%s: prefill group %s connected (TP %d, %s): %d messages, %d bytes per "
-                     "request", self.node_id, msg.node_id, msg.tp_size, msg.layout,
+            peer.info = msg
+            log.info("%s: handshake with prefill group %s done in %.1f s (TP %d, %s): %d "
+                     "messages, %d bytes per request", self.node_id, msg.node_id,
+                     time.monotonic() - peer.opened_at, msg.tp_size, msg.layout,
                      peer.plan.messages_per_request, peer.plan.bytes_per_request)
             self._redialed(peer)
             peer.event.set()
+            for handler in self._prefill_handlers:
+                try:
+                    handler(msg)
+                except Exception:  # noqa: BLE001 -- a report must not break the handshake
+                    log.exception("%s: prefill-connected handler failed", self.node_id)
         elif isinstance(msg, m.TransferFailed):
             record = self.ledger.get(RequestKey(peer.node_id, msg.request_id, msg.generation))
             if record is None:

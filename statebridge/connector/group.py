@@ -44,6 +44,7 @@ from statebridge.connector.data.env import ucx_net_devices
 from statebridge.connector.local import LocalRouter
 from statebridge.connector.launch import Launcher, RankHandle, rank_log_level, spawn_launcher
 from statebridge.connector.rank import RankSetup
+from statebridge.connector.rank.startup import fmt_bytes
 from statebridge.connector.stats import Counters
 from statebridge.connector.ledger import Ledger, Record
 from statebridge.errors import (
@@ -77,10 +78,8 @@ class _RankState:
     shm_fd: int = -1
     lost: bool = False
     sock: object = None              # where its hello came from: the local channel (or router)
-
-
-def _mib(nbytes: int) -> str:
-    return f"{nbytes / (1 << 20):.1f} MiB"
+    weights_private: int = 0         # what its model's weights cost its process (RankHello)
+    weights_mapped: int = 0
 
 
 class RankGroup:
@@ -135,6 +134,8 @@ class RankGroup:
         self.kv_layout = self.kv_geometry.layout.name if self.kv_geometry else str(kv_layout)
         self.num_blocks = self.kv_geometry.num_blocks if self.kv_geometry else 0
         self.node_id = node_id or f"{self.role}-{uuid.uuid4().hex[:8]}"
+        #: When the group started (monotonic): "ready in N s" counts from here.
+        self.started_at = time.monotonic()
         log.info("%s", self.memory_line())
         self.counters = Counters()
         keys = CurveKeys.from_config(self.config, listen=True)   # bad keys: nothing to clean up
@@ -217,21 +218,62 @@ class RankGroup:
                             log_level=rank_log_level(), coordinator_pid=os.getpid(),
                             ucx_net_devices=self.ucx_net_devices, **self._rank_args)
                   for r in range(self.tp_size)]
-        return self._launcher(setups)
+        log.info("%s: spawning %d %s rank processes ...", self.node_id, self.tp_size, self.role)
+        started = time.monotonic()
+        handles = self._launcher(setups)
+        log.info("%s: spawning done in %.1f s; waiting for the ranks (pools, UCX, rendezvous, "
+                 "weights; bounded by rank_start_timeout %g s)", self.node_id,
+                 time.monotonic() - started, self.config.rank_start_timeout)
+        return handles
+
+    @property
+    def pages_bytes(self) -> int:
+        """Bytes of one rank's state pages."""
+        return self.geometry.page_size * self.num_pages
+
+    @property
+    def kv_bytes(self) -> int:
+        """Bytes of one rank's KV block pool (0 without attention KV)."""
+        return self.kv_geometry.nbytes if self.kv_geometry is not None else 0
+
+    @property
+    def kv_tokens(self) -> int:
+        """Tokens of KV one rank's pool holds (every rank holds the same tokens, its heads of
+        them); 0 without attention KV."""
+        return self.num_blocks * self.block_size if self.kv_geometry is not None else 0
+
+    def rank_memory(self) -> list[dict[str, int]]:
+        """Per rank, the bytes it holds: ``weights_private`` and ``weights_mapped`` (as its
+        process reported them when it started; 0 before), ``pages``, ``kv_pool`` and
+        ``total`` (all four)."""
+        out = []
+        for st in getattr(self, "ranks", None) or [_RankState()] * self.tp_size:
+            row = {"weights_private": st.weights_private, "weights_mapped": st.weights_mapped,
+                   "pages": self.pages_bytes, "kv_pool": self.kv_bytes}
+            row["total"] = sum(row.values())
+            out.append(row)
+        return out
 
     def memory_line(self) -> str:
-        """What this node's ranks hold, in one line: pages, KV blocks and their bytes."""
-        pages = self.geometry.page_size * self.num_pages
-        line = (f"{self.node_id}: TP {self.tp_size}, per rank {self.num_pages} pages x "
-                f"{self.geometry.page_size} B ({self.layout.name})")
-        per_rank = pages
+        """What this node's ranks hold, in one line: per rank its weights (private and
+        file-mapped, once the ranks reported them), its pages, its KV pool, and the total."""
+        line = (f"{self.node_id}: TP {self.tp_size} memory per rank: pages {self.num_pages} x "
+                f"{self.geometry.page_size:,} B ({self.layout.name}) = "
+                f"{fmt_bytes(self.pages_bytes)}")
         if self.kv_geometry is not None:
             geo = self.kv_geometry
-            per_rank += geo.nbytes
-            line += (f" + {geo.num_blocks} KV blocks x {geo.bytes_per_block} B "
-                     f"({geo.block_size} tokens, {geo.layout.name}, "
-                     f"{geo.num_blocks * geo.block_size} tokens)")
-        return line + f" = {_mib(per_rank)} per rank, {_mib(per_rank * self.tp_size)} in all"
+            line += (f", KV pool {self.kv_tokens:,} tokens ({geo.num_blocks:,} blocks x "
+                     f"{geo.block_size} tokens x {geo.bytes_per_block:,} B, {geo.layout.name})"
+                     f" = {fmt_bytes(self.kv_bytes)}")
+        rows = self.rank_memory()
+        if not any(r["weights_private"] or r["weights_mapped"] for r in rows):
+            return line + (f"; total {fmt_bytes(rows[0]['total'])} per rank without weights "
+                           f"(not loaded yet or none)")
+        per_rank = "; ".join(
+            f"rank {r}: weights {fmt_bytes(row['weights_private'])} private + "
+            f"{fmt_bytes(row['weights_mapped'])} file-mapped, total {fmt_bytes(row['total'])}"
+            for r, row in enumerate(rows))
+        return line + f"; {per_rank}; node total {fmt_bytes(sum(r['total'] for r in rows))}"
 
     def _init_state(self) -> None:
         """Subclass state, set up before the loop thread starts."""
@@ -427,11 +469,14 @@ class RankGroup:
             c.send_router(sock, identity, m.Error(
                 kind="ProtocolError", message=f"rank {r} is not a free rank of TP {self.tp_size}"))
             return
-        self.ranks[r] = _RankState(identity, msg.address, msg.pid, msg.shm_fd, sock=sock)
+        self.ranks[r] = _RankState(identity, msg.address, msg.pid, msg.shm_fd, sock=sock,
+                                   weights_private=msg.weights_private,
+                                   weights_mapped=msg.weights_mapped)
         self._by_identity[identity] = r
         self.rank_watch.heard(r)
         if all(s.identity is not None for s in self.ranks) and not self._start_errors:
-            log.info("%s: all %d ranks up", self.node_id, self.tp_size)
+            log.info("%s: all %d ranks up after %.1f s", self.node_id, self.tp_size,
+                     time.monotonic() - self.started_at)
             self._ready.set()
             self._started.set()
             self._on_group_ready()

@@ -192,6 +192,10 @@ class RankHello(Message):
     pid: int
     #: The rank's page buffer as a memfd a same-host reader may map (-1: not shared).
     shm_fd: int = -1
+    #: What its model's weights cost the rank process beside its buffer: private bytes (the
+    #: tensors it holds) and resident bytes of checkpoint files it maps.
+    weights_private: int = 0
+    weights_mapped: int = 0
 
 
 @message

@@ -12,7 +12,8 @@ instead of tensors makes it read only what the rank keeps::
     in_proj [ B | C | x ] rows on disk      rank 1 of 2 reads        local weight
     [B0 B1 | C0 C1 | x0 x1]           ->     B1, C1, x1 (3 reads)  -> [B1 | C1 | x1]
 
-:attr:`Checkpoint.bytes_read` counts the bytes read per weight (tests check the shard reads).
+:attr:`Checkpoint.bytes_read` counts the bytes read per weight (tests check the shard reads);
+:func:`observe_reads` lets a loader see every read as it happens (a rank's progress line).
 
 Writing. :func:`make_checkpoint` writes a random LFM2 (conv-only or with attention layers),
 Mamba2 or dense GraniteMoeHybrid (Granite-4.0-H) checkpoint in exactly the format
@@ -23,10 +24,12 @@ names and shapes come from :meth:`ModelConfig.weight_shapes`.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import json
 import math
 import os
+import threading
 from collections import defaultdict
 from pathlib import Path
 from typing import Any, Iterator, Mapping
@@ -37,8 +40,22 @@ from statebridge.dtypes import DTYPES, dtype_from_name
 from statebridge.errors import ConfigError, ShapeError
 from statebridge.hf_config import ModelConfig, encode_special_floats
 
-__all__ = ["ARCHS", "Checkpoint", "LazyTensor", "make_checkpoint", "PRESETS", "SAFE_WEIGHTS_NAME",
-           "SAFE_WEIGHTS_INDEX_NAME"]
+__all__ = ["ARCHS", "Checkpoint", "LazyTensor", "make_checkpoint", "observe_reads", "PRESETS",
+           "SAFE_WEIGHTS_NAME", "SAFE_WEIGHTS_INDEX_NAME"]
+
+_observer = threading.local()
+
+
+@contextlib.contextmanager
+def observe_reads(callback) -> Iterator[None]:
+    """Within the block, every weight read by a :class:`Checkpoint` on this thread calls
+    ``callback(nbytes)`` (the bytes just read)."""
+    previous = getattr(_observer, "callback", None)
+    _observer.callback = callback
+    try:
+        yield
+    finally:
+        _observer.callback = previous
 
 #: Other names a checkpoint may use for a weight (mamba_ssm-style Mamba2 checkpoints name the
 #: embedding ``backbone.embedding``; transformers renames it on load).
@@ -162,7 +179,13 @@ class LazyTensor:
         squeeze = [i for i, (_, _, s) in enumerate(view) if s]
         for i in reversed(squeeze):
             tensor = tensor.squeeze(i)
-        return tensor.to(device=self._device, dtype=self._dtype).contiguous()
+        tensor = tensor.to(device=self._device, dtype=self._dtype).contiguous()
+        if tensor.device.type == "cpu" and self._checkpoint.maps(self._name, tensor):
+            # Still a view of the file mapping: copy it, so the weights are the process's own
+            # memory and the mapping (with every page read for other shards) goes when the
+            # checkpoint is closed.
+            tensor = tensor.clone()
+        return tensor
 
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
@@ -196,6 +219,7 @@ class Checkpoint:
             raise ConfigError(f"checkpoint directory not found: {str(self.model_dir)!r}")
         self.config = ModelConfig.load(self.model_dir)
         self._handles: dict[str, Any] = {}
+        self._mapped: dict[str, tuple[tuple[int, int], ...]] = {}   # file -> its mappings
         self._file_of: dict[str, str] = {}
         self.bytes_read: dict[str, int] = defaultdict(int)
         single = self.model_dir / SAFE_WEIGHTS_NAME
@@ -234,6 +258,7 @@ class Checkpoint:
                 raise ConfigError(f"checkpoint file {str(path)!r} is not valid safetensors: "
                                   f"{e}") from None
             self._handles[filename] = handle
+            self._mapped[filename] = _mappings_of(path)
         return handle
 
     def close(self) -> None:
@@ -318,10 +343,38 @@ class Checkpoint:
         """The whole tensor ``name``."""
         return self.lazy(name, dtype=dtype, device=device).materialize()
 
+    def maps(self, name: str, tensor: torch.Tensor) -> bool:
+        """Whether ``tensor``'s memory lies in this checkpoint's mapping of the file of weight
+        ``name`` (safetensors hands out whole tensors and row ranges as views of it)."""
+        ptr = tensor.untyped_storage().data_ptr()
+        return any(a <= ptr < b for a, b in self._mapped.get(self._file_of[self.resolve(name)],
+                                                              ()))
+
     def _read(self, name: str, index: tuple[slice, ...]) -> torch.Tensor:
         tensor = self._slice(name)[index] if index else self._slice(name)[:]
-        self.bytes_read[name] += tensor.numel() * tensor.element_size()
+        nbytes = tensor.numel() * tensor.element_size()
+        self.bytes_read[name] += nbytes
+        callback = getattr(_observer, "callback", None)
+        if callback is not None:
+            callback(nbytes)
         return tensor
+
+
+def _mappings_of(path: Path) -> tuple[tuple[int, int], ...]:
+    """Address ranges ``[start, end)`` where ``path`` is mapped into this process (Linux
+    ``/proc/self/maps``; () elsewhere)."""
+    target = os.path.realpath(path)
+    out = []
+    try:
+        with open("/proc/self/maps") as f:
+            for line in f:
+                parts = line.split(None, 5)
+                if len(parts) == 6 and parts[5].rstrip("\n") == target:
+                    start, _, end = parts[0].partition("-")
+                    out.append((int(start, 16), int(end, 16)))
+    except OSError:
+        return ()
+    return tuple(out)
 
 
 # -- writing ---------------------------------------------------------------------------------------

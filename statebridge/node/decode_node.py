@@ -75,6 +75,7 @@ from statebridge.errors import (
 from statebridge.hf_config import ModelConfig
 from statebridge.models.distributed import Rendezvous
 from statebridge.models.sampling import sampling_problem
+from statebridge.node import capacity
 from statebridge.node import messages as nm
 from statebridge.node.checks import check_checkpoint
 from statebridge.security import CurveKeys
@@ -184,6 +185,10 @@ class DecodeNode:
             kv_blocks=kv_blocks)
         nc = self.node_config
         self.config = config or ConnectorConfig()
+        self.started_at = time.monotonic()
+        self._up = False                  # the constructor finished (loop thread's view)
+        #: Seconds from construction to serving (0.0 until it first serves).
+        self.ready_after = 0.0
         spec = check_checkpoint(model_dir, tp_size, nc.rank_model)
         #: Prompt token ids must be below it (the model's embedding rows), at every door.
         self.vocab_size = ModelConfig.load(model_dir).vocab_size
@@ -195,6 +200,15 @@ class DecodeNode:
             kv_layout=nc.kv_layout, block_size=nc.block_size,
             num_blocks=nc.num_blocks(spec, tp_size))
         self.kv = spec.kv is not None
+        #: The longest request (prompt + new tokens) served: the limits', capped at the tokens
+        #: one decode rank's KV pool holds (a longer one could never get its blocks).
+        self.max_model_len = capacity.max_model_len(nc.max_model_len, self.coordinator.kv_tokens)
+        if self.max_model_len < nc.max_model_len:
+            log.warning("%s: the KV pool holds %d tokens per rank, fewer than max_prompt_len + "
+                        "max_new_tokens = %d: requests are limited to %d tokens "
+                        "(max_model_len); more with --kv-tokens or --kv-gib",
+                        self.coordinator.node_id, self.coordinator.kv_tokens,
+                        nc.max_model_len, self.max_model_len)
         self.loop = self.coordinator.loop
         self.counters = Counters()
         self.gens: dict[str, _Gen] = {}
@@ -220,6 +234,7 @@ class DecodeNode:
             raise
         self.coordinator.on_rank_message(nm.RankStepResult, self._on_step_result)
         self.coordinator.on_rank_lost(self._on_rank_lost)
+        self.coordinator.on_prefill_connected(self._on_prefill_connected)
 
         def attach() -> None:
             if self.router is not None:
@@ -240,13 +255,46 @@ class DecodeNode:
         except BaseException:
             self.close()
             raise
-        ready, why = self.status()
+        ready, why = self.loop.call(self._finish_start)
         if ready:
-            log.info("decode node ready on %s (TP %d, %s), prefill %s", self.address, tp_size,
-                     nc.layout, ", ".join(prefill))
+            log.info("decode node ready on %s (TP %d, %s), prefill %s: ready in %.1f s",
+                     self.address, tp_size, nc.layout, ", ".join(prefill), self.ready_after)
         else:
             log.warning("decode node up on %s (TP %d, %s) but not serving yet: %s",
                         self.address, tp_size, nc.layout, why)
+
+    def _finish_start(self) -> tuple[bool, str]:
+        """Loop thread, once the constructor is done: from now on a prefill handshake that
+        makes the node serve says "ready in"; the status now (noted when ready)."""
+        self._up = True
+        ready, why = self._status()
+        if ready:
+            self._served()
+        return ready, why
+
+    def _served(self) -> bool:
+        """Loop thread: note the first time the node serves; True that time."""
+        if self.ready_after or self._closed:
+            return False
+        self.ready_after = time.monotonic() - self.started_at
+        return True
+
+    def _on_prefill_connected(self, info: m.GroupInfo) -> None:
+        """Loop thread, after a handshake: log what the pair holds at once, naming the
+        binding pool; the first one that makes the node serve logs "ready in N s"."""
+        co, nc = self.coordinator, self.node_config
+        bounds = capacity.pair_bounds(
+            decode_id=co.node_id, decode_tp=co.tp_size, decode_pages=co.num_pages,
+            decode_blocks=co.num_blocks, prefill_id=info.node_id, prefill_tp=info.tp_size,
+            prefill_pages=info.num_pages, prefill_blocks=info.num_blocks,
+            block_size=co.block_size, max_prompt_len=nc.max_prompt_len,
+            max_model_len=self.max_model_len)
+        warn, line = capacity.capacity_message(bounds)
+        log.log(logging.WARNING if warn else logging.INFO, "%s + prefill %s: %s", co.node_id,
+                info.node_id, line)
+        if self._up and self._status()[0] and self._served():
+            log.info("decode node %s ready in %.1f s (prefill %s connected)", co.node_id,
+                     self.ready_after, info.node_id)
 
     def _wait_prefill(self, timeout: float) -> None:
         deadline = time.monotonic() + timeout
@@ -353,7 +401,8 @@ class DecodeNode:
             blocks_used=g.blocks_used, blocks_free=g.blocks_free,
             running=len(self.running), waiting=len(self.waiting),
             refused_peers=g.refused_peers, aborted=int(self.counters.get("finished_aborted")),
-            refused_clients=int(self.counters.get("auth_refused")))
+            refused_clients=int(self.counters.get("auth_refused")),
+            **capacity.memory_fields(self.coordinator))
 
     def _on_abort(self, client: FrontDoorClient, msg: nm.AbortRequest) -> None:
         """Drop a client's request wherever it is. Decoding in the step in flight: it finishes

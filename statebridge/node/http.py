@@ -332,10 +332,12 @@ class _Api:
 
     def __init__(self, link: NodeLink, tokenizer: TextTokenizer, config: HttpConfig, *,
                  model_name: str, model_dir: str, max_prompt_len: int, max_new_tokens: int,
-                 max_inflight: int, metrics: "_Metrics") -> None:
+                 max_inflight: int, metrics: "_Metrics", max_model_len: int = 0) -> None:
         self.link, self.tok, self.config = link, tokenizer, config
         self.model_name, self.model_dir = model_name, model_dir
         self.max_prompt_len, self.max_new_tokens = max_prompt_len, max_new_tokens
+        #: /v1/models' max_model_len: what the node serves (0: the two limits' sum).
+        self.max_model_len = max_model_len or max_prompt_len + max_new_tokens
         self.max_chars = MAX_CHARS_PER_TOKEN * max_prompt_len
         self.max_inflight = max_inflight
         self.pool: concurrent.futures.ThreadPoolExecutor | None = None
@@ -731,7 +733,7 @@ class _Api:
         return JSONResponse({"object": "list", "data": [{
             "id": self.model_name, "object": "model", "created": self.created,
             "owned_by": "statebridge", "root": self.model_dir,
-            "max_model_len": self.max_prompt_len + self.max_new_tokens}]})
+            "max_model_len": self.max_model_len}]})
 
     async def health(self, request):
         from starlette.responses import JSONResponse
@@ -932,12 +934,22 @@ class _NodeCollector:
                                   "door refused by CURVE authentication", value=s.refused_clients)
         yield CounterMetricFamily("statebridge_node_aborted_requests", "Requests aborted at "
                                   "the decode node", value=s.aborted)
+        memory = GaugeMetricFamily("statebridge_rank_memory_bytes", "Bytes a decode rank "
+                                   "holds, by part: weights_private, weights_mapped (resident "
+                                   "checkpoint pages), pages, kv_pool, total",
+                                   labels=["rank", "part"])
+        for r, parts in enumerate(zip(s.rank_weights_private, s.rank_weights_mapped,
+                                      s.rank_pages_bytes, s.rank_kv_pool_bytes)):
+            for part, value in zip(("weights_private", "weights_mapped", "pages", "kv_pool",
+                                    "total"), (*parts, sum(parts))):
+                memory.add_metric([str(r), part], value)
+        yield memory
 
 
 # -- the app and its server ----------------------------------------------------------------------
 def build_app(link: NodeLink, tokenizer: TextTokenizer, config: HttpConfig, *, model_name: str,
               model_dir: str = "", max_prompt_len: int = 8192, max_new_tokens: int = 4096,
-              max_inflight: int = 256):
+              max_inflight: int = 256, max_model_len: int = 0):
     """The Starlette app; the NodeLink starts and closes with it (lifespan)."""
     import contextlib
 
@@ -947,7 +959,7 @@ def build_app(link: NodeLink, tokenizer: TextTokenizer, config: HttpConfig, *, m
 
     api = _Api(link, tokenizer, config, model_name=model_name, model_dir=model_dir,
                max_prompt_len=max_prompt_len, max_new_tokens=max_new_tokens,
-               max_inflight=max_inflight, metrics=_Metrics())
+               max_inflight=max_inflight, metrics=_Metrics(), max_model_len=max_model_len)
 
     @contextlib.asynccontextmanager
     async def lifespan(app):
@@ -1122,7 +1134,7 @@ class HttpServer:
         name = config.served_model_name or os.path.basename(os.path.normpath(model_dir))
         app = build_app(link, tokenizer, config, model_name=name,
                         model_dir=os.path.abspath(model_dir), max_prompt_len=nc.max_prompt_len,
-                        max_new_tokens=nc.max_new_tokens,
+                        max_new_tokens=nc.max_new_tokens, max_model_len=node.max_model_len,
                         max_inflight=config.max_inflight or 4 * nc.num_pages)
         server = cls(app, config.host or node.config.bind_host,
                      config.port if config.port is not None else 0)

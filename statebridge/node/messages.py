@@ -120,7 +120,9 @@ class NodeStats(Message):
     and KV blocks (per rank, the same on every rank) used and free, requests decoding and
     waiting for a page, connected prefill peers, ``refused_peers``: prefill nodes whose
     handshake failed (incompatible, or they refused us), and ``refused_clients``: clients of
-    the zmq front door refused by CURVE authentication, since the node started."""
+    the zmq front door refused by CURVE authentication, since the node started; and the
+    memory of each rank (the ``rank_*`` tuples:
+    :func:`statebridge.node.capacity.memory_fields`)."""
     node_id: str
     ready: bool
     reason: str
@@ -134,3 +136,10 @@ class NodeStats(Message):
     refused_peers: int
     aborted: int
     refused_clients: int = 0
+    #: Per rank (rank 0 first), the bytes it holds: its weights (private, and resident pages of
+    #: the checkpoint mapped into it), its state pages, its KV pool.
+    rank_weights_private: tuple[int, ...] = ()
+    rank_weights_mapped: tuple[int, ...] = ()
+    rank_pages_bytes: tuple[int, ...] = ()
+    rank_kv_pool_bytes: tuple[int, ...] = ()
+

@@ -18,6 +18,7 @@ from statebridge.connector.group import Launcher, spawn_launcher
 from statebridge.connector.prefill import PrefillServer
 from statebridge.models.distributed import Rendezvous
 from statebridge.node import messages as nm
+from statebridge.node.capacity import memory_fields
 from statebridge.node.checks import check_checkpoint
 
 log = logging.getLogger(__name__)
@@ -73,6 +74,6 @@ def answer_queries(server: PrefillServer) -> None:
             blocks_free=blocks.num_free if blocks else 0,
             running=len(server.ledger), waiting=len(server.waiting),
             refused_peers=int(server.counters.get("incompatible_peers")),
-            aborted=int(server.counters.get("aborted_by_peer")))
+            aborted=int(server.counters.get("aborted_by_peer")), **memory_fields(server))
     server.on_query(nm.StatusQuery, status)
     server.on_query(nm.StatsQuery, stats)

@@ -56,6 +56,15 @@ class ModelRankModel(RankModel):
             # Several rank processes share the CPUs; torch's default of one thread per core in
             # every process makes them fight (docs/measurements.md, "Transport choices").
             torch.set_num_threads(setup.config.torch_threads)
+        from statebridge.connector.rank.startup import (
+            WeightProgress,
+            fmt_bytes,
+            phase,
+            release_free_heap,
+        )
+        from statebridge.models.checkpoint import observe_reads
+
+        who = f"{setup.role} rank {setup.tp_rank}"
         self.process_group = None
         all_reduce = None
         if setup.tp_size > 1:
@@ -64,13 +73,26 @@ class ModelRankModel(RankModel):
             # A private group rendezvousing at setup.dist_init (rank 0 hosts the store), so several
             # TP groups can live in one process (rank hosts in tests/benchmarks). Collectives keep
             # torch's 30 min bound: a rank's first kernel compile may hold one for minutes.
-            self.process_group = init_tp_group(
-                setup.tp_size, setup.tp_rank, setup.dist_init, device=cache.buffer.device,
-                timeout_s=setup.config.handshake_timeout * 6, collective_timeout_s=30 * 60.0)
+            with phase(who, f"rendezvous of TP {setup.tp_size}"):
+                self.process_group = init_tp_group(
+                    setup.tp_size, setup.tp_rank, setup.dist_init, device=cache.buffer.device,
+                    timeout_s=setup.config.handshake_timeout * 6, collective_timeout_s=30 * 60.0)
             all_reduce = self.process_group.all_reduce
-        self.runner = ModelRunner(setup.model_dir, setup.tp_size, setup.tp_rank, cache, kv=kv,
-                                  all_reduce=all_reduce)
-        log.info("%s rank %d: model %s loaded", setup.role, setup.tp_rank, setup.model_dir)
+        with phase(who, f"weights from {setup.model_dir}") as p, \
+                WeightProgress(who, tp_rank=setup.tp_rank) as progress, observe_reads(progress):
+            self.runner = ModelRunner(setup.model_dir, setup.tp_size, setup.tp_rank, cache,
+                                      kv=kv, all_reduce=all_reduce)
+            p.detail = f"{fmt_bytes(progress.nbytes)} read"
+        release_free_heap()             # the loading's freed temporaries leave the RSS
+
+    def weight_memory(self) -> tuple[int, int]:
+        """(private, mapped) bytes of the weights in this rank process: the distinct tensor
+        storages the runner holds outside the checkpoint's file mappings (the rank buffer left
+        out), and the resident pages of those mappings."""
+        from statebridge.connector.rank.startup import weight_memory
+
+        exclude = (self.cache.buffer,) + ((self.kv.buffer,) if self.kv is not None else ())
+        return weight_memory(self.runner, self.setup.model_dir, exclude=exclude)
 
     def prefill(self, page: int, prompt: tuple[int, ...], request_id: str,
                 blocks: tuple[int, ...] = ()) -> None:

@@ -51,12 +51,15 @@ def test_decode_node_started_first_answers_not_ready_then_serves(pools, hf_model
         assert status.prefill_nodes == ()
         with pytest.raises(NotReadyError, match="no prefill server connected"):
             client.generate(PROMPTS[1], max_new_tokens=2)
+        assert node.ready_after == 0.0                    # not served yet
         reservation.close()
         server = start_prefill_node(hf.path, 2, port=port, num_pages=8, config=FAST,
                                     launcher=prefill_hosts.launcher())
         try:
             client.wait_ready(60)
             assert client.status().prefill_nodes == (server.node_id,)
+            # Served from the handshake on: "ready in N s" counts from the node's start.
+            assert node.ready_after > 0.0
             before = node.loop.handoffs                 # (read without a hand-off)
             for prompt, expected in zip(PROMPTS, hf.reference):
                 assert client.generate(prompt, max_new_tokens=NEW_TOKENS).tokens == \

@@ -306,3 +306,24 @@ def test_make_checkpoint_errors_name_the_value_and_the_choices(tmp_path, arch, p
     with pytest.raises(ConfigError) as e:
         make_checkpoint(arch, tmp_path / "x", preset)
     assert needle in str(e.value)
+
+
+def test_weights_read_are_the_processs_own_memory_not_views_of_the_file_mapping(tmp_path):
+    """safetensors hands out whole tensors and row ranges as views of its file mapping; what a
+    Checkpoint reads is copied out of it (a rank's weights are private memory, and closing the
+    checkpoint unmaps the file with every page read for other shards)."""
+    from statebridge.connector.rank.startup import mapped_bytes
+    from statebridge.models.checkpoint import observe_reads
+
+    path = make_checkpoint("lfm2", tmp_path / "m")
+    seen = []
+    with Checkpoint(path) as ckpt, observe_reads(seen.append):
+        name = "model.embed_tokens.weight"
+        assert ckpt.maps(name, ckpt._slice(name)[:])           # what safetensors hands out
+        whole = ckpt.get(name)
+        rows = ckpt.lazy(name).narrow(0, 3, 5)
+        assert not ckpt.maps(name, whole) and not ckpt.maps(name, rows)
+        assert mapped_bytes(str(path)) > 0
+        assert seen == [whole.nbytes, rows.nbytes]
+    assert mapped_bytes(str(path)) == 0
+    assert torch.equal(rows, whole[3:8])

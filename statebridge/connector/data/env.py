@@ -33,8 +33,8 @@ import torch
 
 from statebridge.errors import ConfigError
 
-__all__ = ["alloc_buffer", "configure_ucx_env", "interface_addresses", "ucx_net_devices",
-           "ucx_options"]
+__all__ = ["alloc_buffer", "configure_ucx_env", "interface_addresses", "quiet_unused_env_warnings",
+           "ucx_net_devices", "ucx_options"]
 
 _WILDCARDS = ("0.0.0.0", "::", "[::]", "*", "")
 
@@ -60,6 +60,18 @@ def configure_ucx_env(*, tls: str | None = None, proto_info: bool = False,
         changes["UCX_WARN_UNUSED_ENV_VARS"] = "n"
     environ.update(changes)
     return changes
+
+
+def quiet_unused_env_warnings(environ: "dict[str, str] | None" = None) -> bool:
+    """``UCX_WARN_UNUSED_ENV_VARS=n`` unless the user set that variable: importing ucxx sets
+    ``UCX_MEMTYPE_CACHE``, which this libucx build does not know, and every UCX context would
+    warn about it. A user's own setting (``y`` to see such warnings) is left alone. Call it in a
+    rank process before its first :class:`Transport`; returns whether it set the variable."""
+    environ = os.environ if environ is None else environ
+    if "UCX_WARN_UNUSED_ENV_VARS" in environ:
+        return False
+    environ["UCX_WARN_UNUSED_ENV_VARS"] = "n"
+    return True
 
 
 def alloc_buffer(nbytes: int, *, huge_pages: bool = True) -> torch.Tensor:

@@ -94,6 +94,11 @@ class RankModel:
         """Called in the node's process before any rank starts: raise a typed error naming
         the value if ``model_dir`` cannot be served at ``tp_size`` (nothing to check here)."""
 
+    def weight_memory(self) -> tuple[int, int]:
+        """(private, file-mapped) bytes this rank's model holds beside the rank buffer, as the
+        process sees them (reported to the node at start; this base class: none)."""
+        return 0, 0
+
     def handlers(self) -> "dict[type, Callable[[m.Message], m.Message | None]]":
         """Message type -> handler, run on the compute thread. A handler that raises is
         logged and answered with nothing: handlers report their own failures."""

@@ -17,7 +17,7 @@ import time
 from statebridge.connector import control as c
 from statebridge.connector import messages as m
 from statebridge.connector.data import shared
-from statebridge.connector.data.env import ucx_options
+from statebridge.connector.data.env import quiet_unused_env_warnings, ucx_options
 from statebridge.connector.ledger import RequestKey
 from statebridge.connector.local import LocalDealer
 from statebridge.connector.rank import KVBlocks, RankModel, RankSetup, kv_checksum, load_callable
@@ -26,6 +26,7 @@ from statebridge.connector.rank.memory import RankMemory
 from statebridge.connector.rank.pending import Pending, PendingTransfers, fail_pending
 from statebridge.connector.rank.routes import Routes
 from statebridge.connector.rank.shared_map import SharedMaps
+from statebridge.connector.rank.startup import fmt_bytes, phase
 from statebridge.connector.stats import Counters, ops
 from statebridge.errors import FailureKind, ProtocolError, StatebridgeError, kind_of
 from statebridge.net import same_host
@@ -59,19 +60,25 @@ class RankWorker:
         side = shared.MapSide.of_config(setup.role, self.config, tp_size=setup.tp_size,
                                         page_size=self.geometry.page_size,
                                         has_kv=self.kv_geometry is not None)
-        self.memory = RankMemory.for_rank(setup.role, setup.tp_rank, self.geometry,
-                                          setup.num_pages, self.kv_geometry, side)
+        who = f"{setup.role} rank {setup.tp_rank}"
+        with phase(who, "pools") as p:
+            self.memory = RankMemory.for_rank(setup.role, setup.tp_rank, self.geometry,
+                                              setup.num_pages, self.kv_geometry, side)
+            p.detail = fmt_bytes(self.memory.nbytes)
         self.cache = StateCache(self.geometry, setup.num_pages, buffer=self.memory.pages)
         self.kv: KVBlocks | None = None
         if self.kv_geometry is not None:
             self.kv = KVBlocks(self.kv_geometry, self.memory.kv_pool, self.memory.kv_base)
-        self.transport = Transport(self.memory.registered,
-                                   error_handling=self.config.ucx_error_handling,
-                                   ucx_options=ucx_options(setup.ucx_net_devices,
-                                                           self.config.bind_host))
+        quiet_unused_env_warnings()
+        with phase(who, "UCX worker"):
+            self.transport = Transport(self.memory.registered,
+                                       error_handling=self.config.ucx_error_handling,
+                                       ucx_options=ucx_options(setup.ucx_net_devices,
+                                                               self.config.bind_host))
         self.counters = Counters()
         model = load_callable(setup.model) if setup.model else RankModel
         self.model: RankModel = model(setup, self.cache, self.kv)
+        weights_private, weights_mapped = self.model.weight_memory()
         self.model.rank_stats = self.stats
         self.loop = c.EventLoop(self.name)
         if setup.local_coordinator:
@@ -113,7 +120,9 @@ class RankWorker:
         self.loop.on_idle = self._poll_transfers
         self.loop.call_every(self.config.heartbeat_interval, self._heartbeat)
         self._send(m.RankHello(tp_rank=setup.tp_rank, address=self.transport.address,
-                               pid=self.memory.pid, shm_fd=self.memory.peer_fd))
+                               pid=self.memory.pid, shm_fd=self.memory.peer_fd,
+                               weights_private=weights_private,
+                               weights_mapped=weights_mapped))
 
     def stats(self) -> dict:
         """The rank's transfer counters (:meth:`Transport.stats
