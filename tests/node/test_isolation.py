@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from statebridge.config import ConnectorConfig, HttpConfig, NodeConfig
-from statebridge.connector import control as c
+from statebridge.connector.stats import Counters
 from statebridge.errors import (FailureKind, InternalError, ShapeError, error_for, kind_of)
 from statebridge.models.checkpoint import make_checkpoint
 from statebridge.models.sampling import sampling_problem
@@ -66,7 +66,7 @@ def _stub_node(**config) -> DecodeNode:
     node.gens, node.running, node.waiting = {}, [], collections.deque()
     node.step_in_flight, node._closed, node._step_started = None, False, 0.0
     node._steps = itertools.count(1)
-    node.counters = c.Counters()
+    node.counters = Counters()
     node.coordinator = SimpleNamespace(
         steps=[], freed=[], to_ranks=lambda msg: node.coordinator.steps.append(msg),
         free=lambda rid: node.coordinator.freed.append(rid) or True,
