@@ -130,6 +130,10 @@ class RankSetup:
     #: The coordinator's local channel (connector/local.py), used instead of ``coordinator``
     #: when set: ranks always run on their coordinator's machine.
     local_coordinator: str = ""
+    #: Where the rank computes and holds its pages and KV pool: the node's ``--device``
+    #: (:mod:`statebridge.devices`: auto | cpu | cuda | cuda:N), resolved in the rank for its
+    #: ``tp_rank``.
+    device: str = "cpu"
 
 
 class KVBlocks:
