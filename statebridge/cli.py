@@ -23,6 +23,7 @@ import sys
 import threading
 from typing import Sequence
 
+from statebridge.devices import DEVICE_HELP
 from statebridge.errors import StatebridgeError
 from statebridge.state.kv import DEFAULT_BLOCK_SIZE, DEFAULT_KV_LAYOUT, KV_LAYOUT_PRESETS
 from statebridge.state.layout import LAYOUT_PRESETS
@@ -39,6 +40,16 @@ CHECKPOINT_ARCHS = ("lfm2", "mamba2", "lfm2-hybrid", "granite-hybrid")
 
 _SIZE_UNITS = {"": 1, "b": 1, "k": 1 << 10, "kb": 1 << 10, "kib": 1 << 10, "m": 1 << 20,
                "mb": 1 << 20, "mib": 1 << 20, "g": 1 << 30, "gb": 1 << 30, "gib": 1 << 30}
+
+
+def _device(text: str) -> str:
+    """``--device``: auto, cpu, cuda or cuda:N (statebridge.devices), normalised."""
+    from statebridge.devices import DeviceSpec
+
+    try:
+        return str(DeviceSpec.parse(text))
+    except StatebridgeError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def _byte_size(text: str) -> int:
@@ -200,6 +211,8 @@ def _config_args(p: argparse.ArgumentParser) -> None:
                    help="KV blocks per rank (default: as many as --kv-memory holds)")
     p.add_argument("--kv-memory", type=_byte_size, default=None, metavar="SIZE",
                    help="KV pool bytes per rank when --kv-blocks is not given (default 256MiB)")
+    p.add_argument("--device", type=_device, default=None, metavar="auto|cpu|cuda[:N]",
+                   help=f"{DEVICE_HELP} (default auto)")
     p.add_argument("--rank-model", default=None, metavar="MODULE:CLASS",
                    help="the RankModel class each rank runs (swap in your own implementation; "
                         "default statebridge.node.rank_model:ModelRankModel)")
@@ -234,7 +247,7 @@ def _node_config(args: argparse.Namespace):
 
     return NodeConfig().replace(**{name: getattr(args, name, None) for name in (
         "layout", "num_pages", "max_batch", "max_prompt_len", "max_new_tokens", "policy",
-        "rank_model", "kv_layout", "block_size", "kv_blocks", "kv_memory")})
+        "rank_model", "kv_layout", "block_size", "kv_blocks", "kv_memory", "device")})
 
 
 def _http_config(args: argparse.Namespace):

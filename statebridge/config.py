@@ -155,6 +155,8 @@ class NodeConfig:
     - Attention KV (models with attention layers): ``kv_layout`` of each rank's block pool,
       ``block_size`` tokens per block (the same on both nodes), and its size: ``kv_blocks``
       blocks per rank, or (``kv_blocks = 0``) as many as fit in ``kv_memory`` bytes per rank.
+    - ``device``: where the ranks compute and hold pages and KV (:mod:`statebridge.devices`:
+      ``auto`` -- CUDA when a GPU is visible, else the CPU -- ``cpu``, ``cuda``, ``cuda:N``).
     """
 
     POLICIES = ("fail", "recompute")
@@ -170,6 +172,7 @@ class NodeConfig:
     block_size: int = 16
     kv_blocks: int = 0
     kv_memory: int = 256 << 20
+    device: str = "auto"
 
     def __post_init__(self) -> None:
         for name in ("num_pages", "max_batch", "max_prompt_len", "max_new_tokens",
@@ -192,6 +195,9 @@ class NodeConfig:
         from statebridge.state.kv import KVLayout
 
         KVLayout.parse(self.kv_layout)
+        from statebridge.devices import DeviceSpec
+
+        DeviceSpec.parse(self.device)              # ConfigError names a bad spelling
 
     def num_blocks(self, spec, tp_size: int) -> int:
         """KV blocks per rank for ``spec`` at ``tp_size``: ``kv_blocks``, else as many as

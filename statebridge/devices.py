@@ -32,8 +32,8 @@ __all__ = ["DeviceSpec", "visible_gpus", "rank_device", "memory_kind", "tp_backe
            "DEVICE_HELP"]
 
 DEVICE_HELP = ("where the ranks compute and hold pages and KV: auto (CUDA when a GPU is "
-               "visible, else cpu), cpu, cuda, or cuda:N (rank r uses visible GPU "
-               "(N + r) % count)")
+               "visible, else cpu), cpu, cuda, or cuda:N (rank r uses visible GPU N + r, "
+               "wrapping around)")
 
 _SPEC = re.compile(r"^(auto|cpu|cuda)(?::(\d+))?$")
 

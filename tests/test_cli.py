@@ -202,7 +202,21 @@ def test_kv_pool_flags_reach_the_node_config(command):
         base + ["--kv-memory", "4096"])).kv_memory == 4096
 
 
+@pytest.mark.parametrize("command", ["prefill", "decode"])
+def test_the_device_flag_reaches_the_node_config(command):
+    from statebridge.cli import _node_config, build_parser
+
+    base = [command, "--model", "m", "--tp", "1", "--port", "1"]
+    if command == "decode":
+        base += ["--prefill", "127.0.0.1:2"]
+    assert _node_config(build_parser().parse_args(base)).device == "auto"
+    for flag, expected in (("cpu", "cpu"), ("CUDA", "cuda"), ("cuda:3", "cuda:3")):
+        assert _node_config(build_parser().parse_args(base + ["--device", flag])).device == \
+            expected
+
+
 @pytest.mark.parametrize("flag,value,needle", [
+    ("--device", "gpu", "'gpu'"), ("--device", "cpu:1", "'cpu:1'"),
     ("--kv-memory", "lots", "'lots'"), ("--kv-memory", "0MiB", "'0MiB'"),
     ("--kv-blocks", "0", "0"), ("--block-size", "-4", "-4"), ("--kv-layout", "XY", "'XY'")])
 def test_bad_kv_pool_flags_exit_nonzero_naming_the_value(flag, value, needle, capsys):

@@ -163,7 +163,7 @@ class DecodeNode:
             dist_init=functools.partial(Rendezvous.for_group, tp_size, dist_init or "",
                                         host=self.config.bind_host),
             kv_layout=nc.kv_layout, block_size=nc.block_size,
-            num_blocks=nc.num_blocks(spec, tp_size))
+            num_blocks=nc.num_blocks(spec, tp_size), device=nc.device)
         self.kv = spec.kv is not None
         self.loop = self.coordinator.loop
         self.counters = Counters()
