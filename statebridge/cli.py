@@ -10,6 +10,12 @@
     statebridge generate --decode HOST:PORT --prompt-ids 1,2,3 [--max-new-tokens K] [--json]
     statebridge plan --model DIR_OR_CONFIG_JSON --prefill-tp P --decode-tp D --layout DLS [--json]
     statebridge bench --preset mamba2-2.7b --pairs 2x4,4x2 --layouts DLS,LDS,LSD --json FILE
+
+Exit status of the node commands (``prefill``, ``decode``): 0 after SIGTERM/SIGINT; 2 when the
+node cannot start (bad flags, checkpoint, a rank that fails to start or does not start within
+``--rank-start-timeout``); 3 when a running node cannot serve any more (its rank group failed:
+``--on-rank-loss exit``, a failed restart, or too many restarts) -- a supervisor (systemd,
+Kubernetes) restarts it.
 """
 
 from __future__ import annotations
@@ -30,12 +36,18 @@ from statebridge.state.layout import LAYOUT_PRESETS
 from statebridge.state.plan import TransferPlan
 from statebridge.state.spec import StateSpec
 
-__all__ = ["main"]
+__all__ = ["main", "EXIT_START_FAILED", "EXIT_NODE_FAILED"]
+
+#: Exit status of a node command that could not start; of a node that failed while serving.
+EXIT_START_FAILED = 2
+EXIT_NODE_FAILED = 3
 
 #: ``make-checkpoint --arch`` choices: the keys of :data:`statebridge.models.checkpoint.ARCHS`
 #: (spelled out so that building the parser does not import the model runtime; a test checks
 #: that the two agree).
 CHECKPOINT_ARCHS = ("lfm2", "mamba2", "lfm2-hybrid", "granite-hybrid")
+#: ``decode --front-door`` choices (:attr:`statebridge.config.NodeConfig.FRONT_DOORS`).
+NODE_FRONT_DOORS = ("auto", "on", "off")
 
 
 _SIZE_UNITS = {"": 1, "b": 1, "k": 1 << 10, "kb": 1 << 10, "kib": 1 << 10, "m": 1 << 20,
@@ -198,6 +210,14 @@ def _config_args(p: argparse.ArgumentParser) -> None:
                    help="state pages per rank = requests in flight (default 64)")
     p.add_argument("--peer-timeout", type=float, default=None,
                    help="seconds of silence before a peer is declared lost (default 3)")
+    p.add_argument("--on-rank-loss", choices=("restart", "exit"), default=None,
+                   help="when a rank process dies or goes silent: restart the node's rank "
+                        "group (requests in flight fail; default), or exit with status 3 for a "
+                        "supervisor to restart the node. A failed restart, or the 4th within "
+                        "10 minutes, exits too")
+    p.add_argument("--rank-start-timeout", type=float, default=None, metavar="SECONDS",
+                   help="bound on starting the rank group (model load, TP rendezvous), at "
+                        "start and at each restart (default 120)")
     p.add_argument("--ucx-error-handling", action=argparse.BooleanOptionalAction, default=None,
                    help="UCX endpoint error handling (detects dead peers in UCX, but forces TCP "
                         "lanes: much slower on one host; default $STATEBRIDGE_UCX_ERROR_HANDLING "
@@ -232,7 +252,10 @@ def _config(args: argparse.Namespace):
 
     overrides = {name: value for name, value in (("bind_host", args.host),
                                                   ("ucx_error_handling", args.ucx_error_handling),
-                                                  ("peer_timeout", args.peer_timeout))
+                                                  ("peer_timeout", args.peer_timeout),
+                                                  ("on_rank_loss", args.on_rank_loss),
+                                                  ("rank_start_timeout",
+                                                   args.rank_start_timeout))
                  if value is not None}
     if args.keys is not None:
         overrides["keys_dir"] = os.path.abspath(args.keys) if args.keys else ""
@@ -247,7 +270,8 @@ def _node_config(args: argparse.Namespace):
 
     return NodeConfig().replace(**{name: getattr(args, name, None) for name in (
         "layout", "num_pages", "max_batch", "max_prompt_len", "max_new_tokens", "policy",
-        "rank_model", "kv_layout", "block_size", "kv_blocks", "kv_memory", "device")})
+        "rank_model", "kv_layout", "block_size", "kv_blocks", "kv_memory", "device",
+        "front_door")})
 
 
 def _http_config(args: argparse.Namespace):
@@ -258,7 +282,8 @@ def _http_config(args: argparse.Namespace):
     if args.http_port is None:
         return None
     return HttpConfig.from_env(port=args.http_port, host=args.http_host, api_key=args.api_key,
-                               served_model_name=args.served_model_name)
+                               served_model_name=args.served_model_name,
+                               max_body_bytes=args.max_body_bytes)
 
 
 def _stop_on_signal() -> threading.Event:
@@ -270,9 +295,20 @@ def _stop_on_signal() -> threading.Event:
     return stop
 
 
-def _wait(stop: threading.Event) -> None:
-    while not stop.wait(0.5):
-        pass
+def _wait(stop: threading.Event, fatal) -> str:
+    """Until a signal (returns "") or the node fails for good (returns ``fatal()``, why)."""
+    while not stop.wait(0.2):
+        why = fatal()
+        if why:
+            return why
+    return ""
+
+
+def _failed(args: argparse.Namespace, why: str) -> int:
+    print(f"statebridge {args.command}: the node cannot serve any more: {why}; exiting "
+          f"(status {EXIT_NODE_FAILED}) for its supervisor to restart it", file=sys.stderr,
+          flush=True)
+    return EXIT_NODE_FAILED
 
 
 def _cmd_prefill(args: argparse.Namespace) -> int:
@@ -285,10 +321,10 @@ def _cmd_prefill(args: argparse.Namespace) -> int:
     print(server.memory_line(), flush=True)
     print(f"prefill node ready on {server.address} (TP {args.tp}, {node.layout})", flush=True)
     try:
-        _wait(stop)
+        why = _wait(stop, lambda: server.fatal)
     finally:
         server.close()
-    return 0
+    return _failed(args, why) if why else 0
 
 
 def _cmd_decode(args: argparse.Namespace) -> int:
@@ -306,13 +342,14 @@ def _cmd_decode(args: argparse.Namespace) -> int:
         print(f"OpenAI-compatible HTTP API on {node.http.url}/v1 (model "
               f"{node.http.model_name!r}{', API key required' if node.http.keyed else ''})",
               flush=True)
-    print(f"decode node {'ready' if ready else 'up'} on {node.address} (TP {args.tp}, "
+    door = node.address if node.router is not None else "HTTP only, zmq front door off"
+    print(f"decode node {'ready' if ready else 'up'} on {door} (TP {args.tp}, "
           f"{node.node_config.layout}, {state})", flush=True)
     try:
-        _wait(stop)
+        why = _wait(stop, lambda: node.fatal)
     finally:
         node.close()
-    return 0
+    return _failed(args, why) if why else 0
 
 
 def _token_list(text: str) -> list[int]:
@@ -411,7 +448,13 @@ def _add_nodes(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--tp", type=_positive_int, required=True, help="TP size")
     p.add_argument("--prefill", action="append", required=True, metavar="HOST:PORT",
                    help="a prefill node (repeat for several: used round robin)")
-    p.add_argument("--port", type=int, required=True, help="port clients connect to")
+    p.add_argument("--port", type=int, required=True,
+                   help="port of the zmq front door clients connect to (not bound when the "
+                        "door is off, see --front-door)")
+    p.add_argument("--front-door", choices=NODE_FRONT_DOORS, default=None,
+                   help="the zmq front door: on, off (HTTP only), or auto (default): on unless "
+                        "--api-key is set without --keys, since the door would let anyone who "
+                        "reaches the port generate without the key")
     p.add_argument("--max-batch", type=_positive_int, default=None,
                    help="requests per decode step (default 32)")
     p.add_argument("--max-prompt-len", type=_positive_int, default=None,
@@ -429,6 +472,9 @@ def _add_nodes(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--api-key", default=None, metavar="KEY",
                    help="require Authorization: Bearer KEY on /v1/* (default "
                         "$STATEBRIDGE_API_KEY; none: open)")
+    p.add_argument("--max-body-bytes", type=_byte_size, default=None, metavar="SIZE",
+                   help="largest HTTP request body read; larger ones get 413 before or while "
+                        "they are read (default 1MiB)")
     p.add_argument("--served-model-name", default=None, metavar="NAME",
                    help="the model's name in the HTTP API (default: the checkpoint "
                         "directory's name)")
@@ -492,7 +538,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return args.func(args)
     except StatebridgeError as e:
         print(f"statebridge {args.command}: error: {e}", file=sys.stderr)
-        return 2
+        return EXIT_START_FAILED
 
 
 if __name__ == "__main__":

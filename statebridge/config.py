@@ -53,10 +53,25 @@ class ConnectorConfig:
       the map, whatever their size: one notice per rank pair covers both. Results:
       docs/measurements.md, "Data plane on one host".
 
+    Supervision of the rank group (:class:`~statebridge.connector.group.RankGroup`):
+
+    - ``on_rank_loss``: what a node whose rank died (or went silent for ``peer_timeout``)
+      does: ``restart`` its whole rank group (in-flight requests fail with ``peer_lost``;
+      pages, KV blocks and the ledger are reset once every old rank process is gone; peers
+      re-handshake), or ``exit``: the group is failed (:attr:`RankGroup.fatal
+      <statebridge.connector.group.RankGroup.fatal>`) and the node's command exits non-zero
+      for its supervisor (systemd, Kubernetes) to restart it. A restart that fails, or the
+      ``max_rank_restarts + 1``-th within ``rank_restart_window`` seconds, fails the group
+      the same way.
+    - ``rank_start_timeout``: bound on a rank group's start (every rank announced itself:
+      model loaded, TP rendezvous done), at node start and at each restart.
+
     Not settings: ``local_ranks`` and ``shared_map`` (:data:`AB_SWITCHES`) are experimental
     A/B switches that turn a fast path off to compare it with the path it replaced; the
     benchmark harness owns them and :mod:`statebridge.bench.ab` documents them. Leave them on.
     """
+
+    ON_RANK_LOSS = ("restart", "exit")
 
     bind_host: str = "127.0.0.1"
     heartbeat_interval: float = 0.5
@@ -72,13 +87,17 @@ class ConnectorConfig:
     key_name: str = "node"
     send_reap_interval: float = 0.005
     shared_map_min_bytes: int = 4 << 20
+    on_rank_loss: str = "restart"
+    rank_start_timeout: float = 120.0
+    max_rank_restarts: int = 3
+    rank_restart_window: float = 600.0
     # -- experimental A/B switches, not settings (AB_SWITCHES; statebridge.bench.ab) --------
     local_ranks: bool = True
     shared_map: bool = True
 
     def __post_init__(self) -> None:
         for name in ("heartbeat_interval", "peer_timeout", "lease_timeout", "transfer_timeout",
-                     "handshake_timeout"):
+                     "handshake_timeout", "rank_start_timeout", "rank_restart_window"):
             value = getattr(self, name)
             if not isinstance(value, (int, float)) or value <= 0:
                 raise ConfigError(f"{name} must be a positive number of seconds, got {value!r}")
@@ -98,6 +117,13 @@ class ConnectorConfig:
                 or not isinstance(self.shared_map_min_bytes, int) or self.shared_map_min_bytes < 0:
             raise ConfigError(f"shared_map_min_bytes must be a non-negative integer, got "
                               f"{self.shared_map_min_bytes!r}")
+        if self.on_rank_loss not in self.ON_RANK_LOSS:
+            raise ConfigError(f"on_rank_loss must be one of {self.ON_RANK_LOSS}, got "
+                              f"{self.on_rank_loss!r}")
+        if isinstance(self.max_rank_restarts, bool) or not isinstance(self.max_rank_restarts, int) \
+                or self.max_rank_restarts < 0:
+            raise ConfigError(f"max_rank_restarts must be a non-negative integer, got "
+                              f"{self.max_rank_restarts!r}")
         for name in ("max_message_bytes", "max_inflight_per_peer", "torch_threads"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
@@ -157,9 +183,14 @@ class NodeConfig:
       blocks per rank, or (``kv_blocks = 0``) as many as fit in ``kv_memory`` bytes per rank.
     - ``device``: where the ranks compute and hold pages and KV (:mod:`statebridge.devices`:
       ``auto`` -- CUDA when a GPU is visible, else the CPU -- ``cpu``, ``cuda``, ``cuda:N``).
+    - ``front_door``: the decode node's zmq front door (``--front-door``): ``on`` listens on
+      ``bind_host:port``; ``off`` does not listen (HTTP only); ``auto`` (the default) listens
+      unless the HTTP API requires an API key while the control plane has no CURVE keys --
+      then the zmq door would let anyone who reaches the port generate without the key.
     """
 
     POLICIES = ("fail", "recompute")
+    FRONT_DOORS = ("auto", "on", "off")
 
     layout: str = "DLS"
     num_pages: int = 64
@@ -173,6 +204,7 @@ class NodeConfig:
     kv_blocks: int = 0
     kv_memory: int = 256 << 20
     device: str = "auto"
+    front_door: str = "auto"
 
     def __post_init__(self) -> None:
         for name in ("num_pages", "max_batch", "max_prompt_len", "max_new_tokens",
@@ -184,6 +216,9 @@ class NodeConfig:
                 self.kv_blocks < 0:
             raise ConfigError(f"kv_blocks must be a non-negative integer (0: from kv_memory), "
                               f"got {self.kv_blocks!r}")
+        if self.front_door not in self.FRONT_DOORS:
+            raise ConfigError(f"front_door must be one of {self.FRONT_DOORS}, got "
+                              f"{self.front_door!r}")
         if self.policy not in self.POLICIES:
             raise ConfigError(f"unknown failure policy {self.policy!r}; expected one of "
                               f"{self.POLICIES}")
@@ -233,6 +268,13 @@ class HttpConfig:
       times the node's pages).
     - ``default_max_tokens``: ``max_tokens`` of a request that gives none (OpenAI's 16).
     - ``node_timeout``: seconds without a word from the decode node before a request fails.
+    - ``max_body_bytes``: the largest request body read (``--max-body-bytes``); a larger one
+      is refused with 413 from its ``Content-Length``, or as soon as that much arrived,
+      never buffered whole. It also bounds the one step that holds the interpreter lock for
+      a whole body (parsing its JSON), so it bounds how long one request can stall the node.
+    - ``header_timeout``: seconds a connection has to send a whole request head, from its
+      opening or from its previous response (slow clients are closed with 408).
+    - ``body_timeout``: seconds to read a request's whole body once its head came (408).
     """
 
     port: int | None = None
@@ -242,6 +284,9 @@ class HttpConfig:
     max_inflight: int = 0
     default_max_tokens: int = 16
     node_timeout: float = 120.0
+    max_body_bytes: int = 1 << 20
+    header_timeout: float = 10.0
+    body_timeout: float = 30.0
 
     def __post_init__(self) -> None:
         if self.port is not None and (not isinstance(self.port, int) or
@@ -256,9 +301,15 @@ class HttpConfig:
                     name == "default_max_tokens" and value == 0):
                 raise ConfigError(f"{name} must be a {'positive' if name[0] == 'd' else 'non-negative'} "
                                   f"integer, got {value!r}")
-        if not isinstance(self.node_timeout, (int, float)) or self.node_timeout <= 0:
-            raise ConfigError(f"node_timeout must be a positive number of seconds, got "
-                              f"{self.node_timeout!r}")
+        for name in ("node_timeout", "header_timeout", "body_timeout"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or \
+                    not 0 < value < float("inf"):
+                raise ConfigError(f"{name} must be a positive number of seconds, got {value!r}")
+        if isinstance(self.max_body_bytes, bool) or not isinstance(self.max_body_bytes, int) \
+                or self.max_body_bytes < 1024:
+            raise ConfigError(f"max_body_bytes must be an integer of at least 1024, got "
+                              f"{self.max_body_bytes!r}")
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None, **overrides) -> "HttpConfig":

@@ -29,6 +29,7 @@ kind                exception                    who caused it
 ``invalid_request`` :class:`InvalidRequestError`  the caller's request is malformed
 ``closed``          :class:`ClosedError`         we closed the object it used
 ``cache_full``      :class:`CacheFullError`      no page or KV block left (decode growth)
+``internal``        :class:`InternalError`       the server: a model step failed (HTTP 500)
 ==================  ===========================  ==========================================
 """
 
@@ -58,6 +59,7 @@ __all__ = [
     "BusyError",
     "NotReadyError",
     "InvalidRequestError",
+    "InternalError",
     "ClosedError",
     "LoopTimeoutError",
     "StartupError",
@@ -152,6 +154,12 @@ class InvalidRequestError(TransferError, ConfigError):
     duplicate request id): the caller's mistake, never retried."""
 
 
+class InternalError(TransferError):
+    """The server failed a request it should have served: a decode step of the model raised
+    for the whole batch. Not the caller's mistake and not the network's; retrying the same
+    request is not expected to help (HTTP 500). The node logs the step's error."""
+
+
 class ClosedError(StatebridgeError):
     """The object was closed by us; no further use is possible."""
 
@@ -188,6 +196,7 @@ class FailureKind(str, enum.Enum):
     INVALID_REQUEST = "invalid_request"
     CLOSED = "closed"
     CACHE_FULL = "cache_full"
+    INTERNAL = "internal"
 
     def __str__(self) -> str:
         return self.value
@@ -216,6 +225,7 @@ _ERRORS: dict[FailureKind, type[StatebridgeError]] = {
     FailureKind.TRANSFER_ERROR: TransferError,
     FailureKind.CLOSED: ClosedError,
     FailureKind.CACHE_FULL: CacheFullError,
+    FailureKind.INTERNAL: InternalError,
 }
 _KINDS = {cls: kind for kind, cls in _ERRORS.items()}
 

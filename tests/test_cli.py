@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -157,6 +158,48 @@ def test_unset_flags_leave_the_environment_in_charge(command, monkeypatch):
         ("127.0.0.3", False, 2.0)
     node = _node_config(build_parser().parse_args(base + ["--num-pages", "5"]))
     assert (node.layout, node.num_pages, node.policy) == ("DLS", 5, "fail")
+
+
+@pytest.mark.parametrize("command", ["prefill", "decode"])
+def test_supervision_flags_reach_the_config(command, monkeypatch, capsys):
+    from statebridge.cli import _config, build_parser
+
+    base = [command, "--model", "m", "--tp", "1", "--port", "1"]
+    if command == "decode":
+        base += ["--prefill", "127.0.0.1:2"]
+    config = _config(build_parser().parse_args(base))
+    assert (config.on_rank_loss, config.rank_start_timeout) == ("restart", 120.0)
+    monkeypatch.setenv("STATEBRIDGE_ON_RANK_LOSS", "exit")
+    monkeypatch.setenv("STATEBRIDGE_RANK_START_TIMEOUT", "30")
+    config = _config(build_parser().parse_args(base))
+    assert (config.on_rank_loss, config.rank_start_timeout) == ("exit", 30.0)
+    config = _config(build_parser().parse_args(
+        base + ["--on-rank-loss", "restart", "--rank-start-timeout", "9.5"]))
+    assert (config.on_rank_loss, config.rank_start_timeout) == ("restart", 9.5)
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(base + ["--on-rank-loss", "linger"])
+    assert "invalid choice: 'linger'" in capsys.readouterr().err
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(120)
+def test_a_node_whose_ranks_do_not_start_in_time_exits_2_naming_them(tmp_path):
+    import time
+
+    from statebridge.models.checkpoint import make_checkpoint
+    from statebridge.net import free_port
+
+    model = make_checkpoint("lfm2", tmp_path / "m", tokenizer=False)
+    start = time.monotonic()
+    out = subprocess.run([sys.executable, "-m", "statebridge.cli", "prefill", "--model",
+                          str(model), "--tp", "1", "--port", str(free_port()),
+                          "--rank-start-timeout", "3",
+                          "--rank-model", "tests.connector._helpers:HangingModel"],
+                         capture_output=True, text=True, timeout=100,
+                         env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+    assert out.returncode == 2, out.stderr[-2000:]
+    assert "ranks [0] did not start within 3 s" in out.stderr
+    assert time.monotonic() - start < 60
 
 
 @pytest.mark.parametrize("arch", ["granite-hybrid", "lfm2-hybrid"])

@@ -33,13 +33,16 @@ local recompute).
 Failures become typed errors (``PeerLostError``, ``NotReadyError``, ``TransferTimeoutError``,
 ``AbortedError``, ``TransferError``) as soon as they are known; the page is freed only after
 every decode rank confirmed that none of its receives can still write into it. A prefill server that goes silent for ``peer_timeout`` seconds (or says Goodbye) fails every
-request it touched; other prefill servers keep serving.
+request it touched; other prefill servers keep serving. When the decode group itself loses a
+rank (see :mod:`~statebridge.connector.group`), every request fails, every prefill connection is
+dropped with a Goodbye, and once the group is whole again every kept address is re-dialed.
 
 Reconnect: an address given to :meth:`DecodeCoordinator.connect` (after its first handshake
 succeeded, or at once with ``wait=False``: a node started before its prefill nodes) is kept and
 dialled until its server answers, and re-dialed when its server is lost -- a fresh socket and a fresh handshake
 every ``REDIAL_MIN_S`` .. ``REDIAL_MAX_S`` seconds (doubling), each attempt bounded by
-``handshake_timeout``. Nothing of the old connection can land after a reconnect: its requests
+``handshake_timeout``. A server whose group is not whole refuses the handshake (``not_ready``):
+that is a failed attempt like any other, re-dialed with the same backoff. Nothing of the old connection can land after a reconnect: its requests
 already failed (and their pages were freed only once every decode rank confirmed its receives
 were cancelled), and new requests carry new generations, hence new tags.
 """
@@ -173,7 +176,7 @@ class DecodeCoordinator(RankGroup):
         self._callbacks: dict[RequestKey, OnDone] = {}
         self._last_generation = 0
         self._rr = itertools.count()
-        self.prefill_watch = c.PeerWatch(self.config.peer_timeout)
+        self.prefill_watch = c.PeerWatch(self.config.peer_timeout, self.loop)
         self._dials: dict[str, _Dial] = {}           # address -> kept connection
 
     # -- prefill servers -------------------------------------------------------------------------
@@ -194,16 +197,21 @@ class DecodeCoordinator(RankGroup):
             self.loop.call(self._dial_later, address)
             return None
         timeout = self.config.handshake_timeout if timeout is None else timeout
-        peer = self.loop.call(self._open, address)
-        if not peer.event.wait(timeout):
-            self.loop.call(self._drop_prefill, peer, "handshake timed out")
-            raise TransferTimeoutError(f"handshake with prefill server {address} did not "
-                                       f"finish within {timeout} s: no answer (the server may "
-                                       f"be down or unreachable, or refusing us because of "
-                                       f"authentication: check keys_dir/--keys on both sides)",
-                                       peer=address)
-        if peer.state is not PeerState.READY:
-            raise peer.error or IncompatiblePeerError(f"handshake with {address} failed")
+        deadline = time.monotonic() + timeout
+        while True:
+            peer = self.loop.call(self._open, address)
+            if not peer.event.wait(max(0.0, deadline - time.monotonic())):
+                self.loop.call(self._drop_prefill, peer, "handshake timed out")
+                raise TransferTimeoutError(f"handshake with prefill server {address} did not "
+                                           f"finish within {timeout} s: no answer (the server "
+                                           f"may be down or unreachable, or refusing us because "
+                                           f"of authentication: check keys_dir/--keys on both "
+                                           f"sides)", peer=address)
+            if peer.state is PeerState.READY:
+                break
+            if not isinstance(peer.error, NotReadyError) or time.monotonic() >= deadline:
+                raise peer.error or IncompatiblePeerError(f"handshake with {address} failed")
+            time.sleep(min(REDIAL_MIN_S, max(0.0, deadline - time.monotonic())))
         if redial:
             self.loop.call(self._keep, address, peer)
         return peer.node_id
@@ -229,14 +237,12 @@ class DecodeCoordinator(RankGroup):
         return len(self._callbacks)
 
     def status(self) -> tuple[bool, str]:
-        """(ready, why not) on the loop thread: ready once the group is up and a prefill server
-        is connected; else the reason, naming the addresses still being dialled."""
-        if self._closed:
-            return False, f"{self.node_id} is closed"
-        if not self.healthy:
-            return False, f"decode group {self.node_id} lost a rank"
-        if not self._ready.is_set():
-            return False, f"decode ranks of {self.node_id} are starting"
+        """(ready, why not) on the loop thread: ready once the group is whole (:meth:`whole`)
+        and a prefill server is connected; else the reason: the missing ranks, or the
+        addresses still being dialled."""
+        whole, why = self.whole()
+        if not whole:
+            return False, why
         if any(p.state is PeerState.READY for p in self.prefills.values()):
             return True, ""
         dialling = [f"{d.address} ({d.attempts} attempts" +
@@ -280,7 +286,10 @@ class DecodeCoordinator(RankGroup):
         dial.wait = min(2 * dial.wait, REDIAL_MAX_S)
 
     def _redial(self) -> None:
-        """On every tick: start due re-dials, time out attempts that hang."""
+        """On every tick: start due re-dials, time out attempts that hang (none while the
+        group is not whole: it re-dials once it is)."""
+        if self.restarting or self.fatal or self._closed:
+            return
         now = time.monotonic()
         for dial in self._dials.values():
             peer = dial.peer
@@ -343,6 +352,14 @@ class DecodeCoordinator(RankGroup):
     def _on_prefill_message(self, peer: _Prefill, msg: m.Message) -> None:
         if isinstance(msg, m.Reject):
             self.counters.add("rejected_handshakes")
+            if msg.code == "not_ready":          # its group is not whole: dial again later
+                self.counters.add("prefill_not_ready")
+                peer.state = PeerState.FAILED
+                peer.error = NotReadyError(f"prefill server {peer.address} is not ready: "
+                                           f"{msg.reason}", peer=peer.address)
+                self._drop_prefill(peer, f"not ready: {msg.reason}")
+                peer.event.set()
+                return
             self._handshake_failed(peer, IncompatiblePeerError(
                 f"prefill server {peer.address} rejected us: {msg.reason}"))
         elif isinstance(msg, m.Hello) and peer.state is PeerState.HELLO:
@@ -478,14 +495,17 @@ class DecodeCoordinator(RankGroup):
                                       f"{request_id!r}")
         if self._closed:
             raise ClosedError(f"{self.node_id} is closed")
+        whole, why = self.whole()
+        if not whole:
+            if self.restarting or not (self.fatal or not self.healthy):
+                raise NotReadyError(why, request_id=request_id)    # starting, restarting
+            raise PeerLostError(why, request_id=request_id)
         live = self.current.get(request_id)
         if live is not None and self.ledger.get(live).phase is not Phase.FAILED:
             # (A FAILED attempt only waits for its page: a retry -- the recompute policy --
             # is a new attempt of the same id under a new generation.)
             raise InvalidRequestError(f"request id {request_id!r} is already in flight",
                                       request_id=request_id)
-        if not self.healthy:
-            raise PeerLostError(f"decode group {self.node_id} lost a rank", request_id=request_id)
         peer = None
         if not local:
             ready = [p for p in self.prefills.values() if p.state is PeerState.READY]
@@ -687,6 +707,29 @@ class DecodeCoordinator(RankGroup):
                        f"decode rank {rank} of {self.node_id} died", notify=True)
             self._settle(record)
 
+    def _on_group_down(self, why: str) -> None:
+        """Every request has failed (and its prefill server heard Abort): the prefill
+        connections end with a Goodbye; the kept addresses are re-dialed once the group is
+        whole again."""
+        for peer in list(self.prefills.values()):
+            if peer.state is PeerState.READY:
+                c.send_dealer(peer.sock, m.Goodbye(node_id=self.node_id))
+        for peer in list(self._by_sock.values()):
+            peer.state = PeerState.LOST
+            self._drop_prefill(peer, why)
+
+    def _on_group_reset(self) -> None:
+        for key in list(self._callbacks):          # (none: every request failed already)
+            on_done = self._callbacks.pop(key)
+            on_done(None, PeerLostError(f"decode group {self.node_id} restarted",
+                                        request_id=key.request_id))
+        self.current.clear()
+
+    def _on_group_restarted(self) -> None:
+        for dial in self._dials.values():
+            if dial.peer is None:
+                dial.next_at, dial.wait = 0.0, REDIAL_MIN_S
+
     def _on_close(self) -> None:
         for record in self.ledger:
             self._fail(record, FailureKind.ABORTED, f"{self.node_id} closing", notify=True)
@@ -703,7 +746,8 @@ class DecodeCoordinator(RankGroup):
                     "completed_unreleased": sum(1 for r in self.ledger
                                                 if r.phase is Phase.DONE),
                     "prefills": self.ready_prefills(),
-                    "healthy": self.healthy, **self.counters.snapshot()}
+                    "healthy": self.healthy, "generation": self.generation,
+                    **self.counters.snapshot()}
         return self.loop.call(collect)
 
 

@@ -8,13 +8,29 @@ A coordinator binds one ROUTER socket; its rank processes connect to it, announc
 Both sides track their requests in one :class:`~statebridge.connector.ledger.Ledger`; what
 failing a request means on the ranks (cancel where still pending, free the page only once every
 live rank confirmed) is written here once. A rank that cannot start says so (``RankFailed``)
-or exits; either fails :meth:`RankGroup.wait_ready` at once with that rank's error.
+or exits; either fails :meth:`RankGroup.wait_ready` at once with that rank's error, and so does
+``rank_start_timeout`` running out.
+
+Supervision: a group that was whole and loses a rank heals or fails, it never lingers
+(``ConnectorConfig.on_rank_loss``)::
+
+    rank lost --> requests in flight fail (peer_lost); peers dropped (Goodbye); not ready
+      restart: every old rank told to stop, then stopped (terminate, kill) and joined
+               -> only then: fresh pages, KV blocks, ledger; generation + 1
+               -> new rendezvous store, new rank processes, all RankHello within
+                  rank_start_timeout -> ready again; peers re-handshake
+      exit, a failed restart, or too many restarts in rank_restart_window:
+               -> fatal: the group stays broken, says why (:attr:`RankGroup.fatal`),
+                  and the node's command exits non-zero for its supervisor
+
+While a group is not whole, :meth:`RankGroup.whole` says which ranks are missing and why.
 """
 
 from __future__ import annotations
 
 import functools
 import logging
+import os
 import threading
 import time
 import uuid
@@ -24,6 +40,7 @@ from typing import Any, Callable
 from statebridge.config import ConnectorConfig
 from statebridge.connector import control as c
 from statebridge.connector import messages as m
+from statebridge.connector.data.env import ucx_net_devices
 from statebridge.connector.local import LocalRouter
 from statebridge.connector.launch import Launcher, RankHandle, rank_log_level, spawn_launcher
 from statebridge.connector.rank import RankSetup
@@ -76,10 +93,14 @@ class RankGroup:
     model, tests their stand-in). ``probes``: the instrumentation switch of the ranks, for
     benchmarks and tests (:class:`~statebridge.connector.messages.RankProbe`; "" off).
 
-    Subclasses get :meth:`_on_rank_done`, :meth:`_on_rank_lost` and :meth:`_on_peer_message`.
+    Subclasses get :meth:`_on_rank_done`, :meth:`_on_rank_lost`, :meth:`_on_peer_message`
+    and the supervision hooks :meth:`_on_group_down` (the group stopped serving: drop peers)
+    and :meth:`_on_group_reset` (a restart's fresh state, old ranks gone).
     """
 
     role = "?"
+    #: Seconds an old rank gets to exit after RankShutdown before a restart terminates it.
+    RANK_STOP_S = 2.0
 
     def __init__(self, spec: StateSpec, tp_size: int, layout: "Layout | str", num_pages: int, *,
                  config: ConnectorConfig | None = None, node_id: str | None = None,
@@ -128,6 +149,10 @@ class RankGroup:
         log.info("%s", self.memory_line())
         self.counters = Counters()
         keys = CurveKeys.from_config(self.config, listen=True)   # bad keys: nothing to clean up
+        # The ranks' UCX workers listen on the interface of the bind address only (an operator's
+        # UCX_NET_DEVICES wins); an address no interface holds fails here, before anything runs.
+        self.ucx_net_devices = "" if launcher is None or "UCX_NET_DEVICES" in os.environ \
+            else ucx_net_devices(self.config.bind_host)
         self.loop = c.EventLoop(self.node_id)
         try:
             self.router, self.port = c.bind_router(self.loop.context, self.config.bind_host, port,
@@ -150,12 +175,23 @@ class RankGroup:
         self.loop.add_fd(self.local.fileno(), functools.partial(self._on_router, self.local))
         self.ranks = [_RankState() for _ in range(tp_size)]
         self._by_identity: dict[bytes, int] = {}
-        self.rank_watch = c.PeerWatch(self.config.peer_timeout)
+        self.rank_watch = c.PeerWatch(self.config.peer_timeout, self.loop)
         self.ledger = Ledger(tp_size, self.pool, self.blocks)
         self._ready = threading.Event()
         self._started = threading.Event()        # all ranks up, or one failed to start
         self._start_errors: dict[int, str] = {}
+        #: No rank of this generation was lost.
         self.healthy = True
+        #: Rank groups started so far: 1, then + 1 per restart.
+        self.generation = 1
+        #: Why the group is restarting ("" when it is not).
+        self.restarting = ""
+        #: Why the group failed for good ("" while it serves or heals); see the module doc.
+        self.fatal = ""
+        self._lost_why: dict[int, str] = {}
+        self._restarts: list[float] = []          # monotonic times of recent restarts
+        self._restarter: threading.Thread | None = None
+        self._fatal_handlers: list[Callable[[str], None]] = []
         self._closed = False
         self._heartbeats = 0
         #: Handlers of rank messages the group does not know itself (a layer above the
@@ -168,23 +204,33 @@ class RankGroup:
         self.loop.call_every(self.config.heartbeat_interval, self._tick)
         self.loop.start()
         self.handles: list[RankHandle] = []
+        self._launcher = launcher
+        self._dist_init = dist_init
+        self._rank_args = dict(region_align=region_align, probes=probes, model_dir=model_dir,
+                               block_size=block_size, model=model or "")
+        if launcher is not None:
+            self.handles = self._launch()
+        elif callable(dist_init):
+            _, self.dist_store = dist_init()
+
+    def _launch(self) -> list[RankHandle]:
+        """Start this generation's rank processes, with a rendezvous store of their own when
+        ``dist_init`` is a callable (one store per group: a restarted group gets a new one)."""
+        dist_init = self._dist_init
         if callable(dist_init):
             dist_init, self.dist_store = dist_init()
-        if launcher is not None:
-            setups = [RankSetup(role=self.role, coordinator=f"{self.config.bind_host}:{self.port}",
-                                tp_rank=r, tp_size=tp_size, spec_json=spec.to_json(),
-                                layout=self.layout.name, num_pages=num_pages,
-                                node_id=self.node_id, config=self.config,
-                                region_align=region_align, probes=probes,
-                                model_dir=model_dir, dist_init=dist_init,
-                                local_coordinator=(self.local.address
-                                                   if self.config.local_ranks else ""),
-                                kv_layout=self.kv_layout, block_size=block_size,
-                                num_blocks=self.num_blocks,
-                                log_level=rank_log_level(),
-                                model=model or "", device=self.device)
-                      for r in range(tp_size)]
-            self.handles = launcher(setups)
+        setups = [RankSetup(role=self.role, coordinator=f"{self.config.bind_host}:{self.port}",
+                            tp_rank=r, tp_size=self.tp_size, spec_json=self.spec.to_json(),
+                            layout=self.layout.name, num_pages=self.num_pages,
+                            node_id=self.node_id, config=self.config, dist_init=dist_init,
+                            local_coordinator=(self.local.address
+                                               if self.config.local_ranks else ""),
+                            kv_layout=self.kv_layout, num_blocks=self.num_blocks,
+                            log_level=rank_log_level(), coordinator_pid=os.getpid(),
+                            ucx_net_devices=self.ucx_net_devices, device=self.device,
+                            **self._rank_args)
+                  for r in range(self.tp_size)]
+        return self._launcher(setups)
 
     def memory_line(self) -> str:
         """What this node's ranks hold, in one line: pages, KV blocks and their bytes."""
@@ -208,19 +254,51 @@ class RankGroup:
         return f"{self.config.bind_host}:{self.port}"
 
     # -- readiness ---------------------------------------------------------------------------
-    def wait_ready(self, timeout: float = 120.0) -> None:
+    def wait_ready(self, timeout: float | None = None) -> None:
         """Block until every rank has announced itself. A rank that fails to start (it sent
         ``RankFailed`` or its process exited) raises :class:`StartupError` at once, with that
-        rank's error; so does ``timeout`` running out."""
-        if not self._started.wait(timeout):
-            missing = [r for r, s in enumerate(self.ranks) if s.identity is None]
-            raise StartupError(f"{self.node_id}: ranks {missing} did not start within "
-                               f"{timeout} s")
+        rank's error; so does ``timeout`` running out (default
+        ``config.rank_start_timeout``), naming the ranks that did not announce themselves."""
+        timeout = self.config.rank_start_timeout if timeout is None else timeout
+        deadline = time.monotonic() + timeout
+        while not self._started.wait(min(0.2, max(0.0, deadline - time.monotonic()))):
+            if self._closed:
+                raise ClosedError(f"{self.node_id} closed while its ranks started")
+            if time.monotonic() >= deadline:
+                missing = [r for r, s in enumerate(self.ranks) if s.identity is None]
+                raise StartupError(f"{self.node_id}: ranks {missing} did not start within "
+                                   f"{timeout:g} s (model load and TP rendezvous; see the "
+                                   f"ranks' output; rank_start_timeout / "
+                                   f"--rank-start-timeout)")
         if self._start_errors:
             raise StartupError(f"{self.node_id}: " + "; ".join(
                 f"rank {r} failed to start: {why}" for r, why in sorted(self._start_errors.items())))
         if not self.healthy:
             raise ClosedError(f"{self.node_id}: a rank was lost during start-up")
+
+    def whole(self) -> tuple[bool, str]:
+        """Loop thread: (True, "") while every rank of the group is up and none was lost;
+        else False and why, naming the missing ranks."""
+        if self._closed:
+            return False, f"{self.node_id} is closed"
+        missing = [r for r, st in enumerate(self.ranks) if st.identity is None or st.lost]
+        if self.fatal:
+            return False, f"{self.role} group {self.node_id} failed: {self.fatal}"
+        if self.restarting:
+            return False, (f"{self.role} ranks of {self.node_id} restarting after "
+                           f"{self.restarting}: waiting for ranks {missing} (generation "
+                           f"{self.generation})")
+        if not self.healthy:
+            lost = "; ".join(f"rank {r}: {why}" for r, why in sorted(self._lost_why.items()))
+            return False, f"{self.role} group {self.node_id} lost a rank ({lost})"
+        if not self._ready.is_set():
+            return False, f"{self.role} ranks of {self.node_id} are starting: waiting for ranks " \
+                          f"{missing}"
+        return True, ""
+
+    def on_fatal(self, handler: Callable[[str], None]) -> None:
+        """Call ``handler(why)`` on the loop thread when the group fails for good."""
+        self._fatal_handlers.append(handler)
 
     @property
     def rank_addresses(self) -> tuple[bytes, ...]:
@@ -330,7 +408,8 @@ class RankGroup:
             elif isinstance(msg, m.RankFailed):
                 self._on_rank_failed(identity, msg, sock)
             elif rank is not None:
-                self.rank_watch.heard(rank)
+                if not self.ranks[rank].lost:
+                    self.rank_watch.heard(rank)
                 if isinstance(msg, m.RankDone):
                     self._on_rank_done(rank, msg)
                 elif not isinstance(msg, m.Heartbeat):
@@ -387,7 +466,7 @@ class RankGroup:
             return
         log.error("%s: rank %d failed to start: %s", self.node_id, r, msg.message)
         self._start_errors[r] = msg.message
-        self._rank_lost(r)
+        self._rank_lost(r, f"failed to start: {msg.message}")
         self._started.set()
 
     def _on_group_ready(self) -> None:
@@ -427,31 +506,170 @@ class RankGroup:
         self.to_ranks(m.Heartbeat(node_id=self.node_id, seq=self._heartbeats))
         if self._closed:
             return
-        lost = set(self.rank_watch.expired())
+        lost = {r: f"silent for {self.config.peer_timeout:g} s"
+                for r in self.rank_watch.expired()}
         for r, handle in enumerate(self.handles):
             if not self.ranks[r].lost and not handle.is_alive():
-                lost.add(r)
+                code = getattr(handle, "exitcode", None)
+                lost[r] = f"its process exited with code {code}"
                 if not self._ready.is_set() and r not in self._start_errors:
-                    code = getattr(handle, "exitcode", None)
                     self._start_errors[r] = (f"its process exited (code {code}) before it "
                                              f"announced itself; see its output")
         for r in sorted(lost):
-            self._rank_lost(r)
+            self._rank_lost(r, lost[r])
         if self._start_errors:
             self._started.set()
         self._on_tick()
 
-    def _rank_lost(self, r: int) -> None:
+    def _rank_lost(self, r: int, why: str = "") -> None:
         if self.ranks[r].lost:
             return
         self.ranks[r].lost = True
         self.ledger.lost.add(r)
         self.healthy = False
+        self._lost_why[r] = why or "lost"
         self.counters.add("ranks_lost")
-        log.error("%s: rank %d lost", self.node_id, r)
+        log.error("%s: rank %d lost (%s)", self.node_id, r, why or "lost")
         self._on_rank_lost(r)
         for handler in self._rank_lost_handlers:
             handler(r)
+        if self._ready.is_set():          # (a rank lost while the group starts fails the start)
+            self._supervise(f"rank {r} lost ({why or 'lost'})")
+
+    # -- supervision (see the module docstring) -----------------------------------------------
+    def _supervise(self, cause: str) -> None:
+        """Loop thread: the group was whole and lost a rank: restart it or fail it."""
+        if self._closed or self.fatal or self.restarting:
+            return
+        if self.config.on_rank_loss == "exit":
+            self._fail_group(f"{cause}; on_rank_loss is exit")
+            return
+        if self._launcher is None:
+            self._fail_group(f"{cause}; no launcher to restart the ranks with")
+            return
+        now = time.monotonic()
+        window, limit = self.config.rank_restart_window, self.config.max_rank_restarts
+        self._restarts = [t for t in self._restarts if now - t < window]
+        if len(self._restarts) >= limit:
+            self._fail_group(f"{cause}; {len(self._restarts)} restarts within the last "
+                             f"{window:g} s already (max_rank_restarts {limit})")
+            return
+        self._restarts.append(now)
+        self.restarting = cause
+        self.counters.add("rank_restarts")
+        log.error("%s: %s; restarting the rank group (generation %d -> %d)", self.node_id,
+                  cause, self.generation, self.generation + 1)
+        self._on_group_down(f"{self.role} group {self.node_id} restarting after {cause}")
+        self.to_ranks(m.RankShutdown(reason=f"group restarting after {cause}"))
+        # The old ranks are the restarter's now: nothing here watches or counts them again.
+        old, self.handles = self.handles, []
+        for r, st in enumerate(self.ranks):
+            st.lost = True
+            self.rank_watch.forget(r)
+        self._restarter = threading.Thread(target=self._restart, args=(cause, old),
+                                           name=f"statebridge-{self.node_id}-restart",
+                                           daemon=True)
+        self._restarter.start()
+
+    def _restart(self, cause: str, old: list[RankHandle]) -> None:
+        """The restarter thread: stop the old ranks, reset, start a new group, wait for it."""
+        started = time.monotonic()
+        try:
+            for h in old:
+                h.stop(self.RANK_STOP_S)
+            alive = [getattr(h, "pid", r) for r, h in enumerate(old) if h.is_alive()]
+            if alive:
+                raise StartupError(f"old rank processes {alive} did not exit")
+            if self._closed:
+                return
+            store, self.dist_store = self.dist_store, None
+            if store is not None:
+                store.close()
+            self.loop.call(self._reset_group)
+            handles = self._launch()
+            try:
+                self.loop.call(self._adopt, handles)
+            except StatebridgeError:
+                for h in handles:
+                    h.stop(0.5)
+                raise
+            self.wait_ready(self.config.rank_start_timeout)
+            self.loop.call(self._restarted, time.monotonic() - started)
+        except Exception as e:  # noqa: BLE001 -- any failure of a restart fails the group
+            if self._closed:
+                return
+            log.exception("%s: restarting the rank group failed", self.node_id)
+            try:
+                self.loop.call_soon(self._fail_group,
+                                    f"{cause}; restarting the rank group failed: "
+                                    f"{type(e).__name__}: {e}")
+            except ClosedError:
+                pass
+
+    def _reset_group(self) -> None:
+        """Loop thread, once no old rank process is left that could write into a page or a
+        block: fresh pools, ledger and rank slots for the next generation."""
+        self.pool = PagePool(self.num_pages)
+        if self.blocks is not None:
+            self.blocks = BlockPool(self.num_blocks)
+        self.ledger = Ledger(self.tp_size, self.pool, self.blocks)
+        self.ranks = [_RankState() for _ in range(self.tp_size)]
+        self._by_identity.clear()
+        for r in range(self.tp_size):
+            self.rank_watch.forget(r)
+        self._ready.clear()
+        self._started.clear()
+        self._start_errors.clear()
+        self._lost_why.clear()
+        self.healthy = True
+        self.handles = []
+        self.generation += 1
+        self._on_group_reset()
+
+    def _adopt(self, handles: list[RankHandle]) -> None:
+        if self._closed:
+            raise ClosedError(f"{self.node_id} closed while its ranks restarted")
+        self.handles = handles
+
+    def _restarted(self, seconds: float) -> None:
+        if self.fatal or self._closed:
+            return
+        cause, self.restarting = self.restarting, ""
+        if not self.healthy:               # lost a rank of the new generation meanwhile
+            lost = "; ".join(f"rank {r} lost ({why})" for r, why in sorted(self._lost_why.items()))
+            self._supervise(lost)
+            return
+        log.warning("%s: rank group restarted in %.1f s (generation %d) after %s",
+                    self.node_id, seconds, self.generation, cause)
+        self._on_group_restarted()
+
+    def _fail_group(self, why: str) -> None:
+        """Loop thread: the group cannot serve any more: say why, drop peers, stop the ranks
+        (the node's command exits non-zero on :attr:`fatal`)."""
+        if self.fatal or self._closed:
+            return
+        self.fatal = why
+        self.healthy = False
+        self.restarting = ""
+        self.counters.add("group_failures")
+        log.critical("%s: rank group failed: %s", self.node_id, why)
+        self._on_group_down(f"{self.role} group {self.node_id} failed: {why}")
+        self.to_ranks(m.RankShutdown(reason=f"group failed: {why}"))
+        for handler in self._fatal_handlers:
+            try:
+                handler(why)
+            except Exception:  # noqa: BLE001
+                log.exception("%s: fatal handler failed", self.node_id)
+
+    def _on_group_down(self, why: str) -> None:
+        """The group stopped serving (restarting or failed): requests in flight have failed;
+        drop the peers (subclasses)."""
+
+    def _on_group_reset(self) -> None:
+        """Fresh state for a new generation (subclasses; loop thread)."""
+
+    def _on_group_restarted(self) -> None:
+        """The new generation is whole (subclasses; loop thread)."""
 
     def on_rank_message(self, msg_type: type, handler: Callable[[int, m.Message], None]) -> None:
         """Route rank messages of ``msg_type`` to ``handler(rank, msg)`` on the loop thread
@@ -489,6 +707,8 @@ class RankGroup:
         if self._closed:
             return
         self._closed = True
+        if self._restarter is not None:
+            self._restarter.join(timeout)      # it sees _closed; bounded by its steps
         told = False
         if self.loop.running:
             try:

@@ -325,6 +325,11 @@ class LocalDealer(LocalChannel):
                               f"{address.lstrip(chr(0))!r}: {e}") from None
         self._conn = self._add(sock, None)
 
+    @property
+    def connected(self) -> bool:
+        """False once the coordinator's end closed (its process exited, or it closed us)."""
+        return self._conn.fd in self._conns
+
     def send_frames(self, frames: list) -> None:
         """One message; dropped once the coordinator has gone; ``zmq.Again`` when the
         queue is full."""

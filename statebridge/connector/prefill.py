@@ -22,8 +22,12 @@ The page is held under a lease of ``lease_timeout`` seconds: if its sends do not
 time (the decode side vanished before posting its receives), the ranks cancel them and the
 page is freed once every rank confirmed the cancel. A decode peer that goes silent for ``peer_timeout``
 seconds (or says Goodbye) has all its requests cancelled; a prefill rank that dies fails every
-request in flight with ``peer_lost`` and the server refuses new requests (the group is broken;
-start a fresh one).
+request in flight with ``peer_lost``, and the server says Goodbye to its decode peers while its
+group restarts (or failed: see :mod:`~statebridge.connector.group`). A server whose group is
+not whole refuses handshakes (``Reject`` code ``not_ready``, naming the missing ranks): decode
+nodes re-dial until it is whole again. A Heartbeat from a connection the server does not know
+(it dropped that peer, e.g. after the peer was silent) is answered with Goodbye, so the peer
+learns at once that it must handshake again.
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ from __future__ import annotations
 import collections
 import logging
 import time
+from typing import Callable
 
 from statebridge.connector import control as c
 from statebridge.connector import messages as m
@@ -68,8 +73,14 @@ class PrefillServer(RankGroup):
     def _init_state(self) -> None:
         self.peers: dict[bytes, _Peer] = {}
         self.waiting: collections.deque[tuple[_Peer, m.TransferRequest]] = collections.deque()
-        self._pending_info: list[tuple[bytes, m.GroupInfo]] = []
-        self.peer_watch = c.PeerWatch(self.config.peer_timeout)
+        self.peer_watch = c.PeerWatch(self.config.peer_timeout, self.loop)
+        self._queries: dict[type, Callable[[m.Message], m.Message]] = {}
+
+    def on_query(self, msg_type: type, handler: "Callable[[m.Message], m.Message]") -> None:
+        """Answer ``msg_type`` from any connection (no handshake needed) with
+        ``handler(msg)``, on the loop thread: a layer above the connector (the prefill node)
+        answers its status and stats queries this way. Call before the server is used."""
+        self._queries[msg_type] = handler
 
     # -- decode peers ----------------------------------------------------------------------------
     def _on_peer_message(self, identity: bytes, msg: m.Message) -> None:
@@ -79,8 +90,24 @@ class PrefillServer(RankGroup):
             c.send_router(self.router, identity, m.Reject(
                 code="closing", reason=f"prefill server {self.node_id} is closing"))
             return
+        if isinstance(msg, (m.Hello, m.GroupInfo)):
+            whole, why = self.whole()
+            if not whole:
+                # Not whole (starting, restarting, failed): the decode node re-dials.
+                self.counters.add("refused_not_ready")
+                c.send_router(self.router, identity, m.Reject(code="not_ready", reason=why))
+                return
         if isinstance(msg, m.Hello):
             self._on_hello(identity, msg)
+            return
+        query = self._queries.get(type(msg))
+        if query is not None:
+            c.send_router(self.router, identity, query(msg))
+            return
+        if peer is None and isinstance(msg, m.Heartbeat):
+            # A connection we dropped (or never knew) still heartbeats: tell it to handshake.
+            self.counters.add("unknown_peers")
+            c.send_router(self.router, identity, m.Goodbye(node_id=self.node_id))
             return
         if peer is None or not peer.hello:
             self.counters.add("protocol_errors")
@@ -130,20 +157,10 @@ class PrefillServer(RankGroup):
             self.counters.add("incompatible_peers")
             c.send_router(self.router, identity, m.Reject(code="incompatible", reason=str(e)))
             return
-        if not self._ready.is_set():
-            self._pending_info.append((identity, info))   # answered when all ranks are up
-            return
         self._connect_peer(identity, info)
 
-    def _on_group_ready(self) -> None:
-        pending, self._pending_info = self._pending_info, []
-        for identity, info in pending:
-            self._connect_peer(identity, info)
-
     def _connect_peer(self, identity: bytes, info: m.GroupInfo) -> None:
-        peer = self.peers.get(identity)
-        if peer is None:                 # lost while its GroupInfo waited for the ranks
-            return
+        peer = self.peers[identity]
         # A decode node that re-dials (it lost us, e.g. a cut link) comes back on a new socket
         # with the same node id. Its old connection is dead: drop it first, so the ranks fail
         # its endpoints (RankCancel with lost_node) BEFORE the GroupInfo below makes new ones.
@@ -166,9 +183,9 @@ class PrefillServer(RankGroup):
         if not peer.connected:
             self._reject(peer, msg, FailureKind.TRANSFER_ERROR, "TransferRequest before GroupInfo")
             return
-        if not self.healthy:
-            self._reject(peer, msg, FailureKind.PEER_LOST,
-                         f"prefill group {self.node_id} lost a rank")
+        whole, why = self.whole()
+        if not whole:
+            self._reject(peer, msg, FailureKind.PEER_LOST, why)
             return
         if RequestKey(peer.node_id, msg.request_id, msg.generation) in self.ledger:
             self.counters.add("duplicate_requests")
@@ -330,6 +347,13 @@ class PrefillServer(RankGroup):
                              f"prefill group {self.node_id} lost a rank")
         self.waiting.clear()
 
+    def _on_group_down(self, why: str) -> None:
+        """Every request has failed; the decode peers hear Goodbye and re-dial (refused while
+        the group is not whole)."""
+        for identity in list(self.peers):
+            c.send_router(self.router, identity, m.Goodbye(node_id=self.node_id))
+            self._peer_lost(identity, why)
+
     def _on_close(self) -> None:
         for identity in list(self.peers):
             c.send_router(self.router, identity, m.Goodbye(node_id=self.node_id))
@@ -339,6 +363,7 @@ class PrefillServer(RankGroup):
         def collect():
             return {**self._page_stats(),
                     "waiting": len(self.waiting), "peers": len(self.peers),
-                    "healthy": self.healthy,
+                    "healthy": self.healthy, "generation": self.generation,
+                    "ready": self.whole()[0], "reason": self.whole()[1],
                     **self.counters.snapshot()}
         return self.loop.call(collect)

@@ -2,18 +2,61 @@
 
 Deterministic given a ``torch.Generator``: a sample is ``argmax(p / e)`` with ``e ~ Exp(1)``
 drawn from the generator (the exponential race, equivalent to sampling from ``p``), so the same
-seed and logits give the same tokens. Rows with temperature 0 are greedy and draw nothing.
+seed and logits give the same tokens. Rows with a temperature below :data:`MIN_TEMPERATURE`
+(0 included) are greedy and draw nothing: dividing logits by a smaller one overflows float32.
+
+:func:`sampling_problem` is the one check of a request's sampling values, used by every front
+door of the decode node before a request is admitted: the values are checked as the sampler
+uses them (float32), so a value that passes can never fail a batch.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 
+import math
+import struct
+
 import torch
 
 from statebridge.errors import ConfigError, ShapeError
 
-__all__ = ["sample", "greedy"]
+__all__ = ["sample", "greedy", "sampling_problem", "MIN_TEMPERATURE", "MAX_TEMPERATURE",
+           "SEED_MIN", "SEED_END"]
+
+#: Temperatures below this sample greedily (vLLM's threshold too).
+MIN_TEMPERATURE = 1e-5
+#: The highest temperature a request may ask for (OpenAI's limit).
+MAX_TEMPERATURE = 2.0
+#: A request's seed is a signed 64-bit integer: ``SEED_MIN <= seed < SEED_END``.
+SEED_MIN, SEED_END = -(1 << 63), 1 << 63
+
+
+def _float32(value: float) -> float:
+    """``value`` rounded to float32 (inf beyond its range)."""
+    try:
+        return struct.unpack("f", struct.pack("f", value))[0]
+    except OverflowError:
+        return math.copysign(math.inf, value)
+
+
+def sampling_problem(temperature: float, top_p: float, seed: int) -> tuple[str, str] | None:
+    """``(parameter, why)`` when a request's sampling values cannot be used, else None.
+
+    ``temperature``: a number in ``[0, MAX_TEMPERATURE]`` (below ``MIN_TEMPERATURE``: greedy).
+    ``top_p``: in ``(0, 1]`` both as given and in float32, the sampler's dtype (``1e-300`` is
+    0 there). ``seed``: an integer in ``[SEED_MIN, SEED_END)``. Pure Python, no tensors."""
+    if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) \
+            or not 0 <= temperature <= MAX_TEMPERATURE:
+        return "temperature", f"temperature={temperature!r} is not in [0, {MAX_TEMPERATURE}]"
+    if isinstance(top_p, bool) or not isinstance(top_p, (int, float)) or not 0 < top_p <= 1:
+        return "top_p", f"top_p={top_p!r} is not in (0, 1]"
+    if not _float32(top_p) > 0:
+        return "top_p", (f"top_p={top_p!r} is 0 in float32, the sampler's dtype (the smallest "
+                         f"top_p is about 1.4e-45)")
+    if isinstance(seed, bool) or not isinstance(seed, int) or not SEED_MIN <= seed < SEED_END:
+        return "seed", f"seed={seed!r} is not a signed 64-bit integer"
+    return None
 
 
 def greedy(logits: torch.Tensor) -> torch.Tensor:
@@ -46,7 +89,8 @@ def sample(logits: torch.Tensor, temperature: float | Sequence[float] | torch.Te
 
     Args:
         logits: ``[B, V]`` floating logits.
-        temperature: ``>= 0``, one for all rows or one per row; 0 means greedy.
+        temperature: ``>= 0``, one for all rows or one per row; below ``MIN_TEMPERATURE``
+            (0 included) means greedy.
         top_p: in ``(0, 1]``, one or per row: keep the smallest set of most likely tokens whose
             probability reaches ``top_p`` (always at least the most likely one).
         generator: source of randomness (on the logits' device); None uses torch's global one.
@@ -62,7 +106,7 @@ def sample(logits: torch.Tensor, temperature: float | Sequence[float] | torch.Te
     if bool(torch.isnan(ps).any()) or bool((ps <= 0).any()) or bool((ps > 1).any()):
         raise ConfigError(f"top_p must be in (0, 1], got {top_p!r}")
     out = logits.argmax(dim=-1)
-    hot = (temps > 0).nonzero().flatten()
+    hot = (temps >= MIN_TEMPERATURE).nonzero().flatten()
     if hot.numel() == 0:
         return out
     scaled = logits[hot].float() / temps[hot, None]

@@ -39,6 +39,13 @@ and blocks are freed, it waits at the front of the queue and is resumed by a loc
 its prompt and the tokens generated so far). Either way no other request is touched. A node
 started before its prefill nodes keeps dialling them (with backoff) and answers ``not_ready``
 meanwhile.
+
+Ready means it can serve: its decode rank group is whole and at least one prefill node is
+connected (with the ``recompute`` policy a whole group is enough); :meth:`DecodeNode.status`
+names the missing part otherwise (the HTTP door's ``/health`` says it). A decode rank lost
+fails every request in flight (``peer_lost``); the group then restarts or fails for good
+(:mod:`statebridge.connector.group`): :attr:`DecodeNode.fatal` says why, and the node's
+command exits non-zero.
 """
 
 from __future__ import annotations
@@ -65,7 +72,9 @@ from statebridge.errors import (
     TransferTimeoutError,
     kind_of,
 )
+from statebridge.hf_config import ModelConfig
 from statebridge.models.distributed import Rendezvous
+from statebridge.models.sampling import sampling_problem
 from statebridge.node import messages as nm
 from statebridge.node.checks import check_checkpoint
 from statebridge.security import CurveKeys
@@ -79,6 +88,25 @@ POLICIES = NodeConfig.POLICIES
 #: How often requests waiting for a page retry (a failed request's page frees only once every
 #: decode rank confirmed, which the node does not otherwise hear about).
 _RETRY_WAITING_S = 0.05
+
+
+def _front_door(setting: str, http, config: ConnectorConfig) -> tuple[bool, str]:
+    """Whether the zmq front door listens (NodeConfig.front_door), and why not: ``auto``
+    keeps it closed when the HTTP API requires an API key and the control plane has no CURVE
+    keys, since anyone reaching the door could generate without the key."""
+    if setting == "off":
+        return False, "--front-door off"
+    keyed_http = http is not None and http.port is not None and bool(http.api_key)
+    if setting == "on":
+        if keyed_http and not config.keys_dir:
+            log.warning("the zmq front door on %s accepts generation requests WITHOUT "
+                        "authentication while the HTTP API requires an API key (--front-door "
+                        "on, no --keys)", config.bind_host)
+        return True, ""
+    if keyed_http and not config.keys_dir:
+        return False, ("the HTTP API requires an API key and the control plane has no CURVE "
+                       "keys; --keys DIR or --front-door on opens it")
+    return True, ""
 
 
 class FrontDoorClient(Protocol):
@@ -157,6 +185,8 @@ class DecodeNode:
         nc = self.node_config
         self.config = config or ConnectorConfig()
         spec = check_checkpoint(model_dir, tp_size, nc.rank_model)
+        #: Prompt token ids must be below it (the model's embedding rows), at every door.
+        self.vocab_size = ModelConfig.load(model_dir).vocab_size
         self.coordinator = DecodeCoordinator(
             spec, tp_size, nc.layout, nc.num_pages, config=self.config, launcher=launcher,
             model=nc.rank_model, model_dir=model_dir,
@@ -175,11 +205,16 @@ class DecodeNode:
         self._steps = itertools.count(1)
         self._closed = False
         self.http = None
+        self.router, self.port = None, 0
+        door, why = _front_door(nc.front_door, http, self.config)
         try:
-            self.router, self.port = c.bind_router(
-                self.loop.context, self.config.bind_host, port, counters=self.counters,
-                keys=CurveKeys.from_config(self.config, listen=True), name="decode front door",
-                max_message_bytes=self.config.max_message_bytes)
+            if door:
+                self.router, self.port = c.bind_router(
+                    self.loop.context, self.config.bind_host, port, counters=self.counters,
+                    keys=CurveKeys.from_config(self.config, listen=True),
+                    name="decode front door", max_message_bytes=self.config.max_message_bytes)
+            else:
+                log.warning("zmq front door off (%s): clients use the HTTP API", why)
         except BaseException:
             self.coordinator.close()
             raise
@@ -187,7 +222,8 @@ class DecodeNode:
         self.coordinator.on_rank_lost(self._on_rank_lost)
 
         def attach() -> None:
-            self.loop.add_reader(self.router, self._on_client)
+            if self.router is not None:
+                self.loop.add_reader(self.router, self._on_client)
             self.loop.call_every(_RETRY_WAITING_S, self._start_waiting)
             self.loop.call_every(self.config.heartbeat_interval, self._check_step)
         try:
@@ -228,14 +264,24 @@ class DecodeNode:
         return self.node_config.policy
 
     def status(self) -> tuple[bool, str]:
-        """(ready, why not): ready once the decode ranks are up and a prefill node is
-        connected."""
+        """(ready, why not): ready once the decode rank group is whole and a prefill node is
+        connected (``recompute``: once the group is whole)."""
         return self.loop.call(self._status)
 
     def _status(self) -> tuple[bool, str]:
         if self._closed:
             return False, "decode node is closing"
-        return self.coordinator.status()
+        ready, why = self.coordinator.status()
+        if not ready and self.policy == "recompute" and self.coordinator.whole()[0]:
+            return True, ""                    # no prefill node: it prefills locally
+        return ready, why
+
+    @property
+    def fatal(self) -> str:
+        """Why the node cannot serve any more ("" while it serves or heals): its rank group
+        failed for good (see :mod:`statebridge.connector.group`). Its command exits non-zero
+        on it; a library user closes the node and starts a new one."""
+        return self.coordinator.fatal
 
     def wait_ready(self, timeout: float = 60.0) -> None:
         """Block until the node serves (a prefill node connected); TransferTimeoutError with
@@ -306,7 +352,8 @@ class DecodeNode:
             prefill_nodes=g.prefill_nodes, pages_used=g.pages_used, pages_free=g.pages_free,
             blocks_used=g.blocks_used, blocks_free=g.blocks_free,
             running=len(self.running), waiting=len(self.waiting),
-            refused_peers=g.refused_peers, aborted=int(self.counters.get("finished_aborted")))
+            refused_peers=g.refused_peers, aborted=int(self.counters.get("finished_aborted")),
+            refused_clients=int(self.counters.get("auth_refused")))
 
     def _on_abort(self, client: FrontDoorClient, msg: nm.AbortRequest) -> None:
         """Drop a client's request wherever it is. Decoding in the step in flight: it finishes
@@ -335,6 +382,11 @@ class DecodeNode:
             transfer_bytes=t.nbytes if t else 0, recomputed=gen.recomputed))
 
     def _problem(self, msg: nm.GenerateRequest) -> str | None:
+        """Why ``msg`` cannot be served, or None: the one check of a request, whichever door
+        it came through, of every value as the ranks will use it (token ids against the
+        model's vocabulary, sampling values in float32: :func:`sampling_problem`), so a
+        request that passes can fail no batch. Cheap: a prompt over the limit is refused from
+        its length, the ids of one under it are scanned in C."""
         nc = self.node_config
         if not msg.request_id:
             return "request_id is empty"
@@ -342,10 +394,16 @@ class DecodeNode:
             return "prompt is empty"
         if len(msg.prompt) > nc.max_prompt_len:
             return f"prompt of {len(msg.prompt)} tokens exceeds the limit of {nc.max_prompt_len}"
+        low, high = min(msg.prompt), max(msg.prompt)
+        if low < 0 or high >= self.vocab_size:
+            bad = low if low < 0 else high
+            return (f"prompt token id {bad} is outside the model's vocabulary of "
+                    f"{self.vocab_size}")
         if not 1 <= msg.max_new_tokens <= nc.max_new_tokens:
             return f"max_new_tokens {msg.max_new_tokens} not in [1, {nc.max_new_tokens}]"
-        if not msg.temperature >= 0 or not 0 < msg.top_p <= 1:
-            return f"temperature {msg.temperature} / top_p {msg.top_p} out of range"
+        problem = sampling_problem(msg.temperature, msg.top_p, msg.seed)
+        if problem is not None:
+            return problem[1]
         if msg.request_id in self.gens:
             return f"request id {msg.request_id!r} is already in flight"
         if self.kv:
@@ -523,17 +581,38 @@ class DecodeNode:
             return
         self.step_in_flight = None
         if msg.kind:
+            # The step failed as a whole: every request of it (their states may be half
+            # updated). A model's failure is the server's (internal, HTTP 500).
+            self.counters.add(f"steps_failed_{msg.kind}")
             for gen in batch:
                 self._finish(gen, FailureKind.parse(msg.kind),
-                             f"decode step failed: {msg.message}")
+                             f"decode step {step} failed: {msg.message}")
+            self._maybe_step()
+            return
+        failed = {row: (kind, why) for row, kind, why in zip(
+            msg.failed_rows, msg.failed_kinds, msg.failed_messages)}
+        if len(msg.tokens) != len(batch) or len(failed) != len(msg.failed_rows) or \
+                not all(0 <= row < len(batch) for row in failed):
+            self.counters.add("malformed_step_results")
+            for gen in batch:
+                self._finish(gen, FailureKind.INTERNAL, f"decode step {step}: rank {rank} "
+                             f"answered {len(msg.tokens)} tokens and failed rows "
+                             f"{msg.failed_rows} for {len(batch)} requests")
             self._maybe_step()
             return
         now = time.perf_counter()
         # Requests that finish are taken out first; the rest rotate to the back so a batch
-        # larger than max_batch is served round robin.
-        for gen, token in zip(batch, msg.tokens):
+        # larger than max_batch is served round robin. A failed row finishes its request
+        # only (its page is untouched by the step or belongs to it alone).
+        for row, (gen, token) in enumerate(zip(batch, msg.tokens)):
             if gen.aborted:
                 self._finish(gen, FailureKind.ABORTED, gen.aborted)
+                continue
+            if row in failed:
+                kind, why = failed[row]
+                self.counters.add("step_rows_failed")
+                self._finish(gen, FailureKind.parse(kind),
+                             f"decode step {step}: {gen.request_id}: {why}")
                 continue
             if not gen.generated:
                 gen.ttft = now - gen.arrived
@@ -580,7 +659,7 @@ class DecodeNode:
         except StatebridgeError:
             pass
         self.coordinator.close()
-        if hasattr(self, "router"):
+        if getattr(self, "router", None) is not None:
             self.router.close(0)
 
     def _fail_all(self) -> None:

@@ -23,16 +23,29 @@ serialization, and the node validates and serves an HTTP request exactly as a zm
 request whose client disconnects, or whose text meets a stop string, is aborted at the node
 (:class:`~statebridge.node.messages.AbortRequest`): its page and KV blocks free at once.
 
+Limits come before work, and no request may hold up the node's loop thread, which shares
+this process (and its interpreter lock) with the server: the body is read under
+``max_body_bytes`` and ``body_timeout`` and never buffered whole; a request head must come
+within ``header_timeout`` (:func:`_guarded_protocol`); a batch larger than can ever be in
+flight, and a text longer than :data:`MAX_CHARS_PER_TOKEN` characters per token of the
+prompt limit, are refused before anything is tokenized; long text is tokenized in a small
+pool by the batch encoder, which releases the lock. What remains is the JSON parse of one
+body, bounded by ``max_body_bytes``.
+
 Errors have OpenAI's shape ``{"error": {"message", "type", "param", "code"}}``: 400 for a bad
-request (wrong field types, limits, unknown model, no chat template), 401 for a missing or
-wrong API key, 429 (too many requests in flight, or the node is out of pages or blocks) and 503
-(no prefill node connected, the node does not answer or is closing) with ``Retry-After``.
+request (wrong field types, limits, malformed or too deeply nested JSON, lone surrogates, a
+batch that can never fit, unknown model, no chat template), 401 for a missing or wrong API
+key, 408 (a head or body too slow), 413 (a body over the limit), 429 (too many requests in
+flight now, or the node is out of pages or blocks) and 503 (no prefill node connected, the
+node does not answer or is closing) with ``Retry-After``, 500 when a decode step failed
+(``internal``).
 """
 
 from __future__ import annotations
 
 import asyncio
 import collections
+import concurrent.futures
 import hmac
 import json
 import logging
@@ -47,6 +60,7 @@ from statebridge.config import HttpConfig
 from statebridge.connector import messages as m
 from statebridge.errors import (ClosedError, FailureKind, InvalidRequestError, ProtocolError,
                                 StartupError, StatebridgeError)
+from statebridge.models.sampling import sampling_problem
 from statebridge.node import messages as nm
 from statebridge.node.text import NoChatTemplateError, TextTokenizer
 
@@ -56,6 +70,18 @@ __all__ = ["HttpServer", "build_app", "NodeLink"]
 
 #: Most stop strings a request may give (OpenAI allows 4).
 MAX_STOP = 16
+#: The most characters one token of a prompt is taken to cover: a text prompt longer than
+#: ``MAX_CHARS_PER_TOKEN * max_prompt_len`` characters cannot fit and is refused from its
+#: length, before it is tokenized (real text averages 3-5 characters per token).
+MAX_CHARS_PER_TOKEN = 32
+#: Texts up to this many characters in all are tokenized on the server's loop (a fraction of
+#: a millisecond); longer ones in the tokenizer pool, which releases the interpreter lock.
+INLINE_CHARS = 4096
+#: Threads of the tokenizer pool (long prompts queue there rather than crowd the CPUs).
+TOKENIZE_THREADS = 2
+#: Seconds a connection refused before its body was read is drained before it is closed
+#: (closing at once with unread bytes resets it, and the client may lose the answer).
+LINGER_S = 2.0
 
 
 class ApiError(Exception):
@@ -69,7 +95,8 @@ class ApiError(Exception):
             status, message, type_, param, code
         self.retry_after = retry_after
         self.outcome = outcome or {400: "invalid_request", 401: "unauthorized",
-                                   404: "invalid_request", 429: "rate_limited"}.get(
+                                   404: "invalid_request", 408: "timeout",
+                                   413: "too_large", 429: "rate_limited"}.get(
             status, "unavailable" if status in (503, 504) else "error")
 
     def body(self) -> dict:
@@ -102,6 +129,7 @@ _KIND_STATUS = {
     FailureKind.TRANSFER_ERROR: (503, "service_unavailable_error", 1.0),
     FailureKind.ABORTED: (503, "service_unavailable_error", 1.0),
     FailureKind.CLOSED: (503, "service_unavailable_error", 1.0),
+    FailureKind.INTERNAL: (500, "server_error", None),
 }
 
 
@@ -265,13 +293,38 @@ class _Sampling:
 _MISSING = object()
 
 
+def _show(value: Any) -> str:
+    """``value`` as JSON for an error message: at most 100 characters, never an error."""
+    try:
+        return json.dumps(value)[:100]
+    except (RecursionError, ValueError, TypeError):
+        return type(value).__name__
+
+
 def _field(body: dict, name: str, kinds: tuple[type, ...], default: Any, what: str) -> Any:
     value = body.get(name, _MISSING)
     if value is _MISSING or value is None:
         return default
     if isinstance(value, bool) and bool not in kinds or not isinstance(value, kinds):
-        raise _bad(f"{name} must be {what}, got {json.dumps(value)[:100]}", name)
+        raise _bad(f"{name} must be {what}, got {_show(value)}", name)
     return value
+
+
+def _text(value: str, param: str) -> str:
+    """``value`` if it is valid Unicode text; 400 naming the first lone surrogate (JSON lets
+    ``"\\ud800"`` through; no tokenizer or UTF-8 encoder takes it)."""
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise _bad(f"{param} holds a lone surrogate {value[e.start]!r} at character {e.start}: "
+                   f"not valid Unicode text", param) from None
+    return value
+
+
+def _quiet(future: "asyncio.Future") -> None:
+    """Retrieve ``future``'s outcome once it is done, so a cancelled gather or a task that
+    failed after its client left is never logged as "exception was never retrieved"."""
+    future.add_done_callback(lambda f: f.cancelled() or f.exception())
 
 
 class _Api:
@@ -283,7 +336,9 @@ class _Api:
         self.link, self.tok, self.config = link, tokenizer, config
         self.model_name, self.model_dir = model_name, model_dir
         self.max_prompt_len, self.max_new_tokens = max_prompt_len, max_new_tokens
+        self.max_chars = MAX_CHARS_PER_TOKEN * max_prompt_len
         self.max_inflight = max_inflight
+        self.pool: concurrent.futures.ThreadPoolExecutor | None = None
         self.inflight = 0
         self.metrics = metrics
         self.created = int(time.time())
@@ -299,19 +354,54 @@ class _Api:
             raise ApiError(401, "missing or wrong API key (send Authorization: Bearer KEY)",
                            "authentication_error", code="invalid_api_key")
 
-    async def body(self, request) -> dict:
+    async def body(self, request) -> tuple[dict, int]:
+        """The request's JSON object and its size in bytes. Read under ``max_body_bytes``
+        (413 from a larger ``Content-Length``, or as soon as more arrived: never buffered
+        whole) and ``body_timeout`` (408); malformed or too deeply nested JSON is 400."""
+        raw = await self.read_body(request)
         try:
-            body = json.loads(await request.body() or b"null")
+            body = json.loads(raw or b"null")
+        except RecursionError:
+            raise _bad("the body is nested too deeply to be a request") from None
         except ValueError as e:
             raise _bad(f"the body is not JSON: {e}") from None
         if not isinstance(body, dict):
             raise _bad("the body must be a JSON object")
         model = body.get("model")
         if model is not None and model != self.model_name:
-            raise ApiError(400, f"the model {json.dumps(model)[:100]} is not served here; this "
+            raise ApiError(400, f"the model {_show(model)} is not served here; this "
                                 f"server serves {self.model_name!r}", param="model",
                            code="model_not_found")
-        return body
+        return body, len(raw)
+
+    async def read_body(self, request) -> bytes:
+        cap = self.config.max_body_bytes
+
+        def too_large(what: str) -> ApiError:
+            return ApiError(413, f"the request body is {what}, more than the limit of {cap} "
+                                 f"bytes (--max-body-bytes)", code="body_too_large")
+
+        length = request.headers.get("content-length")
+        if length is not None:
+            if not length.strip().isdigit():
+                raise _bad(f"Content-Length {length[:40]!r} is not a number of bytes")
+            if int(length) > cap:
+                raise too_large(f"{int(length)} bytes")
+        chunks: list[bytes] = []
+
+        async def read() -> None:
+            got = 0
+            async for chunk in request.stream():
+                got += len(chunk)
+                if got > cap:
+                    raise too_large(f"over {got} bytes")
+                chunks.append(chunk)
+        try:
+            await asyncio.wait_for(read(), self.config.body_timeout)
+        except asyncio.TimeoutError:
+            raise ApiError(408, f"the request body did not arrive within "
+                                f"{self.config.body_timeout} s", code="body_timeout") from None
+        return b"".join(chunks)
 
     def sampling(self, body: dict, *, chat: bool) -> _Sampling:
         for name, allowed in (("n", 1), ("best_of", 1)):
@@ -342,20 +432,20 @@ class _Api:
             raise _bad(f"{name}={max_tokens} is not in [1, {self.max_new_tokens}] (the node's "
                        f"--max-new-tokens)", name)
         temperature = float(_field(body, "temperature", (int, float), 1.0, "a number"))
-        if not 0 <= temperature <= 2:
-            raise _bad(f"temperature={temperature} is not in [0, 2]", "temperature")
         top_p = float(_field(body, "top_p", (int, float), 1.0, "a number"))
-        if not 0 < top_p <= 1:
-            raise _bad(f"top_p={top_p} is not in (0, 1]", "top_p")
         seed = _field(body, "seed", (int,), None, "an integer")
         if seed is None:
             seed = int.from_bytes(os.urandom(4), "little")
-        if not -(1 << 63) <= seed < (1 << 63):
-            raise _bad(f"seed={seed} does not fit 64 bits", "seed")
+        # The decode node's own check (every door's): the values as the sampler uses them.
+        problem = sampling_problem(temperature, top_p, seed)
+        if problem is not None:
+            raise _bad(problem[1], problem[0])
         stop = _field(body, "stop", (str, list), [], "a string or a list of strings")
         stop = [stop] if isinstance(stop, str) else stop
         if len(stop) > MAX_STOP or not all(isinstance(s, str) for s in stop):
             raise _bad(f"stop must be a string or at most {MAX_STOP} strings", "stop")
+        for s in stop:
+            _text(s, "stop")
         stream = _field(body, "stream", (bool,), False, "a boolean")
         options = _field(body, "stream_options", (dict,), {}, "an object")
         include_usage = _field(options, "include_usage", (bool,), False, "a boolean")
@@ -363,8 +453,11 @@ class _Api:
         return _Sampling(max_tokens, temperature, top_p, seed, tuple(stop), stream,
                          include_usage, ignore_eos)
 
-    def prompts(self, body: dict) -> list[list[int]]:
-        """``prompt``: a string, a list of token ids, or a batch of either."""
+    async def prompts(self, body: dict) -> list[list[int]]:
+        """``prompt``: a string, a list of token ids, or a batch of either. Everything that
+        can be refused without tokenizing is refused first: a batch larger than can ever be
+        in flight, a text longer than ``MAX_CHARS_PER_TOKEN`` x ``--max-prompt-len``
+        characters, a lone surrogate, an id outside the vocabulary."""
         prompt = body.get("prompt")
         what = "a string, a list of token ids, or a list of those"
         if isinstance(prompt, str):
@@ -376,21 +469,50 @@ class _Api:
                 isinstance(p, (str, list)) for p in prompt):
             batch = prompt
         else:
-            raise _bad(f"prompt must be {what}, got {json.dumps(prompt)[:100]}", "prompt")
-        out = []
+            raise _bad(f"prompt must be {what}, got {_show(prompt)}", "prompt")
+        if len(batch) > self.max_inflight:
+            raise _bad(f"a batch of {len(batch)} prompts can never be served: at most "
+                       f"{self.max_inflight} requests are in flight at once (send fewer per "
+                       f"request)", "prompt", "too_many_prompts")
+        out: list[list[int] | None] = []
+        texts: list[tuple[int, str]] = []
         for p in batch:
             if isinstance(p, str):
-                ids = self.tok.encode(p)
+                if len(p) > self.max_chars:
+                    raise _bad(f"the prompt has {len(p)} characters, more than the limit of "
+                               f"{self.max_chars} ({MAX_CHARS_PER_TOKEN} per token of "
+                               f"--max-prompt-len {self.max_prompt_len}): it cannot fit",
+                               "prompt", "context_length_exceeded")
+                texts.append((len(out), _text(p, "prompt")))
+                out.append(None)
             elif all(isinstance(t, int) and not isinstance(t, bool) for t in p):
-                ids = list(p)
-                bad = [t for t in ids if not 0 <= t < self.tok.vocab_size]
-                if bad:
+                ids = self.check_length(list(p), "prompt")
+                if min(ids) < 0 or max(ids) >= self.tok.vocab_size:
+                    bad = [t for t in ids if not 0 <= t < self.tok.vocab_size]
                     raise _bad(f"token ids {bad[:8]} are outside the vocabulary of "
                                f"{self.tok.vocab_size}", "prompt")
+                out.append(ids)
             else:
                 raise _bad(f"prompt must be {what}", "prompt")
-            out.append(self.check_length(ids, "prompt"))
+        for (i, _), ids in zip(texts, await self.encode([t for _, t in texts])):
+            out[i] = self.check_length(ids, "prompt")
         return out
+
+    async def encode(self, texts: list[str]) -> list[list[int]]:
+        """Token ids of ``texts``: short ones here, long ones in the tokenizer pool (the
+        server's loop serves other connections meanwhile, and the node's loop runs: the
+        batch encoder releases the interpreter lock)."""
+        if not texts:
+            return []
+        if sum(map(len, texts)) <= INLINE_CHARS:
+            return [self.tok.encode(t) for t in texts]
+        return await self.offload(self.tok.encode_many, texts)
+
+    async def offload(self, fn, *args):
+        if self.pool is None:
+            self.pool = concurrent.futures.ThreadPoolExecutor(
+                TOKENIZE_THREADS, thread_name_prefix="statebridge-tokenize")
+        return await asyncio.get_running_loop().run_in_executor(self.pool, fn, *args)
 
     def check_length(self, ids: list[int], param: str) -> list[int]:
         if not ids:
@@ -401,19 +523,34 @@ class _Api:
                        "context_length_exceeded")
         return ids
 
-    def chat_prompt(self, body: dict) -> list[int]:
+    async def chat_prompt(self, body: dict, size: int) -> list[int]:
+        """The messages rendered by the chat template and tokenized; in the tokenizer pool
+        when the body is large (rendering is Python: it would hold up the server's loop)."""
         messages = body.get("messages")
         if not isinstance(messages, list) or not messages:
             raise _bad("messages must be a non-empty list", "messages")
         if body.get("response_format") not in (None, {"type": "text"}):
             raise _bad("response_format other than text is not supported", "response_format")
+        if size > INLINE_CHARS:
+            return await self.offload(self._chat_ids, messages)
+        return self._chat_ids(messages)
+
+    def _chat_ids(self, messages: list) -> list[int]:
         try:
             text = self.tok.apply_chat_template(messages, add_generation_prompt=True)
         except NoChatTemplateError as e:
             raise _bad(str(e), "messages", "no_chat_template") from None
         except InvalidRequestError as e:
             raise _bad(str(e), "messages") from None
-        return self.check_length(self.tok.encode(text), "messages")
+        if len(text) > self.max_chars:
+            raise _bad(f"the rendered messages have {len(text)} characters, more than the "
+                       f"limit of {self.max_chars} ({MAX_CHARS_PER_TOKEN} per token of "
+                       f"--max-prompt-len {self.max_prompt_len}): they cannot fit",
+                       "messages", "context_length_exceeded")
+        text = _text(text, "messages")
+        ids = self.tok.encode(text) if len(text) <= INLINE_CHARS else \
+            self.tok.encode_many([text])[0]
+        return self.check_length(ids, "messages")
 
     # -- generation -----------------------------------------------------------------------
     def admit(self, n: int) -> None:
@@ -424,18 +561,28 @@ class _Api:
         self.inflight += n
 
     async def completion(self, request, chat: bool):
+        from starlette.requests import ClientDisconnect
         from starlette.responses import JSONResponse, StreamingResponse
 
         endpoint = "chat_completions" if chat else "completions"
         arrived = time.perf_counter()
         try:
             self.check_key(request)
-            body = await self.body(request)
+            body, size = await self.body(request)
             params = self.sampling(body, chat=chat)
-            prompts = [self.chat_prompt(body)] if chat else self.prompts(body)
+            prompts = [await self.chat_prompt(body, size)] if chat else \
+                await self.prompts(body)
+        except RecursionError:
+            e = _bad("the body is nested too deeply to be a request")
+            self.metrics.request(endpoint, e.outcome)
+            return e.response()
         except ApiError as e:
             self.metrics.request(endpoint, e.outcome)
             return e.response()
+        except ClientDisconnect:
+            log.debug("%s: the client disconnected while sending its request", endpoint)
+            self.metrics.request(endpoint, "disconnected")
+            return JSONResponse({}, status_code=499)
         try:
             self.admit(len(prompts))
         except ApiError as e:
@@ -454,6 +601,8 @@ class _Api:
                 for ch in choices:
                     ch.close("request finished" if outcome == "ok" else outcome)
                 self.metrics.request(endpoint, outcome)
+                if outcome == "disconnected":
+                    log.debug("%s: the client disconnected; aborted at the node", rid)
 
         async def settle(work) -> "JSONResponse | None":
             """Await ``work`` until it is done or the client goes; an error response (the
@@ -475,14 +624,15 @@ class _Api:
         # its status code even when streaming.
         first = [asyncio.ensure_future(ch.start()) for ch in choices]
         try:
-            refused = await settle(asyncio.gather(*first))
+            refused = await settle(_gather(first))
         finally:
             for f in first:
                 f.cancel()
         if refused is not None:
             return refused
         if not params.stream:
-            refused = await settle(asyncio.gather(*(ch.run() for ch in choices)))
+            refused = await settle(_gather([asyncio.ensure_future(ch.run())
+                                            for ch in choices]))
             if refused is not None:
                 return refused
             release("ok")
@@ -564,6 +714,7 @@ class _Api:
             yield "data: [DONE]\n\n"
         finally:
             for future in pending:
+                _quiet(future)
                 future.cancel()
             release(outcome)
 
@@ -613,6 +764,16 @@ class _Disconnected(Exception):
     pass
 
 
+def _gather(tasks: list) -> "asyncio.Future":
+    """``asyncio.gather`` of ``tasks`` whose outcomes are all retrieved, whoever stops
+    waiting first (no "never retrieved" noise once a client left or a sibling failed)."""
+    for task in tasks:
+        _quiet(task)
+    gathered = asyncio.gather(*tasks)
+    _quiet(gathered)
+    return gathered
+
+
 async def _until_disconnect(request, work):
     """Await ``work``; _Disconnected (``work`` cancelled) if the client goes away first."""
     async def watch():
@@ -621,6 +782,7 @@ async def _until_disconnect(request, work):
             if message["type"] == "http.disconnect":
                 return
     work = asyncio.ensure_future(work)
+    _quiet(work)
     watcher = asyncio.ensure_future(watch())
     try:
         await asyncio.wait((work, watcher), return_when=asyncio.FIRST_COMPLETED)
@@ -766,6 +928,8 @@ class _NodeCollector:
             yield GaugeMetricFamily(name, help_, value=value)
         yield CounterMetricFamily("statebridge_refused_peers", "Prefill peers whose handshake "
                                   "failed", value=s.refused_peers)
+        yield CounterMetricFamily("statebridge_refused_clients", "Clients of the zmq front "
+                                  "door refused by CURVE authentication", value=s.refused_clients)
         yield CounterMetricFamily("statebridge_node_aborted_requests", "Requests aborted at "
                                   "the decode node", value=s.aborted)
 
@@ -792,6 +956,9 @@ def build_app(link: NodeLink, tokenizer: TextTokenizer, config: HttpConfig, *, m
             yield
         finally:
             await link.close()
+            if api.pool is not None:
+                api.pool.shutdown(wait=False, cancel_futures=True)
+                api.pool = None
 
     async def completions(request):
         return await api.completion(request, chat=False)
@@ -821,18 +988,103 @@ def build_app(link: NodeLink, tokenizer: TextTokenizer, config: HttpConfig, *, m
     return app
 
 
+def _guarded_protocol(header_timeout: float) -> type:
+    """uvicorn's h11 protocol with the two bounds uvicorn does not have:
+
+    - A connection must send a whole request head within ``header_timeout`` seconds of its
+      opening or of its previous response; otherwise it gets 408 and is closed (a slow
+      client that sends half a head and waits holds a socket that long at most).
+    - A connection answered before its request body was read (413, 408, a refusal that
+      needed no body) is half-closed after the answer, its input drained and dropped for
+      at most :data:`LINGER_S`, then closed: closing at once with unread input resets the
+      connection, and the client could lose the answer.
+    """
+    import h11
+    from uvicorn.protocols.http.h11_impl import H11Protocol
+
+    body = json.dumps({"error": {"message": f"no whole request head within {header_timeout} s",
+                                 "type": "invalid_request_error", "param": None,
+                                 "code": "header_timeout"}}).encode()
+    timed_out = (b"HTTP/1.1 408 Request Timeout\r\ncontent-type: application/json\r\n"
+                 b"connection: close\r\ncontent-length: %d\r\n\r\n%s" % (len(body), body))
+
+    class GuardedH11Protocol(H11Protocol):
+        _lingering = False
+        _head_timer: asyncio.TimerHandle | None = None
+
+        def connection_made(self, transport) -> None:
+            super().connection_made(transport)
+            self._await_head()
+
+        def connection_lost(self, exc) -> None:
+            self._stop_timer()
+            super().connection_lost(exc)
+
+        def data_received(self, data: bytes) -> None:
+            if not self._lingering:
+                super().data_received(data)
+
+        def on_response_complete(self) -> None:
+            super().on_response_complete()
+            if self.transport.is_closing():
+                return
+            if self.conn.their_state is h11.SEND_BODY:     # answered before the body came
+                self._linger()
+            else:
+                self._await_head()
+
+        def _await_head(self) -> None:
+            self._stop_timer()
+            self._head_timer = self.loop.call_later(header_timeout, self._head_late, self.cycle)
+
+        def _stop_timer(self) -> None:
+            if self._head_timer is not None:
+                self._head_timer.cancel()
+                self._head_timer = None
+
+        def _head_late(self, cycle) -> None:
+            self._head_timer = None
+            if self.transport.is_closing() or self.cycle is not cycle or \
+                    self.conn.their_state is not h11.IDLE:
+                return                                      # a request came meanwhile
+            log.debug("HTTP connection from %s sent no whole request head within %s s: "
+                      "closed with 408", self.client, header_timeout)
+            self.transport.write(timed_out)
+            self._linger()
+
+        def _linger(self) -> None:
+            self._lingering = True
+            self._stop_timer()
+            self._unset_keepalive_if_required()
+            if self.transport.can_write_eof():
+                self.transport.write_eof()
+            self.flow.resume_reading()
+            self.loop.call_later(LINGER_S, self._close)
+
+        def _close(self) -> None:
+            if not self.transport.is_closing():
+                self.transport.close()
+
+    return GuardedH11Protocol
+
+
 class HttpServer:
     """uvicorn serving :func:`build_app` in a daemon thread (its own event loop). ``close()``
-    stops it (idempotent)."""
+    stops it (idempotent). ``header_timeout``: default the app's ``HttpConfig``'s."""
 
-    def __init__(self, app, host: str, port: int, *, timeout: float = 30.0) -> None:
+    def __init__(self, app, host: str, port: int, *, timeout: float = 30.0,
+                 header_timeout: float | None = None) -> None:
         import uvicorn
 
         self.host = host
+        if header_timeout is None:
+            api = getattr(getattr(app, "state", None), "api", None)
+            header_timeout = api.config.header_timeout if api is not None else \
+                HttpConfig().header_timeout
         # log_config=None: the library configures no logging (the CLI does).
         config = uvicorn.Config(app, host=host, port=port, log_config=None, log_level=None,
                                 access_log=False, lifespan="on", timeout_graceful_shutdown=2,
-                                ws="none")
+                                ws="none", http=_guarded_protocol(header_timeout))
         self._server = uvicorn.Server(config)
         self._error: BaseException | None = None
         self._thread = threading.Thread(target=self._run, name="statebridge-http", daemon=True)
@@ -865,7 +1117,8 @@ class HttpServer:
         process (its tokenizer, limits and keys)."""
         tokenizer = TextTokenizer.from_dir(model_dir)
         nc = node.node_config
-        link = NodeLink(node, name=f"decode node {node.address}")
+        where = node.address if node.port else node.coordinator.node_id   # (zmq door off)
+        link = NodeLink(node, name=f"decode node {where}")
         name = config.served_model_name or os.path.basename(os.path.normpath(model_dir))
         app = build_app(link, tokenizer, config, model_name=name,
                         model_dir=os.path.abspath(model_dir), max_prompt_len=nc.max_prompt_len,

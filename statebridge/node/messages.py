@@ -40,12 +40,18 @@ class RankStep(Message):
 @message
 class RankStepResult(Message):
     """The sampling rank -> decode node: one token per request of the step (``kind`` empty),
-    or the step failed (``kind`` a FailureKind name, ``message`` why)."""
+    or the step failed as a whole (``kind`` a FailureKind name, ``message`` why; every request
+    of the batch fails). A row that could not be served fails alone: its index is in
+    ``failed_rows`` (its token is -1), with its FailureKind name and why at the same position
+    of ``failed_kinds`` and ``failed_messages``; the other rows' tokens are good."""
     step: int
     tp_rank: int
     tokens: tuple[int, ...]
     kind: str
     message: str
+    failed_rows: tuple[int, ...] = ()
+    failed_kinds: tuple[str, ...] = ()
+    failed_messages: tuple[str, ...] = ()
 
 
 @message
@@ -112,8 +118,9 @@ class StatsQuery(Message):
 class NodeStats(Message):
     """Decode node -> client: readiness as in NodeStatus, and what the node holds now: pages
     and KV blocks (per rank, the same on every rank) used and free, requests decoding and
-    waiting for a page, connected prefill peers, and ``refused_peers``: prefill nodes whose
-    handshake failed (incompatible, or they refused us) since the node started."""
+    waiting for a page, connected prefill peers, ``refused_peers``: prefill nodes whose
+    handshake failed (incompatible, or they refused us), and ``refused_clients``: clients of
+    the zmq front door refused by CURVE authentication, since the node started."""
     node_id: str
     ready: bool
     reason: str
@@ -126,3 +133,4 @@ class NodeStats(Message):
     waiting: int
     refused_peers: int
     aborted: int
+    refused_clients: int = 0

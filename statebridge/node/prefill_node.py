@@ -1,5 +1,12 @@
 """The prefill node: a :class:`~statebridge.connector.prefill.PrefillServer` whose rank processes
-run the model (N-1 prefill of each request) and send the state to the decode ranks."""
+run the model (N-1 prefill of each request) and send the state to the decode ranks.
+
+Besides the decode nodes' handshakes and requests, its control port answers the status and stats
+queries of the decode node's front door (:class:`~statebridge.node.messages.StatusQuery` ->
+``NodeStatus``, :class:`~statebridge.node.messages.StatsQuery` -> ``NodeStats``), so
+``Client(prefill address).status()`` says whether it serves and why not (its rank group is
+starting, restarting, or failed), and its pages and KV blocks can be read from outside.
+"""
 
 from __future__ import annotations
 
@@ -10,11 +17,12 @@ from statebridge.config import ConnectorConfig, NodeConfig
 from statebridge.connector.group import Launcher, spawn_launcher
 from statebridge.connector.prefill import PrefillServer
 from statebridge.models.distributed import Rendezvous
+from statebridge.node import messages as nm
 from statebridge.node.checks import check_checkpoint
 
 log = logging.getLogger(__name__)
 
-__all__ = ["start_prefill_node"]
+__all__ = ["start_prefill_node", "answer_queries"]
 
 
 def start_prefill_node(model_dir: str, tp_size: int, *, port: int = 0, layout: str | None = None,
@@ -39,6 +47,7 @@ def start_prefill_node(model_dir: str, tp_size: int, *, port: int = 0, layout: s
                                                        host=(config or ConnectorConfig()).bind_host),
                            kv_layout=nc.kv_layout, block_size=nc.block_size,
                            num_blocks=nc.num_blocks(spec, tp_size), device=nc.device)
+    answer_queries(server)
     try:
         server.wait_ready()
     except BaseException:
@@ -46,3 +55,24 @@ def start_prefill_node(model_dir: str, tp_size: int, *, port: int = 0, layout: s
         raise
     log.info("prefill node ready on %s (TP %d, %s)", server.address, tp_size, layout)
     return server
+
+
+def answer_queries(server: PrefillServer) -> None:
+    """Let ``server`` answer StatusQuery and StatsQuery (on its loop thread)."""
+    def status(msg: nm.StatusQuery) -> nm.NodeStatus:
+        ready, why = server.whole()
+        return nm.NodeStatus(node_id=server.node_id, ready=ready, reason=why, prefill_nodes=())
+
+    def stats(msg: nm.StatsQuery) -> nm.NodeStats:
+        ready, why = server.whole()
+        blocks = server.blocks
+        return nm.NodeStats(
+            node_id=server.node_id, ready=ready, reason=why, prefill_nodes=(),
+            pages_used=server.pool.num_used, pages_free=server.pool.num_free,
+            blocks_used=blocks.num_used if blocks else 0,
+            blocks_free=blocks.num_free if blocks else 0,
+            running=len(server.ledger), waiting=len(server.waiting),
+            refused_peers=int(server.counters.get("incompatible_peers")),
+            aborted=int(server.counters.get("aborted_by_peer")))
+    server.on_query(nm.StatusQuery, status)
+    server.on_query(nm.StatsQuery, stats)

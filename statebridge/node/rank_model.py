@@ -10,34 +10,41 @@ share a GPU, NCCL where each rank has its own (:func:`statebridge.devices.tp_bac
 from __future__ import annotations
 
 import logging
+from typing import Sequence
 
 import torch
 
 from statebridge.connector.rank import RankModel, RankSetup
-from statebridge.errors import FailureKind
+from statebridge.errors import FailureKind, StatebridgeError
 from statebridge.node import messages as nm
 from statebridge.state.cache import StateCache
 
 log = logging.getLogger(__name__)
 
-__all__ = ["ModelRankModel", "sample_tokens"]
+__all__ = ["ModelRankModel", "sample_tokens", "sample_row"]
 
 
-def sample_tokens(logits: torch.Tensor, msg: nm.RankStep) -> tuple[int, ...]:
-    """One token per row: greedy at temperature 0, else temperature + top-p with a generator
-    seeded by (request seed, position) so a request's tokens do not depend on its batch."""
-    from statebridge.models.sampling import sample
+def sample_tokens(logits: torch.Tensor, msg: nm.RankStep,
+                  rows: Sequence[int] | None = None) -> tuple[int, ...]:
+    """One token per row: greedy below ``MIN_TEMPERATURE``, else temperature + top-p with a
+    generator seeded by (request seed, position) so a request's tokens do not depend on its
+    batch. ``logits`` row ``i`` belongs to request row ``rows[i]`` of ``msg`` (default: the
+    same row). A row whose values cannot be sampled raises for the whole call; the decode
+    step samples row by row (:func:`sample_row`) so such a row fails alone."""
+    rows = range(logits.shape[0]) if rows is None else rows
+    return tuple(sample_row(logits[i:i + 1], msg, row) for i, row in enumerate(rows))
 
-    out = []
-    for i in range(logits.shape[0]):
-        row = logits[i:i + 1].float()
-        if msg.temperatures[i] <= 0:
-            out.append(int(row.argmax(dim=-1)))
-            continue
-        gen = torch.Generator().manual_seed((msg.seeds[i] * 1_000_003 + msg.positions[i])
-                                            & 0x7FFF_FFFF_FFFF_FFFF)
-        out.append(int(sample(row, msg.temperatures[i], msg.top_ps[i], gen)[0]))
-    return tuple(out)
+
+def sample_row(logits: torch.Tensor, msg: nm.RankStep, row: int) -> int:
+    """The token of request row ``row`` of ``msg`` from its ``[1, V]`` logits."""
+    from statebridge.models.sampling import MIN_TEMPERATURE, sample
+
+    logits = logits.float()
+    if msg.temperatures[row] < MIN_TEMPERATURE:
+        return int(logits.argmax(dim=-1))
+    gen = torch.Generator().manual_seed((msg.seeds[row] * 1_000_003 + msg.positions[row])
+                                        & 0x7FFF_FFFF_FFFF_FFFF)
+    return int(sample(logits, msg.temperatures[row], msg.top_ps[row], gen)[0])
 
 
 class ModelRankModel(RankModel):
@@ -93,23 +100,60 @@ class ModelRankModel(RankModel):
         return {nm.RankStep: self.step}
 
     def step(self, msg: nm.RankStep) -> nm.RankStepResult | None:
-        """One decode step of the batch on this rank; rank 0 samples and answers (a failure
-        is answered by every rank: the node fails the batch on the first)."""
+        """One decode step of the batch on this rank; rank 0 samples and answers.
+
+        A row that cannot be served fails alone: a token id outside the vocabulary is left
+        out of the forward pass (every rank leaves out the same rows: they all see the same
+        step), a row whose values cannot be sampled gets no token; both are reported as
+        ``invalid_request`` in ``failed_rows``. A forward pass that raises fails the whole
+        step as ``internal`` (the states of its batch may be half updated), answered by
+        every rank: the node fails the batch on the first."""
+        vocab = self.runner.vocab_size
+        failed: dict[int, tuple[str, str]] = {}
+        for row, token in enumerate(msg.tokens):
+            if not 0 <= token < vocab:
+                failed[row] = (FailureKind.INVALID_REQUEST.value,
+                               f"token id {token} is outside the vocabulary of {vocab}")
+        rows = [row for row in range(len(msg.tokens)) if row not in failed]
         try:
-            with torch.inference_mode():
-                logits = self.runner.decode(
-                    list(msg.tokens), list(msg.pages), positions=msg.positions,
-                    blocks=msg.blocks if self.runner.has_attention else None)
+            logits = None
+            if rows:
+                every = len(rows) == len(msg.tokens)
+                with torch.inference_mode():
+                    logits = self.runner.decode(
+                        list(msg.tokens) if every else [msg.tokens[r] for r in rows],
+                        list(msg.pages) if every else [msg.pages[r] for r in rows],
+                        positions=msg.positions if every else
+                        tuple(msg.positions[r] for r in rows),
+                        blocks=None if not self.runner.has_attention else
+                        msg.blocks if every else tuple(msg.blocks[r] for r in rows))
             if self.setup.tp_rank != 0:
                 return None
-            tokens = sample_tokens(logits, msg)
         except Exception as e:  # noqa: BLE001 -- the step fails, the rank serves on
             log.exception("rank %d: decode step %d failed", self.setup.tp_rank, msg.step)
             return nm.RankStepResult(step=msg.step, tp_rank=self.setup.tp_rank, tokens=(),
-                                     kind=FailureKind.TRANSFER_ERROR.value,
+                                     kind=FailureKind.INTERNAL.value,
                                      message=f"{type(e).__name__}: {e}")
-        return nm.RankStepResult(step=msg.step, tp_rank=self.setup.tp_rank, tokens=tokens,
-                                 kind="", message="")
+        tokens = [-1] * len(msg.tokens)
+        for i, row in enumerate(rows):
+            try:
+                tokens[row] = sample_row(logits[i:i + 1], msg, row)
+            except StatebridgeError as e:       # this row's values (ConfigError, ShapeError)
+                failed[row] = (FailureKind.INVALID_REQUEST.value, f"sampling: {e}")
+            except Exception as e:  # noqa: BLE001 -- this row fails, the others are served
+                log.exception("rank 0: sampling row %d of step %d failed", row, msg.step)
+                failed[row] = (FailureKind.INTERNAL.value,
+                               f"sampling: {type(e).__name__}: {e}")
+        if failed:
+            log.warning("decode step %d: %d of %d rows failed: %s", msg.step, len(failed),
+                        len(msg.tokens), "; ".join(f"{msg.request_ids[r]}: {why}"
+                                                  for r, (_, why) in sorted(failed.items())))
+        order = sorted(failed)
+        return nm.RankStepResult(step=msg.step, tp_rank=self.setup.tp_rank,
+                                 tokens=tuple(tokens), kind="", message="",
+                                 failed_rows=tuple(order),
+                                 failed_kinds=tuple(failed[r][0] for r in order),
+                                 failed_messages=tuple(failed[r][1] for r in order))
 
     def close(self) -> None:
         self.process_group = None

@@ -83,6 +83,14 @@ class TextTokenizer:
         is added: a chat template adds its own)."""
         return self.tokenizer.encode(text, add_special_tokens=False).ids
 
+    def encode_many(self, texts: Sequence[str]) -> list[list[int]]:
+        """Token ids of each text, as :meth:`encode`, in one call that releases the
+        interpreter lock while it works (``tokenizers``' batch encoder; its single ``encode``
+        holds the lock for the whole text): other threads -- the node's loop -- run meanwhile.
+        Call it from a worker thread."""
+        batch = getattr(self.tokenizer, "encode_batch_fast", None) or self.tokenizer.encode_batch
+        return [e.ids for e in batch(list(texts), add_special_tokens=False)]
+
     def decode(self, ids: Sequence[int]) -> str:
         """Text of ``ids``, special tokens skipped."""
         return self.tokenizer.decode(list(ids), skip_special_tokens=True)

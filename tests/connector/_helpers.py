@@ -156,3 +156,21 @@ class QueryModel(SyntheticModel):
                                                  self.cache.page_bytes(msg.page)),
                           kv_checksum=kv_checksum(self.kv, msg.blocks, msg.tokens)
                           if msg.blocks else "")
+
+
+class FailsOnceFlaggedModel(SyntheticModel):
+    """Starts normally until the file named by STATEBRIDGE_TEST_FAIL_FLAG exists; from then on
+    every rank that starts fails (a restart that cannot succeed)."""
+
+    def __init__(self, setup, cache, kv=None) -> None:
+        flag = os.environ.get("STATEBRIDGE_TEST_FAIL_FLAG", "")
+        if flag and os.path.exists(flag):
+            raise RuntimeError(f"cannot load the model: {flag} says so")
+        super().__init__(setup, cache, kv)
+
+
+class HangingModel(SyntheticModel):
+    """Never finishes starting (a TP rendezvous that hangs)."""
+
+    def __init__(self, setup, cache, kv=None) -> None:
+        time.sleep(3600)

@@ -8,6 +8,7 @@ import pytest
 import zmq
 
 from statebridge.connector import control as c
+from statebridge.connector import frames as wire
 from statebridge.connector import messages as m
 
 
@@ -95,7 +96,7 @@ def test_large_batches_are_split_below_the_frame_budget(pair):
     _send_from_loop(lambda: sent, router, identity)
     frames = _frames(dealer, len(sent))
     assert len(frames) > 1
-    assert all(len(f) <= c.BATCH_FRAME_BYTES for f in frames)
+    assert all(len(f) <= wire.BATCH_FRAME_BYTES for f in frames)
     assert [x for f in frames for x in m.decode_frame(f)] == sent
 
 
@@ -105,7 +106,7 @@ def test_a_row_bigger_than_the_budget_still_goes_alone(pair):
     _send_from_loop(lambda: sent, router, identity)
     frames = _frames(dealer, len(sent))
     assert [x for f in frames for x in m.decode_frame(f)] == sent
-    assert max(len(f) for f in frames) > c.BATCH_FRAME_BYTES
+    assert max(len(f) for f in frames) > wire.BATCH_FRAME_BYTES
     assert sorted(len(m.decode_frame(f)) for f in frames)[-1] <= 2
 
 

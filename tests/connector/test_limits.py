@@ -100,11 +100,12 @@ def test_prompt_over_max_prompt_len_is_refused_with_the_numbers(nodes):
 
 @pytest.mark.timeout(60)
 def test_a_token_id_beyond_int32_is_refused_with_the_value(nodes):
-    """Prompts travel as int32 token bytes: an id that does not fit is the caller's error,
-    named, and nothing is held."""
+    """Prompts travel as int32 token bytes: an id that does not fit (here also beyond the
+    vocabulary, which the node checks first) is the caller's error, named, and nothing is
+    held."""
     _, _, node = nodes
     with Client(node.address, timeout=30) as client:
-        with pytest.raises(ConfigError, match=r"got 2147483648 \(int\)"):
+        with pytest.raises(ConfigError, match=r"token id 2147483648 is outside"):
             client.generate([1, 2**31, 3], max_new_tokens=1)
     assert node.coordinator.stats()["pages_used"] == 0
 

@@ -11,6 +11,7 @@ import pytest
 import zmq
 
 from statebridge.connector import control as c
+from statebridge.connector import frames as wire
 from statebridge.connector import messages as m
 from statebridge.connector.local import LocalDealer, LocalRouter
 from statebridge.errors import ConfigError
@@ -69,7 +70,7 @@ def test_control_helpers_and_event_loop_polling(router):
     identity = pump(router, until=lambda g: len(g) == 1)[0][1][0]
     router.send_frames([identity, m.encode(m.Heartbeat(node_id="coord", seq=8))])
     got = pump(dealer, until=lambda g: len(g) == 1)
-    msg = c._decode_batch(got[0][1], CAP)[0]
+    msg = wire._decode_batch(got[0][1], CAP)[0]
     assert msg == m.Heartbeat(node_id="coord", seq=8)
     dealer.close()
 
@@ -178,7 +179,7 @@ def test_a_group_gives_rank_slots_only_over_its_local_channel():
         try:
             tcp.send(m.encode(hello))
             assert tcp.poll(5000), "no answer to a network RankHello"
-            reply = c._decode_batch(tcp.recv_multipart(), CAP)[0]
+            reply = wire._decode_batch(tcp.recv_multipart(), CAP)[0]
             assert isinstance(reply, m.Error) and "over the network" in reply.message
         finally:
             tcp.close(0)
@@ -211,7 +212,7 @@ def test_a_group_takes_rank_failed_only_from_its_own_ranks():
         try:
             tcp.send(m.encode(failed))
             assert tcp.poll(5000), "no answer to a network RankFailed"
-            reply = c._decode_batch(tcp.recv_multipart(), CAP)[0]
+            reply = wire._decode_batch(tcp.recv_multipart(), CAP)[0]
             assert isinstance(reply, m.Error) and "RankFailed for rank 1 over the network" \
                 in reply.message
         finally:

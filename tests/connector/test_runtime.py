@@ -119,7 +119,8 @@ def test_a_group_without_a_model_moves_state_but_computes_none(pools):
             with pytest.raises(TransferError, match="has no model .RankSetup.model is empty"):
                 decode.submit(rid, [1, 2, 3]).result(timeout=30)
         wait_until(lambda: server.stats()["pages_used"] == 0, 10, "prefill pages freed")
-        assert decode.stats()["pages_used"] == 0
+        # (The caller hears the failure at once; the page frees once the ranks confirmed.)
+        wait_until(lambda: decode.stats()["pages_used"] == 0, 10, "decode pages freed")
 
 
 @pytest.mark.timeout(120)

@@ -9,6 +9,8 @@ checked to be untouched too).
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import pytest
 
@@ -469,13 +471,18 @@ def test_killed_peer_detected_by_ucx_error_handling(agents, record_property):
 
 @pytest.mark.ucx
 @pytest.mark.timeout(90)
-@pytest.mark.parametrize("src_layout,dst_layout", [("DLS", "DLS"), ("LSD", "DLS")],
-                         ids=["zero-copy", "staged"])
-def test_receiver_reads_while_the_sender_is_stopped(agents, src_layout, dst_layout):
+@pytest.mark.parametrize("src_layout,dst_layout,loopback", [
+    ("DLS", "DLS", False), ("LSD", "DLS", False), ("DLS", "DLS", True)],
+    ids=["zero-copy", "staged", "zero-copy-loopback-only"])
+def test_receiver_reads_while_the_sender_is_stopped(agents, src_layout, dst_layout, loopback):
     """Over shared memory a rendezvous message (8 KiB and more) is read by the receiver out of
     the sender's memory: the receive completes while the sender does not run at all, and the
     send completes at the sender's next progress. This is what lets a prefill rank sleep
     through its sends (``Transport.sends_complete_unattended``).
+
+    ``loopback``: the workers' network devices restricted to the loopback interface, as a
+    node bound to 127.0.0.1 does (``ucx_options``): shared memory and cma are no network
+    devices, so this still holds -- and both workers listen on 127.0.0.1 only.
 
     Once the endpoints are wired up: the very first transfer after connecting once (of ~10
     runs) did not complete with its sender stopped (UCX finishing the endpoints' wire-up
@@ -483,9 +490,19 @@ def test_receiver_reads_while_the_sender_is_stopped(agents, src_layout, dst_layo
     import os
     import signal
 
+    from statebridge.connector.data.env import ucx_net_devices, ucx_options
+    from statebridge.testing.sockets import listening_sockets
+
     plan = TransferPlan.build(SPEC, 2, src_layout, 2, dst_layout)
     a, b, _ = agents
-    cluster = Cluster(plan, {0: a}, {0: b})
+    options = ucx_options(ucx_net_devices("127.0.0.1"), "127.0.0.1", environ={}) \
+        if loopback else {}
+    cluster = Cluster(plan, {0: a}, {0: b}, ucx_options=options)
+    if loopback:
+        assert options == {"NET_DEVICES": "lo", "TCP_AF_PRIO": "inet"}
+        for agent in (a, b):
+            found = listening_sockets(agent.pid)
+            assert found and all(x.address == "127.0.0.1" for x in found), found
     (pair,) = cluster.pairs()
     largest = int(pair.pack[:, 2].sum()) if pair.staged else int(pair.runs[:, 2].max())
     assert largest >= 8192
@@ -527,3 +544,57 @@ def test_sends_complete_unattended_only_where_the_receiver_reads(same_host, erro
         assert t.sends_complete_unattended(same_host) is expected
     finally:
         t.close()
+
+
+# -- where a worker listens ----------------------------------------------------------------------
+
+def test_ucx_net_devices_is_the_interface_holding_the_bind_address():
+    from statebridge.connector.data.env import interface_addresses, ucx_net_devices
+    from statebridge.errors import ConfigError
+
+    found = interface_addresses()
+    loopback = {name for name, iface in found if iface.ip.is_loopback}
+    assert ucx_net_devices("127.0.0.1") in loopback
+    assert ucx_net_devices("localhost") in loopback
+    assert ucx_net_devices("127.0.0.7") in loopback          # in 127/8: loopback's too
+    for name, iface in found:                                  # every address of this machine
+        if not iface.ip.is_link_local:
+            assert ucx_net_devices(str(iface.ip)) == name, (name, iface)
+    assert ucx_net_devices("0.0.0.0") == ucx_net_devices("::") == ""    # every interface
+    with pytest.raises(ConfigError, match="198.51.100.7.*no address of an interface"):
+        ucx_net_devices("198.51.100.7")                        # TEST-NET-2: nobody's
+
+
+def test_ucx_options_leave_an_operators_choice_alone():
+    from statebridge.connector.data.env import ucx_options
+
+    assert ucx_options("lo", "127.0.0.1", environ={}) == {"NET_DEVICES": "lo",
+                                                          "TCP_AF_PRIO": "inet"}
+    assert ucx_options("lo", "::1", environ={})["TCP_AF_PRIO"] == "inet6"
+    assert ucx_options("lo", "127.0.0.1", environ={"UCX_NET_DEVICES": "eth0"}) == {}
+    assert ucx_options("", "0.0.0.0", environ={}) == {}
+
+
+@pytest.mark.ucx
+@pytest.mark.parametrize("restricted", [False, True], ids=["default", "loopback-only"])
+def test_a_worker_listens_only_on_its_network_devices(restricted):
+    """UCX's TCP transport listens on every interface it may use -- all of them by default;
+    restricted to the bind address's interface, on that address only."""
+    from statebridge.connector.data import Transport, alloc_buffer, configure_ucx_env
+    from statebridge.connector.data.env import interface_addresses, ucx_options
+    from statebridge.testing.sockets import listening_sockets
+
+    configure_ucx_env()
+    before = set(listening_sockets(os.getpid()))
+    options = ucx_options("lo", "127.0.0.1", environ={}) if restricted else None
+    t = Transport(alloc_buffer(4096), ucx_options=options)
+    try:
+        opened = set(listening_sockets(os.getpid())) - before
+    finally:
+        t.close()
+    assert opened
+    if restricted:
+        assert {x.address for x in opened} == {"127.0.0.1"}, opened
+    elif any(not iface.ip.is_loopback and iface.ip.version == 4
+             for _, iface in interface_addresses()):
+        assert {x.address for x in opened} - {"127.0.0.1"}, opened    # the default: more

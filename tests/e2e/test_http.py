@@ -12,7 +12,7 @@ import sys
 
 import pytest
 
-from statebridge.config import HttpConfig
+from statebridge.config import HttpConfig, NodeConfig
 from statebridge.models.checkpoint import make_checkpoint
 from statebridge.net import free_port
 from statebridge.node.client import Client
@@ -86,6 +86,9 @@ def served(pools, tmp_path_factory):
         node = DecodeNode(model, 2, [server.address], num_pages=PAGES, config=FAST,
                           kv_blocks=128, max_prompt_len=64, max_new_tokens=MAX_NEW,
                           launcher=decode_hosts.launcher(),
+                          # The zmq door too (these tests compare both doors): with an API
+                          # key and no CURVE keys it is off unless asked for.
+                          node=NodeConfig(front_door="on"),
                           http=HttpConfig(port=0, api_key=KEY))
         try:
             node.wait_ready(60)
@@ -251,7 +254,10 @@ def test_a_stop_string_ends_the_text_and_frees_the_page(served):
     assert served.node.stats().get("finished_aborted", 0) == before + 1     # cut at the node
 
 
-def test_a_client_disconnect_mid_stream_aborts_and_leaks_no_page(served):
+def test_a_client_disconnect_mid_stream_aborts_and_leaks_no_page(served, caplog):
+    import logging
+
+    caplog.set_level(logging.DEBUG)
     before = served.node.stats().get("finished_aborted", 0)
     with httpx.stream("POST", f"{served.url}/v1/completions", timeout=60,
                       headers={"Authorization": f"Bearer {KEY}"},
@@ -265,6 +271,11 @@ def test_a_client_disconnect_mid_stream_aborts_and_leaks_no_page(served):
     stats = served.node.stats()
     assert stats["finished_aborted"] == before + 1
     assert stats["running"] == 0 and stats["waiting"] == 0
+    # A client that leaves is routine: one DEBUG line, no ERROR traceback.
+    http_side = [r for r in caplog.records if r.name.startswith(("statebridge.node", "uvicorn",
+                                                                 "asyncio", "starlette"))]
+    assert [r for r in http_side if r.levelno >= logging.WARNING] == []
+    assert len([r for r in http_side if "disconnect" in r.getMessage()]) == 1
 
 
 def test_only_the_door_that_sent_a_request_can_abort_it(served):

@@ -22,6 +22,15 @@ def test_temperature_zero_is_greedy():
                        logits.argmax(-1))
 
 
+@pytest.mark.parametrize("temperature", [1e-40, 1e-30, 5e-6])
+def test_a_temperature_below_the_minimum_is_greedy_not_nan(temperature):
+    """Logits / 1e-40 overflow float32 (NaN probabilities, an arbitrary token); below
+    MIN_TEMPERATURE a row is greedy."""
+    logits = _logits(rows=32) + 100.0
+    got = sample(logits, temperature, 1.0, torch.Generator().manual_seed(3))
+    assert torch.equal(got, logits.argmax(-1))
+
+
 def test_ties_take_the_first_index_like_transformers():
     assert greedy(torch.tensor([[1.0, 3.0, 3.0, 0.0]])).tolist() == [1]
 

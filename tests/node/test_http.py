@@ -95,9 +95,14 @@ def test_text_usage_and_stop_abort_at_the_node(tok):
 
 def test_too_many_in_flight_is_429_with_retry_after(tok):
     with client(tok, FakeLink([5, 6])) as http:
-        r = http.post("/v1/completions", json={"prompt": ["a", "b", "c"], "max_tokens": 2})
+        http.app.state.api.inflight = 1               # one of the limit of 2 already taken
+        r = http.post("/v1/completions", json={"prompt": ["a", "b"], "max_tokens": 2})
         assert r.status_code == 429 and r.headers["Retry-After"] == "1"
         assert r.json()["error"]["type"] == "rate_limit_error"
+        # More prompts than can ever be in flight is no reason to retry (400).
+        http.app.state.api.inflight = 0
+        r = http.post("/v1/completions", json={"prompt": ["a", "b", "c"], "max_tokens": 2})
+        assert r.status_code == 400 and "Retry-After" not in r.headers
 
 
 @pytest.mark.parametrize("kind,status,retry", [("not_ready", 503, True), ("busy", 429, True),

@@ -16,8 +16,10 @@ one), in arrival order with the prefills; the connector knows nothing of what th
 A rank that cannot start (model, checkpoint, UCX) tells its coordinator ``RankFailed`` with the
 error before it exits, so the node fails at once with that message.
 
-A rank that stops hearing its coordinator for ``peer_timeout`` seconds shuts itself down, so a
-killed node leaves no orphans.
+A rank shuts itself down when its coordinator is gone: its local channel closed, or the
+coordinator's process (its parent) exited -- so a killed node leaves no orphans. A coordinator
+that is merely silent (stopped by SIGSTOP, or busy) is waited for: the rank logs it and serves
+on, and the coordinator decides whether the rank is still one of its group.
 
 This module holds the extension points (:class:`RankModel`, :class:`RankSetup`,
 :class:`KVBlocks`, :func:`kv_checksum`, :func:`load_callable`) and the process entry
@@ -134,6 +136,13 @@ class RankSetup:
     #: (:mod:`statebridge.devices`: auto | cpu | cuda | cuda:N), resolved in the rank for its
     #: ``tp_rank``.
     device: str = "cpu"
+    #: The coordinator's process id: the rank exits when that process is gone (0: the rank's
+    #: parent at start, which is the coordinator for spawned ranks).
+    coordinator_pid: int = 0
+    #: ``UCX_NET_DEVICES`` of the rank's UCX worker (its TCP listeners): the interface of the
+    #: node's bind address (:func:`statebridge.connector.data.env.ucx_net_devices`); "" leaves
+    #: UCX's default, every interface.
+    ucx_net_devices: str = ""
 
 
 class KVBlocks:

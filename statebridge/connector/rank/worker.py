@@ -11,11 +11,13 @@ from __future__ import annotations
 
 import functools
 import logging
+import os
 import time
 
 from statebridge.connector import control as c
 from statebridge.connector import messages as m
 from statebridge.connector.data import shared
+from statebridge.connector.data.env import ucx_options
 from statebridge.connector.ledger import RequestKey
 from statebridge.connector.local import LocalDealer
 from statebridge.connector.rank import KVBlocks, RankModel, RankSetup, kv_checksum, load_callable
@@ -68,7 +70,9 @@ class RankWorker:
         if self.kv_geometry is not None:
             self.kv = KVBlocks(self.kv_geometry, self.memory.kv_pool, self.memory.kv_base)
         self.transport = Transport(self.memory.registered,
-                                   error_handling=self.config.ucx_error_handling)
+                                   error_handling=self.config.ucx_error_handling,
+                                   ucx_options=ucx_options(setup.ucx_net_devices,
+                                                           self.config.bind_host))
         self.counters = Counters()
         model = load_callable(setup.model) if setup.model else RankModel
         self.model: RankModel = model(setup, self.cache, self.kv)
@@ -95,7 +99,13 @@ class RankWorker:
         #: RankLocalPrefill); with ``pending`` it says which data-plane messages may still be
         #: received (see :meth:`_may_arrive`).
         self.announced_generation = 0
-        self.coordinator_watch = c.PeerWatch(self.config.peer_timeout)
+        # The coordinator: gone when its process is (see _coordinator_gone); merely silent
+        # (stopped, busy) is logged and waited for.
+        self.coordinator_pid = setup.coordinator_pid or os.getppid()
+        self._parent_is_coordinator = os.getppid() == self.coordinator_pid
+        self.coordinator_watch = c.PeerWatch(self.config.peer_timeout, self.loop)
+        self._coordinator_silent = False
+        self._stopping = False
         self._heartbeats = 0
         self.coordinator_watch.heard("coordinator")
         # UCX progress is driven by this loop: it sleeps in poll() on the coordinator's socket
@@ -119,7 +129,7 @@ class RankWorker:
 
     # -- lifecycle --------------------------------------------------------------------------
     def run(self) -> None:
-        """Serve until told to shut down or the coordinator goes silent."""
+        """Serve until told to shut down or the coordinator is gone."""
         try:
             self.loop.run()
         finally:
@@ -147,10 +157,39 @@ class RankWorker:
         except StatebridgeError as e:
             log.warning("rank %d: sweeping unannounced messages failed: %s",
                         self.setup.tp_rank, e)
-        if self.coordinator_watch.expired():
-            log.error("%s rank %d: coordinator silent for %.1f s, shutting down",
-                      self.setup.role, self.setup.tp_rank, self.config.peer_timeout)
-            self.loop.request_stop()
+        gone = self._coordinator_gone()
+        if gone:
+            self._stop_for(gone)
+        elif self.coordinator_watch.expired():
+            self._coordinator_silent = True
+            log.warning("%s rank %d: coordinator silent for %.1f s, its process %d alive "
+                        "(stopped or busy): waiting for it", self.setup.role,
+                        self.setup.tp_rank, self.config.peer_timeout, self.coordinator_pid)
+
+    def _coordinator_gone(self) -> str:
+        """Why the coordinator is gone for good ("" while it is not): its local channel closed,
+        or its process exited (a spawned rank's parent changes; else its pid is gone)."""
+        if isinstance(self.sock, LocalDealer) and not self.sock.connected:
+            return "its local channel closed"
+        pid = self.coordinator_pid
+        if self._parent_is_coordinator:
+            if os.getppid() != pid:
+                return f"its process {pid} exited"
+            return ""
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return f"its process {pid} exited"
+        except PermissionError:
+            pass
+        return ""
+
+    def _stop_for(self, why: str) -> None:
+        if not self._stopping:
+            self._stopping = True
+            log.error("%s rank %d: coordinator gone (%s), shutting down", self.setup.role,
+                      self.setup.tp_rank, why)
+        self.loop.request_stop()
 
     # -- messages from the coordinator -------------------------------------------------------
     def _on_message(self) -> None:
@@ -174,6 +213,12 @@ class RankWorker:
                 self.counters.add("unexpected_messages")
         if heard:
             self.coordinator_watch.heard("coordinator")
+            if self._coordinator_silent:
+                self._coordinator_silent = False
+                log.warning("%s rank %d: coordinator heard again", self.setup.role,
+                            self.setup.tp_rank)
+        if isinstance(self.sock, LocalDealer) and not self.sock.connected:
+            self._stop_for("its local channel closed")      # no more wake-ups from it
 
     @functools.cached_property
     def _handlers(self) -> dict:
