@@ -432,7 +432,8 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     from statebridge.node.demo import run_demo
 
     return run_demo(arch=args.arch, prefill_tp=args.prefill_tp, decode_tp=args.decode_tp,
-                    layout=args.layout, prompts=args.prompts, max_new_tokens=args.max_new_tokens)
+                    layout=args.layout, prompts=args.prompts, max_new_tokens=args.max_new_tokens,
+                    device=args.device)
 
 
 def _add_nodes(sub: argparse._SubParsersAction) -> None:
@@ -513,7 +514,28 @@ def _add_nodes(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--layout", default="DLS")
     p.add_argument("--prompts", type=_positive_int, default=4)
     p.add_argument("--max-new-tokens", type=_positive_int, default=8)
+    p.add_argument("--device", type=_device, default="cpu", metavar="auto|cpu|cuda[:N]",
+                   help="both nodes' --device and the single-process run's (default cpu)")
     p.set_defaults(func=_cmd_demo)
+
+
+def _cmd_check_gpu(args: argparse.Namespace) -> int:
+    from statebridge.gpucheck import main
+
+    return main(args.out, parts=args.parts)
+
+
+def _add_check_gpu(sub: argparse._SubParsersAction) -> None:
+    from statebridge.gpucheck import default_parts
+
+    names = [p.name for p in default_parts(".")]
+    p = sub.add_parser("check-gpu", help="the device check on a GPU machine (a few minutes): "
+                                         "CUDA tests, the runner vs transformers, two nodes on "
+                                         "one GPU, the device-memory gather benchmark")
+    p.add_argument("--out", default="report.json", help="the JSON report (default report.json)")
+    p.add_argument("--part", dest="parts", action="append", choices=names,
+                   help="run only this part (repeatable; default all)")
+    p.set_defaults(func=_cmd_check_gpu)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -523,6 +545,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_nodes(sub)
     _add_plan(sub)
     _add_keygen(sub)
+    _add_check_gpu(sub)
     from statebridge.bench import hetero_tp
 
     hetero_tp.add_parser(sub)
