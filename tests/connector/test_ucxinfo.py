@@ -65,6 +65,13 @@ def test_device_path_says_when_device_memory_goes_through_the_host(memory, resou
         assert "tcp" in why and "RAPIDS_LIBUCX_PREFER_SYSTEM_LIBRARY" in why
 
 
+def test_the_libucp_already_mapped_is_the_one_asked():
+    maps = ("7f00-7f10 r--p 00000000 08:01 1 /usr/lib/libc.so.6\n"
+            "7f20-7f30 r-xp 00000000 08:01 2 /opt/ucx/lib/libucp.so.0.0.0\n")
+    assert ucxinfo._loaded_libucp(maps) == "/opt/ucx/lib/libucp.so.0.0.0"
+    assert ucxinfo._loaded_libucp("").endswith("libucx/lib/libucp.so")
+
+
 def test_peermem_is_read_from_the_module_list():
     assert ucxinfo.peermem_loaded("nvidia_peermem 16384 0 - Live 0x0\nnvidia 1 2 - Live 0\n")
     assert not ucxinfo.peermem_loaded("nvidia 56811520 2 nvidia_uvm, Live 0x0\n")

@@ -50,14 +50,32 @@ def _lib(name: str):
             lib.fclose.argtypes = [ctypes.c_void_p]
             lib.free.argtypes = [ctypes.c_void_p]
         else:
-            import libucx
-
-            lib = ctypes.CDLL(os.path.join(os.path.dirname(libucx.__file__), "lib", "libucp.so"))
+            lib = ctypes.CDLL(_loaded_libucp())
             for fn in ("ucp_context_print_info", "ucp_ep_print_info"):
                 getattr(lib, fn).argtypes = [ctypes.c_void_p, ctypes.c_void_p]
                 getattr(lib, fn).restype = None
         _LIBS[name] = lib
     return lib
+
+
+def _loaded_libucp(maps: str | None = None) -> str:
+    """The path of the libucp this process mapped (ucxx's: the wheel's, or a system UCX when
+    ``RAPIDS_LIBUCX_PREFER_SYSTEM_LIBRARY`` chose one), so the handles ucxx gives are read by
+    the library that made them; the wheel's when none is mapped yet. ``maps``: the text of
+    ``/proc/self/maps`` (read when None)."""
+    if maps is None:
+        try:
+            with open("/proc/self/maps") as f:
+                maps = f.read()
+        except OSError:
+            maps = ""
+    for line in maps.splitlines():
+        path = line.split(None, 5)[-1] if line.count(" ") >= 5 else ""
+        if os.path.basename(path).startswith("libucp.so"):
+            return path
+    import libucx
+
+    return os.path.join(os.path.dirname(libucx.__file__), "lib", "libucp.so")
 
 
 def _capture(function: str, handle: int) -> str:
