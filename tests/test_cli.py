@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from statebridge.state.plan import TransferPlan
 from statebridge.state.spec import StateSpec
@@ -200,6 +201,24 @@ def test_a_node_whose_ranks_do_not_start_in_time_exits_2_naming_them(tmp_path):
     assert out.returncode == 2, out.stderr[-2000:]
     assert "ranks [0] did not start within 3 s" in out.stderr
     assert time.monotonic() - start < 60
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU is visible here")
+@pytest.mark.parametrize("command", ["prefill", "decode"])
+def test_a_node_asked_for_cuda_without_a_gpu_exits_2_before_any_rank_starts(tmp_path, command):
+    from statebridge.models.checkpoint import make_checkpoint
+    from statebridge.net import free_port
+
+    model = make_checkpoint("lfm2", tmp_path / "m", tokenizer=False)
+    extra = ["--prefill", f"127.0.0.1:{free_port()}"] if command == "decode" else []
+    out = subprocess.run([sys.executable, "-m", "statebridge.cli", command, "--model",
+                          str(model), "--tp", "2", "--port", str(free_port()), "--device",
+                          "cuda:1", *extra],
+                         capture_output=True, text=True, timeout=100,
+                         env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+    assert out.returncode == 2, out.stderr[-2000:]
+    assert "device cuda:1 asks for CUDA, but no GPU is visible" in out.stderr
+    assert "Traceback" not in out.stderr
 
 
 @pytest.mark.parametrize("arch", ["granite-hybrid", "lfm2-hybrid"])
