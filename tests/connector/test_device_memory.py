@@ -17,7 +17,7 @@ import torch
 from statebridge.connector.data import device as dev
 from statebridge.connector.data import shared
 from statebridge.connector.rank.memory import CudaDevice, HostAnonymous, RankMemory
-from statebridge.errors import TransferError
+from statebridge.errors import ConfigError, TransferError
 from statebridge.state.layout import PageGeometry
 from statebridge.state.plan import TransferPlan
 from statebridge.testing import device as emu
@@ -64,6 +64,14 @@ def test_the_real_backend_takes_only_cuda_devices_as_device_memory():
     assert dev.CudaBackend().device_memory(torch.device("cuda", 0))
     assert not dev.CudaBackend().device_memory(torch.device("cpu"))
     assert dev.memory_of("cpu") == "host"
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU is visible here")
+def test_without_a_driver_the_real_backend_refuses_naming_the_cuda_error():
+    with pytest.raises(ConfigError, match=r"cudaSetDevice\(0\) failed: cudaError"):
+        dev.CudaBackend().allocate(64, torch.device("cuda", 0))
+    with pytest.raises(ConfigError, match="needs a CUDA device, got cpu"):
+        dev.DevicePool(64, "cpu")
 
 
 GEOMETRY = PageGeometry(SPECS["mamba2-g1"], 1, "DLS")
