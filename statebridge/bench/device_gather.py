@@ -80,9 +80,10 @@ def measure(groups: list[np.ndarray], device: "torch.device | str" = "cuda",
     src_base = [0, ends[0][0]] if len(groups) == 2 else [0]
     dst_base = [0, ends[0][1]] if len(groups) == 2 else [0]
     bases = list(zip(src_base, dst_base))
-    src_n = sum(e[0] for e in ends)
+    src_n = max(sum(e[0] for e in ends), total_bytes := int(sum(int(g[:, 2].sum())
+                                                                  for g in groups)))
     dst_n = sum(e[1] for e in ends)
-    total = int(sum(int(g[:, 2].sum()) for g in groups))
+    total = total_bytes
     src = torch.randint(0, 256, (src_n,), dtype=torch.uint8, device=device)
     dst = torch.zeros(dst_n, dtype=torch.uint8, device=device)
     template = prepare_gather(groups, device)
