@@ -186,11 +186,24 @@ def _host_init() -> None:
     emu.install()
 
 
+def _started(pool: RankHostPool) -> RankHostPool:
+    """``pool`` once every host answers (imports take long on a loaded machine; a host that
+    never starts still fails the test, after 120 s)."""
+    for attempt in range(4):
+        try:
+            pool.ops()
+            return pool
+        except ConfigError:
+            if attempt == 3:
+                raise
+    return pool
+
+
 @pytest.fixture(scope="module")
 def pools():
     with RankHostPool(2, initializer=_host_init) as prefill_hosts, \
             RankHostPool(4, initializer=_host_init) as decode_hosts:
-        yield prefill_hosts, decode_hosts
+        yield _started(prefill_hosts), _started(decode_hosts)
 
 
 def _gathers(hosts, ranks: int) -> tuple[int, int]:
