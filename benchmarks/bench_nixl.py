@@ -184,9 +184,13 @@ def _statebridge_round(spec, src_tp: int, dst_tp: int, layout: str, hosts, timeo
     """A few statebridge requests on the rank hosts first, so they are in the state
     ``statebridge bench`` leaves them in when it measures NIXL (after a cell, idle)."""
     from statebridge.bench.hetero_tp import _statebridge_cell
+    from statebridge.bench.hetero_tp.cli import configure_parser
     from statebridge.config import ConnectorConfig
 
-    ns = argparse.Namespace(concurrency=2, check_requests=0, requests=4, timeout=timeout)
+    ns = configure_parser(argparse.ArgumentParser()).parse_args(
+        ["--concurrency", "2", "--check-requests", "0", "--requests", "4",
+         "--low-load-requests", "0", "--timeout", str(timeout)])
+    ns.low_load = False
     config = ConnectorConfig(ucx_error_handling=False, transfer_timeout=timeout,
                              handshake_timeout=60.0)
     _statebridge_cell(spec, src_tp, dst_tp, layout, ns, hosts, config)

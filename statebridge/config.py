@@ -26,8 +26,10 @@ class ConnectorConfig:
     - ``heartbeat_interval``: how often every control connection says it is alive.
     - ``peer_timeout``: silence after which a peer (node or rank) is declared lost; requests it
       touched fail with PeerLostError within about this bound.
-    - ``lease_timeout``: how long a prefill page is held for a decode side that never confirms.
-    - ``transfer_timeout``: bound on one request's transfer once both sides work on it.
+    - ``lease_timeout``: how long a prefill rank holds a request's final state (from when its
+      sends are posted) for a decode side that does not take it.
+    - ``transfer_timeout``: bound on a decode rank's wait for one request's state, from when it
+      posts its receives (at submit: prefill queueing and compute count).
     - ``ucx_error_handling``: UCX endpoint error handling (detects dead peers itself, but UCX then
       skips shared memory for TCP, several times slower on one host); heartbeats work either way.
     - ``bind_host``: the address every listening control socket binds (``0.0.0.0`` / ``::``

@@ -18,9 +18,10 @@ either table breaks, not on where the source range starts) and post their KV rec
 the recurrent ones, without a round trip. Its ranks send the KV runs after the recurrent ones.
 The blocks are freed with the page.
 
-The page is held under a lease of ``lease_timeout`` seconds: if its sends do not complete in
-time (the decode side vanished before posting its receives), the ranks cancel them and the
-page is freed once every rank confirmed the cancel. A decode peer that goes silent for ``peer_timeout``
+The page is held under a lease of ``lease_timeout`` seconds from when its state is final (the
+ranks posted the sends; queueing and compute do not count): if the sends do not complete in
+time (the decode side vanished before posting its receives), each rank cancels its own and
+reports the timeout, and the page is freed once every rank confirmed. A decode peer that goes silent for ``peer_timeout``
 seconds (or says Goodbye) has all its requests cancelled; a prefill rank that dies fails every
 request in flight with ``peer_lost``, and the server says Goodbye to its decode peers while its
 group restarts (or failed: see :mod:`~statebridge.connector.group`). A server whose group is
@@ -33,8 +34,8 @@ learns at once that it must handshake again.
 from __future__ import annotations
 
 import collections
+import math
 import logging
-import time
 from typing import Callable
 
 from statebridge.connector import control as c
@@ -231,7 +232,7 @@ class PrefillServer(RankGroup):
     def _start(self, peer: _Peer, msg: m.TransferRequest) -> None:
         key = RequestKey(peer.node_id, msg.request_id, msg.generation)
         try:
-            record = self.ledger.open(key, time.monotonic() + self.config.lease_timeout, peer,
+            record = self.ledger.open(key, math.inf, peer,        # the ranks hold the lease
                                       num_blocks=len(msg.kv_blocks), contiguous=True)
         except CacheFullError:                    # callers checked; never lose the request
             self.waiting.appendleft((peer, msg))
@@ -271,6 +272,8 @@ class PrefillServer(RankGroup):
             self.counters.add("stale_rank_done")
             return
         if msg.kind and record.failure is None:
+            if msg.kind == FailureKind.TIMEOUT.value:     # a rank's lease on its sends ended
+                self.counters.add("leases_expired")
             self._fail(record, FailureKind.parse(msg.kind),
                        f"prefill rank {rank}: {msg.message}", notify=True)
         self._maybe_free(record)
@@ -312,13 +315,6 @@ class PrefillServer(RankGroup):
                               m.Heartbeat(node_id=self.node_id, seq=peer.heartbeats))
         for identity in self.peer_watch.expired():
             self._peer_lost(identity, f"silent for {self.config.peer_timeout} s")
-        now = time.monotonic()
-        for record in self.ledger:
-            if record.phase is Phase.ACTIVE and now > record.deadline:
-                self.counters.add("leases_expired")
-                self._fail(record, FailureKind.TIMEOUT, f"lease of {self.config.lease_timeout} "
-                                                        f"s expired before the sends completed",
-                           notify=True)
 
     def _peer_lost(self, identity: bytes, why: str) -> None:
         peer = self.peers.pop(identity, None)

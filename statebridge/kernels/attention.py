@@ -611,20 +611,8 @@ def varlen_attention_prefill(
 def varlen_attention_prefill_ref(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, query_start_loc: torch.Tensor, scale: float
 ) -> torch.Tensor:
-    """Causal attention of B packed sequences, each from position 0.
-
-    Args:
-        q: ``[T, Hq, D]`` queries of B sequences packed along T, any strides.
-        k, v: ``[T, Hkv, D]`` keys and values (q's dtype), ``Hq % Hkv == 0``: query head h
-            reads KV head ``h // (Hq / Hkv)``.
-        query_start_loc: ``[B + 1]`` int32/int64, sequence b is tokens ``qsl[b]:qsl[b+1]``.
-        scale: softmax scale.
-
-    Returns:
-        ``[T, Hq, D]`` in q's dtype (``F.scaled_dot_product_attention`` per sequence); token t
-        of a sequence attends to its tokens ``0..t``. Tokens outside ``[qsl[0], qsl[B])`` are
-        not written.
-    """
+    """Torch reference of :func:`varlen_attention_prefill` (the same arguments, checks and
+    result): ``F.scaled_dot_product_attention`` per sequence."""
     q_heads, kv_heads, _ = _check_prefill_args(q, k, v, query_start_loc, scale)
     group = q_heads // kv_heads
     out = torch.empty_like(q)

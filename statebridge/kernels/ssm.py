@@ -1028,29 +1028,8 @@ def mamba_chunk_scan_varlen_ref(
     dt_bias: torch.Tensor | None = None,
     dt_softplus: bool = False,
 ) -> torch.Tensor:
-    """Mamba2 chunked scan (SSD) of B packed prompts on their state slots; fp32 arithmetic.
-
-    Args:
-        x: ``[T, H, P]`` SSM inputs of B sequences packed along T.
-        dt: ``[T, H]`` raw time steps.
-        A: ``[H]`` (negative; the decay per unit step is ``exp(dt * A)``).
-        B, C: ``[T, G, N]`` with ``H % G == 0``; head h uses group ``h // (H / G)``.
-        ssm_state: ``[num_slots, H, P, N]`` strided view. Slot ``slots[b]`` holds sequence b's
-            initial state (read if ``has_initial_state[b]``, else zeros) and receives its final
-            state (an empty sequence's final state is its initial state).
-        query_start_loc: ``[B + 1]`` int32/int64, sequence b is tokens ``qsl[b]:qsl[b+1]``.
-        slots: ``[B]`` int32/int64 distinct slots.
-        has_initial_state: ``[B]`` bool.
-        chunk_size: tokens per chunk of the reference's scan. The Triton kernels scan chunks of
-            :data:`SCAN_CHUNK` tokens whatever it is: the chunk length changes only rounding.
-        D: ``[H]`` or ``[H, P]`` skip weight, or None.
-        z: ``[T, H, P]`` gate in x's dtype (output times ``silu(z)``), or None.
-        dt_bias: ``[H]`` added to dt before the softplus, or None.
-        dt_softplus: apply softplus to ``dt (+ dt_bias)``.
-
-    Returns:
-        ``[T, H, P]`` output in ``x.dtype``. Tokens outside ``[qsl[0], qsl[B])`` are not written.
-    """
+    """Torch reference of :func:`mamba_chunk_scan_varlen`: the same arguments, checks and
+    result, with ``chunk_size`` the chunk length of its scan."""
     _check_scan_varlen_args(
         x, dt, A, B, C, ssm_state, query_start_loc, slots, has_initial_state, chunk_size, D, z, dt_bias
     )

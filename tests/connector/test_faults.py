@@ -15,7 +15,13 @@ from statebridge.connector import control as c
 from statebridge.connector import messages as m
 from statebridge.connector.decode import DecodeCoordinator
 from statebridge.connector.prefill import PrefillServer
-from statebridge.errors import AbortedError, IncompatiblePeerError, PeerLostError, TransferError
+from statebridge.errors import (
+    AbortedError,
+    IncompatiblePeerError,
+    PeerLostError,
+    TransferError,
+    TransferTimeoutError,
+)
 from statebridge.state.spec import StateSpec
 from statebridge.testing.hosts import RankHostPool
 from statebridge.testing.probes import instrumented, probes_of
@@ -193,6 +199,47 @@ def test_lease_expiry_frees_prefill_pages_when_the_decode_ranks_freeze(prefill_h
         thaw(*frozen)
         server.close()
         decode.close()
+
+
+@pytest.mark.timeout(120)
+def test_the_lease_counts_from_the_final_state_not_from_queueing_and_compute(monkeypatch):
+    """Prefill compute (and waiting behind other prompts on the rank) longer than the lease is
+    not the decode side's delay: every request is served and no lease expires."""
+    monkeypatch.setenv("STATEBRIDGE_TEST_PREFILL_DELAY", "1.0")   # read by the spawned ranks
+    config = FAST.replace(lease_timeout=1.5, peer_timeout=60.0, transfer_timeout=60.0)
+    with PrefillServer(SPECS["shortconv"], 1, "DLS", num_pages=4, config=config, model=SLOW) as server, \
+            instrumented(DecodeCoordinator(SPECS["shortconv"], 1, "DLS", num_pages=4, config=config,
+                                           probes="checksums")) as decode:
+        server.wait_ready()
+        decode.wait_ready()
+        decode.connect(server.address)
+        rids = ids(3)                    # one rank computes them one after another: 3 s > lease
+        futures = [decode.submit(r, [1, 2, 3]) for r in rids]
+        for r, f in zip(rids, futures):
+            check_ok(decode, f, r)
+        assert server.stats().get("leases_expired", 0) == 0
+
+
+@pytest.mark.timeout(120)
+def test_a_state_that_does_not_land_in_transfer_timeout_fails_typed_and_frees_both_sides(
+        monkeypatch):
+    """Both sides alive, the state late (here a prefill slower than the decode side's bound):
+    the request fails ``timeout`` naming the bound, and both sides free what it held."""
+    monkeypatch.setenv("STATEBRIDGE_TEST_PREFILL_DELAY", "3.0")   # read by the spawned ranks
+    config = FAST.replace(lease_timeout=30.0, peer_timeout=60.0, transfer_timeout=1.0)
+    with PrefillServer(SPECS["shortconv"], 1, "DLS", num_pages=4, config=config,
+                       model=SLOW) as server, \
+            DecodeCoordinator(SPECS["shortconv"], 1, "DLS", num_pages=4, config=config) as decode:
+        server.wait_ready()
+        decode.wait_ready()
+        decode.connect(server.address)
+        rid = ids(1)[0]
+        t0 = time.monotonic()
+        with pytest.raises(TransferTimeoutError, match="transfer not done after 1.0 s"):
+            decode.submit(rid, [1, 2, 3]).result(timeout=30)
+        assert time.monotonic() - t0 < 3.0 + 2.0
+        wait_until(lambda: decode.stats()["pages_used"] == 0, 10, "decode page freed")
+        wait_until(lambda: server.stats()["pages_used"] == 0, 10, "prefill page freed")
 
 
 @pytest.mark.timeout(120)

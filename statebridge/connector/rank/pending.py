@@ -49,6 +49,7 @@ class Pending:
     blocks: tuple[int, ...] = ()       # the request's KV blocks on this rank's side
     kv_tokens: int = 0
     final_at: float = 0.0              # prefill rank: time.monotonic() when the state was final
+    lease: bool = False                # prefill rank: sends of a final state, under the lease
     attended: bool = True              # needs this rank's progress to finish (see before_sleep)
     unread: int = 0                    # decode rank: shared-map reads not yet copied
     first_block: int | None = None     # decode rank: its table's first id when one range
@@ -177,9 +178,18 @@ class PendingTransfers:
         return ready
 
     def _expire(self, now: float) -> None:
-        limit = self.config.transfer_timeout
+        """A prefill rank's sends wait ``lease_timeout`` for their receivers, counted from when
+        they were posted (the state was final: prefill queueing and compute are not the decode
+        side's delay); a decode rank's receives wait ``transfer_timeout``."""
+        lease, limit = self.config.lease_timeout, self.config.transfer_timeout
         for p in self._by_key.values():
-            if p.failure is None and now - p.started > limit:
+            if p.failure is not None:
+                continue
+            if p.lease:
+                if now - p.started > lease:
+                    fail_pending(p, FailureKind.TIMEOUT, f"lease of {lease} s expired before "
+                                                         f"the sends completed")
+            elif now - p.started > limit:
                 fail_pending(p, FailureKind.TIMEOUT, f"transfer not done after {limit} s")
 
     def before_sleep(self) -> "bool | float":

@@ -288,7 +288,8 @@ class RankWorker:
             self._done(key, "", "")
             return
         pending = Pending(key, msg.src_page, [], time.perf_counter(),
-                          blocks=msg.src_blocks, kv_tokens=msg.kv_tokens, final_at=final_at)
+                          blocks=msg.src_blocks, kv_tokens=msg.kv_tokens, final_at=final_at,
+                          lease=True)
         self._post(pending, "send", msg.src_blocks, msg.dst_blocks)
 
     def _on_recv(self, msg: m.RankRecv) -> None:
