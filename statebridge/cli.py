@@ -30,6 +30,7 @@ import threading
 import time
 from typing import Sequence
 
+from statebridge.devices import DEVICE_HELP
 from statebridge.errors import StatebridgeError
 from statebridge.state.kv import DEFAULT_BLOCK_SIZE, DEFAULT_KV_LAYOUT, KV_LAYOUT_PRESETS
 from statebridge.state.layout import LAYOUT_PRESETS
@@ -52,6 +53,16 @@ NODE_FRONT_DOORS = ("auto", "on", "off")
 
 _SIZE_UNITS = {"": 1, "b": 1, "k": 1 << 10, "kb": 1 << 10, "kib": 1 << 10, "m": 1 << 20,
                "mb": 1 << 20, "mib": 1 << 20, "g": 1 << 30, "gb": 1 << 30, "gib": 1 << 30}
+
+
+def _device(text: str) -> str:
+    """``--device``: auto, cpu, cuda or cuda:N (statebridge.devices), normalised."""
+    from statebridge.devices import DeviceSpec
+
+    try:
+        return str(DeviceSpec.parse(text))
+    except StatebridgeError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def _byte_size(text: str) -> int:
@@ -240,6 +251,8 @@ def _config_args(p: argparse.ArgumentParser) -> None:
     kv.add_argument("--kv-memory", type=_byte_size, default=None, metavar="SIZE",
                     help="deprecated (the tokens it holds depend on TP): KV pool bytes per rank; "
                          "use --kv-tokens or --kv-gib")
+    p.add_argument("--device", type=_device, default=None, metavar="auto|cpu|cuda[:N]",
+                   help=f"{DEVICE_HELP} (default auto)")
     p.add_argument("--rank-model", default=None, metavar="MODULE:CLASS",
                    help="the RankModel class each rank runs (swap in your own implementation; "
                         "default statebridge.node.rank_model:ModelRankModel)")
@@ -282,7 +295,7 @@ def _node_config(args: argparse.Namespace):
     return NodeConfig().replace(**{name: getattr(args, name, None) for name in (
         "layout", "num_pages", "max_batch", "max_prompt_len", "max_new_tokens", "policy",
         "rank_model", "kv_layout", "block_size", "kv_blocks", "kv_memory", "kv_tokens",
-        "kv_gib", "front_door")})
+        "kv_gib", "device", "front_door")})
 
 
 def _http_config(args: argparse.Namespace):
@@ -446,7 +459,8 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     from statebridge.node.demo import run_demo
 
     return run_demo(arch=args.arch, prefill_tp=args.prefill_tp, decode_tp=args.decode_tp,
-                    layout=args.layout, prompts=args.prompts, max_new_tokens=args.max_new_tokens)
+                    layout=args.layout, prompts=args.prompts, max_new_tokens=args.max_new_tokens,
+                    device=args.device)
 
 
 def _add_nodes(sub: argparse._SubParsersAction) -> None:
@@ -527,7 +541,28 @@ def _add_nodes(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--layout", default="DLS")
     p.add_argument("--prompts", type=_positive_int, default=4)
     p.add_argument("--max-new-tokens", type=_positive_int, default=8)
+    p.add_argument("--device", type=_device, default="cpu", metavar="auto|cpu|cuda[:N]",
+                   help="both nodes' --device and the single-process run's (default cpu)")
     p.set_defaults(func=_cmd_demo)
+
+
+def _cmd_check_gpu(args: argparse.Namespace) -> int:
+    from statebridge.gpucheck import main
+
+    return main(args.out, parts=args.parts)
+
+
+def _add_check_gpu(sub: argparse._SubParsersAction) -> None:
+    from statebridge.gpucheck import default_parts
+
+    names = [p.name for p in default_parts(".")]
+    p = sub.add_parser("check-gpu", help="the device check on a GPU machine (a few minutes): "
+                                         "CUDA tests, the runner vs transformers, two nodes on "
+                                         "one GPU, the device-memory gather benchmark")
+    p.add_argument("--out", default="report.json", help="the JSON report (default report.json)")
+    p.add_argument("--part", dest="parts", action="append", choices=names,
+                   help="run only this part (repeatable; default all)")
+    p.set_defaults(func=_cmd_check_gpu)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -537,6 +572,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_nodes(sub)
     _add_plan(sub)
     _add_keygen(sub)
+    _add_check_gpu(sub)
     from statebridge.bench import hetero_tp
 
     hetero_tp.add_parser(sub)

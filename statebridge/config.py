@@ -199,6 +199,8 @@ class NodeConfig:
       rank, or ``kv_memory`` bytes per rank (deprecated: the tokens it holds depend on the TP
       size). None given: :data:`DEFAULT_KV_REQUESTS` max-length requests (``max_prompt_len +
       max_new_tokens`` tokens each) per node, at any TP (:meth:`kv_tokens_default`).
+    - ``device``: where the ranks compute and hold pages and KV (:mod:`statebridge.devices`:
+      ``auto`` -- CUDA when a GPU is visible, else the CPU -- ``cpu``, ``cuda``, ``cuda:N``).
     - ``front_door``: the decode node's zmq front door (``--front-door``): ``on`` listens on
       ``bind_host:port``; ``off`` does not listen (HTTP only); ``auto`` (the default) listens
       unless the HTTP API requires an API key while the control plane has no CURVE keys --
@@ -219,6 +221,7 @@ class NodeConfig:
     block_size: int = 16
     kv_blocks: int = 0
     kv_memory: int = 0
+    device: str = "auto"
     front_door: str = "auto"
     kv_tokens: int = 0
     kv_gib: float = 0.0
@@ -259,6 +262,9 @@ class NodeConfig:
         from statebridge.state.kv import KVLayout
 
         KVLayout.parse(self.kv_layout)
+        from statebridge.devices import DeviceSpec
+
+        DeviceSpec.parse(self.device)              # ConfigError names a bad spelling
 
     @property
     def max_model_len(self) -> int:

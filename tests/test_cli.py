@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from statebridge.state.plan import TransferPlan
 from statebridge.state.spec import StateSpec
@@ -202,6 +203,24 @@ def test_a_node_whose_ranks_do_not_start_in_time_exits_2_naming_them(tmp_path):
     assert time.monotonic() - start < 60
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU is visible here")
+@pytest.mark.parametrize("command", ["prefill", "decode"])
+def test_a_node_asked_for_cuda_without_a_gpu_exits_2_before_any_rank_starts(tmp_path, command):
+    from statebridge.models.checkpoint import make_checkpoint
+    from statebridge.net import free_port
+
+    model = make_checkpoint("lfm2", tmp_path / "m", tokenizer=False)
+    extra = ["--prefill", f"127.0.0.1:{free_port()}"] if command == "decode" else []
+    out = subprocess.run([sys.executable, "-m", "statebridge.cli", command, "--model",
+                          str(model), "--tp", "2", "--port", str(free_port()), "--device",
+                          "cuda:1", *extra],
+                         capture_output=True, text=True, timeout=100,
+                         env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+    assert out.returncode == 2, out.stderr[-2000:]
+    assert "device cuda:1 asks for CUDA, but no GPU is visible" in out.stderr
+    assert "Traceback" not in out.stderr
+
+
 @pytest.mark.parametrize("arch", ["granite-hybrid", "lfm2-hybrid"])
 def test_make_checkpoint_hybrid_arch(tmp_path, arch):
     from statebridge.hf_config import ModelConfig
@@ -249,7 +268,21 @@ def test_kv_pool_flags_reach_the_node_config(command):
         base + ["--kv-memory", "4096"])).kv_memory == 4096
 
 
+@pytest.mark.parametrize("command", ["prefill", "decode"])
+def test_the_device_flag_reaches_the_node_config(command):
+    from statebridge.cli import _node_config, build_parser
+
+    base = [command, "--model", "m", "--tp", "1", "--port", "1"]
+    if command == "decode":
+        base += ["--prefill", "127.0.0.1:2"]
+    assert _node_config(build_parser().parse_args(base)).device == "auto"
+    for flag, expected in (("cpu", "cpu"), ("CUDA", "cuda"), ("cuda:3", "cuda:3")):
+        assert _node_config(build_parser().parse_args(base + ["--device", flag])).device == \
+            expected
+
+
 @pytest.mark.parametrize("flag,value,needle", [
+    ("--device", "gpu", "'gpu'"), ("--device", "cpu:1", "'cpu:1'"),
     ("--kv-memory", "lots", "'lots'"), ("--kv-memory", "0MiB", "'0MiB'"),
     ("--kv-tokens", "0", "'0'"), ("--kv-tokens", "-5", "'-5'"), ("--kv-gib", "nan", "'nan'"),
     ("--kv-gib", "0", "'0'"),

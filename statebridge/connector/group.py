@@ -47,6 +47,8 @@ from statebridge.connector.rank import RankSetup
 from statebridge.connector.rank.startup import fmt_bytes
 from statebridge.connector.stats import Counters
 from statebridge.connector.ledger import Ledger, Record
+from statebridge.connector.data.device import memory_of
+from statebridge.devices import DeviceSpec, rank_device
 from statebridge.errors import (
     ClosedError,
     ConfigError,
@@ -106,7 +108,7 @@ class RankGroup:
                  dist_init: "str | Callable[[], tuple[str, Any]]" = "",
                  probes: str = "",
                  kv_layout: str = DEFAULT_KV_LAYOUT, block_size: int = DEFAULT_BLOCK_SIZE,
-                 num_blocks: int | None = None) -> None:
+                 num_blocks: int | None = None, device: str = "cpu") -> None:
         # ``dist_init`` as a callable: called once this group's sockets are bound, it returns
         # (init_method, store) -- the node's rendezvous store (models.Rendezvous), kept while
         # the ranks live and closed after they stopped.
@@ -115,6 +117,15 @@ class RankGroup:
             raise ConfigError(f"probes must be one of {m.PROBES} (see messages.RankProbe), "
                               f"got {probes!r}")
         self.config = config or ConnectorConfig()
+        # Where the ranks run (statebridge.devices): each rank resolves it for itself; the
+        # group tells its peers what the pools are in.
+        self.device = str(DeviceSpec.parse(device))
+        self.memory = memory_of(rank_device(self.device, 0))
+        #: rank -> peer node -> (peer rank -> transports UCX chose), from RankTransports.
+        self.rank_transports: dict[int, dict[str, dict[int, str]]] = {}
+        #: Why device memory sent to another host would go through host memory ("": it
+        #: would not), as the ranks' UCX said.
+        self.host_staging = ""
         self.spec = spec
         self.tp_size = tp_size
         self.layout = Layout.parse(layout)
@@ -189,6 +200,7 @@ class RankGroup:
         #: loop thread. See :meth:`on_rank_message`.
         self._rank_handlers: dict[type, Callable[[int, m.Message], None]] = {}
         self._rank_lost_handlers: list[Callable[[int], None]] = []
+        self.on_rank_message(m.RankTransports, self._on_rank_transports)
         self._init_state()
         self.loop.call_every(self.config.heartbeat_interval, self._tick)
         self.loop.start()
@@ -216,7 +228,8 @@ class RankGroup:
                                                if self.config.local_ranks else ""),
                             kv_layout=self.kv_layout, num_blocks=self.num_blocks,
                             log_level=rank_log_level(), coordinator_pid=os.getpid(),
-                            ucx_net_devices=self.ucx_net_devices, **self._rank_args)
+                            ucx_net_devices=self.ucx_net_devices, device=self.device,
+                            **self._rank_args)
                   for r in range(self.tp_size)]
         log.info("%s: spawning %d %s rank processes ...", self.node_id, self.tp_size, self.role)
         started = time.monotonic()
@@ -340,7 +353,7 @@ class RankGroup:
                            spec_json=self.spec.to_json(), rank_addresses=self.rank_addresses,
                            kv_layout=self.kv_layout, block_size=self.block_size,
                            num_blocks=self.num_blocks, host_id=host_id(),
-                           **self._shared_map_info())
+                           memory=self.memory, **self._shared_map_info())
 
     def _shared_map_info(self) -> dict:
         """GroupInfo's shared-map fields: a decode group reads shared maps when its config
@@ -350,7 +363,7 @@ class RankGroup:
 
         own = shared.MapSide.of_config(self.role, self.config, tp_size=self.tp_size,
                                        page_size=self.geometry.page_size,
-                                       has_kv=self.num_blocks > 0)
+                                       has_kv=self.num_blocks > 0, memory=self.memory)
         if self.role != "prefill":
             return {"shared_map": True} if own.takes_part else {}
         fds = tuple(s.shm_fd for s in self.ranks)
@@ -368,6 +381,9 @@ class RankGroup:
     def check_peer_info(self, info: m.GroupInfo) -> PageGeometry:
         """The peer's page geometry, or IncompatiblePeerError/ConfigError naming the value."""
         expected_role = "decode" if self.role == "prefill" else "prefill"
+        if info.memory not in ("host", "cuda"):
+            raise IncompatiblePeerError(f"peer {info.node_id!r} has pools in {info.memory!r} "
+                                        f"memory, expected 'host' or 'cuda'")
         if info.role != expected_role:
             raise IncompatiblePeerError(f"peer {info.node_id!r} has role {info.role!r}, "
                                         f"expected {expected_role!r}")
@@ -705,6 +721,15 @@ class RankGroup:
         (call before the ranks can send them, e.g. before :meth:`wait_ready`)."""
         self._rank_handlers[msg_type] = handler
 
+    def _on_rank_transports(self, rank: int, msg: m.RankTransports) -> None:
+        """A rank connected to a peer group: note (and log once) the transports UCX chose."""
+        lanes = dict(zip(msg.peer_ranks, msg.lanes))
+        self.rank_transports.setdefault(rank, {})[msg.peer_node] = lanes
+        log.info("%s rank %d -> %s: %s", self.node_id, rank, msg.peer_node,
+                 ", ".join(f"rank {r} over {t or '?'}" for r, t in lanes.items()))
+        if msg.host_staging:
+            self.host_staging = msg.host_staging
+
     def on_rank_lost(self, handler: Callable[[int], None]) -> None:
         """Call ``handler(rank)`` on the loop thread after a rank was declared lost."""
         self._rank_lost_handlers.append(handler)
@@ -764,7 +789,11 @@ class RankGroup:
                 "blocks_free": self.blocks.num_free if self.blocks else 0,
                 "blocks_total": self.num_blocks,
                 "rank_pages_busy": self.ledger.busy_pages(),
-                "requests_in_flight": self._in_flight()}
+                "requests_in_flight": self._in_flight(),
+                # where the pools are, and per rank and peer node the transports UCX chose
+                "memory": self.memory, "device": self.device,
+                "transports": {r: dict(peers) for r, peers in self.rank_transports.items()},
+                "host_staging": self.host_staging}
 
     def _in_flight(self) -> int:
         """Requests that still hold a page for the transfer (both sides: until freed)."""

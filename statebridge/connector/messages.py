@@ -47,6 +47,10 @@ Version 11: ``RankDone`` carries what the protocol needs (outcome and bytes move
 benchmark or a test measures or verifies travels in :class:`RankProbe`, which only an
 instrumented rank sends (the one switch, documented there).
 
+Version 12: :class:`GroupInfo` ``memory`` (what the group's pools are in: host or CUDA device
+memory; two same-host device groups read through the prefill rank's exported pool), and
+:class:`RankTransports` (the transports UCX chose for each peer rank, for the node's stats).
+
 Layers above the connector (the decode node's stepping and front door) declare their own
 messages with :func:`message`; they travel through the same codec.
 """
@@ -79,7 +83,7 @@ __all__ = [
     "Hello", "Reject", "GroupInfo", "TransferRequest", "TransferFailed",
     "Abort", "Heartbeat", "Error", "Goodbye",
     "RankHello", "RankPrefill", "RankRecv", "RankDone", "RankProbe", "PROBES", "RankCancel",
-    "RankShutdown", "RankLocalPrefill", "RankFailed",
+    "RankShutdown", "RankLocalPrefill", "RankFailed", "RankTransports",
 ]
 
 
@@ -130,6 +134,9 @@ class GroupInfo(Message):
     rank_shm_fds: tuple[int, ...] = ()
     #: A prefill group's ``ConnectorConfig.shared_map_min_bytes``: which pairs go that way.
     shared_map_min_bytes: int = 0
+    #: What every rank's pages and KV pool are in: "host" or "cuda" (device memory; a prefill
+    #: group's ranks then export their pool to same-host readers). Protocol 12.
+    memory: str = "host"
 
 
 @message
@@ -320,6 +327,20 @@ class RankLocalPrefill(Message):
     prompt: Tokens
     page: int
     blocks: tuple[int, ...] = ()        # the KV of ``prompt`` goes here (spec with KV)
+
+
+@message
+class RankTransports(Message):
+    """Rank -> coordinator, once per peer group it connected to: the transports (``tl/device``
+    as UCX names them, e.g. ``cma/memory``, ``cuda_ipc/cuda``, ``tcp/eth0``) UCX chose for
+    each peer rank (``peer_ranks[i]`` over ``lanes[i]``, comma-separated; "" when UCX did not
+    say), and why device memory sent to another host would go through host memory
+    (``host_staging``, "" when it would not). The node shows them in its stats."""
+    tp_rank: int
+    peer_node: str
+    peer_ranks: tuple[int, ...]
+    lanes: tuple[str, ...]
+    host_staging: str = ""
 
 
 @message

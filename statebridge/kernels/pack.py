@@ -36,7 +36,8 @@ from statebridge.errors import ShapeError
 from statebridge.kernels._common import check_same_device
 from statebridge.kernels._launch import Launcher
 
-__all__ = ["RunTemplate", "copy_runs_host", "pack", "pack_ref", "prepare_runs", "unpack", "unpack_ref"]
+__all__ = ["RunTemplate", "GatherTemplate", "copy_runs_host", "gather", "gather_ref", "pack", "pack_ref",
+           "prepare_gather", "prepare_runs", "unpack", "unpack_ref"]
 
 _WORDS = ((8, torch.int64), (4, torch.int32), (2, torch.int16), (1, torch.uint8))
 _WORD_DTYPE = dict(_WORDS)
@@ -279,6 +280,244 @@ def unpack_ref(staging: torch.Tensor, runs: object, dst: torch.Tensor) -> torch.
         ``dst``.
     """
     _copy_runs_ref("staging", staging, runs, "dst", dst)
+    return dst
+
+
+# -- the gather of one request: every run of two groups in one launch --------------------------------
+
+_CHUNK = 16384          # bytes of a run one program copies (a multiple of every word)
+_SUB = 1024             # words per load/store inside a chunk
+
+
+@triton.jit
+def _gather_copy(p_from, p_to, from_w, to_w, n_w, WORD: tl.constexpr, CHUNK: tl.constexpr,
+                 SUB: tl.constexpr):
+    for s in tl.static_range(0, CHUNK // WORD, SUB):
+        o_x = s + tl.arange(0, SUB)
+        m_x = o_x < n_w
+        b_x = tl.load(p_from + from_w + o_x, mask=m_x)
+        tl.store(p_to + to_w + o_x, b_x, mask=m_x)
+
+
+@triton.jit(do_not_specialize=["n_runs", "n_first", "n_steps"],
+            do_not_specialize_on_alignment=["p_src0", "p_dst0", "p_src1", "p_dst1"])
+def _gather_kernel(p_src0, p_dst0, p_src1, p_dst1, p_runs, p_chunks, n_runs, n_first, n_steps,
+                   WORD: tl.constexpr, CHUNK: tl.constexpr, SUB: tl.constexpr):
+    # One program: one CHUNK-byte piece of one run. Runs [0, n_first) copy from p_src0 to
+    # p_dst0 (the first group's bases are in those pointers), the others from p_src1 to p_dst1.
+    # p_chunks[r] is the first program of run r (a prefix sum, n_runs + 1 entries): the program
+    # finds its run by binary search, so long runs get many programs and short runs one each.
+    # Pointers and counts are not specialized: a request's bases (in the pointers) change the
+    # alignment from call to call, and each new specialization would compile in the rank loop.
+    i_p = tl.program_id(0).to(tl.int64)
+    lo = i_p * 0
+    hi = i_p * 0 + n_runs - 1
+    for _ in range(n_steps):                     # largest r with p_chunks[r] <= i_p
+        mid = (lo + hi + 1) // 2
+        ok = tl.load(p_chunks + mid) <= i_p
+        lo = tl.where(ok, mid, lo)
+        hi = tl.where(ok, hi, mid - 1)
+    r = lo
+    first = tl.load(p_chunks + r)
+    start = (i_p - first) * CHUNK
+    length = tl.load(p_runs + r * 3 + 2)
+    n_w = (tl.minimum(length - start, CHUNK)) // WORD
+    from_w = (tl.load(p_runs + r * 3) + start) // WORD
+    to_w = (tl.load(p_runs + r * 3 + 1) + start) // WORD
+    if r < n_first:
+        _gather_copy(p_src0, p_dst0, from_w, to_w, n_w, WORD, CHUNK, SUB)
+    else:
+        _gather_copy(p_src1, p_dst1, from_w, to_w, n_w, WORD, CHUNK, SUB)
+
+
+_GATHER = Launcher(
+    _gather_kernel,
+    name="pack.gather",
+    constexprs=dict(WORD=tuple(w for w, _ in reversed(_WORDS)), CHUNK=(_CHUNK,), SUB=(_SUB,)),
+    dtypes={("p_src0", "p_dst0", "p_src1", "p_dst1"): tuple(d for _, d in reversed(_WORDS)),
+            ("p_runs", "p_chunks"): (torch.int64,)},
+)
+
+
+@dataclass(frozen=True, eq=False)
+class GatherTemplate:
+    """The runs of one request's gather, in ONE or TWO groups, checked once and held on a
+    device (:func:`prepare_gather`); a request adds one ``(src base, dst base)`` per group
+    (:func:`gather`).
+
+    ::
+
+        runs    [R, 3] int64 on ``device``: (src offset, dst offset, length) in bytes relative to
+                the group's bases; rows [0, n_first) group 0, rows [n_first, R) group 1; every
+                length > 0
+        chunks  [R + 1] int64 on ``device``: the first program of each run (runs split in
+                16 KiB pieces), chunks[R] = programs
+
+    Host integers (no device read at launch): ``align`` (OR of every offset and length),
+    ``src_end`` / ``dst_end`` (per group, the end of the furthest run), ``dst_start`` (per
+    group, the lowest destination offset), ``total`` bytes.
+    """
+
+    runs: torch.Tensor
+    chunks: torch.Tensor
+    groups: int
+    n_first: int
+    programs: int
+    steps: int
+    align: int
+    src_end: tuple[int, int]
+    dst_start: tuple[int, int]
+    dst_end: tuple[int, int]
+    total: int
+
+    @property
+    def device(self) -> torch.device:
+        return self.runs.device
+
+    def __len__(self) -> int:
+        return self.runs.shape[0]
+
+
+def _group_runs(i: int, runs: object) -> np.ndarray:
+    """Group ``i``'s runs checked on their own: integers, no negative offset or length, no two
+    overlapping in the destination; empty runs dropped."""
+    arr = _host_runs(runs)
+    frm, to, length = arr[:, 0], arr[:, 1], arr[:, 2]
+    bad = np.flatnonzero((length < 0) | (frm < 0) | (to < 0))
+    if bad.size:
+        raise ShapeError(f"group {i} run {int(bad[0])} {arr[bad[0]].tolist()} has a negative offset or length")
+    arr = arr[length > 0]
+    order = np.argsort(arr[:, 1], kind="stable")
+    to_s, len_s = arr[order, 1], arr[order, 2]
+    clash = np.flatnonzero(to_s[:-1] + len_s[:-1] > to_s[1:])
+    if clash.size:
+        a, b = arr[order[clash[0]]].tolist(), arr[order[clash[0] + 1]].tolist()
+        raise ShapeError(f"group {i} runs {a} and {b} overlap in the destination")
+    return arr
+
+
+def prepare_gather(groups: "list[object] | tuple", device: torch.device | str = "cpu") -> GatherTemplate:
+    """Check one or two groups of runs (``[R, 3]`` numpy arrays or tensors of ``(src offset,
+    dst offset, length)``) once and copy them to ``device`` as a :class:`GatherTemplate`.
+
+    Raises :class:`ShapeError` naming the first bad run (a negative offset or length, two runs
+    of a group overlapping in the destination) or a wrong number of groups."""
+    if not 1 <= len(groups) <= 2:
+        raise ShapeError(f"a gather takes one or two groups of runs, got {len(groups)}")
+    parts = [_group_runs(i, g) for i, g in enumerate(groups)]
+    if len(parts) == 1:
+        parts.append(np.zeros((0, 3), dtype=np.int64))
+    arr = np.concatenate(parts)
+    lengths = arr[:, 2]
+    pieces = -(-lengths // _CHUNK)
+    chunks = np.zeros(len(arr) + 1, dtype=np.int64)
+    np.cumsum(pieces, out=chunks[1:])
+
+    def ends(part: np.ndarray, col: int) -> int:
+        return int((part[:, col] + part[:, 2]).max()) if len(part) else 0
+
+    return GatherTemplate(
+        runs=torch.from_numpy(np.ascontiguousarray(arr)).to(device),
+        chunks=torch.from_numpy(chunks).to(device),
+        groups=len(groups),
+        n_first=len(parts[0]),
+        programs=int(chunks[-1]),
+        steps=max(1, int(len(arr)).bit_length()),
+        align=int(np.bitwise_or.reduce(arr, axis=None)) if arr.size else 0,
+        src_end=(ends(parts[0], 0), ends(parts[1], 0)),
+        dst_start=tuple(int(p[:, 1].min()) if len(p) else 0 for p in parts),
+        dst_end=(ends(parts[0], 1), ends(parts[1], 1)),
+        total=int(lengths.sum()),
+    )
+
+
+def _gather_bases(src: torch.Tensor, dst: torch.Tensor, template: GatherTemplate,
+                  bases: "list[tuple[int, int]] | tuple") -> tuple[list[tuple[int, int]], int]:
+    """Check a request's bases against the buffers (host integers only): every run inside
+    both buffers, the groups' destinations disjoint. Returns both groups' bases (an absent
+    second group's are group 0's) and the word the launch moves."""
+    _check_buffer("src", src)
+    _check_buffer("dst", dst)
+    if template.device != dst.device:
+        raise ShapeError(f"the gather template is on {template.device}, the destination on {dst.device}")
+    if len(bases) != template.groups:
+        raise ShapeError(f"{len(bases)} (src base, dst base) pairs for a template of {template.groups} group(s)")
+    pairs = [(int(s), int(d)) for s, d in bases]
+    pairs += pairs[:1] * (2 - len(pairs))
+    counts = (template.n_first, len(template) - template.n_first)
+    align = template.align
+    spans = []
+    for g, (s, d) in enumerate(pairs):
+        if not counts[g]:                            # no runs: its bases are not used
+            continue
+        if s < 0 or d < 0 or s + template.src_end[g] > src.numel() or d + template.dst_end[g] > dst.numel():
+            raise ShapeError(f"group {g} at bases (src {s}, dst {d}) reaches past the buffers "
+                             f"(src {src.numel()} bytes, dst {dst.numel()} bytes; its runs end at "
+                             f"{template.src_end[g]} and {template.dst_end[g]})")
+        spans.append((d + template.dst_start[g], d + template.dst_end[g]))
+        align |= s | d
+    if len(spans) == 2 and spans[0][0] < spans[1][1] and spans[1][0] < spans[0][1]:
+        raise ShapeError(f"the two groups' destinations overlap: bytes {spans[0]} and {spans[1]}")
+    align |= src.data_ptr() | dst.data_ptr()
+    word = next(w for w, _ in _WORDS if align % w == 0)
+    if not counts[0]:
+        pairs[0] = pairs[1]
+    if not counts[1]:
+        pairs[1] = pairs[0]
+    return pairs, word
+
+
+def gather(src: torch.Tensor, dst: torch.Tensor, template: GatherTemplate,
+           bases: "list[tuple[int, int]] | tuple") -> torch.Tensor:
+    """Copy every run of ``template`` from ``src`` into ``dst`` in ONE kernel launch: run
+    ``(a, b, n)`` of group ``g`` copies ``src[bases[g][0] + a :][:n]`` to
+    ``dst[bases[g][1] + b :][:n]``.
+
+    Args:
+        src: ``[bytes]`` contiguous uint8 -- e.g. a same-host peer's pool opened from its CUDA
+            IPC handle (it may live on another GPU of the host).
+        dst: ``[bytes]`` contiguous uint8 on the template's device; bytes outside the runs are
+            left as they were.
+        template: from :func:`prepare_gather`, on ``dst``'s device.
+        bases: one ``(src base, dst base)`` per group of the template, in bytes.
+
+    Launches on the current stream and returns at once: no host synchronisation, nothing
+    copied to the device (the bases ride in the pointers). Raises :class:`ShapeError` when a
+    run would leave a buffer or the groups' destinations overlap (host integers only).
+
+    Returns:
+        ``dst``.
+    """
+    pairs, word = _gather_bases(src, dst, template, bases)
+    _GATHER.check_runnable(dst)
+    if template.programs == 0:
+        return dst
+    dtype = _WORD_DTYPE[word]
+    s, d = src.view(dtype), dst.view(dtype)
+    (s0, d0), (s1, d1) = pairs
+    _GATHER((template.programs,), s[s0 // word:], d[d0 // word:], s[s1 // word:], d[d1 // word:],
+            template.runs, template.chunks, len(template), template.n_first, template.steps,
+            WORD=word, CHUNK=_CHUNK, SUB=_SUB)
+    return dst
+
+
+def gather_ref(src: torch.Tensor, dst: torch.Tensor, template: GatherTemplate,
+               bases: "list[tuple[int, int]] | tuple") -> torch.Tensor:
+    """:func:`gather` in plain torch (same arguments, same checks): the oracle of the kernel."""
+    pairs, _ = _gather_bases(src, dst, template, bases)
+    runs = template.runs
+    for g, (lo, hi) in enumerate(((0, template.n_first), (template.n_first, len(template)))):
+        if hi == lo:
+            continue
+        shift = torch.tensor([pairs[g][0], pairs[g][1], 0], dtype=torch.int64, device=runs.device)
+        group = runs[lo:hi] + shift
+        lengths = group[:, 2]
+        total = int(lengths.sum())
+        run_of = torch.repeat_interleave(torch.arange(group.shape[0], device=runs.device), lengths,
+                                         output_size=total)
+        within = torch.arange(total, device=runs.device) - (torch.cumsum(lengths, 0) - lengths)[run_of]
+        taken = src[(group[run_of, 0] + within).to(src.device)]
+        dst[group[run_of, 1] + within] = taken.to(dst.device)
     return dst
 
 

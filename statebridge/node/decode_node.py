@@ -198,7 +198,7 @@ class DecodeNode:
             dist_init=functools.partial(Rendezvous.for_group, tp_size, dist_init or "",
                                         host=self.config.bind_host),
             kv_layout=nc.kv_layout, block_size=nc.block_size,
-            num_blocks=nc.num_blocks(spec, tp_size))
+            num_blocks=nc.num_blocks(spec, tp_size), device=nc.device)
         self.kv = spec.kv is not None
         #: The longest request (prompt + new tokens) served: the limits', capped at the tokens
         #: one decode rank's KV pool holds (a longer one could never get its blocks).

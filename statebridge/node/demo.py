@@ -65,8 +65,10 @@ class NodeProcess:
         return self.proc.returncode
 
 
-def reference_greedy(model_dir: str, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
-    """Greedy continuations in one process at TP=1: each prompt prefilled whole, then decoded."""
+def reference_greedy(model_dir: str, prompts: list[list[int]], max_new_tokens: int, *,
+                     device: str = "cpu") -> list[list[int]]:
+    """Greedy continuations in one process at TP=1 on ``device`` (a ``--device`` spelling):
+    each prompt prefilled whole, then decoded."""
     import torch
 
     from statebridge.models.runner import ModelRunner
@@ -77,14 +79,17 @@ def reference_greedy(model_dir: str, prompts: list[list[int]], max_new_tokens: i
     from statebridge.connector.rank import KVBlocks
     from statebridge.state.kv import BlockGeometry, blocks_for
 
+    from statebridge.devices import rank_device
+
+    where = rank_device(device, 0)
     spec = StateSpec.from_pretrained(model_dir)
-    cache = StateCache(PageGeometry(spec, 1, "LSD"), len(prompts))
+    cache = StateCache(PageGeometry(spec, 1, "LSD"), len(prompts), device=where)
     kv, tables = None, None
     if spec.kv is not None:            # a block table per prompt, blocks for every token
         block = 16
         need = [blocks_for(len(p) + max_new_tokens, block) for p in prompts]
         geo = BlockGeometry(spec.kv, 1, "LH", block, sum(need))
-        kv = KVBlocks(geo, torch.zeros(geo.nbytes, dtype=torch.uint8), 0)
+        kv = KVBlocks(geo, torch.zeros(geo.nbytes, dtype=torch.uint8, device=where), 0)
         starts = np.cumsum([0] + need)
         tables = [list(range(a, b)) for a, b in zip(starts[:-1], starts[1:])]
     runner = ModelRunner(model_dir, 1, 0, cache, kv=kv)
@@ -128,7 +133,8 @@ def _http_completion(port: int, model: str, prompt: str, max_tokens: int) -> str
 
 
 def run_demo(*, arch: str = "lfm2-hybrid", prefill_tp: int = 2, decode_tp: int = 4,
-             layout: str = "DLS", prompts: int = 4, max_new_tokens: int = 8) -> int:
+             layout: str = "DLS", prompts: int = 4, max_new_tokens: int = 8,
+             device: str = "cpu") -> int:
     from statebridge.models.checkpoint import make_checkpoint
     from statebridge.node.client import Client
     from statebridge.net import free_port
@@ -148,16 +154,17 @@ def run_demo(*, arch: str = "lfm2-hybrid", prefill_tp: int = 2, decode_tp: int =
 
         prefill_port, decode_port, http_port = free_port(), free_port(), free_port()
         print(f"[2/4] starting prefill node TP={prefill_tp} and decode node TP={decode_tp} "
-              f"({layout}) on 127.0.0.1", flush=True)
+              f"({layout}, device {device}) on 127.0.0.1", flush=True)
         nodes = []
         try:
             nodes.append(NodeProcess(["prefill", "--model", model, "--tp", str(prefill_tp),
-                                      "--port", str(prefill_port), "--layout", layout],
+                                      "--port", str(prefill_port), "--layout", layout,
+                                      "--device", device],
                                      "prefill node"))
             nodes.append(NodeProcess(["decode", "--model", model, "--tp", str(decode_tp),
                                       "--prefill", f"127.0.0.1:{prefill_port}",
                                       "--port", str(decode_port), "--layout", layout,
-                                      "--http-port", str(http_port)],
+                                      "--http-port", str(http_port), "--device", device],
                                      "decode node"))
             address = f"127.0.0.1:{decode_port}"
             with Client(address) as probe:
@@ -174,7 +181,7 @@ def run_demo(*, arch: str = "lfm2-hybrid", prefill_tp: int = 2, decode_tp: int =
                 results = list(pool.map(one, batch))
         finally:
             codes = [n.stop() for n in reversed(nodes)]
-        expected = reference_greedy(model, batch, max_new_tokens)
+        expected = reference_greedy(model, batch, max_new_tokens, device=device)
         print("[4/4] disaggregated vs single process (TP=1, no transfer):")
         ok = True
         recurrent = spec.bytes_per_request()

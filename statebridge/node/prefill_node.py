@@ -47,7 +47,7 @@ def start_prefill_node(model_dir: str, tp_size: int, *, port: int = 0, layout: s
                            dist_init=functools.partial(Rendezvous.for_group, tp_size,
                                                        host=(config or ConnectorConfig()).bind_host),
                            kv_layout=nc.kv_layout, block_size=nc.block_size,
-                           num_blocks=nc.num_blocks(spec, tp_size))
+                           num_blocks=nc.num_blocks(spec, tp_size), device=nc.device)
     answer_queries(server)
     try:
         server.wait_ready()

@@ -1,8 +1,10 @@
 """The real model on a rank: a :class:`~statebridge.models.runner.ModelRunner` over the rank's
 page cache, behind the connector's :class:`~statebridge.connector.rank.RankModel` hook.
 
-Runs inside each rank process; TP > 1 joins a ``torch.distributed`` group (gloo on CPU, nccl on
-CUDA) at ``setup.dist_init`` so row-parallel outputs are all-reduced.
+Runs inside each rank process, on the device its pages and KV pool are in (the rank's memory,
+from ``setup.device``: weights follow them). TP > 1 joins a ``torch.distributed`` group at
+``setup.dist_init`` so row-parallel outputs are all-reduced: gloo on the CPU and where ranks
+share a GPU, NCCL where each rank has its own (:func:`statebridge.devices.tp_backend`).
 """
 
 from __future__ import annotations
@@ -52,10 +54,13 @@ class ModelRankModel(RankModel):
         super().__init__(setup, cache, kv)
         from statebridge.models.runner import ModelRunner
 
-        if not torch.cuda.is_available():
+        self.device = cache.buffer.device
+        if self.device.type == "cpu":
             # Several rank processes share the CPUs; torch's default of one thread per core in
             # every process makes them fight (docs/measurements.md, "Transport choices").
             torch.set_num_threads(setup.config.torch_threads)
+        else:
+            torch.cuda.set_device(self.device)
         from statebridge.connector.rank.startup import (
             WeightProgress,
             fmt_bytes,
@@ -68,6 +73,7 @@ class ModelRankModel(RankModel):
         self.process_group = None
         all_reduce = None
         if setup.tp_size > 1:
+            from statebridge.devices import tp_backend
             from statebridge.models.distributed import init_tp_group
 
             # A private group rendezvousing at setup.dist_init (rank 0 hosts the store), so several
@@ -75,7 +81,9 @@ class ModelRankModel(RankModel):
             # torch's 30 min bound: a rank's first kernel compile may hold one for minutes.
             with phase(who, f"rendezvous of TP {setup.tp_size}"):
                 self.process_group = init_tp_group(
-                    setup.tp_size, setup.tp_rank, setup.dist_init, device=cache.buffer.device,
+                    setup.tp_size, setup.tp_rank, setup.dist_init, device=self.device,
+                    backend=tp_backend(setup.device if self.device.type == "cuda" else "cpu",
+                                       setup.tp_size),
                     timeout_s=setup.config.handshake_timeout * 6, collective_timeout_s=30 * 60.0)
             all_reduce = self.process_group.all_reduce
         with phase(who, f"weights from {setup.model_dir}") as p, \
@@ -99,6 +107,10 @@ class ModelRankModel(RankModel):
         with torch.inference_mode():
             self.runner.prefill([list(prompt)], [page],
                                 blocks=[blocks] if self.runner.has_attention else None)
+        if self.device.type == "cuda":
+            # The state must be in memory before the rank says it is final: a same-host reader
+            # gathers it, and UCX reads it, on streams of their own.
+            torch.cuda.current_stream(self.device).synchronize()
 
     @classmethod
     def validate(cls, model_dir: str, tp_size: int) -> None:

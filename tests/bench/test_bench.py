@@ -11,6 +11,7 @@ import json
 import math
 
 import pytest
+import torch
 
 from statebridge.bench import hetero_tp
 from statebridge.bench._copylimit import CANDIDATES
@@ -45,6 +46,7 @@ def test_every_cell_has_every_field(report):
         missing = [f for f in hetero_tp.CELL_FIELDS if f not in cell]
         assert not missing, f"{cell['layout']}: missing {missing}"
         assert cell["pair"] == "1x2" and cell["preset"] == "tiny"
+        assert cell["device"] == ("cuda" if torch.cuda.is_available() else "cpu")   # auto
         assert cell["checked_requests"] == 2
         for name in ("gbps", "requests_per_s", "latency_p50_ms", "latency_p99_ms"):
             assert _positive(cell[name]), (name, cell[name])

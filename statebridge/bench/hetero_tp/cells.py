@@ -175,20 +175,22 @@ def _statebridge_cell(spec: StateSpec, src_tp: int, dst_tp: int, layout: str,
     def kv(pages: int) -> dict:
         return {"kv_layout": a.kv_layout, "block_size": a.block_size,
                 "num_blocks": max(1, pages * blocks)} if spec.kv is not None else {}
-    out: dict[str, Any] = {"prompt_tokens": tokens if spec.kv is not None else None,
+    out: dict[str, Any] = {"device": a.device,
+                           "prompt_tokens": tokens if spec.kv is not None else None,
                            "kv_layout": a.kv_layout if spec.kv is not None else None}
     # Every rank is instrumented (connector.messages.RankProbe): the check round's decode ranks
     # with checksums, the others with timing probes -- per rank and request one more row in
     # the RankDone's frame, left out of the control-message counts below.
     with PrefillServer(spec, src_tp, layout, num_pages=c + 2, config=config,
                        launcher=prefill_hosts.launcher(), model=MODEL, probes="timing",
-                       **kv(c + 2)) as server:
+                       device=a.device, **kv(c + 2)) as server:
         server.wait_ready()
         # 1. byte-exactness on a few requests, checksums on
         if a.check_requests:
             with DecodeCoordinator(spec, dst_tp, layout, num_pages=a.check_requests,
                                    config=config, launcher=decode_hosts.launcher(),
-                                   probes="checksums", **kv(a.check_requests)) as check:
+                                   probes="checksums", device=a.device,
+                                   **kv(a.check_requests)) as check:
                 probes = Probes(check)
                 check.connect(server.address)
                 results = _run_requests(check, a.check_requests, a.check_requests,
@@ -205,7 +207,7 @@ def _statebridge_cell(spec: StateSpec, src_tp: int, dst_tp: int, layout: str,
         # 2. the timed round, timing probes only
         with DecodeCoordinator(spec, dst_tp, layout, num_pages=c, config=config,
                                launcher=decode_hosts.launcher(), probes="timing",
-                               **kv(c)) as decode:
+                               device=a.device, **kv(c)) as decode:
             probes = Probes(decode, server)
             decode.connect(server.address)
             plan = TransferPlan(server.geometry, decode.geometry)

@@ -331,6 +331,9 @@ def configure_parser(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help="sm: shared memory, no UCX endpoint error handling (default); "
                         "tcp-eh: UCX endpoint error handling on (UCX then uses tcp/lo)")
     p.add_argument("--timeout", type=float, default=300.0, help="bound on one round (s)")
+    p.add_argument("--device", default="auto", metavar="auto|cpu|cuda[:N]",
+                   help="where every rank of every cell holds its pages and KV pool (the "
+                        "nodes' --device; default auto: CUDA when a GPU is visible)")
     p.add_argument("--memory-fraction", type=float, default=0.6,
                    help="share of MemAvailable a cell may hold (cells above are skipped)")
     p.add_argument("--no-nixl", action="store_true", help="skip the NIXL measurements")
@@ -359,6 +362,12 @@ def configure_parser(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
 
 
 def _validate(a: argparse.Namespace) -> None:
+    from statebridge.devices import DeviceSpec, visible_gpus
+
+    device = DeviceSpec.parse(getattr(a, "device", "auto"))          # ConfigError names it
+    if device.kind == "auto":
+        device = DeviceSpec("cuda" if visible_gpus() else "cpu")
+    a.device = str(device)
     if not a.presets and not a.config:
         a.presets = ["mamba2-2.7b"]
     a.presets = a.presets or []

@@ -13,7 +13,7 @@ import numpy as np
 
 from statebridge.errors import ConfigError
 
-CELL_FIELDS = ("pair", "layout", "preset", "gbps", "messages_per_request",
+CELL_FIELDS = ("pair", "layout", "preset", "device", "gbps", "messages_per_request",
                "staging_bytes_per_request", "latency_p50_ms", "latency_p99_ms",
                "line_rate_gbps", "ratio_to_line_rate", "nixl_gbps", "ratio_to_nixl",
                "vllm_way_gbps", "ratio_to_vllm_way", "vllm_way_requests_per_s",

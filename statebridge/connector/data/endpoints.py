@@ -2,7 +2,7 @@
 peers, declaring them lost, UCX's endpoint errors and how a failed UCX request is classified.
 
 :class:`Endpoints` holds methods only; they work on the state :class:`Transport` sets up
-(``_worker``, ``_peers``, ``_lost``, ``_serial``, ``_ep_events``, ``_outstanding``,
+(``_worker``, ``_peers``, ``_lost``, ``_lanes``, ``_serial``, ``_ep_events``, ``_outstanding``,
 ``_abandoned``, ``counters``, ``error_handling``, ``name``). See the transport's docstring for
 why error handling is a choice and what each choice costs.
 """
@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING, Any
 
+from statebridge.connector.data import ucxinfo
 from statebridge.errors import (
     AbortedError,
     ConfigError,
@@ -82,7 +83,11 @@ class Endpoints:
                                         cb_args=(peer_id, peer.serial))
         self._peers[peer_id] = peer
         self._lost.pop(peer_id, None)
-        log.info("%s: connected to %s", self.name, peer_id)
+        # What UCX chose for this peer, from UCX itself (ucp_ep_print_info): the lanes of an
+        # endpoint made from a worker address are fixed when it is created.
+        lanes = self._lanes[peer_id] = ucxinfo.endpoint_lanes(endpoint.handle)
+        log.info("%s: connected to %s over %s", self.name, peer_id,
+                 ",".join(lanes) or "transports UCX did not report")
 
     def fail_peer(self, peer_id: str, reason: str) -> int:
         """The control plane declared ``peer_id`` dead: cancel every outstanding request

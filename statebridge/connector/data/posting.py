@@ -3,9 +3,14 @@ sends and receives of runs (zero-copy, straight from and into its buffer), of st
 (one message through a pooled staging buffer) and of shared-map notices.
 
 :class:`Posting` holds methods only; they work on the state :class:`Transport` sets up
-(``_worker``, ``_np``, ``_mv``, ``_arrays``, ``_size``, ``_pool``, ``_outstanding``,
-``counters``, ``_Array``, ``_Tag``, ``name``) and its endpoints
+(``_worker``, ``_segments``, ``_data``, ``_np``, ``_arrays``, ``_size``, ``_pool``,
+``_outstanding``, ``counters``, ``_Array``, ``_Tag``, ``name``) and its endpoints
 (:class:`~statebridge.connector.data.endpoints.Endpoints`).
+
+Device memory: UCX is handed device buffers as such (``__cuda_array_interface__`` views) and
+moves them with its CUDA transports; a staged pair is packed on the device into a device
+staging buffer (one kernel launch, waited for before UCX reads it) and unpacked the same way
+before its handle reports done.
 """
 
 from __future__ import annotations
@@ -14,6 +19,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from statebridge.connector.data.device import cuda_array
 from statebridge.connector.data.handle import TransferHandle
 from statebridge.connector.data.runs import RunTemplate, as_runs, check_span, copy_runs
 from statebridge.connector.data.tags import (
@@ -107,15 +113,15 @@ class Posting:
         staging buffer and send it as ONE message (index :data:`STAGED_INDEX`). The staging
         size is ``max(staging offset + length)``."""
         pack_runs = as_runs(pack_runs, "pack_runs")
-        check_span(pack_runs, 0, self._size, "pack", "page buffer")
+        check_span(pack_runs, 0, self._data.numel(), "pack", "page buffer")
         nbytes = int((pack_runs[:, 1] + pack_runs[:, 2]).max()) if len(pack_runs) else 0
         check_span(pack_runs, 1, nbytes, "pack", "staging buffer")
         tag = make_tag(generation, src_rank, STAGED_INDEX)
         staging = self._pool.acquire(nbytes)
         try:
-            copy_runs(self._np, pack_runs, staging.numpy())
+            self._staged_copy(self._data, pack_runs, staging, "pack")
             endpoint = self._endpoint(peer_id)
-            requests = self._post_one(endpoint.tag_send, self._Array(staging.numpy()[:nbytes]),
+            requests = self._post_one(endpoint.tag_send, self._staging_view(staging, nbytes),
                                       tag, peer_id)
         except BaseException:
             self._pool.release(staging)
@@ -133,22 +139,22 @@ class Posting:
         nbytes = int(nbytes)
         unpack_runs = as_runs(unpack_runs, "unpack_runs")
         check_span(unpack_runs, 0, nbytes, "unpack", "staging message")
-        check_span(unpack_runs, 1, self._size, "unpack", "page buffer")
+        check_span(unpack_runs, 1, self._data.numel(), "unpack", "page buffer")
         tag = make_tag(generation, src_rank, STAGED_INDEX)
         staging = self._pool.acquire(nbytes)
         try:
             if peer_id is None:
                 self._check_open()
             target = self._worker if peer_id is None else self._endpoint(peer_id)
-            requests = self._post_one(target.tag_recv, self._Array(staging.numpy()[:nbytes]),
+            requests = self._post_one(target.tag_recv, self._staging_view(staging, nbytes),
                                       tag, peer_id)
         except BaseException:
             self._pool.release(staging)
             raise
-        page = self._np
+        page = self._data
         return self._staged_handle("recv", peer_id, generation, src_rank, nbytes, request_id,
                                    requests, staging,
-                                   lambda: copy_runs(staging.numpy(), unpack_runs, page))
+                                   lambda: self._staged_copy(staging, unpack_runs, page, "unpack"))
 
     def post_notice(self, direction: str, peer_id: str, generation: int, src_rank: int,
                     index: int, offset: int, nbytes: int, *,
@@ -209,14 +215,44 @@ class Posting:
 
     def _view(self, start: int, n: int):
         """The ucxx view of ``buffer[start:start + n]`` (costly to build), cached per (start,
-        length): a rank posts the same few page slices and notice slots over and over."""
+        length): a rank posts the same few page slices and notice slots over and over. A
+        device segment is handed to UCX as device memory."""
         arrays = self._arrays
         array = arrays.get((start, n))
         if array is None:
             if len(arrays) > _MAX_CACHED_ARRAYS:
                 arrays.clear()
-            array = arrays[start, n] = self._Array(self._mv[start:start + n])
+            for s0, end, tensor, mv in self._segments:
+                if s0 <= start and start + n <= end:
+                    break
+            else:
+                raise ConfigError(f"bytes [{start}, {start + n}) are not inside one segment of "
+                                  f"the buffer {[(a, b) for a, b, _, _ in self._segments]}")
+            if mv is not None:
+                array = self._Array(mv[start - s0:start - s0 + n])
+            else:
+                array = self._Array(cuda_array(tensor.data_ptr() + start - s0, n))
+            arrays[start, n] = array
         return array
+
+    def _staging_view(self, staging: torch.Tensor, nbytes: int):
+        """The ucxx view of the first ``nbytes`` of a staging buffer (host or device)."""
+        if staging.device.type == "cpu":
+            return self._Array(staging.numpy()[:nbytes])
+        return self._Array(cuda_array(staging.data_ptr(), nbytes))
+
+    @staticmethod
+    def _staged_copy(frm: torch.Tensor, runs: np.ndarray, to: torch.Tensor, what: str) -> None:
+        """Gather (``pack``) or scatter (``unpack``) a staged pair's checked runs: numpy on
+        the host; on a device one kernel launch, waited for (UCX reads the staging buffer, or
+        the handle reports done, only after it)."""
+        if frm.device.type == "cpu":
+            copy_runs(frm.numpy(), runs, to.numpy())
+            return
+        from statebridge.kernels.pack import pack
+
+        pack(frm, runs, to)
+        torch.cuda.current_stream(frm.device).synchronize()
 
     def _post_one(self, op, array, tag: int, peer_id: str | None) -> list:
         """One UCX request on ``array``: a ucxx view of this rank's buffer or of a staging

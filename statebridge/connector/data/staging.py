@@ -1,11 +1,14 @@
-"""Staging buffers: host memory a staged pair is gathered into (send) or received into (recv).
+"""Staging buffers: memory a staged pair is gathered into (send) or received into (recv), on
+the device of the rank's pool.
 
 :meth:`Transport.post_send_staged` gathers a pair's source pieces into a pooled staging buffer
 and sends it as one message; :meth:`Transport.post_recv_staged` receives into a pooled buffer
-and scatters it into the page before the handle reports done. The gather/scatter is
-:func:`statebridge.kernels.pack.copy_runs_host`; a staged pair costs two host copies plus one
-message (docs/measurements.md, "Transport choices"). Page buffers on CUDA are not supported
-yet (ConfigError).
+and scatters it into the page before the handle reports done. On the host the gather/scatter
+is :func:`statebridge.kernels.pack.copy_runs_host`; a staged pair costs two host copies plus
+one message (docs/measurements.md, "Transport choices"). With the pool in device memory the
+buffers are device memory too, and the copies are :func:`statebridge.kernels.pack.pack` /
+:func:`~statebridge.kernels.pack.unpack` launches the transport waits for before UCX reads
+(or after UCX wrote).
 """
 
 from __future__ import annotations
@@ -20,7 +23,8 @@ __all__ = ["StagingPool"]
 
 
 class StagingPool:
-    """Reusable host staging buffers in power-of-two size classes (>= 64 KiB), THP-backed.
+    """Reusable staging buffers in power-of-two size classes (>= 64 KiB) on ``device`` (host
+    buffers THP-backed).
 
     At most ``max_cached_bytes`` of free buffers are kept; a buffer whose transfer failed while
     UCX might still write into it is quarantined (kept alive, never reused) until
@@ -29,8 +33,9 @@ class StagingPool:
 
     MIN_CLASS = 64 * 1024
 
-    def __init__(self, max_cached_bytes: int) -> None:
+    def __init__(self, max_cached_bytes: int, *, device: "torch.device | str" = "cpu") -> None:
         self.max_cached_bytes = max_cached_bytes
+        self.device = torch.device(device)
         self._free: dict[int, list[torch.Tensor]] = collections.defaultdict(list)
         self._cached = 0
         self.allocations = 0
@@ -47,6 +52,8 @@ class StagingPool:
             self._cached -= size
             return free.pop()
         self.allocations += 1
+        if self.device.type != "cpu":
+            return torch.zeros(size, dtype=torch.uint8, device=self.device)
         return alloc_buffer(size)
 
     def release(self, buf: torch.Tensor, *, quiescent: bool = True) -> None:

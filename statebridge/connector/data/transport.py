@@ -55,10 +55,11 @@ import collections
 import logging
 import os
 import select
-from typing import TYPE_CHECKING, Any, Callable, Mapping
+from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
 
 import torch
 
+from statebridge.connector.data import ucxinfo
 from statebridge.connector.data.endpoints import Endpoints
 from statebridge.connector.data.guard import UnexpectedGuard
 from statebridge.connector.data.handle import TransferHandle
@@ -98,12 +99,50 @@ TRANSPORT_COUNTERS = (
     "rejected_unannounced_bytes", "rejected_wrong_size")
 
 
+def _segments(buffer: object) -> list[tuple[int, torch.Tensor]]:
+    """``buffer`` as ``(start, tensor)`` segments: contiguous 1-D uint8 tensors on the CPU or
+    a CUDA device, in address order, not overlapping, the first at 0."""
+    segments = [(0, buffer)] if isinstance(buffer, torch.Tensor) else list(buffer)
+    if not segments:
+        raise ConfigError("buffer must be a tensor or a non-empty list of (start, tensor)")
+    end = 0
+    for i, item in enumerate(segments):
+        start, t = item if isinstance(item, tuple) and len(item) == 2 else (None, item)
+        if not isinstance(t, torch.Tensor) or t.dtype != torch.uint8 or t.dim() != 1 \
+                or not t.is_contiguous():
+            raise ConfigError(f"buffer must be a contiguous 1-D uint8 tensor, got "
+                              f"{getattr(t, 'dtype', type(t).__name__)} "
+                              f"{list(getattr(t, 'shape', []))}")
+        if t.device.type not in ("cpu", "cuda"):
+            raise ConfigError(f"buffers on {t.device} are not supported (cpu or cuda)")
+        if type(start) is not int or start < end or (i == 0 and start != 0):
+            raise ConfigError(f"segment {i} starts at {start!r}: segments start at 0 and follow "
+                              f"each other in address order (the previous one ends at {end})")
+        end = start + t.numel()
+    return segments
+
+
+_WARNED: set[str] = set()
+
+
+def _warn_once(text: str) -> None:
+    """Log ``text`` as a warning the first time this process sees it (ranks in one process
+    share their hosts' UCX)."""
+    key = text.split(": ", 1)[-1]
+    if key not in _WARNED:
+        _WARNED.add(key)
+        log.warning("%s", text)
+
+
 class Transport(Endpoints, Posting):
-    """One rank's UCX worker over its page ``buffer`` (a 1-D contiguous uint8 CPU tensor).
+    """One rank's UCX worker over its page ``buffer``.
 
     Args:
-        buffer: the :class:`~statebridge.state.cache.StateCache` buffer; every run offset is an
-            absolute byte offset into it (``PairPlan.runs_at(src_base, dst_base)``).
+        buffer: the :class:`~statebridge.state.cache.StateCache` buffer (a 1-D contiguous
+            uint8 tensor, host or device memory), or a rank buffer in pieces: ``(start,
+            tensor)`` segments of one address space (a device pool at 0, host control words
+            after it). Every run offset is an absolute byte offset into it
+            (``PairPlan.runs_at(src_base, dst_base)``).
         error_handling: UCX endpoint error handling (see the module docstring: detects dead
             peers in milliseconds, but forces TCP, several times slower on one host).
         ucx_options: UCX configuration for this worker's context, without the ``UCX_`` prefix
@@ -125,16 +164,11 @@ class Transport(Endpoints, Posting):
     #: (direction, handle kind) -> the counters a completed handle adds to.
     _DONE_COUNTERS = _DONE
 
-    def __init__(self, buffer: torch.Tensor, *, error_handling: bool = False,
+    def __init__(self, buffer: "torch.Tensor | Sequence[tuple[int, torch.Tensor]]", *,
+                 error_handling: bool = False,
                  ucx_options: Mapping[str, str] | None = None,
                  staging_pool_bytes: int = 256 * 1024 * 1024, name: str = "transport") -> None:
-        if not isinstance(buffer, torch.Tensor) or buffer.dtype != torch.uint8 \
-                or buffer.dim() != 1 or not buffer.is_contiguous():
-            raise ConfigError(f"buffer must be a contiguous 1-D uint8 tensor, got "
-                              f"{getattr(buffer, 'dtype', type(buffer).__name__)} "
-                              f"{list(getattr(buffer, 'shape', []))}")
-        if buffer.device.type != "cpu":
-            raise ConfigError(f"page buffers on {buffer.device} are not supported yet (CPU only)")
+        segments = _segments(buffer)
         if not isinstance(error_handling, bool):
             raise ConfigError(f"error_handling must be a bool, got {error_handling!r}")
         if isinstance(staging_pool_bytes, bool) or not isinstance(staging_pool_bytes, int) \
@@ -151,11 +185,19 @@ class Transport(Endpoints, Posting):
         self._Tag = ucx_api.UCXXTag
         self.name = name
         self.error_handling = error_handling
-        self._buffer = buffer
-        self._np = buffer.numpy()
-        self._mv = memoryview(self._np)
+        #: (start, end, tensor, host memoryview or None) per segment, in address order.
+        self._segments = [(start, start + t.numel(), t,
+                           memoryview(t.numpy()) if t.device.type == "cpu" else None)
+                          for start, t in segments]
+        first = segments[0][1]
+        #: The staged pairs' buffer: the first segment (the pool), numpy when on the host.
+        self._data = first
+        self._np = first.numpy() if first.device.type == "cpu" else None
+        self._mv = self._segments[0][3]
         self._arrays: dict[tuple[int, int], Any] = {}     # see Posting._view
-        self._size = buffer.numel()
+        self._size = self._segments[-1][1]
+        #: "cuda" when a segment is device memory, else "host".
+        self.memory = "cuda" if any(t.device.type == "cuda" for _, t in segments) else "host"
 
         options = {str(k): str(v) for k, v in (ucx_options or {}).items()}
         self._tls = options.get("TLS", os.environ.get("UCX_TLS", ""))
@@ -172,13 +214,25 @@ class Transport(Endpoints, Posting):
         self._serial = 0
         self._ep_events: collections.deque = collections.deque()   # from UCX callbacks
         self._outstanding: dict[int, TransferHandle] = {}
-        self._pool = StagingPool(staging_pool_bytes)
+        self._pool = StagingPool(staging_pool_bytes, device=first.device)
         #: This transport's counters (:data:`TRANSPORT_COUNTERS`); any thread may read them.
         self.counters = Counters(TRANSPORT_COUNTERS)
         self._abandoned: list[_Peer] = []     # endpoints of lost peers, closed without waiting
         self._guard = UnexpectedGuard(self._worker, ucx_api, Array, name, self.counters)
-        log.info("%s: UCX worker ready (%d-byte buffer, error_handling=%s)", name, self._size,
-                 error_handling)
+        #: The UCX context's transports (``tl/device``; [] when UCX could not be asked), the
+        #: transports each peer's endpoint chose (:meth:`lanes`), and why device memory sent
+        #: to another host would go through host memory ("" when it would not).
+        self.resources: list[str] = ucxinfo.context_resources(self._context.handle)
+        self._lanes: dict[str, list[str]] = {}
+        self.host_staging = ucxinfo.device_path(self.memory, self.resources)
+        if self.host_staging and "cuda_copy" not in {r.split("/")[0] for r in self.resources}:
+            self.close()
+            raise ConfigError(f"{name}: {self.host_staging}")
+        if self.host_staging:
+            _warn_once(f"{name}: {self.host_staging}")
+        log.info("%s: UCX worker ready (%d-byte buffer in %s memory, error_handling=%s, "
+                 "transports %s)", name, self._size, self.memory, error_handling,
+                 ",".join(self.resources) or "unknown")
 
     def _start_worker(self) -> None:
         """The UCX worker, in blocking progress mode, and a poller on its epoll fd."""
@@ -320,10 +374,16 @@ class Transport(Endpoints, Posting):
         """Bytes that went through staging buffers so far."""
         return int(self.counters.get("staging_bytes"))
 
+    def lanes(self, peer_id: str) -> list[str]:
+        """The transports (``tl/device``) UCX chose for ``peer_id``'s endpoint when it was
+        connected ([] when unknown)."""
+        return list(self._lanes.get(peer_id, ()))
+
     def stats(self) -> dict[str, Any]:
         """:attr:`counters` (plain data; every name of :data:`TRANSPORT_COUNTERS`, failed
         handles as ``failures``: kind -> count) with the transport's gauges: staging buffers
-        allocated, pooled and quarantined bytes, handles outstanding, peers connected."""
+        allocated, pooled and quarantined bytes, handles outstanding, peers connected, and
+        ``lanes`` (peer id -> the transports UCX chose for it)."""
         counts = self.counters.snapshot()
         failures = {name[len("failed_"):]: counts.pop(name)
                     for name in [n for n in counts if n.startswith("failed_")]}
@@ -333,7 +393,8 @@ class Transport(Endpoints, Posting):
                 "staging_pool_bytes": pool.cached_bytes,
                 "staging_quarantined_bytes": pool.quarantined_bytes,
                 "handles_outstanding": len(self._outstanding),
-                "peers": len(self._peers)}
+                "peers": len(self._peers),
+                "lanes": {peer: ",".join(lanes) for peer, lanes in self._lanes.items()}}
 
     # -- internals ------------------------------------------------------------------------------
     def _check_open(self) -> None:

@@ -137,6 +137,10 @@ class RankSetup:
     #: The coordinator's local channel (connector/local.py), used instead of ``coordinator``
     #: when set: ranks always run on their coordinator's machine.
     local_coordinator: str = ""
+    #: Where the rank computes and holds its pages and KV pool: the node's ``--device``
+    #: (:mod:`statebridge.devices`: auto | cpu | cuda | cuda:N), resolved in the rank for its
+    #: ``tp_rank``.
+    device: str = "cpu"
     #: The coordinator's process id: the rank exits when that process is gone (0: the rank's
     #: parent at start, which is the coordinator for spawned ranks).
     coordinator_pid: int = 0

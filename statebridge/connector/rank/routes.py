@@ -46,7 +46,8 @@ class Route:
     peer: str
     template: "RunTemplate | None"
     staged_bytes: int
-    shm: bool = False                  # read out of the prefill rank's shared map (zero-copy)
+    shm: bool = False                  # read out of the prefill rank's shared map (zero-copy;
+    #                                    device memory: staged pairs too, gathered)
 
 
 @dataclass(frozen=True)
@@ -128,8 +129,9 @@ class Routes:
             peer_rank = pair.dst_rank if direction == "send" else pair.src_rank
             template = None if pair.staged else self.transport.template(pair.runs, direction)
             staged_bytes = int(pair.pack[:, 2].sum()) if pair.staged else 0
+            # Device memory gathers every pair of a request in one launch, staged ones too.
             routes.append(Route(pair, peer_rank, f"{node}/{peer_rank}", template, staged_bytes,
-                                shm=shm is not None and template is not None
+                                shm=shm is not None and (template is not None or self.maps.device)
                                 and pair.nbytes >= shm))
         return routes
 

@@ -28,6 +28,8 @@ from statebridge.connector.rank.routes import Routes
 from statebridge.connector.rank.shared_map import SharedMaps
 from statebridge.connector.rank.startup import fmt_bytes, phase
 from statebridge.connector.stats import Counters, ops
+from statebridge.connector.data.device import memory_of
+from statebridge.devices import rank_device
 from statebridge.errors import FailureKind, ProtocolError, StatebridgeError, kind_of
 from statebridge.net import same_host
 from statebridge.security import CurveKeys
@@ -57,13 +59,15 @@ class RankWorker:
         if self.spec.kv is not None and setup.num_blocks:
             self.kv_geometry = BlockGeometry(self.spec.kv, setup.tp_size, setup.kv_layout,
                                              setup.block_size, setup.num_blocks)
+        device = rank_device(setup.device, setup.tp_rank)
         side = shared.MapSide.of_config(setup.role, self.config, tp_size=setup.tp_size,
                                         page_size=self.geometry.page_size,
-                                        has_kv=self.kv_geometry is not None)
+                                        has_kv=self.kv_geometry is not None,
+                                        memory=memory_of(device))
         who = f"{setup.role} rank {setup.tp_rank}"
         with phase(who, "pools") as p:
             self.memory = RankMemory.for_rank(setup.role, setup.tp_rank, self.geometry,
-                                              setup.num_pages, self.kv_geometry, side)
+                                              setup.num_pages, self.kv_geometry, side, device)
             p.detail = fmt_bytes(self.memory.nbytes)
         self.cache = StateCache(self.geometry, setup.num_pages, buffer=self.memory.pages)
         self.kv: KVBlocks | None = None
@@ -252,11 +256,16 @@ class RankWorker:
             self.pending.unattended_nodes.add(info.node_id)
         else:
             self.pending.unattended_nodes.discard(info.node_id)
-        connected = set()
+        connected = {}
         for route in [*routes, *kv_routes]:
             if route.peer not in connected:
-                connected.add(route.peer)
+                connected[route.peer] = route.peer_rank
                 self.transport.connect(route.peer, info.rank_addresses[route.peer_rank])
+        self._send(m.RankTransports(
+            tp_rank=self.setup.tp_rank, peer_node=info.node_id,
+            peer_ranks=tuple(connected.values()),
+            lanes=tuple(",".join(self.transport.lanes(peer)) for peer in connected),
+            host_staging=self.transport.host_staging))
         log.info("%s rank %d: connected to %s (%d ranks, %s)", self.setup.role,
                  self.setup.tp_rank, info.node_id, info.tp_size, info.layout)
 

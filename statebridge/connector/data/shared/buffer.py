@@ -108,6 +108,15 @@ class PeerMap:
         self._rw_start = self.nbytes
         self._rw_address = 0
 
+    def read(self, offset: int, nbytes: int) -> bytes:
+        """A copy of ``nbytes`` of the peer's buffer from byte ``offset`` (e.g. a device pool's
+        export record); :class:`TransferError` when that is outside the buffer."""
+        if type(offset) is not int or type(nbytes) is not int or offset < 0 or nbytes < 0 \
+                or offset + nbytes > self.nbytes:
+            raise TransferError(f"bytes [{offset!r}, +{nbytes!r}) are outside the "
+                                f"{self.nbytes}-byte buffer of pid {self.pid}")
+        return bytes(self._array[offset:offset + nbytes])
+
     def answer(self, offset: int, expected: int, value: int) -> bool:
         """Compare-and-swap the int64 word at byte ``offset`` of the peer's buffer from
         ``expected`` to ``value`` (``_copy.answer``); False when it held something else.
