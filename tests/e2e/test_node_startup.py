@@ -13,6 +13,7 @@ import os
 import re
 import subprocess
 import sys
+import time
 import urllib.request
 
 import pytest
@@ -174,7 +175,10 @@ def test_a_users_own_ucx_warning_setting_is_kept(model, tmp_path):
                        tmp_path / "prefill.log", _env(UCX_WARN_UNUSED_ENV_VARS="y"))
     try:
         node.start()
-        assert "unused environment variable: UCX_MEMTYPE_CACHE" in node.output()
+        deadline = time.monotonic() + 30      # the rank's stderr reaches the log a moment later
+        while "unused environment variable: UCX_MEMTYPE_CACHE" not in node.output():
+            assert time.monotonic() < deadline, node.output()
+            time.sleep(0.2)
     finally:
         node.stop()
 
