@@ -349,7 +349,7 @@ def test_metrics_counters_move_by_exactly_the_requests_sent(served):
         len(served.tok.encode(p)) for p in ("Good morning", "Hello!", "The river")) + len(
         served.tok.encode(served.tok.apply_chat_template([{"role": "user", "content": "Hi"}])))
     assert delta("statebridge_time_to_first_token_seconds_count") == 4
-    assert delta("statebridge_time_per_output_token_seconds_count") == 3 * 4 + 2
+    assert delta("statebridge_inter_token_latency_seconds_count") == 3 * 4 + 2
     assert delta("statebridge_transfer_bytes_count") == 4
     assert delta("statebridge_transfer_seconds_count") == 4
     assert after[("statebridge_pages_used", ())] == 0
