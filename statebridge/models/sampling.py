@@ -142,8 +142,10 @@ def token_logprobs(logits: torch.Tensor, token: int,
     chosen = float(logp[token])
     if not k:
         return chosen, (), ()
-    # (topk's order among equal values is unspecified; a stable sort of the top candidates
-    # by value then id gives a defined one.)
-    values, ids = torch.topk(logp, min(row.numel(), k + 8))
-    order = sorted(range(ids.numel()), key=lambda i: (-float(values[i]), int(ids[i])))[:k]
-    return chosen, tuple(int(ids[i]) for i in order), tuple(float(values[i]) for i in order)
+    # (topk's choice and order among equal values are unspecified: every id at least as
+    # likely as the k-th, in id order, stably sorted by value gives a defined one.)
+    kth = torch.topk(logp, min(row.numel(), k)).values[-1]
+    candidates = (logp >= kth).nonzero().flatten()
+    values, order = torch.sort(logp[candidates], descending=True, stable=True)
+    ids = candidates[order[:k]]
+    return chosen, tuple(ids.tolist()), tuple(values[:k].tolist())
