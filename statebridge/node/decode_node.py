@@ -77,6 +77,7 @@ from statebridge.models.distributed import Rendezvous
 from statebridge.models.sampling import MAX_LOGPROBS, sampling_problem
 from statebridge.node import messages as nm
 from statebridge.node.checks import check_checkpoint
+from statebridge.node.metrics import NodeHistograms
 from statebridge.security import CurveKeys
 
 log = logging.getLogger(__name__)
@@ -141,6 +142,7 @@ class _Gen:
     seed: int
     logprobs: int = -1                # top log-probabilities per token (-1: none)
     arrived: float = field(default_factory=time.perf_counter)
+    arrived_at: float = field(default_factory=time.time)     # wall clock, for RequestTiming
     page: int = -1
     next_token: int = 0
     generated: list[int] = field(default_factory=list)
@@ -219,6 +221,9 @@ class DecodeNode:
         except BaseException:
             self.coordinator.close()
             raise
+        #: Where each request's time went before decoding (the node's /metrics histograms).
+        self.histograms = NodeHistograms()
+        self.coordinator.on_timing(self.histograms.observe)
         self.coordinator.on_rank_message(nm.RankStepResult, self._on_step_result)
         self.coordinator.on_rank_lost(self._on_rank_lost)
 
@@ -354,7 +359,7 @@ class DecodeNode:
             blocks_used=g.blocks_used, blocks_free=g.blocks_free,
             running=len(self.running), waiting=len(self.waiting),
             refused_peers=g.refused_peers, aborted=int(self.counters.get("finished_aborted")),
-            refused_clients=int(self.counters.get("auth_refused")))
+            refused_clients=int(self.counters.get("auth_refused")), **self.histograms.fields())
 
     def _on_abort(self, client: FrontDoorClient, msg: nm.AbortRequest) -> None:
         """Drop a client's request wherever it is. Decoding in the step in flight: it finishes
@@ -447,9 +452,11 @@ class DecodeNode:
         arrival order (a retry goes back to the front)."""
         gen.local = local
         try:
+            # (A preempted request's queue time starts when it is resumed.)
             self.coordinator.start(gen.request_id, gen.sequence()[:-1],
                                    lambda result, error: self._transfer_done(gen, result, error),
-                                   local=local)
+                                   local=local,
+                                   arrived_at=time.time() if gen.preemptions else gen.arrived_at)
         except CacheFullError:
             if retry:
                 self.waiting.appendleft(gen)

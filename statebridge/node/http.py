@@ -1094,6 +1094,27 @@ class _NodeCollector:
                                   "door refused by CURVE authentication", value=s.refused_clients)
         yield CounterMetricFamily("statebridge_node_aborted_requests", "Requests aborted at "
                                   "the decode node", value=s.aborted)
+        yield from _node_histograms(s)
+
+
+def _node_histograms(s: nm.NodeStats):
+    """The node's per-request histograms (:mod:`statebridge.node.metrics`) as Prometheus
+    histograms (cumulative buckets)."""
+    from prometheus_client.core import HistogramMetricFamily
+    from prometheus_client.utils import floatToGoString
+
+    from statebridge.node.metrics import HISTOGRAMS
+
+    for name, counts, total in zip(s.histogram_names, s.histogram_counts, s.histogram_sums):
+        known = HISTOGRAMS.get(name)
+        if known is None or len(counts) != len(known[1]) + 1:
+            continue                    # (a node of another version)
+        help_, bounds = known
+        cumulative, running = [], 0
+        for bound, count in zip((*bounds, float("inf")), counts):
+            running += count
+            cumulative.append((floatToGoString(bound), running))
+        yield HistogramMetricFamily(name, help_, buckets=cumulative, sum_value=total)
 
 
 # -- the app and its server ----------------------------------------------------------------------

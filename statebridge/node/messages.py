@@ -139,7 +139,8 @@ class NodeStats(Message):
     and KV blocks (per rank, the same on every rank) used and free, requests decoding and
     waiting for a page, connected prefill peers, ``refused_peers``: prefill nodes whose
     handshake failed (incompatible, or they refused us), and ``refused_clients``: clients of
-    the zmq front door refused by CURVE authentication, since the node started."""
+    the zmq front door refused by CURVE authentication, since the node started; and the
+    histograms of where its requests' time went before decoding."""
     node_id: str
     ready: bool
     reason: str
@@ -153,3 +154,9 @@ class NodeStats(Message):
     refused_peers: int
     aborted: int
     refused_clients: int = 0
+    #: The node's per-request histograms (:mod:`statebridge.node.metrics`): names, the
+    #: counts per bucket of each (its buckets are ``HISTOGRAMS[name]``'s, and one more above
+    #: them all), and the sum of the values observed.
+    histogram_names: tuple[str, ...] = ()
+    histogram_counts: tuple[tuple[int, ...], ...] = ()
+    histogram_sums: tuple[float, ...] = ()

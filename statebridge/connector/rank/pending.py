@@ -49,6 +49,8 @@ class Pending:
     blocks: tuple[int, ...] = ()       # the request's KV blocks on this rank's side
     kv_tokens: int = 0
     final_at: float = 0.0              # prefill rank: time.monotonic() when the state was final
+    computed_from: float = 0.0         # prefill rank: time.monotonic() when its compute began
+    posted_at: float = 0.0             # time.monotonic() when its transfers were posted
     attended: bool = True              # needs this rank's progress to finish (see before_sleep)
     unread: int = 0                    # decode rank: shared-map reads not yet copied
     first_block: int | None = None     # decode rank: its table's first id when one range
