@@ -13,6 +13,7 @@ import pytest
 
 from statebridge.config import HttpConfig, NodeConfig
 from statebridge.models.checkpoint import make_checkpoint
+from statebridge.net import free_port
 from statebridge.node.client import Client
 from statebridge.node.decode_node import DecodeNode
 from statebridge.node.prefill_node import start_prefill_node
@@ -46,26 +47,34 @@ COUNTERS = {"statebridge_requests", "statebridge_request_success", "statebridge_
 
 
 @pytest.fixture(scope="module")
-def node(tmp_path_factory):
-    model = str(make_checkpoint("lfm2-hybrid", tmp_path_factory.mktemp("metrics") / "m"))
+def pools():
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("STATEBRIDGE_TEST_PREFILL_DELAY", str(DELAY_S))   # read by the host processes
         with RankHostPool(1, initializer=log_to_stderr) as prefill_hosts, \
                 RankHostPool(2, initializer=log_to_stderr) as decode_hosts:
-            server = start_prefill_node(model, 1, num_pages=8, config=FAST, kv_blocks=64,
-                                        launcher=prefill_hosts.launcher(),
-                                        rank_model="tests.e2e._helpers:SlowPrefillModel")
-            try:
-                with DecodeNode(model, 2, [server.address], num_pages=8, config=FAST,
-                                kv_blocks=64, max_prompt_len=64, max_new_tokens=32,
-                                launcher=decode_hosts.launcher(),
-                                node=NodeConfig(front_door="on"),
-                                http=HttpConfig(port=0)) as node:
-                    node.wait_ready(60)
-                    node.tok = TextTokenizer.from_dir(model)
-                    yield node
-            finally:
-                server.close()
+            yield prefill_hosts, decode_hosts
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    return str(make_checkpoint("lfm2-hybrid", tmp_path_factory.mktemp("metrics") / "m"))
+
+
+@pytest.fixture(scope="module")
+def node(pools, model):
+    prefill_hosts, decode_hosts = pools
+    server = start_prefill_node(model, 1, num_pages=8, config=FAST, kv_blocks=64,
+                                launcher=prefill_hosts.launcher(),
+                                rank_model="tests.e2e._helpers:SlowPrefillModel")
+    try:
+        with DecodeNode(model, 2, [server.address], num_pages=8, config=FAST, kv_blocks=64,
+                        max_prompt_len=64, max_new_tokens=32, launcher=decode_hosts.launcher(),
+                        node=NodeConfig(front_door="on"), http=HttpConfig(port=0)) as node:
+            node.wait_ready(60)
+            node.tok = TextTokenizer.from_dir(model)
+            yield node
+    finally:
+        server.close()
 
 
 def scrape(node) -> tuple[dict, dict]:
@@ -146,3 +155,25 @@ def test_a_zmq_request_is_timed_too_and_its_bytes_match(node):
     assert gen.transfer_seconds >= prefill + transfer
     # HTTP histograms count HTTP requests only.
     assert d("statebridge_time_to_first_token_seconds_count") == 0
+
+
+def test_a_local_recompute_is_timed_without_a_transfer(pools, model, node):
+    """With no prefill node, the recompute policy prefills on the decode ranks: queue and
+    prefill times come from them, and no transfer is counted."""
+    _, decode_hosts = pools
+    nowhere = f"127.0.0.1:{free_port()}"
+    with DecodeNode(model, 2, [nowhere], num_pages=4, config=FAST, kv_blocks=32,
+                    launcher=decode_hosts.launcher(), wait_prefill=0, policy="recompute",
+                    max_prompt_len=64, max_new_tokens=8, node=NodeConfig(front_door="on"),
+                    http=HttpConfig(port=0)) as local:
+        local.wait_ready(30)
+        before, _ = scrape(local)
+        with Client(local.address) as c:
+            gen = c.generate(node.tok.encode(PROMPT), max_new_tokens=2)
+        assert gen.recomputed
+        d = Delta(before, scrape(local)[0])
+        assert d("statebridge_request_queue_time_seconds_count") == 1
+        assert d("statebridge_request_prefill_time_seconds_count") == 1
+        assert 0 < d("statebridge_request_prefill_time_seconds_sum") <= gen.ttft
+        assert d("statebridge_transfer_seconds_count") == 0
+        assert d("statebridge_transfer_bytes_count") == 0
