@@ -215,3 +215,13 @@ def test_bad_chat_logprobs_are_400(served):
                                        top_logprobs=2)
     assert info.value.body["param"] == "top_logprobs"
     wait_until(served.idle, 10, "nothing held after refusals")
+
+
+def test_the_zmq_door_refuses_logprobs_over_the_cap_naming_them(served):
+    from statebridge.errors import InvalidRequestError
+
+    with Client(served.node.address) as c:
+        with pytest.raises(InvalidRequestError, match=str(MAX_LOGPROBS + 1)):
+            c.generate(served.tok.encode(PROMPT), max_new_tokens=2, logprobs=MAX_LOGPROBS + 1)
+        plain = c.generate(served.tok.encode(PROMPT), max_new_tokens=2)
+    assert plain.logprobs == [] and plain.top_logprobs == []       # not asked: none computed
