@@ -13,6 +13,13 @@ Prometheus metrics.
                 <--JSON or SSE "data: ..."-----
     GET /v1/models, /health (200 once a prefill node is connected, else 503), /metrics
 
+A stream sends one chunk per generated token, even when its text is empty (a special token,
+part of a character, text held back for a possible stop string): the chunks add up to
+``completion_tokens``. ``logprobs`` (completions: ``logprobs: k``; chat: ``logprobs: true``,
+``top_logprobs: k``; ``k`` at most :data:`MAX_LOGPROBS`) come in OpenAI's shapes, computed by
+the decode rank that samples; vLLM's ``return_token_ids`` and ``return_tokens_as_token_ids``
+give the token ids.
+
 The server runs in a thread of its own with its own event loop, in the decode node's process,
 so nothing HTTP runs on the coordinator's loop thread (the split of vLLM's API server and
 engine core). It hands the node the same front-door messages a zmq client sends, in process:
