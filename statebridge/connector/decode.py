@@ -84,7 +84,8 @@ from statebridge.state.plan import TransferPlan
 
 log = logging.getLogger(__name__)
 
-__all__ = ["DecodeCoordinator", "DecodeGauges", "PeerState", "TransferResult", "OnDone"]
+__all__ = ["DecodeCoordinator", "DecodeGauges", "PeerState", "TransferResult", "RequestTiming",
+           "OnDone"]
 
 REDIAL_MIN_S = 0.5     # first re-dial of a lost prefill server, after this many seconds
 REDIAL_MAX_S = 2.0     # the wait doubles per failed attempt, up to this
@@ -101,6 +102,38 @@ class TransferResult:
     seconds: float                  # submit -> every decode rank holds the state
     nbytes: int                     # payload bytes received by all decode ranks
     blocks: tuple[int, ...] = ()    # the request's KV block table (spec with KV)
+    landed_at: float = 0.0          # wall clock: the last decode rank held all of it
+
+
+@dataclass(frozen=True)
+class RequestTiming:
+    """When a request's state was made and moved, each time taken where it happened
+    (wall-clock seconds; see :class:`~statebridge.connector.messages.RankDone`):
+
+    - ``arrived_at``: the caller got the request (``start(arrived_at=)``);
+    - ``computed_from`` / ``state_final_at``: the first rank computing it began, the last
+      one's state was final (prefill ranks; the decode ranks for a ``local`` prefill);
+    - ``posted_at``: the first prefill rank posted its first byte; ``landed_at``: every
+      decode rank held all of it (both 0.0 for a local prefill: nothing moved).
+
+    So queue time is ``computed_from - arrived_at``, prefill compute ``state_final_at -
+    computed_from``, transfer ``landed_at - posted_at`` (see :meth:`seconds`)."""
+
+    request_id: str
+    arrived_at: float
+    computed_from: float
+    state_final_at: float
+    posted_at: float
+    landed_at: float
+    nbytes: int
+    local: bool
+
+    def seconds(self) -> tuple[float, float, float | None]:
+        """(queue, prefill compute, transfer or None for a local prefill), each at least 0
+        (clocks of other machines may disagree by their offset)."""
+        transfer = None if self.local else max(0.0, self.landed_at - self.posted_at)
+        return (max(0.0, self.computed_from - self.arrived_at),
+                max(0.0, self.state_final_at - self.computed_from), transfer)
 
 
 #: ``on_done(result, error)`` of :meth:`DecodeCoordinator.start`: exactly one is not None.
@@ -186,6 +219,11 @@ class DecodeCoordinator(RankGroup):
         """Call ``handler(info)`` on the loop thread after each handshake with a prefill node
         succeeded, with that node's group (its TP size, pages, KV pool)."""
         self._prefill_handlers.append(handler)
+        #: on_timing's callback, and the halves of request timings waiting for the other:
+        #: key -> (monotonic when kept, the prefill side's TransferTimes) or (monotonic,
+        #: arrived_at, the TransferResult)
+        self._on_timing: Callable | None = None
+        self._halves: dict[RequestKey, tuple] = {}
 
     # -- prefill servers -------------------------------------------------------------------------
     def connect(self, address: str, timeout: float | None = None, *,
@@ -406,6 +444,8 @@ class DecodeCoordinator(RankGroup):
                     handler(msg)
                 except Exception:  # noqa: BLE001 -- a report must not break the handshake
                     log.exception("%s: prefill-connected handler failed", self.node_id)
+        elif isinstance(msg, m.TransferTimes):
+            self._on_times(peer, msg)
         elif isinstance(msg, m.TransferFailed):
             record = self.ledger.get(RequestKey(peer.node_id, msg.request_id, msg.generation))
             if record is None:
@@ -486,7 +526,8 @@ class DecodeCoordinator(RankGroup):
 
     # -- requests: on the loop thread ---------------------------------------------------------
     def start(self, request_id: str, prompt: Sequence[int], on_done: OnDone, *,
-              prefill: str | None = None, local: bool = False) -> RequestKey:
+              prefill: str | None = None, local: bool = False,
+              arrived_at: float = 0.0) -> RequestKey:
         """Start moving the state of ``prompt`` (the N-1 prefix) into a page of every decode
         rank (``local``: compute it on the decode ranks themselves, the ``recompute`` policy).
         Loop thread only. ``on_done(result, error)`` runs once, on the loop thread, when every
@@ -497,12 +538,16 @@ class DecodeCoordinator(RankGroup):
         :class:`NotReadyError` (no prefill server connected), :class:`InvalidRequestError`
         (the id is in use), :class:`PeerLostError` (a decode rank is lost),
         :class:`ClosedError`.
+
+        ``arrived_at``: when the caller got the request (wall-clock seconds; 0.0: now), the
+        start of its queue time in :class:`RequestTiming`.
         """
         return self._start(request_id, _packed(request_id, prompt), on_done, prefill=prefill,
-                           local=local)
+                           local=local, arrived_at=arrived_at)
 
     def _start(self, request_id: str, prompt: bytes, on_done: OnDone, *,
-               prefill: str | None = None, local: bool = False) -> RequestKey:
+               prefill: str | None = None, local: bool = False,
+               arrived_at: float = 0.0) -> RequestKey:
         """:meth:`start` for a prompt already packed as token bytes (:func:`_packed`; the
         submit methods do that on the caller's thread, once; it travels as is)."""
         if not isinstance(request_id, str) or not request_id:
@@ -539,6 +584,7 @@ class DecodeCoordinator(RankGroup):
         record = self.ledger.open(key, time.monotonic() + self.config.transfer_timeout, peer,
                                   num_blocks=num_blocks)
         generation = self._last_generation = key.generation
+        record.arrived_at = arrived_at or time.time()
         blocks = tuple(record.blocks)
         self.current[request_id] = key
         self._callbacks[key] = on_done
@@ -679,10 +725,69 @@ class DecodeCoordinator(RankGroup):
         result = record.result = TransferResult(
             request_id=record.request_id, generation=record.generation, page=record.page,
             prefill_node=record.peer_node, seconds=time.perf_counter() - record.started,
-            nbytes=sum(d.nbytes for d in done), blocks=tuple(record.blocks))
+            nbytes=sum(d.nbytes for d in done), blocks=tuple(record.blocks),
+            landed_at=max(d.landed_at for d in done))
         self.counters.add("transfers_ok")
         self.counters.add("bytes", result.nbytes)
+        if self._on_timing is not None:
+            self._timing_half(record, done, result)
         self._report(record, result, None)
+
+    # -- timings --------------------------------------------------------------------------------
+    def on_timing(self, callback: "Callable[[RequestTiming], None] | None") -> None:
+        """Call ``callback`` (loop thread) with the :class:`RequestTiming` of every request
+        whose state every decode rank holds, once both sides said when their events
+        happened (a prefill node's :class:`~statebridge.connector.messages.TransferTimes` may
+        come after the request finished). Without a callback nothing is kept."""
+        self._on_timing = callback
+        if callback is None:
+            self._halves.clear()
+
+    def _timing_half(self, record: Record, done: list, result: TransferResult) -> None:
+        """The decode side's half of a request's timing: complete at once for a local
+        prefill (the decode ranks computed it), else joined with the prefill side's."""
+        if record.peer is None:
+            self._timed(RequestTiming(
+                request_id=record.request_id, arrived_at=record.arrived_at,
+                computed_from=min((d.computed_from for d in done if d.computed_from),
+                                  default=0.0),
+                state_final_at=max(d.state_final_at for d in done), posted_at=0.0,
+                landed_at=0.0, nbytes=0, local=True))
+            return
+        times = self._halves.pop(record.key, None)
+        if times is None:
+            self._halves[record.key] = (time.monotonic(), record.arrived_at, result)
+        else:
+            self._join(times[1], record.arrived_at, result)
+
+    def _on_times(self, peer: _Prefill, msg: m.TransferTimes) -> None:
+        if self._on_timing is None:
+            return
+        key = RequestKey(peer.node_id, msg.request_id, msg.generation)
+        half = self._halves.pop(key, None)
+        if half is None:
+            self._halves[key] = (time.monotonic(), msg)
+        else:
+            self._join(msg, half[1], half[2])
+
+    def _join(self, times: m.TransferTimes, arrived_at: float, result: TransferResult) -> None:
+        self._timed(RequestTiming(
+            request_id=result.request_id, arrived_at=arrived_at,
+            computed_from=times.computed_from, state_final_at=times.state_final_at,
+            posted_at=times.posted_at, landed_at=result.landed_at, nbytes=result.nbytes,
+            local=False))
+
+    def _timed(self, timing: "RequestTiming") -> None:
+        try:
+            self._on_timing(timing)
+        except Exception:  # noqa: BLE001 -- the caller's callback must not break the loop
+            log.exception("%s: on_timing of %s failed", self.node_id, timing.request_id)
+
+    def _expire_halves(self, now: float) -> None:
+        """Halves whose other half never comes (the request failed on one side only)."""
+        limit = self.config.transfer_timeout + self.config.peer_timeout
+        for key in [k for k, half in self._halves.items() if now - half[0] > limit]:
+            del self._halves[key]
 
     def _report(self, record: Record, result: "TransferResult | None",
                 error: "TransferError | None") -> None:
@@ -709,6 +814,8 @@ class DecodeCoordinator(RankGroup):
                 self._prefill_lost(peer, f"silent for {self.config.peer_timeout} s")
         self._redial()
         now = time.monotonic()
+        if self._halves:
+            self._expire_halves(now)
         for record in self.ledger:
             if record.phase is Phase.ACTIVE and now > record.deadline + self.config.peer_timeout:
                 # The ranks enforce transfer_timeout themselves; this catches a rank that never

@@ -77,6 +77,8 @@ class Record:
     #: The request's KV block table (ids the same on every rank of the group); freed with
     #: the page.
     blocks: list[int] = field(default_factory=list)
+    #: Wall clock: when the caller got the request (the decode side's queue time starts).
+    arrived_at: float = 0.0
 
     @property
     def request_id(self) -> str:

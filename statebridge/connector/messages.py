@@ -49,7 +49,10 @@ instrumented rank sends (the one switch, documented there).
 
 Version 12: :class:`GroupInfo` ``memory`` (what the group's pools are in: host or CUDA device
 memory; two same-host device groups read through the prefill rank's exported pool), and
-:class:`RankTransports` (the transports UCX chose for each peer rank, for the node's stats).
+:class:`RankTransports` (the transports UCX chose for each peer rank, for the node's stats);
+``RankDone`` says when a rank's events happened (compute, first post, landed), and the prefill side tells the decode side its part in one :class:`TransferTimes` row per
+request (off the request's path: the decode side serves without it), so the transfer time
+is measured from the first byte posted to the last byte landed.
 
 Layers above the connector (the decode node's stepping and front door) declare their own
 messages with :func:`message`; they travel through the same codec.
@@ -80,7 +83,7 @@ __all__ = [
     "PROTOCOL_VERSION", "MAX_MESSAGE_BYTES", "Message", "message", "encode", "decode",
     "compat_hash", "MESSAGE_TYPES", "message_row", "encode_rows", "decode_frame",
     "MAX_BATCH_ROWS", "Tokens", "pack_tokens", "unpack_tokens", "token_count",
-    "Hello", "Reject", "GroupInfo", "TransferRequest", "TransferFailed",
+    "Hello", "Reject", "GroupInfo", "TransferRequest", "TransferTimes", "TransferFailed",
     "Abort", "Heartbeat", "Error", "Goodbye",
     "RankHello", "RankPrefill", "RankRecv", "RankDone", "RankProbe", "PROBES", "RankCancel",
     "RankShutdown", "RankLocalPrefill", "RankFailed", "RankTransports",
@@ -149,6 +152,21 @@ class TransferRequest(Message):
     #: The decode side's block table for the prompt's KV (``blocks_for(len(prompt),
     #: block_size)`` ids); empty for a spec without KV.
     kv_blocks: tuple[int, ...] = ()
+
+
+@message
+class TransferTimes(Message):
+    """Prefill -> decode, once every prefill rank's sends of a request completed: when its
+    events happened on the prefill ranks (wall-clock seconds, see :class:`RankDone`): the
+    first rank's compute began (``computed_from``), the last rank's state was final
+    (``state_final_at``), the first byte was posted (``posted_at``). The decode node's
+    queue, prefill and transfer metrics come from them; nothing waits for this message."""
+    BATCH = True
+    request_id: str
+    generation: int
+    computed_from: float
+    state_final_at: float
+    posted_at: float
 
 
 @message
@@ -242,7 +260,15 @@ class RankDone(Message):
     a :class:`~statebridge.errors.FailureKind` name; ``message`` says why). Sent once per
     request, only when nothing of it can still touch the page. ``nbytes``: payload bytes the
     rank moved for the request (recurrent state and KV; the decode node's transfer-size
-    metric sums them over its ranks)."""
+    metric sums them over its ranks).
+
+    When the rank's part succeeded it says when its events happened, where they happened
+    (wall-clock seconds since the epoch, taken from the machine's monotonic clock: the
+    processes of one machine agree to microseconds, other machines up to their clock
+    offset; 0.0 where the rank had no such event): a rank that computed the request
+    (prefill rank; decode rank for a local prefill) ``computed_from`` (its compute began)
+    and ``state_final_at``; a prefill rank ``posted_at`` (its first byte posted); a decode
+    rank ``landed_at`` (every byte of the request it receives had landed)."""
     BATCH = True
     tp_rank: int
     peer_node: str
@@ -251,6 +277,10 @@ class RankDone(Message):
     kind: str
     message: str
     nbytes: int = 0
+    computed_from: float = 0.0
+    state_final_at: float = 0.0
+    posted_at: float = 0.0
+    landed_at: float = 0.0
 
 
 #: The values of the instrumentation switch, ``RankSetup.probes`` (see :class:`RankProbe`).

@@ -9,6 +9,8 @@ Per request (N-1 protocol)::
                                 server --RankPrefill--> every rank: compute state, send runs
                                 every rank --RankDone--> server (sends complete or failed):
                                 page freed (the decode side took every byte or failed)
+    decode <--TransferTimes--   server: when it happened on the ranks (the decode side's
+                                metrics; nothing waits for it)
 
 With attention KV (``spec.kv``) the request also carries the decode side's block table
 (``TransferRequest.kv_blocks``); the server allocates as many blocks of its own with the page
@@ -298,7 +300,19 @@ class PrefillServer(RankGroup):
         if not self.ledger.free(record):
             return                                   # freed already (callers may re-check)
         record.peer.inflight -= 1
+        if record.phase is Phase.DONE and self.peers.get(record.peer.identity) is record.peer:
+            self._send_times(record)
         self._start_waiting()
+
+    def _send_times(self, record: Record) -> None:
+        """Tell the decode peer when its request's events happened on our ranks (its
+        metrics; one row per request, coalesced with the others of this loop iteration)."""
+        done = record.done.values()
+        c.send_router(self.router, record.peer.identity, m.TransferTimes(
+            request_id=record.request_id, generation=record.generation,
+            computed_from=min((d.computed_from for d in done if d.computed_from), default=0.0),
+            state_final_at=max((d.state_final_at for d in done), default=0.0),
+            posted_at=min((d.posted_at for d in done if d.posted_at), default=0.0)))
 
     def _start_waiting(self) -> None:
         while self.healthy and self.waiting and self._fits(self.waiting[0][1]):

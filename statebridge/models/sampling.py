@@ -21,13 +21,16 @@ import torch
 
 from statebridge.errors import ConfigError, ShapeError
 
-__all__ = ["sample", "greedy", "sampling_problem", "MIN_TEMPERATURE", "MAX_TEMPERATURE",
-           "SEED_MIN", "SEED_END"]
+__all__ = ["sample", "greedy", "sampling_problem", "token_logprobs", "MIN_TEMPERATURE",
+           "MAX_TEMPERATURE", "MAX_LOGPROBS", "SEED_MIN", "SEED_END"]
 
 #: Temperatures below this sample greedily (vLLM's threshold too).
 MIN_TEMPERATURE = 1e-5
 #: The highest temperature a request may ask for (OpenAI's limit).
 MAX_TEMPERATURE = 2.0
+#: The most top log-probabilities a request may ask for per token (vLLM's default
+#: ``max_logprobs``; OpenAI's chat API allows 20 too).
+MAX_LOGPROBS = 20
 #: A request's seed is a signed 64-bit integer: ``SEED_MIN <= seed < SEED_END``.
 SEED_MIN, SEED_END = -(1 << 63), 1 << 63
 
@@ -122,3 +125,27 @@ def sample(logits: torch.Tensor, temperature: float | Sequence[float] | torch.Te
     race = torch.empty_like(probs).exponential_(1.0, generator=generator)
     out[hot] = (probs / race).argmax(dim=-1)
     return out
+
+
+def token_logprobs(logits: torch.Tensor, token: int,
+                   k: int) -> tuple[float, tuple[int, ...], tuple[float, ...]]:
+    """The log-probability of ``token`` and the ``k`` most likely tokens with theirs, from one
+    row's ``[1, V]`` (or ``[V]``) logits: the model's raw distribution, before temperature
+    and top-p (vLLM's default, ``raw_logprobs``), in float32. Ties keep the lower id first
+    (so the top-1 of a greedy row is its token). ``0 <= k <= MAX_LOGPROBS``."""
+    if isinstance(k, bool) or not isinstance(k, int) or not 0 <= k <= MAX_LOGPROBS:
+        raise ConfigError(f"top logprobs k={k!r} is not in [0, {MAX_LOGPROBS}]")
+    row = logits.reshape(-1).float()
+    if not 0 <= token < row.numel():
+        raise ShapeError(f"token {token} is outside the {row.numel()} logits")
+    logp = torch.log_softmax(row, dim=-1)
+    chosen = float(logp[token])
+    if not k:
+        return chosen, (), ()
+    # (topk's choice and order among equal values are unspecified: every id at least as
+    # likely as the k-th, in id order, stably sorted by value gives a defined one.)
+    kth = torch.topk(logp, min(row.numel(), k)).values[-1]
+    candidates = (logp >= kth).nonzero().flatten()
+    values, order = torch.sort(logp[candidates], descending=True, stable=True)
+    ids = candidates[order[:k]]
+    return chosen, tuple(ids.tolist()), tuple(values[:k].tolist())

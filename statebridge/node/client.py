@@ -25,10 +25,14 @@ __all__ = ["Client", "Generation"]
 
 @dataclass
 class Generation:
-    """A finished request: its tokens and what it cost."""
+    """A finished request: its tokens and what it cost. ``logprobs`` / ``top_logprobs``: when
+    asked for (``logprobs=k``), each token's log-probability and its step's ``k`` most
+    likely tokens as ``(token id, log-probability)`` pairs, most likely first."""
 
     request_id: str
     tokens: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
     ttft: float = 0.0                 # seconds from arrival at the decode node to token 1
     transfer_seconds: float = 0.0     # the state transfer (submit -> every decode rank ready)
     transfer_bytes: int = 0
@@ -83,13 +87,18 @@ class Client:
 
     def stream(self, prompt: Sequence[int], *, max_new_tokens: int = 16,
                temperature: float = 0.0, top_p: float = 1.0, seed: int = 0,
-               request_id: str | None = None) -> Iterator[nm.GenerateTokens]:
-        """Yield the node's GenerateTokens messages for one request, as they arrive."""
+               request_id: str | None = None,
+               logprobs: int | None = None) -> Iterator[nm.GenerateTokens]:
+        """Yield the node's GenerateTokens messages for one request, as they arrive.
+        ``logprobs=k`` (0 to :data:`~statebridge.models.sampling.MAX_LOGPROBS`): each token
+        comes with its log-probability and the ``k`` most likely tokens' (the model's raw
+        distribution)."""
         request_id = request_id or uuid.uuid4().hex
         prompt = tuple(map(int, prompt))
         self._send(nm.GenerateRequest(
             request_id=request_id, prompt=prompt, max_new_tokens=int(max_new_tokens),
-            temperature=float(temperature), top_p=float(top_p), seed=int(seed)), self.timeout)
+            temperature=float(temperature), top_p=float(top_p), seed=int(seed),
+            logprobs=-1 if logprobs is None else int(logprobs)), self.timeout)
         while True:
             if not c.poll_dealer(self._sock, self._watch, self.timeout):
                 raise TransferTimeoutError(f"no answer from {self.address} for "
@@ -114,6 +123,9 @@ class Client:
         kwargs["request_id"] = out.request_id
         for msg in self.stream(prompt, **kwargs):
             out.tokens.extend(msg.tokens)
+            out.logprobs.extend(msg.logprobs)
+            out.top_logprobs.extend(list(zip(ids, lps))
+                                    for ids, lps in zip(msg.top_ids, msg.top_logprobs))
             out.ttft, out.transfer_seconds = msg.ttft, msg.transfer_seconds
             out.transfer_bytes, out.recomputed = msg.transfer_bytes, msg.recomputed
         out.seconds = time.perf_counter() - start

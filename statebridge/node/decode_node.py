@@ -74,10 +74,11 @@ from statebridge.errors import (
 )
 from statebridge.hf_config import ModelConfig
 from statebridge.models.distributed import Rendezvous
-from statebridge.models.sampling import sampling_problem
+from statebridge.models.sampling import MAX_LOGPROBS, sampling_problem
 from statebridge.node import capacity
 from statebridge.node import messages as nm
 from statebridge.node.checks import check_checkpoint
+from statebridge.node.metrics import NodeHistograms
 from statebridge.security import CurveKeys
 
 log = logging.getLogger(__name__)
@@ -140,7 +141,9 @@ class _Gen:
     temperature: float
     top_p: float
     seed: int
+    logprobs: int = -1                # top log-probabilities per token (-1: none)
     arrived: float = field(default_factory=time.perf_counter)
+    arrived_at: float = field(default_factory=time.time)     # wall clock, for RequestTiming
     page: int = -1
     next_token: int = 0
     generated: list[int] = field(default_factory=list)
@@ -232,6 +235,9 @@ class DecodeNode:
         except BaseException:
             self.coordinator.close()
             raise
+        #: Where each request's time went before decoding (the node's /metrics histograms).
+        self.histograms = NodeHistograms()
+        self.coordinator.on_timing(self.histograms.observe)
         self.coordinator.on_rank_message(nm.RankStepResult, self._on_step_result)
         self.coordinator.on_rank_lost(self._on_rank_lost)
         self.coordinator.on_prefill_connected(self._on_prefill_connected)
@@ -402,7 +408,7 @@ class DecodeNode:
             running=len(self.running), waiting=len(self.waiting),
             refused_peers=g.refused_peers, aborted=int(self.counters.get("finished_aborted")),
             refused_clients=int(self.counters.get("auth_refused")),
-            **capacity.memory_fields(self.coordinator))
+            **capacity.memory_fields(self.coordinator), **self.histograms.fields())
 
     def _on_abort(self, client: FrontDoorClient, msg: nm.AbortRequest) -> None:
         """Drop a client's request wherever it is. Decoding in the step in flight: it finishes
@@ -423,12 +429,16 @@ class DecodeNode:
             self.coordinator.cancel(gen.request_id, why)
 
     def _reply(self, gen: _Gen, tokens: tuple[int, ...], done: bool, kind: str = "",
-               message: str = "") -> None:
+               message: str = "", logprobs: tuple = ()) -> None:
+        """``logprobs``: ``(logprobs, top_ids, top_logprobs)`` of ``tokens`` (a request that
+        asked for them)."""
         t = gen.transfer
+        lp, top_ids, top_lps = logprobs or ((), (), ())
         gen.client.deliver(nm.GenerateTokens(
             request_id=gen.request_id, tokens=tokens, done=done, kind=str(kind),
             message=message, ttft=gen.ttft, transfer_seconds=t.seconds if t else 0.0,
-            transfer_bytes=t.nbytes if t else 0, recomputed=gen.recomputed))
+            transfer_bytes=t.nbytes if t else 0, recomputed=gen.recomputed,
+            logprobs=lp, top_ids=top_ids, top_logprobs=top_lps))
 
     def _problem(self, msg: nm.GenerateRequest) -> str | None:
         """Why ``msg`` cannot be served, or None: the one check of a request, whichever door
@@ -453,6 +463,8 @@ class DecodeNode:
         problem = sampling_problem(msg.temperature, msg.top_p, msg.seed)
         if problem is not None:
             return problem[1]
+        if not -1 <= msg.logprobs <= MAX_LOGPROBS:
+            return f"logprobs {msg.logprobs} not in [-1 (none), {MAX_LOGPROBS}]"
         if msg.request_id in self.gens:
             return f"request id {msg.request_id!r} is already in flight"
         if self.kv:
@@ -466,7 +478,7 @@ class DecodeNode:
 
     def _on_generate(self, client: FrontDoorClient, msg: nm.GenerateRequest) -> None:
         gen = _Gen(msg.request_id, client, msg.prompt, msg.max_new_tokens, msg.temperature,
-                   msg.top_p, msg.seed)
+                   msg.top_p, msg.seed, msg.logprobs)
         problem = self._problem(msg)
         if problem is not None:
             self.counters.add("rejected")
@@ -489,9 +501,11 @@ class DecodeNode:
         arrival order (a retry goes back to the front)."""
         gen.local = local
         try:
+            # (A preempted request's queue time starts when it is resumed.)
             self.coordinator.start(gen.request_id, gen.sequence()[:-1],
                                    lambda result, error: self._transfer_done(gen, result, error),
-                                   local=local)
+                                   local=local,
+                                   arrived_at=time.time() if gen.preemptions else gen.arrived_at)
         except CacheFullError:
             if retry:
                 self.waiting.appendleft(gen)
@@ -566,7 +580,9 @@ class DecodeNode:
             temperatures=tuple(float(g.temperature) for g in batch),
             top_ps=tuple(float(g.top_p) for g in batch),
             seeds=tuple(int(g.seed) for g in batch),
-            blocks=tuple(g.blocks for g in batch) if self.kv else ()))
+            blocks=tuple(g.blocks for g in batch) if self.kv else (),
+            logprobs=tuple(g.logprobs for g in batch)
+            if any(g.logprobs >= 0 for g in batch) else ()))
 
     def _grow_blocks(self, batch: list[_Gen]) -> None:
         """Give each request of the next step's batch a block for its next token's K/V; one
@@ -650,6 +666,7 @@ class DecodeNode:
             self._maybe_step()
             return
         now = time.perf_counter()
+        asked = len(msg.logprobs) == len(batch) == len(msg.top_ids) == len(msg.top_logprobs)
         # Requests that finish are taken out first; the rest rotate to the back so a batch
         # larger than max_batch is served round robin. A failed row finishes its request
         # only (its page is untouched by the step or belongs to it alone).
@@ -667,17 +684,19 @@ class DecodeNode:
                 gen.ttft = now - gen.arrived
             gen.generated.append(token)
             gen.next_token = token
+            logprobs = ((msg.logprobs[row],), (msg.top_ids[row],), (msg.top_logprobs[row],)) \
+                if asked and gen.logprobs >= 0 else ()
             if len(gen.generated) >= gen.max_new_tokens:
-                self._finish(gen, "", "", last=(token,))
+                self._finish(gen, "", "", last=(token,), logprobs=logprobs)
             else:
-                self._reply(gen, (token,), False)
+                self._reply(gen, (token,), False, logprobs=logprobs)
         served = set(map(id, batch))
         kept = [g for g in batch if g in self.running]
         self.running = [g for g in self.running if id(g) not in served] + kept
         self._maybe_step()
 
     def _finish(self, gen: _Gen, kind: "FailureKind | str", message: str, *,
-                last: tuple[int, ...] = (), release: bool = True) -> None:
+                last: tuple[int, ...] = (), release: bool = True, logprobs: tuple = ()) -> None:
         if gen in self.running:
             self.running.remove(gen)
         if self.gens.get(gen.request_id) is gen:
@@ -685,7 +704,7 @@ class DecodeNode:
         if gen.transfer is not None and release and not self.coordinator.free(gen.request_id):
             log.warning("%s: its page was not held any more", gen.request_id)
         self.counters.add("finished_ok" if not kind else f"finished_{kind}")
-        self._reply(gen, last, True, kind, message)
+        self._reply(gen, last, True, kind, message, logprobs)
         self._start_waiting()
 
     # -- lifecycle ----------------------------------------------------------------------------

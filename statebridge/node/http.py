@@ -13,6 +13,13 @@ Prometheus metrics.
                 <--JSON or SSE "data: ..."-----
     GET /v1/models, /health (200 once a prefill node is connected, else 503), /metrics
 
+A stream sends one chunk per generated token, even when its text is empty (a special token,
+part of a character, text held back for a possible stop string): the chunks add up to
+``completion_tokens``. ``logprobs`` (completions: ``logprobs: k``; chat: ``logprobs: true``,
+``top_logprobs: k``; ``k`` at most :data:`MAX_LOGPROBS`) come in OpenAI's shapes, computed by
+the decode rank that samples; vLLM's ``return_token_ids`` and ``return_tokens_as_token_ids``
+give the token ids.
+
 The server runs in a thread of its own with its own event loop, in the decode node's process,
 so nothing HTTP runs on the coordinator's loop thread (the split of vLLM's API server and
 engine core). It hands the node the same front-door messages a zmq client sends, in process:
@@ -46,6 +53,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import concurrent.futures
+import functools
 import hmac
 import json
 import logging
@@ -60,7 +68,7 @@ from statebridge.config import HttpConfig
 from statebridge.connector import messages as m
 from statebridge.errors import (ClosedError, FailureKind, InvalidRequestError, ProtocolError,
                                 StartupError, StatebridgeError)
-from statebridge.models.sampling import sampling_problem
+from statebridge.models.sampling import MAX_LOGPROBS, sampling_problem
 from statebridge.node import messages as nm
 from statebridge.node.text import NoChatTemplateError, TextTokenizer
 
@@ -288,6 +296,13 @@ class _Sampling:
     stream: bool
     include_usage: bool
     ignore_eos: bool
+    #: Top log-probabilities per token (-1: none; completions' ``logprobs``, chat's
+    #: ``top_logprobs`` with ``logprobs: true``).
+    logprobs: int = -1
+    #: vLLM's ``return_token_ids``: the prompt's and the generated token ids in the answer.
+    return_token_ids: bool = False
+    #: vLLM's ``return_tokens_as_token_ids``: logprob tokens written ``"token_id:N"``.
+    tokens_as_ids: bool = False
 
 
 _MISSING = object()
@@ -319,6 +334,14 @@ def _text(value: str, param: str) -> str:
         raise _bad(f"{param} holds a lone surrogate {value[e.start]!r} at character {e.start}: "
                    f"not valid Unicode text", param) from None
     return value
+
+
+def _finite(logprob: float) -> float | None:
+    """A log-probability as JSON can carry it: ``-inf`` (a token the model gives no
+    probability) as -9999.0, as vLLM writes it; NaN (none computed) as null."""
+    if logprob != logprob:
+        return None
+    return max(logprob, -9999.0)
 
 
 def _quiet(future: "asyncio.Future") -> None:
@@ -412,8 +435,6 @@ class _Api:
                 raise _bad(f"{name}={value} is not supported (only {allowed})", name)
         if not chat and _field(body, "echo", (bool,), False, "a boolean"):
             raise _bad("echo=true is not supported", "echo")
-        if body.get("logprobs") not in (None, False):
-            raise _bad("logprobs are not supported", "logprobs")
         for name in ("presence_penalty", "frequency_penalty"):
             if _field(body, name, (int, float), 0, "a number") != 0:
                 raise _bad(f"{name} is not supported", name)
@@ -453,7 +474,36 @@ class _Api:
         include_usage = _field(options, "include_usage", (bool,), False, "a boolean")
         ignore_eos = _field(body, "ignore_eos", (bool,), False, "a boolean")
         return _Sampling(max_tokens, temperature, top_p, seed, tuple(stop), stream,
-                         include_usage, ignore_eos)
+                         include_usage, ignore_eos, logprobs=self.logprobs(body, chat=chat),
+                         return_token_ids=_field(body, "return_token_ids", (bool,), False,
+                                                 "a boolean"),
+                         tokens_as_ids=_field(body, "return_tokens_as_token_ids", (bool,),
+                                              False, "a boolean"))
+
+    @staticmethod
+    def logprobs(body: dict, *, chat: bool) -> int:
+        """How many top log-probabilities per token the request asks for (-1: none).
+        Completions: ``logprobs`` (an integer); chat: ``logprobs: true`` and ``top_logprobs``
+        (default 0: the sampled token's alone). At most :data:`MAX_LOGPROBS` (400 naming the
+        value beyond it)."""
+        if chat:
+            wanted = _field(body, "logprobs", (bool,), False, "a boolean")
+            name = "top_logprobs"
+            k = _field(body, name, (int,), None, "an integer")
+            if k is not None and not wanted:
+                raise _bad(f"top_logprobs={k} needs logprobs: true", name)
+            if not wanted:
+                return -1
+            k = 0 if k is None else k
+        else:
+            name = "logprobs"
+            k = _field(body, name, (int,), None, "an integer")
+            if k is None:
+                return -1
+        if not 0 <= k <= MAX_LOGPROBS:
+            raise _bad(f"{name}={k} is not in [0, {MAX_LOGPROBS}] (at most {MAX_LOGPROBS} "
+                       f"top log-probabilities per token)", name)
+        return k
 
     async def prompts(self, body: dict) -> list[list[int]]:
         """``prompt``: a string, a list of token ids, or a batch of either. Everything that
@@ -649,33 +699,96 @@ class _Api:
         return {"prompt_tokens": prompt, "completion_tokens": completion,
                 "total_tokens": prompt + completion}
 
-    def full_body(self, rid: str, chat: bool, choices: Sequence["_Choice"]) -> dict:
+    # -- log-probabilities and token ids ------------------------------------------------------
+    def token_text(self, token: int, params: _Sampling) -> str:
+        """A token as logprobs name it: its text (special tokens too), or ``"token_id:N"``
+        (vLLM's ``return_tokens_as_token_ids``)."""
+        return f"token_id:{token}" if params.tokens_as_ids else self.tok.token_text(token)
+
+    def logprobs_body(self, entries: Sequence[_Logprob], params: _Sampling, *,
+                      chat: bool) -> dict | None:
+        """``entries`` in OpenAI's shape: chat's ``{"content": [{token, logprob, bytes,
+        top_logprobs}]}``, or the completions API's ``{tokens, token_logprobs, top_logprobs,
+        text_offset}`` (``top_logprobs``: the top tokens and the sampled one, as vLLM and
+        OpenAI give up to ``logprobs + 1``). None when the request did not ask."""
+        if params.logprobs < 0:
+            return None
+        name = functools.partial(self.token_text, params=params)
         if chat:
-            out = [{"index": ch.index, "message": {"role": "assistant", "content": ch.out},
-                    "logprobs": None, "finish_reason": ch.finish} for ch in choices]
-        else:
-            out = [{"index": ch.index, "text": ch.out, "logprobs": None,
-                    "finish_reason": ch.finish} for ch in choices]
-        return {"id": rid, "object": "chat.completion" if chat else "text_completion",
+            def item(token: int, logprob: float) -> dict:
+                text = name(token)
+                return {"token": text, "logprob": _finite(logprob),
+                        "bytes": list(text.encode("utf-8"))}
+            return {"content": [{**item(e.token, e.logprob),
+                                 "top_logprobs": [item(t, lp) for t, lp in e.top]}
+                                for e in entries]}
+        tops = []
+        for e in entries:
+            top = {name(e.token): _finite(e.logprob)}
+            for t, lp in e.top:
+                top.setdefault(name(t), _finite(lp))
+            tops.append(top)
+        return {"tokens": [name(e.token) for e in entries],
+                "token_logprobs": [_finite(e.logprob) for e in entries],
+                "top_logprobs": tops, "text_offset": [e.offset for e in entries]}
+
+    def full_body(self, rid: str, chat: bool, choices: Sequence["_Choice"]) -> dict:
+        params = choices[0].params
+        out = []
+        for ch in choices:
+            choice = {"index": ch.index}
+            if chat:
+                choice["message"] = {"role": "assistant", "content": ch.out}
+            else:
+                choice["text"] = ch.out
+            choice["logprobs"] = self.logprobs_body(ch.logprobs, params, chat=chat)
+            choice["finish_reason"] = ch.finish
+            if params.return_token_ids:
+                if not chat:
+                    choice["prompt_token_ids"] = list(ch.prompt)
+                choice["token_ids"] = list(ch.tokens)
+            out.append(choice)
+        body = {"id": rid, "object": "chat.completion" if chat else "text_completion",
                 "created": int(time.time()), "model": self.model_name, "choices": out,
                 "usage": self.usage(choices)}
+        if chat and params.return_token_ids:
+            body["prompt_token_ids"] = list(choices[0].prompt)
+        return body
 
     async def events(self, rid: str, chat: bool, choices: list["_Choice"], params: _Sampling,
                      release) -> AsyncIterator[str]:
+        """The SSE stream: one chunk per generated token (its text may be empty: a special
+        token, or part of a character or of a possible stop string held back), the last one
+        with the finish reason; chat starts with a role chunk. With ``return_token_ids`` each
+        chunk names its token ids and the first of a choice its prompt's (chat: the role
+        chunk, at the top level, as vLLM does)."""
         created = int(time.time())
         kind = "chat.completion.chunk" if chat else "text_completion"
+        first = {ch.index: True for ch in choices}
 
-        def chunk(index: int, text: str | None, finish: str | None, role: bool = False) -> str:
+        def chunk(ch: "_Choice", piece: _Piece | None) -> str:
+            body = {"id": rid, "object": kind, "created": created, "model": self.model_name}
             if chat:
-                delta = {"role": "assistant", "content": ""} if role else (
-                    {} if text is None else {"content": text})
-                choice = {"index": index, "delta": delta, "logprobs": None,
-                          "finish_reason": finish}
+                delta = {"role": "assistant", "content": ""} if piece is None else (
+                    {"content": piece.text} if piece.tokens or piece.text else {})
+                choice = {"index": ch.index, "delta": delta}
             else:
-                choice = {"index": index, "text": text or "", "logprobs": None,
-                          "finish_reason": finish}
-            body = {"id": rid, "object": kind, "created": created, "model": self.model_name,
-                    "choices": [choice]}
+                choice = {"index": ch.index, "text": piece.text}
+            if piece is not None:
+                choice["logprobs"] = self.logprobs_body(piece.logprobs, params, chat=chat)
+                choice["finish_reason"] = piece.finish
+            else:
+                choice["logprobs"] = choice["finish_reason"] = None
+            if params.return_token_ids:
+                if first[ch.index]:
+                    if chat:
+                        body["prompt_token_ids"] = list(ch.prompt)
+                    else:
+                        choice["prompt_token_ids"] = list(ch.prompt)
+                if piece is not None:
+                    choice["token_ids"] = list(piece.tokens)
+            first[ch.index] = False
+            body["choices"] = [choice]
             if params.include_usage:
                 body["usage"] = None
             return f"data: {json.dumps(body)}\n\n"
@@ -685,26 +798,21 @@ class _Api:
         try:
             if chat:
                 for ch in choices:
-                    yield chunk(ch.index, None, None, role=True)
+                    yield chunk(ch, None)
             if len(choices) == 1:         # (one prompt: its steps in turn, no task per token)
-                ch, finish = choices[0], None
-                while finish is None:
-                    delta, finish = await ch.step()
-                    if delta:
-                        yield chunk(ch.index, delta, None)
-                yield chunk(ch.index, None if chat else "", finish)
+                ch, piece = choices[0], None
+                while piece is None or piece.finish is None:
+                    piece = await ch.step()
+                    yield chunk(ch, piece)
             else:
                 pending = {asyncio.ensure_future(ch.step()): ch for ch in choices}
             while pending:
                 done, _ = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
                 for future in done:
                     ch = pending.pop(future)
-                    delta, finish = future.result()
-                    if delta:
-                        yield chunk(ch.index, delta, None)
-                    if finish is not None:
-                        yield chunk(ch.index, None if chat else "", finish)
-                    else:
+                    piece = future.result()
+                    yield chunk(ch, piece)
+                    if piece.finish is None:
                         pending[asyncio.ensure_future(ch.step())] = ch
             if params.include_usage:
                 yield (f"data: {json.dumps({'id': rid, 'object': kind, 'created': created, 'model': self.model_name, 'choices': [], 'usage': self.usage(choices)})}\n\n")
@@ -796,8 +904,29 @@ async def _until_disconnect(request, work):
     return work.result()
 
 
+@dataclass(frozen=True)
+class _Logprob:
+    """One generated token's log-probability and its step's top tokens (``top``: (id,
+    log-probability) pairs, most likely first); ``offset``: where its text starts in the
+    choice's text."""
+    token: int
+    logprob: float
+    top: tuple[tuple[int, float], ...]
+    offset: int
+
+
+@dataclass(frozen=True)
+class _Piece:
+    """What one node message added to a choice: the text delta, the finish reason once there
+    is one, the token ids it consumed and, when asked for, their log-probabilities."""
+    text: str
+    finish: str | None
+    tokens: tuple[int, ...] = ()
+    logprobs: tuple[_Logprob, ...] = ()
+
+
 class _Choice:
-    """One prompt of a request: its node stream and its text."""
+    """One prompt of a request: its node stream, its text, its token ids and log-probs."""
 
     def __init__(self, api: _Api, request_id: str, index: int, prompt: list[int],
                  params: _Sampling, arrived: float) -> None:
@@ -807,14 +936,17 @@ class _Choice:
         self.stream: NodeStream | None = None
         self.finish: str | None = None
         self.out = ""
+        self.tokens: list[int] = []                 # every id consumed (an EOS one included)
+        self.logprobs: list[_Logprob] = []
         self._first: nm.GenerateTokens | None = None
+        self._first_at = 0.0
         self._last_token = 0.0
 
     async def start(self) -> None:
         p = self.params
         self.stream = self.api.link.open(nm.GenerateRequest(
             request_id=self.request_id, prompt=tuple(self.prompt), max_new_tokens=p.max_tokens,
-            temperature=p.temperature, top_p=p.top_p, seed=p.seed))
+            temperature=p.temperature, top_p=p.top_p, seed=p.seed, logprobs=p.logprobs))
         self._first = await self._next()
 
     async def _next(self) -> nm.GenerateTokens:
@@ -825,33 +957,43 @@ class _Choice:
             now = time.perf_counter()
             metrics = self.api.metrics
             if not self._last_token:
+                self._first_at = now
                 metrics.ttft.observe(now - self.arrived)
-                if msg.transfer_bytes:
-                    metrics.transfer_bytes.observe(msg.transfer_bytes)
-                    metrics.transfer_seconds.observe(msg.transfer_seconds)
             else:
-                metrics.tpot.observe(now - self._last_token)
+                metrics.itl.observe(now - self._last_token)
             self._last_token = now
         return msg
 
-    async def step(self) -> tuple[str, str | None]:
-        """The next text delta, and the finish reason once there is one."""
+    async def step(self) -> _Piece:
+        """What the next node message adds (one message per generated token)."""
         if self.finish is not None:
-            return "", self.finish
+            return _Piece("", self.finish)
         msg, self._first = (self._first, None) if self._first is not None else (
             await self._next(), None)
-        delta, finish = self.text.push(msg.tokens)
+        delta, finish, consumed, logprobs = "", None, [], []
+        asked = self.params.logprobs >= 0 and len(msg.logprobs) == len(msg.tokens)
+        for i, token in enumerate(msg.tokens):
+            offset = len(self.text.text)
+            piece, finish = self.text.push((token,))
+            delta += piece
+            consumed.append(token)
+            if asked:
+                logprobs.append(_Logprob(token, msg.logprobs[i], tuple(zip(
+                    msg.top_ids[i], msg.top_logprobs[i])) if i < len(msg.top_ids) else (),
+                    offset))
+            if finish is not None:
+                break
         if finish is None and msg.done:
             delta += self.text.close()
             finish = "length"
         self.out += delta
+        self.tokens += consumed
+        self.logprobs += logprobs
         if finish is not None:
             self.finish = finish
             self.close("stop string" if finish == "stop" else "done")
-            metrics = self.api.metrics
-            metrics.prompt_tokens.inc(len(self.prompt))
-            metrics.generation_tokens.inc(self.text.tokens)
-        return delta, finish
+            self.api.metrics.finished(self, time.perf_counter())
+        return _Piece(delta, finish, tuple(consumed), tuple(logprobs))
 
     async def run(self) -> None:
         while self.finish is None:
@@ -863,9 +1005,19 @@ class _Choice:
 
 
 # -- metrics -------------------------------------------------------------------------------------
+#: Buckets of whole-request latencies (vLLM's request latency buckets, from 0.01 s).
+_REQUEST_BUCKETS = (.01, .025, .05, .1, .25, .5, 1, 2.5, 5, 10, 20, 30, 60, 120, 240, 480,
+                    960, 1920)
+#: Buckets of the time between two tokens of one request.
+_TOKEN_BUCKETS = (.001, .0025, .005, .01, .025, .05, .075, .1, .15, .2, .3, .5, .75, 1, 2.5,
+                  5, 10)
+
+
 class _Metrics:
     """The server's Prometheus registry: its own (several servers in one process never
-    collide); node gauges come from the NodeStats fetched for each scrape."""
+    collide). What the HTTP server sees of a request it measures itself (from the request's
+    arrival here); what happened at the decode node, its prefill node and their ranks comes
+    from the NodeStats fetched for each scrape (:class:`_NodeCollector`)."""
 
     def __init__(self) -> None:
         from prometheus_client import CollectorRegistry, Counter, Histogram
@@ -874,29 +1026,46 @@ class _Metrics:
         r = self.registry
         self.requests = Counter("statebridge_requests", "HTTP API requests by endpoint and "
                                 "outcome", ("endpoint", "outcome"), registry=r)
+        self.success = Counter("statebridge_request_success", "Generations that finished, by "
+                               "finish reason", ("finished_reason",), registry=r)
         self.prompt_tokens = Counter("statebridge_prompt_tokens", "Prompt tokens of finished "
                                      "requests", registry=r)
         self.generation_tokens = Counter("statebridge_generation_tokens", "Tokens generated "
                                          "for finished requests", registry=r)
         self.ttft = Histogram("statebridge_time_to_first_token_seconds", "From the HTTP "
-                              "request to its first token", registry=r, buckets=(
-                                  .005, .01, .02, .05, .1, .2, .5, 1, 2, 5, 10, 30, 60))
-        self.tpot = Histogram("statebridge_time_per_output_token_seconds", "Between two "
-                              "tokens of one request", registry=r, buckets=(
-                                  .001, .0025, .005, .01, .02, .05, .1, .2, .5, 1, 2))
-        self.transfer_bytes = Histogram(
-            "statebridge_transfer_bytes", "Recurrent state and KV bytes moved per request",
-            registry=r, buckets=tuple(float(4 ** i) for i in range(5, 17)))
-        self.transfer_seconds = Histogram(
-            "statebridge_transfer_seconds", "State transfer time per request (submit to every "
-            "decode rank ready)", registry=r, buckets=(
-                .0005, .001, .002, .005, .01, .02, .05, .1, .2, .5, 1, 2, 5))
+                              "request's arrival to its first token", registry=r, buckets=(
+                                  .005, .01, .02, .04, .06, .08, .1, .25, .5, .75, 1, 2.5, 5,
+                                  7.5, 10, 20, 40, 80, 160, 640))
+        self.itl = Histogram("statebridge_inter_token_latency_seconds", "Between two "
+                             "consecutive tokens of one request", registry=r,
+                             buckets=_TOKEN_BUCKETS)
+        self.tpot = Histogram("statebridge_request_time_per_output_token_seconds", "Per "
+                              "request: from its first token to its last, over the tokens "
+                              "after the first", registry=r, buckets=_TOKEN_BUCKETS)
+        self.e2e = Histogram("statebridge_e2e_request_latency_seconds", "From the HTTP "
+                             "request's arrival to its last token", registry=r,
+                             buckets=_REQUEST_BUCKETS)
+        self.decode_time = Histogram("statebridge_request_decode_time_seconds", "Per request: "
+                                     "from its first token to its last", registry=r,
+                                     buckets=_REQUEST_BUCKETS)
         self.node: nm.NodeStats | None = None
         self.inflight = 0
         r.register(_NodeCollector(self))
 
     def request(self, endpoint: str, outcome: str) -> None:
         self.requests.labels(endpoint, outcome).inc()
+
+    def finished(self, choice: "_Choice", now: float) -> None:
+        """``choice`` met its finish reason at ``now`` (perf_counter)."""
+        tokens = choice.text.tokens
+        self.prompt_tokens.inc(len(choice.prompt))
+        self.generation_tokens.inc(tokens)
+        self.success.labels(choice.finish).inc()
+        self.e2e.observe(now - choice.arrived)
+        if choice._first_at:
+            self.decode_time.observe(now - choice._first_at)
+            if tokens > 1:
+                self.tpot.observe((now - choice._first_at) / (tokens - 1))
 
 
 class _NodeCollector:
@@ -944,6 +1113,27 @@ class _NodeCollector:
                                     "total"), (*parts, sum(parts))):
                 memory.add_metric([str(r), part], value)
         yield memory
+        yield from _node_histograms(s)
+
+
+def _node_histograms(s: nm.NodeStats):
+    """The node's per-request histograms (:mod:`statebridge.node.metrics`) as Prometheus
+    histograms (cumulative buckets)."""
+    from prometheus_client.core import HistogramMetricFamily
+    from prometheus_client.utils import floatToGoString
+
+    from statebridge.node.metrics import HISTOGRAMS
+
+    for name, counts, total in zip(s.histogram_names, s.histogram_counts, s.histogram_sums):
+        known = HISTOGRAMS.get(name)
+        if known is None or len(counts) != len(known[1]) + 1:
+            continue                    # (a node of another version)
+        help_, bounds = known
+        cumulative, running = [], 0
+        for bound, count in zip((*bounds, float("inf")), counts):
+            running += count
+            cumulative.append((floatToGoString(bound), running))
+        yield HistogramMetricFamily(name, help_, buckets=cumulative, sum_value=total)
 
 
 # -- the app and its server ----------------------------------------------------------------------

@@ -25,7 +25,8 @@ class RankStep(Message):
     each against its page's state; ``positions`` counts the tokens before it). With attention
     KV, ``blocks`` holds each request's KV block table, covering ``position + 1`` tokens: the
     token's K and V are written at its position. Rank 0 samples and answers with
-    RankStepResult."""
+    RankStepResult. ``logprobs``: empty when no row asked for log-probabilities, else one
+    value per row: -1 (none), or how many top tokens to return with the sampled one's."""
     step: int
     request_ids: tuple[str, ...]
     pages: tuple[int, ...]
@@ -35,6 +36,7 @@ class RankStep(Message):
     top_ps: tuple[float, ...]
     seeds: tuple[int, ...]
     blocks: tuple[tuple[int, ...], ...] = ()
+    logprobs: tuple[int, ...] = ()
 
 
 @message
@@ -43,7 +45,12 @@ class RankStepResult(Message):
     or the step failed as a whole (``kind`` a FailureKind name, ``message`` why; every request
     of the batch fails). A row that could not be served fails alone: its index is in
     ``failed_rows`` (its token is -1), with its FailureKind name and why at the same position
-    of ``failed_kinds`` and ``failed_messages``; the other rows' tokens are good."""
+    of ``failed_kinds`` and ``failed_messages``; the other rows' tokens are good.
+
+    When the step asked for log-probabilities (``RankStep.logprobs``), ``logprobs`` holds
+    the sampled token's of every row (NaN for a row that did not ask or failed) and
+    ``top_ids`` / ``top_logprobs`` the row's top tokens, most likely first (empty for such
+    a row); all three are empty otherwise."""
     step: int
     tp_rank: int
     tokens: tuple[int, ...]
@@ -52,24 +59,33 @@ class RankStepResult(Message):
     failed_rows: tuple[int, ...] = ()
     failed_kinds: tuple[str, ...] = ()
     failed_messages: tuple[str, ...] = ()
+    logprobs: tuple[float, ...] = ()
+    top_ids: tuple[tuple[int, ...], ...] = ()
+    top_logprobs: tuple[tuple[float, ...], ...] = ()
 
 
 @message
 class GenerateRequest(Message):
-    """Client -> decode node. ``temperature`` 0 means greedy."""
+    """Client -> decode node. ``temperature`` 0 means greedy. ``logprobs``: -1 for none, else
+    each token comes with its log-probability and the ``logprobs`` most likely tokens' (at
+    most :data:`~statebridge.models.sampling.MAX_LOGPROBS`), of the model's raw
+    distribution (before temperature and top-p)."""
     request_id: str
     prompt: tuple[int, ...]
     max_new_tokens: int
     temperature: float
     top_p: float
     seed: int
+    logprobs: int = -1
 
 
 @message
 class GenerateTokens(Message):
     """Decode node -> client: newly generated tokens; the last one has ``done`` set. ``kind``
     is empty on success, else a :class:`~statebridge.errors.FailureKind` name and ``message``
-    says why."""
+    says why. For a request that asked for them, ``logprobs``, ``top_ids`` and
+    ``top_logprobs`` are aligned with ``tokens``: each token's log-probability and its
+    step's most likely tokens with theirs (empty otherwise)."""
     request_id: str
     tokens: tuple[int, ...]
     done: bool
@@ -79,6 +95,9 @@ class GenerateTokens(Message):
     transfer_seconds: float
     transfer_bytes: int
     recomputed: bool
+    logprobs: tuple[float, ...] = ()
+    top_ids: tuple[tuple[int, ...], ...] = ()
+    top_logprobs: tuple[tuple[float, ...], ...] = ()
 
 
 @message
@@ -122,7 +141,8 @@ class NodeStats(Message):
     handshake failed (incompatible, or they refused us), and ``refused_clients``: clients of
     the zmq front door refused by CURVE authentication, since the node started; and the
     memory of each rank (the ``rank_*`` tuples:
-    :func:`statebridge.node.capacity.memory_fields`)."""
+    :func:`statebridge.node.capacity.memory_fields`), and the histograms of where its requests'
+    time went before decoding."""
     node_id: str
     ready: bool
     reason: str
@@ -143,3 +163,9 @@ class NodeStats(Message):
     rank_pages_bytes: tuple[int, ...] = ()
     rank_kv_pool_bytes: tuple[int, ...] = ()
 
+    #: The node's per-request histograms (:mod:`statebridge.node.metrics`): names, the
+    #: counts per bucket of each (its buckets are ``HISTOGRAMS[name]``'s, and one more above
+    #: them all), and the sum of the values observed.
+    histogram_names: tuple[str, ...] = ()
+    histogram_counts: tuple[tuple[int, ...], ...] = ()
+    histogram_sums: tuple[float, ...] = ()

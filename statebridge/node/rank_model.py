@@ -10,6 +10,7 @@ share a GPU, NCCL where each rank has its own (:func:`statebridge.devices.tp_bac
 from __future__ import annotations
 
 import logging
+import math
 from typing import Sequence
 
 import torch
@@ -21,7 +22,7 @@ from statebridge.state.cache import StateCache
 
 log = logging.getLogger(__name__)
 
-__all__ = ["ModelRankModel", "sample_tokens", "sample_row"]
+__all__ = ["ModelRankModel", "sample_tokens", "sample_row", "step_logprobs"]
 
 
 def sample_tokens(logits: torch.Tensor, msg: nm.RankStep,
@@ -45,6 +46,26 @@ def sample_row(logits: torch.Tensor, msg: nm.RankStep, row: int) -> int:
     gen = torch.Generator().manual_seed((msg.seeds[row] * 1_000_003 + msg.positions[row])
                                         & 0x7FFF_FFFF_FFFF_FFFF)
     return int(sample(logits, msg.temperatures[row], msg.top_ps[row], gen)[0])
+
+
+def step_logprobs(logits: torch.Tensor | None, msg: nm.RankStep, rows: Sequence[int],
+                  tokens: Sequence[int], failed: dict) -> dict:
+    """The log-probability fields of a step's RankStepResult: empty unless a row asked
+    (``msg.logprobs``); then per row the sampled token's and the top ones of the raw logits
+    (NaN and empty for a row that did not ask or failed). Only the rows that asked pay."""
+    if len(msg.logprobs) != len(msg.tokens) or logits is None:
+        return {}
+    from statebridge.models.sampling import token_logprobs
+
+    n = len(msg.tokens)
+    chosen, top_ids, top_lps = [math.nan] * n, [()] * n, [()] * n
+    for i, row in enumerate(rows):
+        k = msg.logprobs[row]
+        if k < 0 or row in failed:
+            continue
+        chosen[row], top_ids[row], top_lps[row] = token_logprobs(logits[i], tokens[row], k)
+    return {"logprobs": tuple(chosen), "top_ids": tuple(top_ids),
+            "top_logprobs": tuple(top_lps)}
 
 
 class ModelRankModel(RankModel):
@@ -175,7 +196,8 @@ class ModelRankModel(RankModel):
                                  tokens=tuple(tokens), kind="", message="",
                                  failed_rows=tuple(order),
                                  failed_kinds=tuple(failed[r][0] for r in order),
-                                 failed_messages=tuple(failed[r][1] for r in order))
+                                 failed_messages=tuple(failed[r][1] for r in order),
+                                 **step_logprobs(logits, msg, rows, tokens, failed))
 
     def close(self) -> None:
         self.process_group = None

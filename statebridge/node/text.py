@@ -23,6 +23,9 @@ from statebridge.errors import ConfigError, InvalidRequestError
 
 __all__ = ["TextTokenizer", "TextStream", "NoChatTemplateError"]
 
+#: Token texts :meth:`TextTokenizer.token_text` keeps (cleared when full).
+_TOKEN_TEXTS = 1 << 16
+
 
 class NoChatTemplateError(InvalidRequestError):
     """The checkpoint's tokenizer has no chat template: chat requests cannot be rendered."""
@@ -41,6 +44,7 @@ class TextTokenizer:
         self.chat_template = chat_template or None
         self.path = path
         self._template = None
+        self._token_texts: dict[int, str] = {}
 
     @classmethod
     def from_dir(cls, model_dir: str | os.PathLike) -> "TextTokenizer":
@@ -94,6 +98,18 @@ class TextTokenizer:
     def decode(self, ids: Sequence[int]) -> str:
         """Text of ``ids``, special tokens skipped."""
         return self.tokenizer.decode(list(ids), skip_special_tokens=True)
+
+    def token_text(self, token: int) -> str:
+        """The text of one token as log-probabilities name it: special tokens written out,
+        a piece of a multi-byte character as U+FFFD (as vLLM names them)."""
+        cache = self._token_texts
+        text = cache.get(token)
+        if text is None:
+            if len(cache) >= _TOKEN_TEXTS:
+                cache.clear()
+            text = cache[token] = self.tokenizer.decode([int(token)],
+                                                        skip_special_tokens=False)
+        return text
 
     def stream(self, stop: Sequence[str] = (), *, ignore_eos: bool = False) -> "TextStream":
         return TextStream(self, stop, ignore_eos=ignore_eos)

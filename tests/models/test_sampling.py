@@ -90,3 +90,28 @@ def test_bad_logits():
         sample(torch.zeros(5))
     with pytest.raises(ShapeError, match="logits"):
         greedy(torch.zeros(2, 5, dtype=torch.long))
+
+
+@pytest.mark.parametrize("k", [0, 1, 5, 20], ids=lambda k: f"k{k}")
+def test_token_logprobs_are_the_raw_log_softmax_and_its_top_k(k):
+    from statebridge.models.sampling import token_logprobs
+
+    row = [0.5, -1.25, 3.0, 3.0, 0.0, 2.0] + [-4.0] * 30
+    norm = math.log(sum(math.exp(v) for v in row))
+    expected = [v - norm for v in row]
+    chosen, ids, values = token_logprobs(torch.tensor([row]), 5, k)
+    assert chosen == pytest.approx(expected[5], abs=1e-6)
+    # Most likely first; the tie (ids 2 and 3) keeps the lower id first.
+    order = sorted(range(len(row)), key=lambda i: (-row[i], i))[:k]
+    assert list(ids) == order
+    assert list(values) == pytest.approx([expected[i] for i in order], abs=1e-6)
+
+
+@pytest.mark.parametrize("k, token, error", [(21, 0, ConfigError), (-1, 0, ConfigError),
+                                             (True, 0, ConfigError), (2, 36, ShapeError)],
+                         ids=["over-the-cap", "negative", "bool", "token-outside"])
+def test_token_logprobs_refuse_bad_values(k, token, error):
+    from statebridge.models.sampling import token_logprobs
+
+    with pytest.raises(error, match=str(k) if error is ConfigError else "36"):
+        token_logprobs(torch.zeros(1, 36), token, k)

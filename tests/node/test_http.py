@@ -93,6 +93,52 @@ def test_text_usage_and_stop_abort_at_the_node(tok):
         assert link.aborted == [link.requests[-1].request_id]     # the rest cut at the node
 
 
+def _events(r) -> list[dict]:
+    return [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+
+
+def test_every_token_gets_a_chunk_even_without_text(tok):
+    """Special tokens decode to nothing, the first byte of a multi-byte character to nothing
+    yet: each still gets its chunk (the token count never drops), and the texts add up."""
+    specials = [i for i in range(tok.vocab_size) if not tok.decode([i])][:2]
+    split = [t for t in tok.encode("é") if not tok.decode([t])]
+    tokens = tok.encode(" a") + specials + tok.encode(" b") + tok.encode("é") + specials[:1]
+    assert len(specials) == 2 and split, "the tokenizer has tokens without text of their own"
+    link = FakeLink(tokens)
+    with client(tok, link) as http:
+        with http.stream("POST", "/v1/completions", json={
+                "prompt": "Hi", "max_tokens": 8, "stream": True, "return_token_ids": True,
+                "stream_options": {"include_usage": True}}) as r:
+            events = _events(r)
+        chunks = [e["choices"][0] for e in events if e["choices"]]
+        assert len(chunks) == events[-1]["usage"]["completion_tokens"] == len(tokens)
+        assert [c["token_ids"] for c in chunks] == [[t] for t in tokens]
+        assert "".join(c["text"] for c in chunks) == tok.decode(tokens)
+        assert [c["text"] for c in chunks if c["token_ids"][0] in specials] == ["", "", ""]
+        assert [c["finish_reason"] for c in chunks] == [None] * (len(tokens) - 1) + ["length"]
+        with http.stream("POST", "/v1/chat/completions", json={
+                "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 8,
+                "stream": True}) as r:
+            events = _events(r)
+        assert events[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+        deltas = [e["choices"][0]["delta"] for e in events[1:]]
+        assert len(deltas) == len(tokens) and all("content" in d for d in deltas)
+        assert "".join(d["content"] for d in deltas) == tok.decode(tokens)
+
+
+def test_logprobs_asked_of_a_node_that_gives_none_are_empty_not_an_error(tok):
+    tokens = tok.encode(" and the river")
+    link = FakeLink(tokens)
+    with client(tok, link) as http:
+        r = http.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 3, "logprobs": 2})
+        assert r.status_code == 200, r.text
+        assert link.requests[-1].logprobs == 2                 # asked of the node
+        assert r.json()["choices"][0]["logprobs"] == {"tokens": [], "token_logprobs": [],
+                                                      "top_logprobs": [], "text_offset": []}
+        r = http.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 3})
+        assert link.requests[-1].logprobs == -1 and r.json()["choices"][0]["logprobs"] is None
+
+
 def test_too_many_in_flight_is_429_with_retry_after(tok):
     with client(tok, FakeLink([5, 6])) as http:
         http.app.state.api.inflight = 1               # one of the limit of 2 already taken

@@ -60,9 +60,10 @@ class ComputeThread:
     (:meth:`submit_model`, :meth:`RankModel.handlers`), in arrival order -- every rank of a group
     sees the same order, which collective ops across ranks need.
 
-    Results go back to ``loop``: ``on_computed(msg, error, final_at)`` for a prefill (error
-    None, or why the model failed), ``on_reply(reply)`` for a model handler's reply. Both run
-    on the loop thread.
+    Results go back to ``loop``: ``on_computed(msg, error, final_at, started_at)`` for a
+    prefill (error None, or why the model failed; when its compute ended and began,
+    ``time.monotonic()``), ``on_reply(reply)`` for a model handler's reply. Both run on the
+    loop thread.
     """
 
     def __init__(self, name: str, model: "RankModel", loop: "EventLoop", counters: "Counters",
@@ -175,7 +176,7 @@ class ComputeThread:
             if msg is None:
                 self.model.close()
                 return
-            started = time.perf_counter()
+            started, started_at = time.perf_counter(), time.monotonic()
             if model_handler is not None:
                 reply = None
                 try:
@@ -190,7 +191,7 @@ class ComputeThread:
                     error = self._prefill(msg)
                 # CLOCK_MONOTONIC is one clock for every process of the machine: the moment
                 # the state is final, compared with the decode ranks' held_at (low-load latency).
-                callback, args = self._on_computed, (msg, error, time.monotonic())
+                callback, args = self._on_computed, (msg, error, time.monotonic(), started_at)
             took = time.perf_counter() - started
             self.counters.add("compute_seconds", took)
             if callback is not None:

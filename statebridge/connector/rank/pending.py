@@ -50,6 +50,8 @@ class Pending:
     kv_tokens: int = 0
     final_at: float = 0.0              # prefill rank: time.monotonic() when the state was final
     lease: bool = False                # prefill rank: sends of a final state, under the lease
+    computed_from: float = 0.0         # prefill rank: time.monotonic() when its compute began
+    posted_at: float = 0.0             # time.monotonic() when its transfers were posted
     attended: bool = True              # needs this rank's progress to finish (see before_sleep)
     unread: int = 0                    # decode rank: shared-map reads not yet copied
     first_block: int | None = None     # decode rank: its table's first id when one range

@@ -283,8 +283,11 @@ class RankWorker:
         self.compute.submit(msg)
 
     def _after_compute(self, msg: "m.RankPrefill | m.RankLocalPrefill",
-                       error: str | None, final_at: float = 0.0) -> None:
-        """The compute thread is done with ``msg`` (``error``: why the model failed)."""
+                       error: str | None, final_at: float = 0.0,
+                       started_at: float = 0.0) -> None:
+        """The compute thread is done with ``msg`` (``error``: why the model failed; its
+        compute began at ``started_at`` and the state was final at ``final_at``,
+        ``time.monotonic()``)."""
         key = key_of(msg)
         cancelled = self.compute.finish(key)
         if cancelled is not None:
@@ -294,11 +297,11 @@ class RankWorker:
             self._done(key, FailureKind.TRANSFER_ERROR, error)
             return
         if isinstance(msg, m.RankLocalPrefill):
-            self._done(key, "", "")
+            self._done(key, "", "", computed=(started_at, final_at))
             return
         pending = Pending(key, msg.src_page, [], time.perf_counter(),
                           blocks=msg.src_blocks, kv_tokens=msg.kv_tokens, final_at=final_at,
-                          lease=True)
+                          lease=True, computed_from=started_at)
         self._post(pending, "send", msg.src_blocks, msg.dst_blocks)
 
     def _on_recv(self, msg: m.RankRecv) -> None:
@@ -324,6 +327,7 @@ class RankWorker:
         <statebridge.connector.rank.routes.Routes.post>`): pending once all are posted. When a
         post raises (peer declared lost, transport closed, bad runs) the request fails now:
         its posted handles are cancelled and the coordinator hears it at once."""
+        pending.posted_at = time.monotonic()
         try:
             self.routes.post(pending, direction, self.cache.page_offset(pending.page),
                              src_blocks, dst_blocks)
@@ -410,7 +414,13 @@ class RankWorker:
         kind, message = self.pending.outcome(p)
         self.counters.add("transfers_ok" if not kind else f"failed_{kind}")
         self.counters.add("bytes", p.nbytes)
-        self._done(key, kind, message, nbytes=p.nbytes)
+        if kind:
+            self._done(key, kind, message, nbytes=p.nbytes)
+        elif self.setup.role == "prefill":
+            self._done(key, kind, message, nbytes=p.nbytes,
+                       computed=(p.computed_from, p.final_at), posted_at=p.posted_at)
+        else:
+            self._done(key, kind, message, nbytes=p.nbytes, landed_at=time.monotonic())
 
     def _probe(self, keys: list[RequestKey]) -> None:
         """An instrumented rank (``setup.probes``): a ``RankProbe`` of each request about to be
@@ -436,10 +446,22 @@ class RankWorker:
         ops.add("probes_sent", len(keys))
 
     def _done(self, key: RequestKey, kind: "FailureKind | str", message: str, *,
-              nbytes: int = 0) -> None:
+              nbytes: int = 0, computed: tuple[float, float] = (0.0, 0.0),
+              posted_at: float = 0.0, landed_at: float = 0.0) -> None:
+        """Answer the coordinator (the times, ``time.monotonic()``, travel as wall-clock
+        seconds: see :class:`~statebridge.connector.messages.RankDone`)."""
         self._send(m.RankDone(tp_rank=self.setup.tp_rank, peer_node=key.peer_node,
                               request_id=key.request_id, generation=key.generation,
-                              kind=str(kind), message=message, nbytes=nbytes))
+                              kind=str(kind), message=message, nbytes=nbytes,
+                              computed_from=wall_clock(computed[0]),
+                              state_final_at=wall_clock(computed[1]),
+                              posted_at=wall_clock(posted_at), landed_at=wall_clock(landed_at)))
+
+
+def wall_clock(monotonic: float) -> float:
+    """``time.monotonic()`` value ``monotonic`` as seconds since the epoch (0.0 stays 0.0:
+    not measured)."""
+    return monotonic + time.time() - time.monotonic() if monotonic else 0.0
 
 
 def generation_after(a: int, b: int) -> bool:
