@@ -47,6 +47,11 @@ Version 11: ``RankDone`` carries what the protocol needs (outcome and bytes move
 benchmark or a test measures or verifies travels in :class:`RankProbe`, which only an
 instrumented rank sends (the one switch, documented there).
 
+Version 12: transfer verification (``ConnectorConfig.verify_transfers``): ``GroupInfo`` says
+whether a group verifies (decode) or sends digests (prefill); a prefill rank reports the
+digests of what it sends (:class:`RankDigest`), its server forwards their sums per decode rank
+(:class:`TransferDigest`), a decode rank reports the digest of what landed in ``RankDone``.
+
 Layers above the connector (the decode node's stepping and front door) declare their own
 messages with :func:`message`; they travel through the same codec.
 """
@@ -77,9 +82,9 @@ __all__ = [
     "compat_hash", "MESSAGE_TYPES", "message_row", "encode_rows", "decode_frame",
     "MAX_BATCH_ROWS", "Tokens", "pack_tokens", "unpack_tokens", "token_count",
     "Hello", "Reject", "GroupInfo", "TransferRequest", "TransferFailed",
-    "Abort", "Heartbeat", "Error", "Goodbye",
+    "Abort", "Heartbeat", "Error", "Goodbye", "TransferDigest",
     "RankHello", "RankPrefill", "RankRecv", "RankDone", "RankProbe", "PROBES", "RankCancel",
-    "RankShutdown", "RankLocalPrefill", "RankFailed",
+    "RankShutdown", "RankLocalPrefill", "RankFailed", "RankDigest",
 ]
 
 
@@ -130,6 +135,10 @@ class GroupInfo(Message):
     rank_shm_fds: tuple[int, ...] = ()
     #: A prefill group's ``ConnectorConfig.shared_map_min_bytes``: which pairs go that way.
     shared_map_min_bytes: int = 0
+    #: ``ConnectorConfig.verify_transfers``: a decode group verifies what lands (and refuses
+    #: a prefill group that does not send digests); a prefill group sends digests to the
+    #: decode groups that verify. Protocol 12.
+    verify_transfers: bool = False
 
 
 @message
@@ -159,6 +168,18 @@ class Abort(Message):
     request_id: str
     generation: int
     reason: str
+
+
+@message
+class TransferDigest(Message):
+    """Prefill -> decode, only to a decode group that verifies transfers: the digest
+    (:mod:`~statebridge.connector.rank.digest`) of the bytes each decode rank receives for the
+    request, by decode rank -- the sums of what every prefill rank sends it. The decode
+    coordinator compares them with its ranks' digests of what landed (``RankDone.digest``)
+    before the request is ready."""
+    request_id: str
+    generation: int
+    digests: tuple[int, ...]
 
 
 @message
@@ -240,6 +261,21 @@ class RankDone(Message):
     kind: str
     message: str
     nbytes: int = 0
+    #: A decode rank of a verified link: the digest of what landed for the request (-1: none).
+    digest: int = -1
+
+
+@message
+class RankDigest(Message):
+    """Prefill rank -> coordinator, for a decode group that verifies transfers: the digest of
+    the bytes this rank sends each decode rank for the request (``digests[r]``: decode rank
+    ``r``; 0 for a rank it sends nothing), computed once the state is final."""
+    BATCH = True
+    tp_rank: int
+    peer_node: str
+    request_id: str
+    generation: int
+    digests: tuple[int, ...]
 
 
 #: The values of the instrumentation switch, ``RankSetup.probes`` (see :class:`RankProbe`).

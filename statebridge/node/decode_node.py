@@ -353,7 +353,8 @@ class DecodeNode:
             blocks_used=g.blocks_used, blocks_free=g.blocks_free,
             running=len(self.running), waiting=len(self.waiting),
             refused_peers=g.refused_peers, aborted=int(self.counters.get("finished_aborted")),
-            refused_clients=int(self.counters.get("auth_refused")))
+            refused_clients=int(self.counters.get("auth_refused")),
+            transfers_verified=g.transfers_verified, transfer_mismatches=g.transfer_mismatches)
 
     def _on_abort(self, client: FrontDoorClient, msg: nm.AbortRequest) -> None:
         """Drop a client's request wherever it is. Decoding in the step in flight: it finishes

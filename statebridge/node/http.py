@@ -932,6 +932,13 @@ class _NodeCollector:
                                   "door refused by CURVE authentication", value=s.refused_clients)
         yield CounterMetricFamily("statebridge_node_aborted_requests", "Requests aborted at "
                                   "the decode node", value=s.aborted)
+        yield CounterMetricFamily("statebridge_transfers_verified", "Decode-rank digests of "
+                                  "landed transfers compared with the prefill node's "
+                                  "(--verify-transfers)", value=s.transfers_verified)
+        yield CounterMetricFamily("statebridge_transfer_checksum_mismatches", "Decode-rank "
+                                  "digests of landed transfers that differed from the prefill "
+                                  "node's: the request failed or was recomputed",
+                                  value=s.transfer_mismatches)
 
 
 # -- the app and its server ----------------------------------------------------------------------

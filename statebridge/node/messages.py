@@ -119,8 +119,10 @@ class NodeStats(Message):
     """Decode node -> client: readiness as in NodeStatus, and what the node holds now: pages
     and KV blocks (per rank, the same on every rank) used and free, requests decoding and
     waiting for a page, connected prefill peers, ``refused_peers``: prefill nodes whose
-    handshake failed (incompatible, or they refused us), and ``refused_clients``: clients of
-    the zmq front door refused by CURVE authentication, since the node started."""
+    handshake failed (incompatible, or they refused us), ``refused_clients``: clients of
+    the zmq front door refused by CURVE authentication, and (``--verify-transfers``)
+    ``transfers_verified`` / ``transfer_mismatches``: decode-rank digests of landed transfers
+    compared with the prefill node's, and those that differed, since the node started."""
     node_id: str
     ready: bool
     reason: str
@@ -134,3 +136,5 @@ class NodeStats(Message):
     refused_peers: int
     aborted: int
     refused_clients: int = 0
+    transfers_verified: int = 0
+    transfer_mismatches: int = 0

@@ -21,6 +21,7 @@ from statebridge.connector.data.env import ucx_options
 from statebridge.connector.ledger import RequestKey
 from statebridge.connector.local import LocalDealer
 from statebridge.connector.rank import KVBlocks, RankModel, RankSetup, kv_checksum, load_callable
+from statebridge.connector.rank import digest
 from statebridge.connector.rank.compute import ComputeThread, check_blocks, key_of
 from statebridge.connector.rank.memory import RankMemory
 from statebridge.connector.rank.pending import Pending, PendingTransfers, fail_pending
@@ -237,7 +238,11 @@ class RankWorker:
             for peer in self.routes.peers_of(info.node_id):
                 self._fail_peer(peer, f"{info.node_id} connected again",
                                 transport=peer in self.transport.peers)
-        routes, kv_routes = self.routes.plan(info, self.maps.threshold(info))
+        # Transfer verification: a decode rank digests what lands from a prefill group that
+        # sends digests (its coordinator refused any other); a prefill rank digests what it
+        # sends to a decode group that verifies.
+        verify = self.config.verify_transfers and info.verify_transfers
+        routes, kv_routes = self.routes.plan(info, self.maps.threshold(info), verify)
         self.maps.connect(info, routes, kv_routes)
         if self.transport.sends_complete_unattended(same_host(info.host_id)):
             self.pending.unattended_nodes.add(info.node_id)
@@ -280,7 +285,11 @@ class RankWorker:
             return
         pending = Pending(key, msg.src_page, [], time.perf_counter(),
                           blocks=msg.src_blocks, kv_tokens=msg.kv_tokens, final_at=final_at)
-        self._post(pending, "send", msg.src_blocks, msg.dst_blocks)
+        if self._post(pending, "send", msg.src_blocks, msg.dst_blocks) \
+                and key.peer_node in self.routes.verified:
+            # After posting: the digest pass overlaps the transfer (the page is held until
+            # every send completed, so it cannot change meanwhile).
+            self._send_digests(pending, msg)
 
     def _on_recv(self, msg: m.RankRecv) -> None:
         self._announce(msg.generation)
@@ -300,11 +309,11 @@ class RankWorker:
         # The source table is one range of the same length: its start is the prefill side's.
         self._post(pending, "recv", None, msg.blocks)
 
-    def _post(self, pending: Pending, direction: str, src_blocks, dst_blocks) -> None:
+    def _post(self, pending: Pending, direction: str, src_blocks, dst_blocks) -> bool:
         """Post the request's transfers (:meth:`Routes.post
-        <statebridge.connector.rank.routes.Routes.post>`): pending once all are posted. When a
-        post raises (peer declared lost, transport closed, bad runs) the request fails now:
-        its posted handles are cancelled and the coordinator hears it at once."""
+        <statebridge.connector.rank.routes.Routes.post>`): pending once all are posted
+        (True). When a post raises (peer declared lost, transport closed, bad runs) the request
+        fails now: its posted handles are cancelled and the coordinator hears it at once."""
         try:
             self.routes.post(pending, direction, self.cache.page_offset(pending.page),
                              src_blocks, dst_blocks)
@@ -313,8 +322,30 @@ class RankWorker:
             fail_pending(pending, kind, f"posting failed: {e}")
             self.counters.add(f"failed_{kind}")
             self._done(pending.key, *pending.failure)
-            return
+            return False
         self.pending.add(pending, direction)
+        return True
+
+    # -- transfer verification ----------------------------------------------------------------
+    def _send_digests(self, pending: Pending, msg: m.RankPrefill) -> None:
+        """Prefill rank: the digest of what it sends each decode rank, to the coordinator."""
+        by_rank = self.routes.digests(self.memory.registered, msg.peer_node, "send",
+                                      self.cache.page_offset(msg.src_page), msg.src_blocks,
+                                      msg.dst_blocks)
+        size = self.routes.peer_size(msg.peer_node)
+        ops.add("transfer_digests")
+        self._send(m.RankDigest(tp_rank=self.setup.tp_rank, peer_node=msg.peer_node,
+                                request_id=msg.request_id, generation=msg.generation,
+                                digests=tuple(digest.total(by_rank.get(r, []))
+                                              for r in range(size))))
+
+    def _landed_digest(self, p: Pending) -> int:
+        """Decode rank: the digest of what landed in ``p``'s page and KV blocks (every pair of
+        its prefill node together), computed before the rank reports the request done."""
+        by_rank = self.routes.digests(self.memory.registered, p.key.peer_node, "recv",
+                                      self.cache.page_offset(p.page), None, p.blocks)
+        ops.add("transfer_digests")
+        return digest.total([d for ds in by_rank.values() for d in ds])
 
     def _on_cancel(self, msg: m.RankCancel) -> None:
         if msg.lost_node:
@@ -391,7 +422,10 @@ class RankWorker:
         kind, message = self.pending.outcome(p)
         self.counters.add("transfers_ok" if not kind else f"failed_{kind}")
         self.counters.add("bytes", p.nbytes)
-        self._done(key, kind, message, nbytes=p.nbytes)
+        landed = -1
+        if not kind and self.setup.role == "decode" and key.peer_node in self.routes.verified:
+            landed = self._landed_digest(p)
+        self._done(key, kind, message, nbytes=p.nbytes, digest=landed)
 
     def _probe(self, keys: list[RequestKey]) -> None:
         """An instrumented rank (``setup.probes``): a ``RankProbe`` of each request about to be
@@ -417,10 +451,10 @@ class RankWorker:
         ops.add("probes_sent", len(keys))
 
     def _done(self, key: RequestKey, kind: "FailureKind | str", message: str, *,
-              nbytes: int = 0) -> None:
+              nbytes: int = 0, digest: int = -1) -> None:
         self._send(m.RankDone(tp_rank=self.setup.tp_rank, peer_node=key.peer_node,
                               request_id=key.request_id, generation=key.generation,
-                              kind=str(kind), message=message, nbytes=nbytes))
+                              kind=str(kind), message=message, nbytes=nbytes, digest=digest))
 
 
 def generation_after(a: int, b: int) -> bool:
