@@ -183,7 +183,23 @@ def _other(cls) -> m.Message:
 
 def test_the_per_request_messages_of_a_group_are_the_batch_types():
     assert {c.__name__ for c in BATCH_TYPES} == {"RankPrefill", "RankRecv", "RankDone",
-                                                 "RankProbe", "RankCancel"}
+                                                 "RankProbe", "RankCancel", "RankDigest"}
+
+
+@pytest.mark.parametrize("value", [0, 1, 2**63, 2**64 - 1])
+def test_digests_travel_as_unsigned_64_bit_numbers(value):
+    """Transfer digests are numbers mod 2**64: every one survives the codec, alone and in row
+    batches; RankDone's -1 says "none"."""
+    msgs = [m.TransferDigest(request_id="r", generation=3, digests=(value, 0)),
+            m.RankDone(tp_rank=1, peer_node="p", request_id="r", generation=3, kind="",
+                       message="", digest=value)]
+    for msg in msgs:
+        assert m.decode(m.encode(msg)) == msg
+    row = m.RankDigest(tp_rank=0, peer_node="d", request_id="r", generation=3,
+                       digests=(value, value))
+    assert m.decode_frame(m.encode_rows(m.RankDigest, [m.message_row(row)] * 2)) == [row, row]
+    assert m.RankDone(tp_rank=1, peer_node="p", request_id="r", generation=3, kind="",
+                      message="").digest == -1
 
 
 @pytest.mark.parametrize("cls", BATCH_TYPES, ids=lambda c: c.__name__)
@@ -209,7 +225,7 @@ def test_a_bad_row_is_an_error_in_its_place_and_the_others_decode():
                                  list(m.message_row(other))]}, use_bin_type=True)
     out = m.decode_frame(frame)
     assert out[0] == good and out[3] == other
-    assert isinstance(out[1], ProtocolError) and "row 1 must be a list of 7 fields" in str(out[1])
+    assert isinstance(out[1], ProtocolError) and "row 1 must be a list of 8 fields" in str(out[1])
     assert isinstance(out[2], ProtocolError)
     assert "row 2: RankDone.generation must be int, got str 'seven'" in str(out[2])
 
