@@ -30,7 +30,7 @@ if TYPE_CHECKING:
     from statebridge.connector.rank.shared_map import SharedMaps
     from statebridge.state.spec import StateSpec
 
-__all__ = ["Route", "KVRoute", "Routes"]
+__all__ = ["Route", "KVRoute", "Routes", "pair_digest"]
 
 #: Block counts whose KV templates a KV route keeps (cleared when full).
 _KV_TEMPLATES = 256
@@ -158,7 +158,7 @@ class Routes:
             routes.append(Route(pair, peer_rank, f"{node}/{peer_rank}", template, staged_bytes,
                                 shm=shm is not None and template is not None
                                 and pair.nbytes >= shm,
-                                digest=_pair_digest(pair, direction) if verify else None))
+                                digest=pair_digest(pair, direction) if verify else None))
         return routes
 
     def _kv_routes(self, info: "m.GroupInfo", routes: list[Route],
@@ -303,7 +303,7 @@ class Routes:
         return out
 
 
-def _pair_digest(pair: PairPlan, direction: str) -> StreamDigest:
+def pair_digest(pair: PairPlan, direction: str) -> StreamDigest:
     """A recurrent pair's digest plan on this side: its zero-copy runs in plan order, or (a
     staged pair) its pack / unpack runs in staging order -- the same stream on both sides."""
     if not pair.staged:
