@@ -582,7 +582,8 @@ class DecodeCoordinator(RankGroup):
         is not in flight."""
         key = self.current.get(request_id)
         record = self.ledger.get(key) if key is not None else None
-        if record is None or record.phase is not Phase.ACTIVE:
+        # (In flight: ACTIVE, or DONE while its transfer digests are still to come.)
+        if record is None or record.phase is Phase.FAILED or record.result is not None:
             return False
         self._fail(record, FailureKind.ABORTED, reason, notify=True)
         return True

@@ -71,6 +71,13 @@ class RankWorker:
                                    ucx_options=ucx_options(setup.ucx_net_devices,
                                                            self.config.bind_host))
         self.counters = Counters()
+        if self.config.verify_transfers:
+            # The digest passes run on this loop thread: torch's default of one thread per
+            # core in every rank process makes the ranks fight over the CPUs (the real model
+            # sets the same for its own work; docs/measurements.md, "Transfer verification").
+            import torch
+
+            torch.set_num_threads(self.config.torch_threads)
         model = load_callable(setup.model) if setup.model else RankModel
         self.model: RankModel = model(setup, self.cache, self.kv)
         self.model.rank_stats = self.stats
