@@ -38,19 +38,23 @@ KV_BLOCKS = 64
 
 # -- the digest itself ---------------------------------------------------------------------------
 def reference_digest(stream: bytes) -> int:
-    """The definition in plain numpy: sum of the stream's little-endian 64-bit words (the
-    last one zero-padded) times (2k + 1), mod 2**64."""
+    """The definition in plain numpy: the stream's little-endian 64-bit words (the last one
+    zero-padded), word k weighted by 2 * (k // 16) + 1 (its 128-byte chunk), summed mod
+    2**64."""
     raw = np.frombuffer(stream, dtype=np.uint8)
     raw = np.concatenate([raw, np.zeros(-len(raw) % 8, dtype=np.uint8)])
     words = raw.view("<u8")
-    k = np.arange(len(words), dtype=np.uint64)
+    chunk = np.arange(len(words), dtype=np.uint64) // np.uint64(16)
     with np.errstate(over="ignore"):
-        return int((words * (2 * k + 1)).sum(dtype=np.uint64))
+        return int((words * (2 * chunk + 1)).sum(dtype=np.uint64))
 
 
 RUN_CASES = [
     pytest.param([0], [8], id="one-word"),
-    pytest.param([8, 40, 72, 104], [16, 16, 16, 16], id="strided"),
+    pytest.param([0], [128], id="one-chunk"),
+    pytest.param([8, 264, 520, 776], [256, 256, 256, 256], id="strided-chunks"),
+    pytest.param([0, 1024, 128], [128, 384, 128], id="whole-chunks-mixed"),
+    pytest.param([8, 40, 72, 104], [16, 16, 16, 16], id="strided-words"),
     pytest.param([0], [8 * 5000 + 24], id="long-run"),
     pytest.param([16, 4096, 64], [24, 800, 8], id="mixed"),
     pytest.param([3, 11], [5, 9], id="unaligned"),
@@ -67,6 +71,23 @@ def test_stream_digest_is_the_definition(offsets, lengths, base):
     raw = buf.numpy()
     stream = b"".join(raw[base + o:base + o + n].tobytes() for o, n in zip(offsets, lengths))
     assert total([StreamDigest(offsets, lengths).of(buf, base)]) == reference_digest(stream)
+
+
+def test_long_streams_are_cut_into_bounded_reductions(monkeypatch):
+    """Runs longer than one reduction covers, and groups of many runs, are cut into several
+    blocks: the value stays the definition's."""
+    from statebridge.connector.rank import digest
+
+    monkeypatch.setattr(digest, "_MAX_ROWS", 3)
+    buf = torch.from_numpy(np.random.default_rng(9).integers(0, 256, size=1 << 14,
+                                                             dtype=np.uint8))
+    raw = buf.numpy()
+    for offsets, lengths in (([0], [128 * 10]), ([0, 256, 512, 768, 1024], [128] * 5),
+                             ([5], [1000])):
+        plan = StreamDigest(offsets, lengths)
+        assert len(plan.blocks) > 1 or not plan.whole
+        stream = b"".join(raw[o:o + n].tobytes() for o, n in zip(offsets, lengths))
+        assert total([plan.of(buf, 0)]) == reference_digest(stream)
 
 
 def test_stream_digest_sees_a_flipped_byte_and_a_swap():
