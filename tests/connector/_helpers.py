@@ -189,3 +189,13 @@ class CorruptingModel(SyntheticModel):
     def corrupt_landed(self, request_id: str) -> bool:
         return self.setup.role == "decode" and self.setup.tp_rank == 0 \
             and request_id.startswith("corrupt-")
+
+
+class DigestFailsModel(CorruptingModel):
+    """Decode rank 1's digest pass raises for requests whose id starts with ``raise-``."""
+
+    def corrupt_landed(self, request_id: str) -> bool:
+        if self.setup.role == "decode" and self.setup.tp_rank == 1 \
+                and request_id.startswith("raise-"):
+            raise RuntimeError("digest pass broke")
+        return False

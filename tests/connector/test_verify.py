@@ -346,3 +346,25 @@ def test_a_prefill_node_with_digests_serves_a_decode_node_without(pools):
         wait_until(lambda: server.stats()["pages_used"] == 0, 10, "prefill pages freed")
         assert server.stats().get("transfer_digests", 0) == 0
     assert _digest_passes(prefill_hosts, decode_hosts) == before
+
+
+@pytest.mark.timeout(120)
+def test_a_digest_pass_that_fails_fails_its_request_not_the_rank(pools):
+    prefill_hosts, decode_hosts = pools
+    spec = SPECS["mamba2-g1"]
+    with PrefillServer(spec, 1, "DLS", num_pages=4, config=VERIFY, model=SYNTHETIC,
+                       launcher=prefill_hosts.launcher()) as server, \
+            DecodeCoordinator(spec, 2, "DLS", num_pages=4, config=VERIFY,
+                              model="tests.connector._helpers:DigestFailsModel",
+                              launcher=decode_hosts.launcher()) as decode:
+        server.wait_ready()
+        decode.connect(server.address)
+        tag = uuid.uuid4().hex[:6]
+        with pytest.raises(TransferError, match="decode rank 1: transfer digest failed: "
+                                                "digest pass broke") as failed:
+            decode.submit(f"raise-{tag}", _prompt(3)).result(timeout=30)
+        assert failed.value.kind is FailureKind.TRANSFER_ERROR
+        result = decode.submit(f"fine-{tag}", _prompt(3)).result(timeout=30)   # rank serves on
+        decode.release(result)
+        assert decode.stats()["pages_used"] == 0 and decode.stats()["healthy"]
+        wait_until(lambda: server.stats()["pages_used"] == 0, 10, "prefill pages freed")

@@ -296,7 +296,11 @@ class RankWorker:
                 and key.peer_node in self.routes.verified:
             # After posting: the digest pass overlaps the transfer (the page is held until
             # every send completed, so it cannot change meanwhile).
-            self._send_digests(pending, msg)
+            try:
+                self._send_digests(pending, msg)
+            except Exception as e:  # noqa: BLE001 -- fails this request, not the rank
+                log.exception("rank %d: transfer digest of %s failed", self.setup.tp_rank, key)
+                fail_pending(pending, FailureKind.TRANSFER_ERROR, f"transfer digest failed: {e}")
 
     def _on_recv(self, msg: m.RankRecv) -> None:
         self._announce(msg.generation)
@@ -431,7 +435,11 @@ class RankWorker:
         self.counters.add("bytes", p.nbytes)
         landed = -1
         if not kind and self.setup.role == "decode" and key.peer_node in self.routes.verified:
-            landed = self._landed_digest(p)
+            try:
+                landed = self._landed_digest(p)
+            except Exception as e:  # noqa: BLE001 -- fails this request, not the rank
+                log.exception("rank %d: transfer digest of %s failed", self.setup.tp_rank, key)
+                kind, message = FailureKind.TRANSFER_ERROR.value, f"transfer digest failed: {e}"
         self._done(key, kind, message, nbytes=p.nbytes, digest=landed)
 
     def _probe(self, keys: list[RequestKey]) -> None:
