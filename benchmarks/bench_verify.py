@@ -16,7 +16,7 @@ Two measurements, for each preset (default: ``lfm2-1.2b-hybrid`` with a 1024-tok
    ``--rounds`` times alternating; requests per second and CPU microseconds per request by
    process class (bench process = both coordinators, prefill ranks, decode ranks), medians.
 
-    python benchmarks/bench_verify.py --json benchmarks/results/verify-transfers.json
+    python benchmarks/bench_verify.py --out benchmarks/results/verify-transfers-DATE.json
 """
 
 from __future__ import annotations
