@@ -230,6 +230,13 @@ def _config_args(p: argparse.ArgumentParser) -> None:
                    help="bound on starting the rank group (model load, TP rendezvous), at "
                         "start and at each restart (default 120; raise it for a checkpoint of "
                         "several GB on a cold disk)")
+    p.add_argument("--verify-transfers", action=argparse.BooleanOptionalAction, default=None,
+                   help="end-to-end transfer verification: the prefill node sends a checksum of "
+                        "the bytes each decode rank receives, the decode node checks what "
+                        "landed before the first step; a mismatch fails the request (or "
+                        "recomputes it: --policy recompute) and is counted in /metrics. Give "
+                        "it to BOTH nodes: a decode node that verifies refuses a prefill node "
+                        "that does not (default $STATEBRIDGE_VERIFY_TRANSFERS or off)")
     p.add_argument("--ucx-error-handling", action=argparse.BooleanOptionalAction, default=None,
                    help="UCX endpoint error handling (detects dead peers in UCX, but forces TCP "
                         "lanes: much slower on one host; default $STATEBRIDGE_UCX_ERROR_HANDLING "
@@ -272,6 +279,7 @@ def _config(args: argparse.Namespace):
 
     overrides = {name: value for name, value in (("bind_host", args.host),
                                                   ("ucx_error_handling", args.ucx_error_handling),
+                                                  ("verify_transfers", args.verify_transfers),
                                                   ("peer_timeout", args.peer_timeout),
                                                   ("on_rank_loss", args.on_rank_loss),
                                                   ("rank_start_timeout",

@@ -55,6 +55,16 @@ class ConnectorConfig:
       the map, whatever their size: one notice per rank pair covers both. Results:
       docs/measurements.md, "Data plane on one host".
 
+    - ``verify_transfers``: end-to-end transfer verification. A prefill node computes a
+      digest of the bytes each decode rank receives per request
+      (:mod:`statebridge.connector.rank.digest`) and sends it along; a decode rank digests
+      what landed in its page and KV blocks before the request's first step, and a mismatch
+      fails that request (``transfer_error``, naming the request, the rank and both values;
+      the ``recompute`` policy recomputes it) and is counted. Off by default (nothing is
+      computed). Both nodes say it in the handshake: a decode node that verifies refuses a
+      prefill node that does not send digests (``IncompatiblePeerError`` naming the flag); a
+      prefill node that sends digests computes them only for decode nodes that verify.
+
     Supervision of the rank group (:class:`~statebridge.connector.group.RankGroup`):
 
     - ``on_rank_loss``: what a node whose rank died (or went silent for ``peer_timeout``)
@@ -93,6 +103,7 @@ class ConnectorConfig:
     rank_start_timeout: float = 120.0
     max_rank_restarts: int = 3
     rank_restart_window: float = 600.0
+    verify_transfers: bool = False
     # -- experimental A/B switches, not settings (AB_SWITCHES; statebridge.bench.ab) --------
     local_ranks: bool = True
     shared_map: bool = True
@@ -122,6 +133,8 @@ class ConnectorConfig:
         if self.on_rank_loss not in self.ON_RANK_LOSS:
             raise ConfigError(f"on_rank_loss must be one of {self.ON_RANK_LOSS}, got "
                               f"{self.on_rank_loss!r}")
+        if not isinstance(self.verify_transfers, bool):
+            raise ConfigError(f"verify_transfers must be a bool, got {self.verify_transfers!r}")
         if isinstance(self.max_rank_restarts, bool) or not isinstance(self.max_rank_restarts, int) \
                 or self.max_rank_restarts < 0:
             raise ConfigError(f"max_rank_restarts must be a non-negative integer, got "

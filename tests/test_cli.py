@@ -182,6 +182,25 @@ def test_supervision_flags_reach_the_config(command, monkeypatch, capsys):
     assert "invalid choice: 'linger'" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("command", ["prefill", "decode"])
+def test_verify_transfers_flag_reaches_the_config(command, monkeypatch):
+    from statebridge.cli import _config, build_parser
+    from statebridge.config import ConnectorConfig
+    from statebridge.errors import ConfigError
+
+    base = [command, "--model", "m", "--tp", "1", "--port", "1"]
+    if command == "decode":
+        base += ["--prefill", "127.0.0.1:2"]
+    assert _config(build_parser().parse_args(base)).verify_transfers is False     # off
+    assert _config(build_parser().parse_args(base + ["--verify-transfers"])).verify_transfers
+    monkeypatch.setenv("STATEBRIDGE_VERIFY_TRANSFERS", "1")
+    assert _config(build_parser().parse_args(base)).verify_transfers is True
+    assert _config(build_parser().parse_args(
+        base + ["--no-verify-transfers"])).verify_transfers is False
+    with pytest.raises(ConfigError, match="verify_transfers must be a bool, got 'yes'"):
+        ConnectorConfig(verify_transfers="yes")
+
+
 @pytest.mark.multiprocess
 @pytest.mark.timeout(120)
 def test_a_node_whose_ranks_do_not_start_in_time_exits_2_naming_them(tmp_path):

@@ -163,6 +163,8 @@ class DecodeGauges:
     blocks_free: int
     prefill_nodes: tuple[str, ...]
     refused_peers: int
+    transfers_verified: int = 0
+    transfer_mismatches: int = 0
 
 
 class _Prefill:
@@ -224,6 +226,9 @@ class DecodeCoordinator(RankGroup):
         #: arrived_at, the TransferResult)
         self._on_timing: Callable | None = None
         self._halves: dict[RequestKey, tuple] = {}
+        #: Transfer verification: request -> the prefill node's digests by decode rank
+        #: (TransferDigest), until the request is DONE and compared, or freed.
+        self._expected: dict[RequestKey, tuple[int, ...]] = {}
 
     # -- prefill servers -------------------------------------------------------------------------
     def connect(self, address: str, timeout: float | None = None, *,
@@ -456,6 +461,8 @@ class DecodeCoordinator(RankGroup):
             # posting to a peer the ranks consider lost, with no RankConnect to revive it.)
             self._fail(record, FailureKind.parse(msg.kind),
                        f"prefill {peer.node_id}: {msg.message}", notify=False)
+        elif isinstance(msg, m.TransferDigest):
+            self._on_transfer_digest(peer, msg)
         elif isinstance(msg, m.Goodbye):
             self._prefill_lost(peer, "said goodbye")
         elif isinstance(msg, m.Error):
@@ -514,7 +521,9 @@ class DecodeCoordinator(RankGroup):
             blocks_used=self.blocks.num_used if self.blocks else 0,
             blocks_free=self.blocks.num_free if self.blocks else 0,
             prefill_nodes=tuple(self.ready_prefills()),
-            refused_peers=int(self.counters.get("refused_peers")))
+            refused_peers=int(self.counters.get("refused_peers")),
+            transfers_verified=int(self.counters.get("transfer_digests_checked")),
+            transfer_mismatches=int(self.counters.get("transfer_digest_mismatches")))
 
     def blocks_for(self, tokens: int) -> int:
         """KV blocks a request of ``tokens`` tokens holds (0 for a spec without attention)."""
@@ -634,7 +643,8 @@ class DecodeCoordinator(RankGroup):
         is not in flight."""
         key = self.current.get(request_id)
         record = self.ledger.get(key) if key is not None else None
-        if record is None or record.phase is not Phase.ACTIVE:
+        # (In flight: ACTIVE, or DONE while its transfer digests are still to come.)
+        if record is None or record.phase is Phase.FAILED or record.result is not None:
             return False
         self._fail(record, FailureKind.ABORTED, reason, notify=True)
         return True
@@ -698,9 +708,52 @@ class DecodeCoordinator(RankGroup):
                        notify=True)
         self._settle(record)
 
+    def _on_transfer_digest(self, peer: _Prefill, msg: m.TransferDigest) -> None:
+        record = self.ledger.get(RequestKey(peer.node_id, msg.request_id, msg.generation))
+        if record is None or record.failure is not None or not self.config.verify_transfers:
+            self.counters.add("stale_messages")
+            return
+        if len(msg.digests) != self.tp_size:
+            self._fail(record, FailureKind.TRANSFER_ERROR,
+                       f"prefill {peer.node_id} sent {len(msg.digests)} transfer digests for "
+                       f"{self.tp_size} decode ranks", notify=True)
+            return
+        self._expected[record.key] = msg.digests
+        self._settle(record)
+
+    def _verified(self, record: Record) -> bool:
+        """A DONE request of a verified link: whether what every rank reports having landed
+        matches what the prefill node sent (else the request fails with ``transfer_error``
+        naming the request, the rank and both digests, and the mismatch is counted). False
+        also while the prefill node's digests are still to come."""
+        expected = self._expected.get(record.key)
+        if expected is None:
+            return False
+        del self._expected[record.key]
+        bad = [(r, expected[r], record.done[r].digest) for r in range(self.tp_size)
+               if record.done[r].digest != expected[r]]
+        self.counters.add("transfer_digests_checked", self.tp_size)
+        if not bad:
+            return True
+        self.counters.add("transfer_digest_mismatches", len(bad))
+        what = "; ".join(f"decode rank {r}: expected {e:#018x}, got "
+                         f"{g:#018x}" if g >= 0 else f"decode rank {r}: expected {e:#018x}, "
+                         f"got none" for r, e, g in bad)
+        message = (f"transfer checksum mismatch of request {record.request_id!r} from "
+                   f"prefill {record.peer_node}: {what}")
+        log.error("%s: %s", self.node_id, message)
+        self.fail_on_ranks(record, FailureKind.TRANSFER_ERROR, message)   # (none to cancel)
+        self._report(record, None, error_for(FailureKind.TRANSFER_ERROR, message,
+                                             request_id=record.request_id,
+                                             peer=record.peer_node or None))
+        self._settle(record)                    # quiet: every rank answered; freed now
+        return False
+
     def _fail(self, record: Record, kind: FailureKind, message: str, *, notify: bool,
               lost_node: str = "") -> None:
-        if record.phase is Phase.DONE or not self.fail_on_ranks(record, kind, message, lost_node):
+        # (A DONE request whose digests are still to come is not reported yet: it fails.)
+        if record.phase is Phase.DONE and record.result is not None \
+                or not self.fail_on_ranks(record, kind, message, lost_node):
             return
         peer = record.peer
         if notify and peer is not None and peer.state is PeerState.READY:
@@ -716,11 +769,15 @@ class DecodeCoordinator(RankGroup):
         if not self.ledger.quiet(record) or record.result is not None:
             return
         if record.phase is Phase.FAILED:
+            self._expected.pop(record.key, None)
             if self.ledger.free(record) and self.current.get(record.request_id) == record.key:
                 del self.current[record.request_id]
             return
         if record.phase is not Phase.DONE:
             return
+        if record.peer is not None and self.config.verify_transfers \
+                and not self._verified(record):
+            return              # digests still to come (or it failed: reported and freed)
         done = [record.done[r] for r in range(self.tp_size)]
         result = record.result = TransferResult(
             request_id=record.request_id, generation=record.generation, page=record.page,
@@ -817,7 +874,13 @@ class DecodeCoordinator(RankGroup):
         if self._halves:
             self._expire_halves(now)
         for record in self.ledger:
-            if record.phase is Phase.ACTIVE and now > record.deadline + self.config.peer_timeout:
+            if record.phase is Phase.DONE and record.result is None \
+                    and now > record.deadline + self.config.peer_timeout:
+                # Every decode rank holds the state; the prefill node's digests never came.
+                self._fail(record, FailureKind.TIMEOUT,
+                           f"no transfer digests from prefill {record.peer_node} within "
+                           f"{self.config.transfer_timeout} s", notify=True)
+            elif record.phase is Phase.ACTIVE and now > record.deadline + self.config.peer_timeout:
                 # The ranks enforce transfer_timeout themselves; this catches a rank that never
                 # answers at all.
                 self._fail(record, FailureKind.TIMEOUT,
@@ -841,6 +904,7 @@ class DecodeCoordinator(RankGroup):
             self._drop_prefill(peer, why)
 
     def _on_group_reset(self) -> None:
+        self._expected.clear()                 # of the old ledger's requests
         for key in list(self._callbacks):          # (none: every request failed already)
             on_done = self._callbacks.pop(key)
             on_done(None, PeerLostError(f"decode group {self.node_id} restarted",

@@ -353,7 +353,8 @@ class RankGroup:
                            spec_json=self.spec.to_json(), rank_addresses=self.rank_addresses,
                            kv_layout=self.kv_layout, block_size=self.block_size,
                            num_blocks=self.num_blocks, host_id=host_id(),
-                           memory=self.memory, **self._shared_map_info())
+                           memory=self.memory, verify_transfers=self.config.verify_transfers,
+                           **self._shared_map_info())
 
     def _shared_map_info(self) -> dict:
         """GroupInfo's shared-map fields: a decode group reads shared maps when its config
@@ -419,6 +420,15 @@ class RankGroup:
             raise IncompatiblePeerError(f"peer {info.node_id!r}: shared-map pids "
                                         f"{list(info.rank_pids)} / fds {list(info.rank_shm_fds)} "
                                         f"for TP size {info.tp_size}")
+        if info.verify_transfers != self.config.verify_transfers and (
+                info.role == "decode" and info.verify_transfers
+                or info.role == "prefill" and self.config.verify_transfers):
+            decode, prefill = (info.node_id, self.node_id) if info.role == "decode" \
+                else (self.node_id, info.node_id)
+            raise IncompatiblePeerError(
+                f"decode node {decode!r} verifies transfers (--verify-transfers) but prefill "
+                f"node {prefill!r} does not send transfer digests: start the prefill node with "
+                f"--verify-transfers too (or the decode node without it)")
         if info.shared_map_min_bytes < 0:
             raise IncompatiblePeerError(f"peer {info.node_id!r}: shared_map_min_bytes "
                                         f"{info.shared_map_min_bytes} < 0")

@@ -52,7 +52,11 @@ memory; two same-host device groups read through the prefill rank's exported poo
 :class:`RankTransports` (the transports UCX chose for each peer rank, for the node's stats);
 ``RankDone`` says when a rank's events happened (compute, first post, landed), and the prefill side tells the decode side its part in one :class:`TransferTimes` row per
 request (off the request's path: the decode side serves without it), so the transfer time
-is measured from the first byte posted to the last byte landed.
+is measured from the first byte posted to the last byte landed; and transfer verification
+(``ConnectorConfig.verify_transfers``): ``GroupInfo`` says
+whether a group verifies (decode) or sends digests (prefill); a prefill rank reports the
+digests of what it sends (:class:`RankDigest`), its server forwards their sums per decode rank
+(:class:`TransferDigest`), a decode rank reports the digest of what landed in ``RankDone``.
 
 Layers above the connector (the decode node's stepping and front door) declare their own
 messages with :func:`message`; they travel through the same codec.
@@ -84,9 +88,9 @@ __all__ = [
     "compat_hash", "MESSAGE_TYPES", "message_row", "encode_rows", "decode_frame",
     "MAX_BATCH_ROWS", "Tokens", "pack_tokens", "unpack_tokens", "token_count",
     "Hello", "Reject", "GroupInfo", "TransferRequest", "TransferTimes", "TransferFailed",
-    "Abort", "Heartbeat", "Error", "Goodbye",
+    "Abort", "Heartbeat", "Error", "Goodbye", "TransferDigest",
     "RankHello", "RankPrefill", "RankRecv", "RankDone", "RankProbe", "PROBES", "RankCancel",
-    "RankShutdown", "RankLocalPrefill", "RankFailed", "RankTransports",
+    "RankShutdown", "RankLocalPrefill", "RankFailed", "RankTransports", "RankDigest",
 ]
 
 
@@ -140,6 +144,10 @@ class GroupInfo(Message):
     #: What every rank's pages and KV pool are in: "host" or "cuda" (device memory; a prefill
     #: group's ranks then export their pool to same-host readers). Protocol 12.
     memory: str = "host"
+    #: ``ConnectorConfig.verify_transfers``: a decode group verifies what lands (and refuses
+    #: a prefill group that does not send digests); a prefill group sends digests to the
+    #: decode groups that verify. Protocol 12.
+    verify_transfers: bool = False
 
 
 @message
@@ -184,6 +192,18 @@ class Abort(Message):
     request_id: str
     generation: int
     reason: str
+
+
+@message
+class TransferDigest(Message):
+    """Prefill -> decode, only to a decode group that verifies transfers: the digest
+    (:mod:`~statebridge.connector.rank.digest`) of the bytes each decode rank receives for the
+    request, by decode rank -- the sums of what every prefill rank sends it. The decode
+    coordinator compares them with its ranks' digests of what landed (``RankDone.digest``)
+    before the request is ready."""
+    request_id: str
+    generation: int
+    digests: tuple[int, ...]
 
 
 @message
@@ -281,6 +301,21 @@ class RankDone(Message):
     state_final_at: float = 0.0
     posted_at: float = 0.0
     landed_at: float = 0.0
+    #: A decode rank of a verified link: the digest of what landed for the request (-1: none).
+    digest: int = -1
+
+
+@message
+class RankDigest(Message):
+    """Prefill rank -> coordinator, for a decode group that verifies transfers: the digest of
+    the bytes this rank sends each decode rank for the request (``digests[r]``: decode rank
+    ``r``; 0 for a rank it sends nothing), computed once the state is final."""
+    BATCH = True
+    tp_rank: int
+    peer_node: str
+    request_id: str
+    generation: int
+    digests: tuple[int, ...]
 
 
 #: The values of the instrumentation switch, ``RankSetup.probes`` (see :class:`RankProbe`).

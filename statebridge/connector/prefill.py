@@ -78,6 +78,10 @@ class PrefillServer(RankGroup):
         self.waiting: collections.deque[tuple[_Peer, m.TransferRequest]] = collections.deque()
         self.peer_watch = c.PeerWatch(self.config.peer_timeout, self.loop)
         self._queries: dict[type, Callable[[m.Message], m.Message]] = {}
+        #: Transfer verification: request -> rank -> the digests it sends each decode rank
+        #: (until every rank reported; then their sums go to the decode node).
+        self._digests: dict[RequestKey, dict[int, tuple[int, ...]]] = {}
+        self.on_rank_message(m.RankDigest, self._on_rank_digest)
 
     def on_query(self, msg_type: type, handler: "Callable[[m.Message], m.Message]") -> None:
         """Answer ``msg_type`` from any connection (no handshake needed) with
@@ -280,6 +284,32 @@ class PrefillServer(RankGroup):
                        f"prefill rank {rank}: {msg.message}", notify=True)
         self._maybe_free(record)
 
+    def _on_rank_digest(self, rank: int, msg: m.RankDigest) -> None:
+        """A rank's digests of what it sends for a request (a decode group that verifies):
+        once every rank's are in, their sums by decode rank go to the decode node."""
+        key = RequestKey(msg.peer_node, msg.request_id, msg.generation)
+        record = self.ledger.get(key)
+        if record is None or record.failure is not None:
+            self.counters.add("stale_digests")
+            return
+        self.counters.add("transfer_digests")
+        by_rank = self._digests.setdefault(key, {})
+        by_rank[rank] = msg.digests
+        if len(by_rank) < self.tp_size:
+            return
+        del self._digests[key]
+        sizes = {len(d) for d in by_rank.values()}
+        if len(sizes) != 1:
+            self._fail(record, FailureKind.TRANSFER_ERROR,
+                       f"prefill ranks sent digests for {sorted(sizes)} decode ranks",
+                       notify=True)
+            return
+        sums = tuple(sum(col) & ((1 << 64) - 1) for col in zip(*by_rank.values()))
+        peer = record.peer
+        if self.peers.get(peer.identity) is peer:
+            c.send_router(self.router, peer.identity, m.TransferDigest(
+                request_id=msg.request_id, generation=msg.generation, digests=sums))
+
     def _fail(self, record: Record, kind: FailureKind, message: str, *, notify: bool,
               lost_node: str = "") -> None:
         """Cancel ``record`` on every rank still working on it; tell the decode peer."""
@@ -299,6 +329,7 @@ class PrefillServer(RankGroup):
             return
         if not self.ledger.free(record):
             return                                   # freed already (callers may re-check)
+        self._digests.pop(record.key, None)
         record.peer.inflight -= 1
         if record.phase is Phase.DONE and self.peers.get(record.peer.identity) is record.peer:
             self._send_times(record)
@@ -363,6 +394,9 @@ class PrefillServer(RankGroup):
         for identity in list(self.peers):
             c.send_router(self.router, identity, m.Goodbye(node_id=self.node_id))
             self._peer_lost(identity, why)
+
+    def _on_group_reset(self) -> None:
+        self._digests.clear()                  # of the old ledger's requests
 
     def _on_close(self) -> None:
         for identity in list(self.peers):

@@ -33,7 +33,10 @@ class). Counted where the work is done:
   (:meth:`~statebridge.connector.rank.pending.PendingTransfers.before_sleep`);
 - ``shared_map_reads``: a decode rank's copies of one request's runs from one prefill rank out
   of that rank's shared map (:meth:`~statebridge.connector.rank.shared_map.SharedMaps.read`);
-  each also counts its "ready" notice in ``ucx_ops``.
+  each also counts its "ready" notice in ``ucx_ops``;
+- ``transfer_digests``: a rank's digest passes over one request's bytes (transfer
+  verification, :mod:`statebridge.connector.rank.digest`): a prefill rank's over what it
+  sends, a decode rank's over what landed. 0 while verification is off.
 
 How
 ---
@@ -107,4 +110,4 @@ class Counters:
 
 #: The process's operation counts (see the module docstring for each name).
 ops = Counters(("control_sent", "control_received", "probes_sent", "ucx_ops",
-                "unattended_sleeps", "shared_map_reads"))
+                "unattended_sleeps", "shared_map_reads", "transfer_digests"))

@@ -408,6 +408,7 @@ class DecodeNode:
             running=len(self.running), waiting=len(self.waiting),
             refused_peers=g.refused_peers, aborted=int(self.counters.get("finished_aborted")),
             refused_clients=int(self.counters.get("auth_refused")),
+            transfers_verified=g.transfers_verified, transfer_mismatches=g.transfer_mismatches,
             **capacity.memory_fields(self.coordinator), **self.histograms.fields())
 
     def _on_abort(self, client: FrontDoorClient, msg: nm.AbortRequest) -> None:

@@ -1113,6 +1113,13 @@ class _NodeCollector:
                                     "total"), (*parts, sum(parts))):
                 memory.add_metric([str(r), part], value)
         yield memory
+        yield CounterMetricFamily("statebridge_transfers_verified", "Decode-rank digests of "
+                                  "landed transfers compared with the prefill node's "
+                                  "(--verify-transfers)", value=s.transfers_verified)
+        yield CounterMetricFamily("statebridge_transfer_checksum_mismatches", "Decode-rank "
+                                  "digests of landed transfers that differed from the prefill "
+                                  "node's: the request failed or was recomputed",
+                                  value=s.transfer_mismatches)
         yield from _node_histograms(s)
 
 

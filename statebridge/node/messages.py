@@ -138,8 +138,10 @@ class NodeStats(Message):
     """Decode node -> client: readiness as in NodeStatus, and what the node holds now: pages
     and KV blocks (per rank, the same on every rank) used and free, requests decoding and
     waiting for a page, connected prefill peers, ``refused_peers``: prefill nodes whose
-    handshake failed (incompatible, or they refused us), and ``refused_clients``: clients of
-    the zmq front door refused by CURVE authentication, since the node started; and the
+    handshake failed (incompatible, or they refused us), ``refused_clients``: clients of
+    the zmq front door refused by CURVE authentication, and (``--verify-transfers``)
+    ``transfers_verified`` / ``transfer_mismatches``: decode-rank digests of landed transfers
+    compared with the prefill node's, and those that differed, since the node started; the
     memory of each rank (the ``rank_*`` tuples:
     :func:`statebridge.node.capacity.memory_fields`), and the histograms of where its requests'
     time went before decoding."""
@@ -156,6 +158,8 @@ class NodeStats(Message):
     refused_peers: int
     aborted: int
     refused_clients: int = 0
+    transfers_verified: int = 0
+    transfer_mismatches: int = 0
     #: Per rank (rank 0 first), the bytes it holds: its weights (private, and resident pages of
     #: the checkpoint mapped into it), its state pages, its KV pool.
     rank_weights_private: tuple[int, ...] = ()

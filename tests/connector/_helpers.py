@@ -174,3 +174,28 @@ class HangingModel(SyntheticModel):
 
     def __init__(self, setup, cache, kv=None) -> None:
         time.sleep(3600)
+
+
+class CorruptingModel(SyntheticModel):
+    """Decode rank 0 flips a byte of what landed for each request whose id starts with
+    ``corrupt-``, just before it digests it (:mod:`statebridge.testing.corrupt`)."""
+
+    def __init__(self, setup, cache, kv=None) -> None:
+        super().__init__(setup, cache, kv)
+        from statebridge.testing import corrupt
+
+        corrupt.install()
+
+    def corrupt_landed(self, request_id: str) -> bool:
+        return self.setup.role == "decode" and self.setup.tp_rank == 0 \
+            and request_id.startswith("corrupt-")
+
+
+class DigestFailsModel(CorruptingModel):
+    """Decode rank 1's digest pass raises for requests whose id starts with ``raise-``."""
+
+    def corrupt_landed(self, request_id: str) -> bool:
+        if self.setup.role == "decode" and self.setup.tp_rank == 1 \
+                and request_id.startswith("raise-"):
+            raise RuntimeError("digest pass broke")
+        return False

@@ -184,7 +184,24 @@ def _other(cls) -> m.Message:
 def test_the_per_request_messages_of_a_group_are_the_batch_types():
     # (and TransferTimes, between groups: one row per request, off the request's path)
     assert {c.__name__ for c in BATCH_TYPES} == {"RankPrefill", "RankRecv", "RankDone",
-                                                 "RankProbe", "RankCancel", "TransferTimes"}
+                                                 "RankProbe", "RankCancel", "TransferTimes",
+                                                 "RankDigest"}
+
+
+@pytest.mark.parametrize("value", [0, 1, 2**63, 2**64 - 1])
+def test_digests_travel_as_unsigned_64_bit_numbers(value):
+    """Transfer digests are numbers mod 2**64: every one survives the codec, alone and in row
+    batches; RankDone's -1 says "none"."""
+    msgs = [m.TransferDigest(request_id="r", generation=3, digests=(value, 0)),
+            m.RankDone(tp_rank=1, peer_node="p", request_id="r", generation=3, kind="",
+                       message="", digest=value)]
+    for msg in msgs:
+        assert m.decode(m.encode(msg)) == msg
+    row = m.RankDigest(tp_rank=0, peer_node="d", request_id="r", generation=3,
+                       digests=(value, value))
+    assert m.decode_frame(m.encode_rows(m.RankDigest, [m.message_row(row)] * 2)) == [row, row]
+    assert m.RankDone(tp_rank=1, peer_node="p", request_id="r", generation=3, kind="",
+                      message="").digest == -1
 
 
 @pytest.mark.parametrize("cls", BATCH_TYPES, ids=lambda c: c.__name__)

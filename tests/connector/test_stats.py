@@ -69,4 +69,5 @@ def test_reading_while_another_thread_adds_new_names():
 
 def test_the_process_operation_counts_declare_their_names():
     assert set(ops.snapshot()) >= {"control_sent", "control_received", "probes_sent",
-                                   "ucx_ops", "unattended_sleeps", "shared_map_reads"}
+                                   "ucx_ops", "unattended_sleeps", "shared_map_reads",
+                                   "transfer_digests"}

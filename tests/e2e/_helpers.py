@@ -19,3 +19,21 @@ class SlowPrefillModel(ModelRankModel):
     def prefill(self, page, prompt, request_id, blocks=()) -> None:
         time.sleep(float(os.environ.get("STATEBRIDGE_TEST_PREFILL_DELAY", "1.0")))
         super().prefill(page, prompt, request_id, blocks)
+
+
+class CorruptFirstModel(ModelRankModel):
+    """The real model; decode rank 0 flips a byte of what landed for the first request it
+    receives, just before it digests it (:mod:`statebridge.testing.corrupt`)."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        from statebridge.testing import corrupt
+
+        corrupt.install()
+        self._corrupted = False
+
+    def corrupt_landed(self, request_id: str) -> bool:
+        if self.setup.role != "decode" or self.setup.tp_rank != 0 or self._corrupted:
+            return False
+        self._corrupted = True
+        return True

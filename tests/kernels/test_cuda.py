@@ -295,3 +295,22 @@ def test_page_checksum_of_a_device_page():
     dev.buffer.copy_(host.buffer)
     for page in range(3):
         assert page_checksum(geo, dev.page_bytes(page)) == page_checksum(geo, host.page_bytes(page).numpy())
+
+
+def test_transfer_digest_of_device_bytes_equals_the_host_one():
+    """A transfer digest (``--verify-transfers``) reads runs wherever the rank buffer lives,
+    aligned (views, no copy) or not (gathered), with no host synchronization until
+    :func:`~statebridge.connector.rank.digest.total` reads the sum."""
+    from statebridge.connector.rank.digest import StreamDigest, total
+
+    host = torch.randint(0, 256, (1 << 20,), dtype=torch.uint8)
+    dev = host.to(DEV)
+    for offsets, lengths in (([0, 4096, 8192], [4096, 4096, 4096]), ([0], [8 * 70001]),
+                             ([3, 1001], [10, 333])):
+        plan = StreamDigest(offsets, lengths)
+        for base in (0, 64, 5):
+            with torch.cuda.set_sync_debug_mode("error") if base % 8 == 0 \
+                    else contextlib.nullcontext():
+                got = plan.of(dev, base)
+            assert got.device.type == "cuda"
+            assert total([got]) == total([plan.of(host, base)])

@@ -30,7 +30,9 @@ This module holds the extension points (:class:`RankModel`, :class:`RankSetup`,
 - ``routes``: the rank's pairs with each peer group, and the ONE posting path of a request;
 - ``pending``: pending transfers -- scan, settle, expire, fail -- and how the loop sleeps;
 - ``shared_map``: the rank's side of the same-host shared-map protocol;
-- ``compute``: the compute thread (the model's work in order) and its thread rule.
+- ``compute``: the compute thread (the model's work in order) and its thread rule;
+- ``digest``: transfer digests (``--verify-transfers``): what a prefill rank reports it sends
+  each decode rank (``RankDigest``), what a decode rank found landed (``RankDone.digest``).
 """
 
 from __future__ import annotations

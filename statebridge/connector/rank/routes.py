@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from statebridge.connector.data import RunTemplate
+from statebridge.connector.rank.digest import StreamDigest
 from statebridge.state.kv import BlockGeometry, KVPairPlan, KVPlan, range_start
 from statebridge.state.layout import PageGeometry
 from statebridge.state.plan import PairPlan, TransferPlan
@@ -29,7 +30,7 @@ if TYPE_CHECKING:
     from statebridge.connector.rank.shared_map import SharedMaps
     from statebridge.state.spec import StateSpec
 
-__all__ = ["Route", "KVRoute", "Routes"]
+__all__ = ["Route", "KVRoute", "Routes", "pair_digest"]
 
 #: Block counts whose KV templates a KV route keeps (cleared when full).
 _KV_TEMPLATES = 256
@@ -48,6 +49,8 @@ class Route:
     staged_bytes: int
     shm: bool = False                  # read out of the prefill rank's shared map (zero-copy;
     #                                    device memory: staged pairs too, gathered)
+    #: This side's runs of the pair in wire order (transfer verification on; else None).
+    digest: "StreamDigest | None" = None
 
 
 @dataclass(frozen=True)
@@ -63,6 +66,8 @@ class KVRoute:
     shm: bool = False                  # read out of the prefill rank's shared map
     #: (block count, column) -> the checked runs of blocks [0, count) (see template())
     _templates: dict = field(default_factory=dict, repr=False, compare=False)
+    #: (block count, column) -> their digest plan (transfer verification)
+    _digests: dict = field(default_factory=dict, repr=False, compare=False)
 
     def template(self, blocks: int, col: int) -> RunTemplate:
         """The pair's runs for ``blocks`` consecutive blocks on both sides, relative to the
@@ -75,6 +80,17 @@ class KVRoute:
             template = self._templates[key] = RunTemplate(self.pair.contiguous_runs(blocks),
                                                           col, "KV runs")
         return template
+
+    def digest(self, blocks: int, col: int) -> StreamDigest:
+        """The digest plan of :meth:`template` ``(blocks, col)``."""
+        key = (blocks, col)
+        digest = self._digests.get(key)
+        if digest is None:
+            if len(self._digests) >= _KV_TEMPLATES:
+                self._digests.clear()
+            template = self.template(blocks, col)
+            digest = self._digests[key] = StreamDigest(template.offsets, template.lengths)
+        return digest
 
 
 class Routes:
@@ -93,6 +109,9 @@ class Routes:
         self.maps = maps
         self.recurrent: dict[str, list[Route]] = {}      # peer node -> this rank's pairs
         self.kv: dict[str, list[KVRoute]] = {}           # peer node -> this rank's KV pairs
+        #: Peer nodes whose transfers this rank digests (transfer verification).
+        self.verified: set[str] = set()
+        self._peer_sizes: dict[str, int] = {}            # peer node -> its TP size
 
     def __contains__(self, node: str) -> bool:
         return node in self.recurrent
@@ -103,17 +122,25 @@ class Routes:
         return peers + [r.peer for r in self.kv.get(node, ()) if r.peer not in peers]
 
     # -- at connect ---------------------------------------------------------------------------
-    def plan(self, info: "m.GroupInfo",
-             shm: int | None) -> tuple[list[Route], list[KVRoute]]:
+    def plan(self, info: "m.GroupInfo", shm: int | None,
+             verify: bool = False) -> tuple[list[Route], list[KVRoute]]:
         """Plan (and keep) this rank's pairs with the peer group ``info``. ``shm``: the
-        shared-map rule's threshold for the link (None: no pair reads out of the map)."""
+        shared-map rule's threshold for the link (None: no pair reads out of the map).
+        ``verify``: the link's transfers are verified (:meth:`digests`)."""
         peer_geo = PageGeometry(self.spec, info.tp_size, info.layout,
                                 region_align=info.region_align, page_size=info.page_size)
-        routes = self.recurrent[info.node_id] = self._routes(info.node_id, peer_geo, shm)
+        routes = self.recurrent[info.node_id] = self._routes(info.node_id, peer_geo, shm,
+                                                             verify)
+        self._peer_sizes[info.node_id] = info.tp_size
+        if verify:
+            self.verified.add(info.node_id)
+        else:
+            self.verified.discard(info.node_id)
         kv_routes = self.kv[info.node_id] = self._kv_routes(info, routes, shm is not None)
         return routes, kv_routes
 
-    def _routes(self, node: str, peer_geo: PageGeometry, shm: int | None) -> list[Route]:
+    def _routes(self, node: str, peer_geo: PageGeometry, shm: int | None,
+                verify: bool = False) -> list[Route]:
         """This rank's pairs with ``node`` (whose ranks have ``peer_geo``), each with its UCX
         peer and, for zero-copy pairs, the runs checked once as a
         :class:`~statebridge.connector.data.RunTemplate`. With ``shm`` (a byte threshold)
@@ -132,7 +159,8 @@ class Routes:
             # Device memory gathers every pair of a request in one launch, staged ones too.
             routes.append(Route(pair, peer_rank, f"{node}/{peer_rank}", template, staged_bytes,
                                 shm=shm is not None and (template is not None or self.maps.device)
-                                and pair.nbytes >= shm))
+                                and pair.nbytes >= shm,
+                                digest=pair_digest(pair, direction) if verify else None))
         return routes
 
     def _kv_routes(self, info: "m.GroupInfo", routes: list[Route],
@@ -194,18 +222,12 @@ class Routes:
             self._post_kv(pending, direction, src_blocks, dst_blocks)
         self.maps.post_notices(pending, direction, base)
 
-    def _post_kv(self, pending: "Pending", direction: str,
-                 src_blocks: "tuple[int, ...] | None", dst_blocks: tuple[int, ...]) -> None:
-        """Post this rank's KV runs of the request (absolute offsets: the pool's base added on
-        this rank's side).
-
-        The prefill side's block table is always one range of consecutive ids: a decode rank
-        passes ``src_blocks`` None (it knows the source table's length, not its start, and the
-        runs' sizes and order do not depend on the start). Block tables that are ranges on
-        both sides (the decode side's allocator prefers them) post the pair's template for
-        that many blocks at this side's first block: per request only the base is added and
-        checked. Other tables build and check their runs for the request."""
-        routes = self.kv.get(pending.key.peer_node, ())
+    def _kv_runs(self, node: str, direction: str, src_blocks: "tuple[int, ...] | None",
+                 dst_blocks: tuple[int, ...], digests: bool = False):
+        """Each KV route of ``node`` with its runs of the request on this side and the base
+        they are posted at: ``(route, template, base)``, or with ``digests``
+        ``(route, digest plan, base)``."""
+        routes = self.kv.get(node, ())
         if not routes:
             return
         col = 0 if direction == "send" else 1
@@ -217,11 +239,10 @@ class Routes:
         dst_start = range_start(dst_blocks)
         contiguous = src_start is not None and dst_start is not None
         start = src_start if col == 0 else dst_start
-        generation = pending.key.generation
         for route in routes:
             pair = route.pair
             if contiguous:
-                template = route.template(n, col)
+                template = route.digest(n, col) if digests else route.template(n, col)
                 base = self.kv_base + start * (pair.src_block_stride if col == 0
                                                else pair.dst_block_stride)
             else:
@@ -229,6 +250,25 @@ class Routes:
                 shift[col] = self.kv_base
                 template, base = RunTemplate(pair.runs(src_blocks, dst_blocks) + shift, col,
                                              "KV runs"), 0
+                if digests:
+                    template = StreamDigest(template.offsets, template.lengths)
+            yield route, template, base
+
+    def _post_kv(self, pending: "Pending", direction: str,
+                 src_blocks: "tuple[int, ...] | None", dst_blocks: tuple[int, ...]) -> None:
+        """Post this rank's KV runs of the request (absolute offsets: the pool's base added on
+        this rank's side).
+
+        The prefill side's block table is always one range of consecutive ids: a decode rank
+        passes ``src_blocks`` None (it knows the source table's length, not its start, and the
+        runs' sizes and order do not depend on the start). Block tables that are ranges on
+        both sides (the decode side's allocator prefers them) post the pair's template for
+        that many blocks at this side's first block: per request only the base is added and
+        checked. Other tables build and check their runs for the request."""
+        generation = pending.key.generation
+        for route, template, base in self._kv_runs(pending.key.peer_node, direction, src_blocks,
+                                                   dst_blocks):
+            pair = route.pair
             if route.shm:                        # read out of the shared map: counted only
                 pending.nbytes += template.nbytes
                 pending.messages += len(template)
@@ -241,3 +281,38 @@ class Routes:
             pending.handles.append(handle)
             pending.nbytes += template.nbytes
             pending.messages += len(template)
+
+    # -- transfer verification --------------------------------------------------------------
+    def peer_size(self, node: str) -> int:
+        """The TP size of peer node ``node``'s group."""
+        return self._peer_sizes[node]
+
+    def digests(self, buffer, key_node: str, direction: str, base: int,
+                src_blocks: "tuple[int, ...] | None" = None,
+                dst_blocks: tuple[int, ...] = ()) -> dict[int, list]:
+        """The digests (:mod:`~statebridge.connector.rank.digest`) of every pair of this rank
+        with ``key_node`` for one request, from ``buffer`` (the rank's registered buffer: the
+        pages, then the KV pool), by the other rank: ``{peer rank: [0-d tensors]}``. The same
+        arguments as :meth:`post`; a prefill rank digests what it sends, a decode rank what
+        landed."""
+        out: dict[int, list] = {}
+        for route in self.recurrent.get(key_node, ()):
+            out.setdefault(route.peer_rank, []).append(route.digest.of(buffer, base))
+        if dst_blocks:
+            for route, digest, kv_base in self._kv_runs(key_node, direction, src_blocks,
+                                                        dst_blocks, digests=True):
+                out.setdefault(route.peer_rank, []).append(digest.of(buffer, kv_base))
+        return out
+
+
+def pair_digest(pair: PairPlan, direction: str) -> StreamDigest:
+    """A recurrent pair's digest plan on this side: its zero-copy runs in plan order, or (a
+    staged pair) its pack / unpack runs in staging order -- the same stream on both sides."""
+    if not pair.staged:
+        col = 0 if direction == "send" else 1
+        return StreamDigest(pair.runs[:, col], pair.runs[:, 2])
+    if direction == "send":
+        table = pair.pack[np.argsort(pair.pack[:, 1], kind="stable")]
+        return StreamDigest(table[:, 0], table[:, 2])
+    table = pair.unpack[np.argsort(pair.unpack[:, 0], kind="stable")]
+    return StreamDigest(table[:, 1], table[:, 2])

@@ -21,6 +21,7 @@ from statebridge.connector.data.env import quiet_unused_env_warnings, ucx_option
 from statebridge.connector.ledger import RequestKey
 from statebridge.connector.local import LocalDealer
 from statebridge.connector.rank import KVBlocks, RankModel, RankSetup, kv_checksum, load_callable
+from statebridge.connector.rank import digest
 from statebridge.connector.rank.compute import ComputeThread, check_blocks, key_of
 from statebridge.connector.rank.memory import RankMemory
 from statebridge.connector.rank.pending import Pending, PendingTransfers, fail_pending
@@ -80,6 +81,13 @@ class RankWorker:
                                        ucx_options=ucx_options(setup.ucx_net_devices,
                                                                self.config.bind_host))
         self.counters = Counters()
+        if self.config.verify_transfers:
+            # The digest passes run on this loop thread: torch's default of one thread per
+            # core in every rank process makes the ranks fight over the CPUs (the real model
+            # sets the same for its own work; docs/measurements.md, "Transfer verification").
+            import torch
+
+            torch.set_num_threads(self.config.torch_threads)
         model = load_callable(setup.model) if setup.model else RankModel
         self.model: RankModel = model(setup, self.cache, self.kv)
         weights_private, weights_mapped = self.model.weight_memory()
@@ -250,7 +258,11 @@ class RankWorker:
             for peer in self.routes.peers_of(info.node_id):
                 self._fail_peer(peer, f"{info.node_id} connected again",
                                 transport=peer in self.transport.peers)
-        routes, kv_routes = self.routes.plan(info, self.maps.threshold(info))
+        # Transfer verification: a decode rank digests what lands from a prefill group that
+        # sends digests (its coordinator refused any other); a prefill rank digests what it
+        # sends to a decode group that verifies.
+        verify = self.config.verify_transfers and info.verify_transfers
+        routes, kv_routes = self.routes.plan(info, self.maps.threshold(info), verify)
         self.maps.connect(info, routes, kv_routes)
         if self.transport.sends_complete_unattended(same_host(info.host_id)):
             self.pending.unattended_nodes.add(info.node_id)
@@ -302,7 +314,15 @@ class RankWorker:
         pending = Pending(key, msg.src_page, [], time.perf_counter(),
                           blocks=msg.src_blocks, kv_tokens=msg.kv_tokens, final_at=final_at,
                           lease=True, computed_from=started_at)
-        self._post(pending, "send", msg.src_blocks, msg.dst_blocks)
+        if self._post(pending, "send", msg.src_blocks, msg.dst_blocks) \
+                and key.peer_node in self.routes.verified:
+            # After posting: the digest pass overlaps the transfer (the page is held until
+            # every send completed, so it cannot change meanwhile).
+            try:
+                self._send_digests(pending, msg)
+            except Exception as e:  # noqa: BLE001 -- fails this request, not the rank
+                log.exception("rank %d: transfer digest of %s failed", self.setup.tp_rank, key)
+                fail_pending(pending, FailureKind.TRANSFER_ERROR, f"transfer digest failed: {e}")
 
     def _on_recv(self, msg: m.RankRecv) -> None:
         self._announce(msg.generation)
@@ -322,11 +342,11 @@ class RankWorker:
         # The source table is one range of the same length: its start is the prefill side's.
         self._post(pending, "recv", None, msg.blocks)
 
-    def _post(self, pending: Pending, direction: str, src_blocks, dst_blocks) -> None:
+    def _post(self, pending: Pending, direction: str, src_blocks, dst_blocks) -> bool:
         """Post the request's transfers (:meth:`Routes.post
-        <statebridge.connector.rank.routes.Routes.post>`): pending once all are posted. When a
-        post raises (peer declared lost, transport closed, bad runs) the request fails now:
-        its posted handles are cancelled and the coordinator hears it at once."""
+        <statebridge.connector.rank.routes.Routes.post>`): pending once all are posted
+        (True). When a post raises (peer declared lost, transport closed, bad runs) the request
+        fails now: its posted handles are cancelled and the coordinator hears it at once."""
         pending.posted_at = time.monotonic()
         try:
             self.routes.post(pending, direction, self.cache.page_offset(pending.page),
@@ -336,8 +356,30 @@ class RankWorker:
             fail_pending(pending, kind, f"posting failed: {e}")
             self.counters.add(f"failed_{kind}")
             self._done(pending.key, *pending.failure)
-            return
+            return False
         self.pending.add(pending, direction)
+        return True
+
+    # -- transfer verification ----------------------------------------------------------------
+    def _send_digests(self, pending: Pending, msg: m.RankPrefill) -> None:
+        """Prefill rank: the digest of what it sends each decode rank, to the coordinator."""
+        by_rank = self.routes.digests(self.memory.registered, msg.peer_node, "send",
+                                      self.cache.page_offset(msg.src_page), msg.src_blocks,
+                                      msg.dst_blocks)
+        size = self.routes.peer_size(msg.peer_node)
+        ops.add("transfer_digests")
+        self._send(m.RankDigest(tp_rank=self.setup.tp_rank, peer_node=msg.peer_node,
+                                request_id=msg.request_id, generation=msg.generation,
+                                digests=tuple(digest.total(by_rank.get(r, []))
+                                              for r in range(size))))
+
+    def _landed_digest(self, p: Pending) -> int:
+        """Decode rank: the digest of what landed in ``p``'s page and KV blocks (every pair of
+        its prefill node together), computed before the rank reports the request done."""
+        by_rank = self.routes.digests(self.memory.registered, p.key.peer_node, "recv",
+                                      self.cache.page_offset(p.page), None, p.blocks)
+        ops.add("transfer_digests")
+        return digest.total([d for ds in by_rank.values() for d in ds])
 
     def _on_cancel(self, msg: m.RankCancel) -> None:
         if msg.lost_node:
@@ -414,13 +456,21 @@ class RankWorker:
         kind, message = self.pending.outcome(p)
         self.counters.add("transfers_ok" if not kind else f"failed_{kind}")
         self.counters.add("bytes", p.nbytes)
+        landed = -1
+        if not kind and self.setup.role == "decode" and key.peer_node in self.routes.verified:
+            try:
+                landed = self._landed_digest(p)
+            except Exception as e:  # noqa: BLE001 -- fails this request, not the rank
+                log.exception("rank %d: transfer digest of %s failed", self.setup.tp_rank, key)
+                kind, message = FailureKind.TRANSFER_ERROR.value, f"transfer digest failed: {e}"
         if kind:
             self._done(key, kind, message, nbytes=p.nbytes)
         elif self.setup.role == "prefill":
             self._done(key, kind, message, nbytes=p.nbytes,
                        computed=(p.computed_from, p.final_at), posted_at=p.posted_at)
         else:
-            self._done(key, kind, message, nbytes=p.nbytes, landed_at=time.monotonic())
+            self._done(key, kind, message, nbytes=p.nbytes, landed_at=time.monotonic(),
+                       digest=landed)
 
     def _probe(self, keys: list[RequestKey]) -> None:
         """An instrumented rank (``setup.probes``): a ``RankProbe`` of each request about to be
@@ -447,7 +497,7 @@ class RankWorker:
 
     def _done(self, key: RequestKey, kind: "FailureKind | str", message: str, *,
               nbytes: int = 0, computed: tuple[float, float] = (0.0, 0.0),
-              posted_at: float = 0.0, landed_at: float = 0.0) -> None:
+              posted_at: float = 0.0, landed_at: float = 0.0, digest: int = -1) -> None:
         """Answer the coordinator (the times, ``time.monotonic()``, travel as wall-clock
         seconds: see :class:`~statebridge.connector.messages.RankDone`)."""
         self._send(m.RankDone(tp_rank=self.setup.tp_rank, peer_node=key.peer_node,
@@ -455,7 +505,8 @@ class RankWorker:
                               kind=str(kind), message=message, nbytes=nbytes,
                               computed_from=wall_clock(computed[0]),
                               state_final_at=wall_clock(computed[1]),
-                              posted_at=wall_clock(posted_at), landed_at=wall_clock(landed_at)))
+                              posted_at=wall_clock(posted_at), landed_at=wall_clock(landed_at),
+                              digest=digest))
 
 
 def wall_clock(monotonic: float) -> float:
