@@ -216,11 +216,6 @@ class DecodeCoordinator(RankGroup):
         self.prefill_watch = c.PeerWatch(self.config.peer_timeout, self.loop)
         self._dials: dict[str, _Dial] = {}           # address -> kept connection
         self._prefill_handlers: list[Callable[[m.GroupInfo], None]] = []
-
-    def on_prefill_connected(self, handler: "Callable[[m.GroupInfo], None]") -> None:
-        """Call ``handler(info)`` on the loop thread after each handshake with a prefill node
-        succeeded, with that node's group (its TP size, pages, KV pool)."""
-        self._prefill_handlers.append(handler)
         #: on_timing's callback, and the halves of request timings waiting for the other:
         #: key -> (monotonic when kept, the prefill side's TransferTimes) or (monotonic,
         #: arrived_at, the TransferResult)
@@ -229,6 +224,11 @@ class DecodeCoordinator(RankGroup):
         #: Transfer verification: request -> the prefill node's digests by decode rank
         #: (TransferDigest), until the request is DONE and compared, or freed.
         self._expected: dict[RequestKey, tuple[int, ...]] = {}
+
+    def on_prefill_connected(self, handler: "Callable[[m.GroupInfo], None]") -> None:
+        """Call ``handler(info)`` on the loop thread after each handshake with a prefill node
+        succeeded, with that node's group (its TP size, pages, KV pool)."""
+        self._prefill_handlers.append(handler)
 
     # -- prefill servers -------------------------------------------------------------------------
     def connect(self, address: str, timeout: float | None = None, *,
