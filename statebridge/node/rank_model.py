@@ -12,7 +12,7 @@ from typing import Sequence
 
 import torch
 
-from statebridge.connector.rank import RankModel, RankSetup
+from statebridge.connector.rank import PrefillChunk, RankModel, RankSetup
 from statebridge.errors import FailureKind, StatebridgeError
 from statebridge.node import messages as nm
 from statebridge.state.cache import StateCache
@@ -72,11 +72,46 @@ class ModelRankModel(RankModel):
                                   all_reduce=all_reduce)
         log.info("%s rank %d: model %s loaded", setup.role, setup.tp_rank, setup.model_dir)
 
+    #: The runner continues a prompt from its page (and its KV blocks): chunks are fine.
+    chunked_prefill = True
+
     def prefill(self, page: int, prompt: tuple[int, ...], request_id: str,
                 blocks: tuple[int, ...] = ()) -> None:
         with torch.inference_mode():
             self.runner.prefill([list(prompt)], [page],
                                 blocks=[blocks] if self.runner.has_attention else None)
+
+    def prefill_chunks(self, chunks: Sequence[PrefillChunk]) -> list[str | None]:
+        """One varlen forward of every chunk. A chunk with a token id outside the vocabulary
+        fails alone (every rank leaves out the same chunks: they all see the same step); a
+        forward that raises fails the step (the compute thread fails each of its requests)."""
+        vocab = self.runner.vocab_size
+        errors: list[str | None] = [None] * len(chunks)
+        for i, chunk in enumerate(chunks):
+            bad = next((t for t in chunk.tokens if not 0 <= t < vocab), None)
+            if bad is not None:
+                errors[i] = (f"prefill failed: token id {bad} is outside the vocabulary of "
+                             f"{vocab}")
+        rows = [chunk for chunk, error in zip(chunks, errors) if error is None]
+        if rows:
+            with torch.inference_mode():
+                self.runner.prefill([c.tokens for c in rows], [c.page for c in rows],
+                                    starts=[c.start for c in rows],
+                                    blocks=[c.blocks for c in rows]
+                                    if self.runner.has_attention else None)
+        return errors
+
+    def agree_max(self, values: list[int]) -> list[int]:
+        """Elementwise maximum over the TP group (one small all-reduce; itself at TP 1)."""
+        if self.process_group is None:
+            return list(values)
+        import torch.distributed as dist
+
+        tensor = torch.tensor(values, dtype=torch.int64, device=self.runner.device)
+        opts = dist.AllreduceOptions()
+        opts.reduceOp = dist.ReduceOp.MAX
+        self.process_group.process_group.allreduce([tensor], opts).wait()
+        return tensor.tolist()
 
     @classmethod
     def validate(cls, model_dir: str, tp_size: int) -> None:
