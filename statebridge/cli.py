@@ -207,6 +207,9 @@ def _config_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--rank-start-timeout", type=float, default=None, metavar="SECONDS",
                    help="bound on starting the rank group (model load, TP rendezvous), at "
                         "start and at each restart (default 120)")
+    p.add_argument("--max-prefill-tokens", type=_positive_int, default=None, metavar="TOKENS",
+                   help="token budget of one prefill step on a rank: queued prompts run "
+                        "together up to it, longer ones in chunks (default 2048)")
     p.add_argument("--ucx-error-handling", action=argparse.BooleanOptionalAction, default=None,
                    help="UCX endpoint error handling (detects dead peers in UCX, but forces TCP "
                         "lanes: much slower on one host; default $STATEBRIDGE_UCX_ERROR_HANDLING "
@@ -242,7 +245,9 @@ def _config(args: argparse.Namespace):
                                                   ("peer_timeout", args.peer_timeout),
                                                   ("on_rank_loss", args.on_rank_loss),
                                                   ("rank_start_timeout",
-                                                   args.rank_start_timeout))
+                                                   args.rank_start_timeout),
+                                                  ("max_prefill_tokens",
+                                                   args.max_prefill_tokens))
                  if value is not None}
     if args.keys is not None:
         overrides["keys_dir"] = os.path.abspath(args.keys) if args.keys else ""
