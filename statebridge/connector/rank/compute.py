@@ -153,6 +153,12 @@ class PrefillBatcher:
                 break
             if room <= 0:
                 break
+        for i, (job, start, end) in enumerate(step):   # room the new jobs left: begun ones
+            if room <= 0 or start == 0:
+                break
+            more = min(len(job.tokens) - end, room)
+            step[i] = (job, start, end + more)
+            room -= more
         return step
 
     def ran(self, step: list[tuple[PrefillJob, int, int]]) -> list[PrefillJob]:
