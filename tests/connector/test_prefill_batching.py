@@ -221,3 +221,46 @@ def test_ranks_run_the_same_steps_whatever_order_messages_arrive_in():
         done = {e[2]: e[3] for e in events if e[0] == "done" and e[1] == rank}
         assert done.pop("p6") is not None, f"rank {rank} answered p6 as computed"
         assert set(done.values()) == {None}
+
+
+class _FlakyModel(_Model):
+    """Its first agreement and its first step raise."""
+
+    def __init__(self, events: list) -> None:
+        super().__init__(events)
+        self.agreements = self.failed_steps = 0
+
+    def agree_max(self, values):
+        self.agreements += 1
+        if self.agreements == 1:
+            raise RuntimeError("gloo: connection closed")
+        return list(values)
+
+    def prefill_chunks(self, chunks):
+        if not self.failed_steps:
+            self.failed_steps = 1
+            self.events.append(("step", 0, tuple(c.request_id for c in chunks)))
+            raise RuntimeError("device lost")
+        return super().prefill_chunks(chunks)
+
+
+def test_a_failed_agreement_or_step_fails_its_requests_and_the_thread_serves_on():
+    events: list = []
+    model = _FlakyModel(events)
+    compute = _thread(model, events, budget=8)
+    try:
+        compute.submit_model(m.Heartbeat(node_id="t", seq=0))
+        compute.submit(_prefill("a", 3))
+        compute.submit(_prefill("b", 2))
+        model.gate.set()
+        _wait(lambda: sum(e[0] == "done" for e in events) == 2, "a and b answered")
+        compute.submit(_prefill("c", 12))                 # two steps; the first one raises
+        _wait(lambda: sum(e[0] == "done" for e in events) == 3, "c answered")
+        compute.submit(_prefill("d", 4))
+        _wait(lambda: sum(e[0] == "done" for e in events) == 4, "d answered")
+    finally:
+        compute.close()
+    done = {e[2]: e[3] for e in events if e[0] == "done"}
+    assert "could not agree" in done["a"] and "gloo: connection closed" in done["b"]
+    assert done["c"] == "prefill failed: RuntimeError: device lost"
+    assert done["d"] is None and model.steps == [[("d", 0, 4)]]

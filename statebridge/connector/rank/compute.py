@@ -362,8 +362,19 @@ class ComputeThread:
         with self._lock:
             flags = [int(key in self._cancelled) for key in candidates]
         # One agreement per step: the fewest new prefills any rank has, and any rank's cancels.
-        agreed = self.model.agree_max(
-            [-avail] + flags + [0] * (MAX_STEP_REQUESTS - len(flags)))
+        try:
+            agreed = self.model.agree_max(
+                [-avail] + flags + [0] * (MAX_STEP_REQUESTS - len(flags)))
+        except Exception as e:  # noqa: BLE001 -- the group is broken: nothing can run in step
+            log.exception("%s: the ranks could not agree on a prefill step", self.name)
+            self.counters.add("prefill_agreement_errors")
+            why, now = f"prefill failed: the ranks could not agree: {type(e).__name__}: {e}", \
+                time.monotonic()
+            out = [(job.msg, why, now) for job in batcher.jobs]
+            for job in list(batcher.jobs):
+                batcher.drop(job)
+            out += [(buffer.popleft(), why, now) for _ in range(avail)]
+            return out
         take = -int(agreed[0])
         cancelled = [bool(x) for x in agreed[1:1 + len(candidates)]]
         out: list[tuple] = []
