@@ -105,8 +105,14 @@ def _burst(address: str, prompts: list[list[int]], max_tokens: int) -> list[floa
     return ttft
 
 
+#: The nodes' connector settings here: a burst of long prompts one at a time queues for
+#: minutes, and a prefill page's lease (and a decode rank's transfer bound) count from the
+#: request's dispatch, queueing included.
+NODE_ENV = {"STATEBRIDGE_LEASE_TIMEOUT": "900", "STATEBRIDGE_TRANSFER_TIMEOUT": "900"}
+
+
 def run_variant(name: str, budget: str, args, workdir: str, cells, vocab: int) -> list[dict]:
-    env = dict(os.environ, UCX_WARN_UNUSED_ENV_VARS="n")
+    env = dict(os.environ, UCX_WARN_UNUSED_ENV_VARS="n", **NODE_ENV)
     model = os.path.join(workdir, "model")
     common = ["--host", "127.0.0.1", "--num-pages", str(max(2 * max(c[0] for c in cells), 8))]
     prefill_port, decode_port = _free_port(), _free_port()
@@ -205,7 +211,8 @@ def main(argv: list[str] | None = None) -> int:
                                    "python": platform.python_version()},
                        "checkpoint": {"arch": args.arch, "preset": args.preset},
                        "prefill_tp": args.prefill_tp, "decode_tp": args.decode_tp,
-                       "max_tokens": args.max_tokens, "rows": rows, "ratios": ratios},
+                       "max_tokens": args.max_tokens, "node_env": NODE_ENV, "rows": rows,
+                       "ratios": ratios},
                       f, indent=1)
     return 0
 
