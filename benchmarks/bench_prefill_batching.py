@@ -19,6 +19,13 @@ cell, variants adjacent per cell ``--alternate`` times (noisy shared machine: co
 adjacent runs).
 
     python benchmarks/bench_prefill_batching.py --json benchmarks/results/prefill-batching.json
+
+``--compute-only``: no nodes, no transfers -- the prefill rank's compute alone, in this
+process (one torch thread, as a rank): a burst of ``N`` prompts queued at once runs as the
+compute thread would run it (:class:`~statebridge.connector.rank.compute.PrefillBatcher`
+steps through :meth:`ModelRankModel.prefill_chunks`; ``off``: one whole prompt per step), and
+each request's time is when the step with its last token ended (its state final). Variants
+alternate per cell, so a busy machine slows both alike.
 """
 
 from __future__ import annotations
@@ -151,6 +158,69 @@ def run_variant(name: str, budget: str, args, workdir: str, cells, vocab: int) -
     return out
 
 
+def compute_only(args, model_dir: str, cells, variants, vocab: int) -> list[dict]:
+    """Each cell's burst through the rank's model in this process, variants alternating."""
+    import torch
+
+    from statebridge.connector.rank import KVBlocks, PrefillChunk, RankSetup
+    from statebridge.connector.rank.compute import PrefillBatcher, PrefillJob
+    from statebridge.node.rank_model import ModelRankModel
+    from statebridge.state import PageGeometry, StateCache, StateSpec
+    from statebridge.state.kv import BlockGeometry, blocks_for
+
+    torch.set_num_threads(1)
+    most = max(n for n, _ in cells)
+    longest = max(length for _, length in cells)
+    spec = StateSpec.from_pretrained(model_dir)
+    cache = StateCache(PageGeometry(spec, 1, "DLS"), most)
+    per = blocks_for(longest, 16)
+    kv = None
+    if spec.kv is not None:
+        geo = BlockGeometry(spec.kv, 1, "HB", 16, most * per)
+        kv = KVBlocks(geo, torch.zeros(geo.nbytes, dtype=torch.uint8), 0)
+    setup = RankSetup(role="prefill", coordinator="127.0.0.1:9", tp_rank=0, tp_size=1,
+                      spec_json=spec.to_json(), layout="DLS", num_pages=most,
+                      node_id="bench", model_dir=model_dir)
+    model = ModelRankModel(setup, cache, kv)
+    rng = random.Random(0)
+    rows = []
+    for _ in range(args.alternate):
+        for n, length in cells:
+            prompts = [tuple(rng.randrange(vocab) for _ in range(length)) for _ in range(n)]
+            for name, budget in variants:
+                batcher = PrefillBatcher(None if budget == "off" else int(budget),
+                                         chunked=True)
+                for b, prompt in enumerate(prompts):
+                    batcher.add(PrefillJob(msg=b, key=b, page=b, tokens=prompt,
+                                           blocks=tuple(range(b * per, (b + 1) * per))
+                                           if kv is not None else ()))
+                done: list[float] = [0.0] * n
+                steps = 0
+                start = time.perf_counter()
+                while batcher:
+                    plan = batcher.plan()
+                    errors = model.prefill_chunks([
+                        PrefillChunk(request_id=str(job.msg), page=job.page,
+                                     tokens=job.tokens[s:e], start=s, last=e == len(job.tokens),
+                                     blocks=job.blocks) for job, s, e in plan])
+                    if any(errors):
+                        raise SystemExit(f"a prefill failed: {errors}")
+                    steps += 1
+                    now = time.perf_counter() - start
+                    for job in batcher.ran(plan):
+                        done[job.msg] = now
+                row = {"variant": name, "max_prefill_tokens": budget, "concurrency": n,
+                       "prompt_tokens": length, "steps": steps, "state_final_s": done,
+                       "ttft_p50_s": statistics.median(done), "ttft_max_s": max(done),
+                       "prompt_tokens_per_s": n * length / max(done)}
+                print(f"{name:>8} ({budget:>5}) compute only: {n:3d} x {length:5d} tokens, "
+                      f"{steps:3d} steps: state final p50 {row['ttft_p50_s']:7.2f} s, max "
+                      f"{row['ttft_max_s']:7.2f} s, {row['prompt_tokens_per_s']:8.0f} prompt "
+                      f"tokens/s", flush=True)
+                rows.append(row)
+    return rows
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--arch", default="lfm2-hybrid", help="make-checkpoint --arch")
@@ -162,6 +232,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-tokens", type=int, default=2, help="tokens generated per request")
     p.add_argument("--variant", action="append", default=[], metavar="NAME=off|TOKENS")
     p.add_argument("--alternate", type=int, default=1, help="passes over the variants")
+    p.add_argument("--compute-only", action="store_true",
+                   help="the prefill rank's compute alone, in this process (no nodes)")
     p.add_argument("--json", default=None, metavar="FILE")
     args = p.parse_args(argv)
     variants = []
@@ -182,7 +254,9 @@ def main(argv: list[str] | None = None) -> int:
                        stdout=subprocess.DEVNULL)
         with open(os.path.join(workdir, "model", "config.json")) as f:
             vocab = json.load(f)["vocab_size"]
-        for _ in range(args.alternate):
+        if args.compute_only:
+            rows = compute_only(args, os.path.join(workdir, "model"), cells, variants, vocab)
+        for _ in range(0 if args.compute_only else args.alternate):
             for name, budget in variants:
                 rows += run_variant(name, budget, args, workdir, cells, vocab)
     base = variants[0][0]
@@ -190,9 +264,10 @@ def main(argv: list[str] | None = None) -> int:
     for row in rows:
         if row["variant"] == base:
             continue
-        ref = next(r for r in rows if r["variant"] == base and
-                   (r["concurrency"], r["prompt_tokens"]) == (row["concurrency"],
-                                                               row["prompt_tokens"]))
+        # the latest base run of the cell before this one (adjacent in time)
+        ref = [r for r in rows[:rows.index(row)] if r["variant"] == base and
+               (r["concurrency"], r["prompt_tokens"]) == (row["concurrency"],
+                                                          row["prompt_tokens"])][-1]
         ratios.append({"variant": row["variant"], "vs": base, "concurrency": row["concurrency"],
                        "prompt_tokens": row["prompt_tokens"],
                        "ttft_p50": row["ttft_p50_s"] / ref["ttft_p50_s"],
@@ -210,6 +285,7 @@ def main(argv: list[str] | None = None) -> int:
                        "machine": {"cpus": os.cpu_count(), "platform": platform.platform(),
                                    "python": platform.python_version()},
                        "checkpoint": {"arch": args.arch, "preset": args.preset},
+                       "compute_only": args.compute_only,
                        "prefill_tp": args.prefill_tp, "decode_tp": args.decode_tp,
                        "max_tokens": args.max_tokens, "node_env": NODE_ENV, "rows": rows,
                        "ratios": ratios},
