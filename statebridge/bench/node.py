@@ -10,12 +10,31 @@ runs ``statebridge prefill ...`` exactly as the CLI does, with its connector con
 from __future__ import annotations
 
 import argparse
+import contextlib
 import sys
-from typing import Sequence
+from typing import Iterator, Sequence
 
 from statebridge.bench.ab import SWITCHES, switched_off
+from statebridge.errors import ConfigError
 
-__all__ = ["main"]
+__all__ = ["main", "switched_cli"]
+
+
+@contextlib.contextmanager
+def switched_cli(off: Sequence[str]) -> Iterator[None]:
+    """Within: the node CLI builds its connector config with the switches ``off`` off."""
+    from statebridge import cli
+
+    names = list(off)
+    unknown = sorted(set(names) - set(SWITCHES))
+    if unknown:
+        raise ConfigError(f"unknown A/B switches {unknown}; the switches: {sorted(SWITCHES)}")
+    plain = cli._config
+    cli._config = lambda a: switched_off(plain(a), names)
+    try:
+        yield
+    finally:
+        cli._config = plain
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -31,9 +50,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         p.error("give the node's command line after --")
     from statebridge import cli
 
-    plain = cli._config
-    cli._config = lambda a: switched_off(plain(a), args.off)
-    return cli.main(node_argv)
+    with switched_cli(args.off):
+        return cli.main(node_argv)
 
 
 if __name__ == "__main__":
