@@ -30,7 +30,8 @@ This module holds the extension points (:class:`RankModel`, :class:`RankSetup`,
 - ``routes``: the rank's pairs with each peer group, and the ONE posting path of a request;
 - ``pending``: pending transfers -- scan, settle, expire, fail -- and how the loop sleeps;
 - ``shared_map``: the rank's side of the same-host shared-map protocol;
-- ``compute``: the compute thread (the model's work in order) and its thread rule.
+- ``compute``: the compute thread (the model's work in order, prefills batched into steps of
+  ``max_prefill_tokens`` that the group's ranks agree on) and its thread rule.
 """
 
 from __future__ import annotations
@@ -76,7 +77,9 @@ class RankModel:
     one (``RankSetup.model`` empty) runs this base class: it moves state, computes none.
 
     ``prefill`` writes the state of ``prompt`` into ``page`` of the rank's cache (and, for a
-    spec with attention KV, its K and V into the request's ``blocks`` of :attr:`kv`). ``handlers``
+    spec with attention KV, its K and V into the request's ``blocks`` of :attr:`kv`);
+    ``prefill_chunks`` runs one prefill step of several requests (by default, ``prefill`` per
+    request) and ``agree_max`` lets the group's ranks agree on what a step holds. ``handlers``
     names further coordinator messages the model serves (e.g. a decode step): each handler
     returns the reply to send to the coordinator, or None. Everything runs in arrival order on
     every rank of the group, so collective ops across ranks line up.
