@@ -237,6 +237,9 @@ def _config_args(p: argparse.ArgumentParser) -> None:
                         "recomputes it: --policy recompute) and is counted in /metrics. Give "
                         "it to BOTH nodes: a decode node that verifies refuses a prefill node "
                         "that does not (default $STATEBRIDGE_VERIFY_TRANSFERS or off)")
+    p.add_argument("--max-prefill-tokens", type=_positive_int, default=None, metavar="TOKENS",
+                   help="token budget of one prefill step on a rank: queued prompts run "
+                        "together up to it, longer ones in chunks (default 2048)")
     p.add_argument("--ucx-error-handling", action=argparse.BooleanOptionalAction, default=None,
                    help="UCX endpoint error handling (detects dead peers in UCX, but forces TCP "
                         "lanes: much slower on one host; default $STATEBRIDGE_UCX_ERROR_HANDLING "
@@ -283,7 +286,9 @@ def _config(args: argparse.Namespace):
                                                   ("peer_timeout", args.peer_timeout),
                                                   ("on_rank_loss", args.on_rank_loss),
                                                   ("rank_start_timeout",
-                                                   args.rank_start_timeout))
+                                                   args.rank_start_timeout),
+                                                  ("max_prefill_tokens",
+                                                   args.max_prefill_tokens))
                  if value is not None}
     if args.keys is not None:
         overrides["keys_dir"] = os.path.abspath(args.keys) if args.keys else ""

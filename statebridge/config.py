@@ -16,7 +16,7 @@ __all__ = ["ConnectorConfig", "NodeConfig", "HttpConfig", "AB_SWITCHES"]
 #: owned by the benchmark harness: :mod:`statebridge.bench.ab` says what each one compares.
 #: No CLI flag and no ``STATEBRIDGE_*`` variable sets them (:meth:`ConnectorConfig.from_env`
 #: refuses those variables).
-AB_SWITCHES = ("local_ranks", "shared_map")
+AB_SWITCHES = ("local_ranks", "shared_map", "batched_prefill")
 
 
 @dataclass(frozen=True, slots=True)
@@ -75,10 +75,16 @@ class ConnectorConfig:
       for its supervisor (systemd, Kubernetes) to restart it. A restart that fails, or the
       ``max_rank_restarts + 1``-th within ``rank_restart_window`` seconds, fails the group
       the same way.
+    - ``max_prefill_tokens``: the token budget of one prefill step on a rank: queued prompts
+      run together as one varlen forward of at most this many tokens; a longer prompt runs in
+      chunks over several steps (its state and KV carry over), and each request's transfer
+      starts as soon as the step holding its last token is done. The knob of vLLM's
+      ``max_num_batched_tokens``: larger batches use the device better, smaller ones bound how
+      long a queued short prompt waits behind long ones.
     - ``rank_start_timeout``: bound on a rank group's start (every rank announced itself:
       model loaded, TP rendezvous done), at node start and at each restart.
 
-    Not settings: ``local_ranks`` and ``shared_map`` (:data:`AB_SWITCHES`) are experimental
+    Not settings: ``local_ranks``, ``shared_map`` and ``batched_prefill`` (:data:`AB_SWITCHES`) are experimental
     A/B switches that turn a fast path off to compare it with the path it replaced; the
     benchmark harness owns them and :mod:`statebridge.bench.ab` documents them. Leave them on.
     """
@@ -101,12 +107,14 @@ class ConnectorConfig:
     shared_map_min_bytes: int = 4 << 20
     on_rank_loss: str = "restart"
     rank_start_timeout: float = 120.0
+    max_prefill_tokens: int = 2048
     max_rank_restarts: int = 3
     rank_restart_window: float = 600.0
     verify_transfers: bool = False
     # -- experimental A/B switches, not settings (AB_SWITCHES; statebridge.bench.ab) --------
     local_ranks: bool = True
     shared_map: bool = True
+    batched_prefill: bool = True
 
     def __post_init__(self) -> None:
         for name in ("heartbeat_interval", "peer_timeout", "lease_timeout", "transfer_timeout",
@@ -139,7 +147,8 @@ class ConnectorConfig:
                 or self.max_rank_restarts < 0:
             raise ConfigError(f"max_rank_restarts must be a non-negative integer, got "
                               f"{self.max_rank_restarts!r}")
-        for name in ("max_message_bytes", "max_inflight_per_peer", "torch_threads"):
+        for name in ("max_message_bytes", "max_inflight_per_peer", "torch_threads",
+                     "max_prefill_tokens"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ConfigError(f"{name} must be a positive integer, got {value!r}")

@@ -162,6 +162,23 @@ def test_unset_flags_leave_the_environment_in_charge(command, monkeypatch):
 
 
 @pytest.mark.parametrize("command", ["prefill", "decode"])
+def test_max_prefill_tokens_reaches_the_config(command, monkeypatch, capsys):
+    from statebridge.cli import _config, build_parser
+
+    base = [command, "--model", "m", "--tp", "1", "--port", "1"]
+    if command == "decode":
+        base += ["--prefill", "127.0.0.1:2"]
+    assert _config(build_parser().parse_args(base)).max_prefill_tokens == 2048
+    monkeypatch.setenv("STATEBRIDGE_MAX_PREFILL_TOKENS", "512")
+    assert _config(build_parser().parse_args(base)).max_prefill_tokens == 512
+    config = _config(build_parser().parse_args(base + ["--max-prefill-tokens", "96"]))
+    assert config.max_prefill_tokens == 96
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(base + ["--max-prefill-tokens", "0"])
+    assert "--max-prefill-tokens" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("command", ["prefill", "decode"])
 def test_supervision_flags_reach_the_config(command, monkeypatch, capsys):
     from statebridge.cli import _config, build_parser
 

@@ -18,7 +18,11 @@ with one off; tests that prove the other path still works flip them with
   ``shared_map_min_bytes``, a setting). Off, on either group: UCX carries every byte between
   ranks of one host (the cma rendezvous), as it does between hosts.
 
-Results of both comparisons: docs/measurements.md ("The ranks' local channel", "Reading state
+- ``batched_prefill``: a prefill rank runs queued prompts together, up to
+  ``max_prefill_tokens`` per step and in chunks beyond it (:mod:`statebridge.connector.rank.compute`).
+  Off: one whole prompt per step, in arrival order, as before batching.
+
+Results of the comparisons: docs/measurements.md ("The ranks' local channel", "Reading state
 out of a shared map", "Written KV sources, and attention KV through the shared map").
 """
 
@@ -37,6 +41,8 @@ SWITCHES = {
                    "local channel",
     "shared_map": "UCX carries every byte between ranks of one host instead of shared-map "
                   "reads",
+    "batched_prefill": "a prefill rank runs one whole prompt per step instead of batching "
+                       "queued prompts up to max_prefill_tokens",
 }
 assert set(SWITCHES) == set(AB_SWITCHES), "statebridge.config.AB_SWITCHES and SWITCHES differ"
 

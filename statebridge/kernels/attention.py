@@ -42,6 +42,13 @@ Prefill. :func:`varlen_attention_prefill` is causal attention over B packed sequ
 tokens (each from position 0): a flash-attention kernel over the packed token axis that reads
 no length on the host; :func:`varlen_attention_prefill_ref` runs SDPA per sequence.
 
+Chunked prefill. :func:`paged_prefill_attention` is causal attention of B packed chunks, chunk
+b continuing its sequence at position ``starts[b]``: its K and V (earlier chunks' and its own)
+are already in the paged pool, so each query token is one decode query over the pool (the
+decode kernel with one row per token; nothing read on the host).
+:func:`paged_prefill_attention_ref` gathers each sequence's context and runs SDPA with the
+offset causal mask.
+
 No kernel here is autotuned.
 """
 
@@ -72,6 +79,8 @@ __all__ = [
     "paged_attention_decode_ref",
     "varlen_attention_prefill",
     "varlen_attention_prefill_ref",
+    "paged_prefill_attention",
+    "paged_prefill_attention_ref",
 ]
 
 # Head dims the kernels are built for (tl.dot needs every block dim >= 16).
@@ -624,4 +633,124 @@ def varlen_attention_prefill_ref(
         ks = k[s:e].repeat_interleave(group, dim=1).transpose(0, 1)
         vs = v[s:e].repeat_interleave(group, dim=1).transpose(0, 1)
         out[s:e] = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scale).transpose(0, 1)
+    return out
+
+
+# --------------------------------------------------------------------------------------------
+# Chunked prefill (varlen, causal, continuing at a position, keys in the paged pool)
+# --------------------------------------------------------------------------------------------
+
+
+def _check_paged_prefill(q: torch.Tensor, block_tables: torch.Tensor,
+                         query_start_loc: torch.Tensor, starts: torch.Tensor) -> int:
+    """Validate the arguments :func:`_check_args` does not see; return B."""
+    check_dims("q", q, 3)
+    check_int("query_start_loc", query_start_loc)
+    check_dims("query_start_loc", query_start_loc, 1)
+    batch = query_start_loc.shape[0] - 1
+    if batch < 0:
+        raise ShapeError(f"query_start_loc must be [B + 1], got {list(query_start_loc.shape)}")
+    check_int("starts", starts)
+    check_shape("starts", starts, (batch,))
+    check_dims("block_tables", block_tables, 2)
+    if block_tables.shape[0] != batch:
+        raise ShapeError(f"block_tables must have B={batch} rows (one per chunk), got "
+                         f"{list(block_tables.shape)}")
+    return batch
+
+
+def _token_rows(query_start_loc: torch.Tensor, starts: torch.Tensor,
+                num_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(chunk of each packed token, tokens each one attends to) ``[T]``, on the device."""
+    qsl = query_start_loc.long()
+    batch = qsl.shape[0] - 1
+    seq = torch.repeat_interleave(torch.arange(batch, device=qsl.device), qsl[1:] - qsl[:-1],
+                                  output_size=num_tokens)
+    positions = torch.arange(num_tokens, device=qsl.device) - qsl[seq] + starts.long()[seq]
+    return seq, positions + 1
+
+
+def paged_prefill_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    starts: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """Causal attention of B packed chunks over their sequences' paged K and V.
+
+    Args:
+        q: ``[T, Hq, D]`` queries of B chunks packed along T.
+        k_cache, v_cache: ``[NB, Hkv, BS, D]`` views of one layer's pool (as for
+            :func:`paged_attention_decode`), already holding every key of each chunk: its
+            sequence's positions ``0 .. starts[b] + len_b - 1``.
+        block_tables: ``[B, MB]`` int, row b the block table of chunk b's sequence.
+        query_start_loc: ``[B + 1]`` int32/int64, chunk b is tokens ``qsl[b]:qsl[b+1]``.
+        starts: ``[B]`` int32/int64, the position of each chunk's first token.
+        scale: softmax scale.
+
+    Returns:
+        ``[T, Hq, D]`` in q's dtype (fp32 softmax): the token at position p of a sequence
+        attends to its positions ``0..p``.
+    """
+    _check_paged_prefill(q, block_tables, query_start_loc, starts)
+    seq, seq_lens = _token_rows(query_start_loc, starts, q.shape[0])
+    return paged_attention_decode(q, k_cache, v_cache, block_tables.index_select(0, seq),
+                                  seq_lens, scale)
+
+
+def paged_prefill_attention_ref(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    starts: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """Causal attention of B packed chunks over their sequences' paged K and V.
+
+    Args:
+        q: ``[T, Hq, D]`` queries of B chunks packed along T.
+        k_cache, v_cache: ``[NB, Hkv, BS, D]`` views of one layer's pool (as for
+            :func:`paged_attention_decode`), already holding every key of each chunk: its
+            sequence's positions ``0 .. starts[b] + len_b - 1``.
+        block_tables: ``[B, MB]`` int, row b the block table of chunk b's sequence.
+        query_start_loc: ``[B + 1]`` int32/int64, chunk b is tokens ``qsl[b]:qsl[b+1]``.
+        starts: ``[B]`` int32/int64, the position of each chunk's first token.
+        scale: softmax scale.
+
+    Returns:
+        ``[T, Hq, D]`` in q's dtype (fp32 softmax, ``F.scaled_dot_product_attention`` per
+        chunk): the token at position p of a sequence attends to its positions ``0..p``.
+    """
+    batch = _check_paged_prefill(q, block_tables, query_start_loc, starts)
+    seq, seq_lens = _token_rows(query_start_loc, starts, q.shape[0])
+    _check_args(q, k_cache, v_cache, block_tables.index_select(0, seq), seq_lens, scale, None)
+    num_blocks, kv_heads, block_size, head_dim = k_cache.shape
+    group = q.shape[1] // kv_heads
+    out = torch.empty_like(q)
+    bounds, offsets = query_start_loc.tolist(), starts.tolist()
+    for b in range(batch):
+        s, e = bounds[b], bounds[b + 1]
+        if e <= s:
+            continue
+        ctx = offsets[b] + e - s
+        n_blocks = -(-ctx // block_size)
+        ids = block_tables[b, :n_blocks].long()
+
+        def gather(cache: torch.Tensor) -> torch.Tensor:
+            # [n_blocks, Hkv, BS, D] -> [Hq, ctx, D]
+            blocks = cache.index_select(0, ids).transpose(1, 2)
+            flat = blocks.reshape(n_blocks * block_size, kv_heads, head_dim)[:ctx]
+            return flat.repeat_interleave(group, dim=1).transpose(0, 1).to(q.dtype)
+
+        keys = torch.arange(ctx, device=q.device)
+        queries = torch.arange(offsets[b], ctx, device=q.device)
+        mask = keys[None, :] <= queries[:, None]                          # [n, ctx]
+        out[s:e] = F.scaled_dot_product_attention(
+            q[s:e].transpose(0, 1), gather(k_cache), gather(v_cache), attn_mask=mask,
+            scale=scale).transpose(0, 1)
     return out

@@ -38,6 +38,8 @@ from statebridge.kernels.causal_conv1d import (
 from statebridge.kernels.attention import (
     paged_attention_decode,
     paged_attention_decode_ref,
+    paged_prefill_attention,
+    paged_prefill_attention_ref,
     varlen_attention_prefill,
     varlen_attention_prefill_ref,
 )
@@ -441,12 +443,16 @@ class AttentionMixer(torch.nn.Module):
 
     def prefill(self, hidden: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                 query_start_loc: torch.Tensor,
-                block_tables: torch.Tensor | Sequence[torch.Tensor]) -> torch.Tensor:
-        """Varlen causal prefill from position 0. hidden ``[T, hidden]``, query_start_loc
-        ``[B + 1]`` (``qsl[0] == 0``, ``qsl[B] == T``), block_tables ``[B, max_blocks]`` int
-        (rows padded with anything, e.g. -1) or B 1-D int tensors, each covering its sequence.
-        Writes K/V of every token into the pool; returns the partial output ``[T, hidden]``.
-        Positions and block ids are computed on the device (no host read)."""
+                block_tables: torch.Tensor | Sequence[torch.Tensor],
+                starts: torch.Tensor | None = None) -> torch.Tensor:
+        """Varlen causal prefill. hidden ``[T, hidden]``, query_start_loc ``[B + 1]``
+        (``qsl[0] == 0``, ``qsl[B] == T``), block_tables ``[B, max_blocks]`` int (rows padded
+        with anything, e.g. -1) or B 1-D int tensors, each covering its sequence up to the
+        chunk's end. ``starts [B]`` int (None: all 0): the position of each sequence's first
+        token here -- a chunk continuing a sequence whose earlier positions' K/V are already in
+        its blocks (chunked prefill). Writes K/V of every token into the pool; returns the
+        partial output ``[T, hidden]``. Positions and block ids are computed on the device (no
+        host read)."""
         if hidden.dim() != 2 or hidden.shape[1] != self.hidden_size:
             raise ShapeError(f"prefill hidden must be [T, hidden={self.hidden_size}], got "
                              f"{list(hidden.shape)}")
@@ -460,17 +466,25 @@ class AttentionMixer(torch.nn.Module):
         if block_tables.dim() != 2 or block_tables.shape[0] != batch:
             raise ShapeError(f"block_tables must be [B={batch}, max_blocks], got "
                              f"{list(block_tables.shape)}")
+        if starts is not None and tuple(starts.shape) != (batch,):
+            raise ShapeError(f"starts must be [B={batch}], got {list(starts.shape)}")
         lens = qsl[1:] - qsl[:-1]
         seq = torch.repeat_interleave(torch.arange(batch, device=dev), lens, output_size=num_tokens)
         positions = torch.arange(num_tokens, device=dev) - qsl[seq]
+        if starts is not None:
+            positions = positions + starts.long()[seq]
         q, k, v = self._qkv(hidden, positions)
         bs = k_cache.shape[2]
         blocks = block_tables[seq, positions // bs]
         self._write(k_cache, k, blocks, positions % bs)
         self._write(v_cache, v, blocks, positions % bs)
-        attend = varlen_attention_prefill if use_triton(self.provider, dev) else \
-            varlen_attention_prefill_ref
-        return self._out(attend(q, k, v, query_start_loc, self.scale))
+        triton_path = use_triton(self.provider, dev)
+        if starts is None:
+            attend = varlen_attention_prefill if triton_path else varlen_attention_prefill_ref
+            return self._out(attend(q, k, v, query_start_loc, self.scale))
+        attend = paged_prefill_attention if triton_path else paged_prefill_attention_ref
+        return self._out(attend(q, k_cache, v_cache, block_tables, query_start_loc, starts,
+                                self.scale))
 
     def decode(self, hidden: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                block_tables: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:

@@ -367,18 +367,26 @@ class ModelRunner:
     @torch.no_grad()
     def prefill(self, prompts: Sequence[Sequence[int]], pages: Sequence[int], *,
                 resume: bool | Sequence[bool] = False,
-                blocks: Sequence[Sequence[int]] | None = None) -> torch.Tensor:
-        """Run whole prompts (a varlen batch) and write each one's final state into its page,
-        and, with attention layers, the K and V of every prompt token into its blocks.
+                blocks: Sequence[Sequence[int]] | None = None,
+                starts: Sequence[int] | None = None) -> torch.Tensor:
+        """Run prompts or chunks of prompts (a varlen batch) and write each one's final state
+        into its page, and, with attention layers, the K and V of every token into its blocks.
 
         Args:
             prompts: B token sequences, any lengths, EMPTY allowed.
             pages: B distinct page ids of this rank's cache.
             resume: continue from the state already in the page (chunked prefill) instead of the
-                zero state; one bool for all or one per prompt. Models with attention layers
-                prefill from position 0 only.
-            blocks: B block tables of this rank's KV pool (logical block i of prompt b is
-                ``blocks[b][i]``), each covering its prompt; required with attention layers.
+                zero state; one bool for all or one per prompt. With attention layers a
+                resumed sequence names where it continues in ``starts``.
+            blocks: B block tables of this rank's KV pool (logical block i of sequence b is
+                ``blocks[b][i]``), each covering its sequence up to the end of ``prompts[b]``;
+                required with attention layers.
+            starts: B positions: tokens of each sequence already run (0: it starts here).
+                Given, it decides ``resume`` (``starts[b] > 0``; a ``resume`` passed with it
+                must agree). Positions ``0..starts[b]-1`` must already hold the sequence's K and
+                V (the earlier chunks, run with the same blocks). A sequence run in chunks
+                ends in the same state and K/V as run whole: the chunk boundaries change only
+                the order of floating-point sums.
 
         Returns:
             ``[B, vocab]`` fp32 logits of each prompt's last token. An empty prompt has no last
@@ -389,16 +397,29 @@ class ModelRunner:
         token_lists = [self._tokens(p, f"prompt {b}") for b, p in enumerate(prompts)]
         page_list = self._pages(pages, len(token_lists))
         B = len(token_lists)
+        start_list = None
+        if starts is not None:
+            start_list = [int(x) for x in starts]
+            if len(start_list) != B or min(start_list, default=0) < 0:
+                raise ShapeError(f"starts {start_list} must be {B} integers >= 0")
+            derived = [x > 0 for x in start_list]
+            if not isinstance(resume, bool) or resume:
+                given = [bool(resume)] * B if isinstance(resume, bool) else \
+                    [bool(x) for x in resume]
+                if given != derived:
+                    raise ShapeError(f"resume {given} disagrees with starts {start_list}")
+            resume = derived
         if isinstance(resume, bool):
             resume_list = [resume] * B
         else:
             resume_list = [bool(x) for x in resume]
             if len(resume_list) != B:
                 raise ShapeError(f"resume has {len(resume_list)} entries for {B} prompts")
-        tables = self._tables(blocks, [len(t) for t in token_lists])
-        if self.has_attention and any(resume_list):
-            raise ConfigError(f"{self.config.model_type} has attention layers: prefill starts at "
-                              f"position 0 (resume is not supported)")
+        ends = [len(t) + (start_list[b] if start_list else 0) for b, t in enumerate(token_lists)]
+        tables = self._tables(blocks, ends)
+        if self.has_attention and any(resume_list) and start_list is None:
+            raise ConfigError(f"{self.config.model_type} has attention layers: a resumed "
+                              f"prefill names the position it continues at (starts=)")
         logits = torch.zeros(B, self.vocab_size, dtype=torch.float32, device=self.device)
         rows = [b for b in range(B) if token_lists[b]]
         for b in range(B):
@@ -411,16 +432,19 @@ class ModelRunner:
         for n in lengths:
             qsl_list.append(qsl_list[-1] + n)
         row_pages = [page_list[b] for b in rows]
-        ids, qsl, slots, resumed, last = _to_device(
+        chunked = start_list is not None and any(start_list[b] for b in rows)
+        ids, qsl, slots, resumed, last, row_starts = _to_device(
             self.device, [tok for b in rows for tok in token_lists[b]], qsl_list, row_pages,
-            [int(resume_list[b]) for b in rows], rows)
+            [int(resume_list[b]) for b in rows], rows,
+            [start_list[b] for b in rows] if chunked else [])
         has_init = resumed != 0
         row_tables = self._block_tables.rows(row_pages, slots, [tables[b] for b in rows]) \
             if tables is not None else None
+        attention_starts = row_starts if chunked else None
 
         def mix(layer: _Layer, x: torch.Tensor) -> torch.Tensor:
             if layer.attention:
-                return layer.mixer.prefill(x, *layer.states, qsl, row_tables)
+                return layer.mixer.prefill(x, *layer.states, qsl, row_tables, attention_starts)
             return layer.mixer.prefill(x, *layer.states, qsl, slots, has_init)
 
         hidden = self._layers(self._embed(ids), mix)

@@ -15,7 +15,7 @@ from typing import Sequence
 
 import torch
 
-from statebridge.connector.rank import RankModel, RankSetup
+from statebridge.connector.rank import PrefillChunk, RankModel, RankSetup
 from statebridge.errors import FailureKind, StatebridgeError
 from statebridge.node import messages as nm
 from statebridge.state.cache import StateCache
@@ -123,6 +123,9 @@ class ModelRankModel(RankModel):
         exclude = (self.cache.buffer,) + ((self.kv.buffer,) if self.kv is not None else ())
         return weight_memory(self.runner, self.setup.model_dir, exclude=exclude)
 
+    #: The runner continues a prompt from its page (and its KV blocks): chunks are fine.
+    chunked_prefill = True
+
     def prefill(self, page: int, prompt: tuple[int, ...], request_id: str,
                 blocks: tuple[int, ...] = ()) -> None:
         with torch.inference_mode():
@@ -132,6 +135,38 @@ class ModelRankModel(RankModel):
             # The state must be in memory before the rank says it is final: a same-host reader
             # gathers it, and UCX reads it, on streams of their own.
             torch.cuda.current_stream(self.device).synchronize()
+
+    def prefill_chunks(self, chunks: Sequence[PrefillChunk]) -> list[str | None]:
+        """One varlen forward of every chunk. A chunk with a token id outside the vocabulary
+        fails alone (every rank leaves out the same chunks: they all see the same step); a
+        forward that raises fails the step (the compute thread fails each of its requests)."""
+        vocab = self.runner.vocab_size
+        errors: list[str | None] = [None] * len(chunks)
+        for i, chunk in enumerate(chunks):
+            bad = next((t for t in chunk.tokens if not 0 <= t < vocab), None)
+            if bad is not None:
+                errors[i] = (f"prefill failed: token id {bad} is outside the vocabulary of "
+                             f"{vocab}")
+        rows = [chunk for chunk, error in zip(chunks, errors) if error is None]
+        if rows:
+            with torch.inference_mode():
+                self.runner.prefill([c.tokens for c in rows], [c.page for c in rows],
+                                    starts=[c.start for c in rows],
+                                    blocks=[c.blocks for c in rows]
+                                    if self.runner.has_attention else None)
+        return errors
+
+    def agree_max(self, values: list[int]) -> list[int]:
+        """Elementwise maximum over the TP group (one small all-reduce; itself at TP 1)."""
+        if self.process_group is None:
+            return list(values)
+        import torch.distributed as dist
+
+        tensor = torch.tensor(values, dtype=torch.int64, device=self.runner.device)
+        opts = dist.AllreduceOptions()
+        opts.reduceOp = dist.ReduceOp.MAX
+        self.process_group.process_group.allreduce([tensor], opts).wait()
+        return tensor.tolist()
 
     @classmethod
     def validate(cls, model_dir: str, tp_size: int) -> None:

@@ -10,7 +10,7 @@ from statebridge.errors import ConfigError
 
 
 def test_the_harness_documents_every_switch_of_the_config():
-    assert set(SWITCHES) == set(AB_SWITCHES) == {"local_ranks", "shared_map"}
+    assert set(SWITCHES) == set(AB_SWITCHES) == {"local_ranks", "shared_map", "batched_prefill"}
     c = ConnectorConfig()
     assert all(getattr(c, name) is True for name in AB_SWITCHES)        # on by default
 

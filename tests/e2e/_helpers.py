@@ -13,12 +13,16 @@ FAST = ConnectorConfig(heartbeat_interval=0.1, peer_timeout=1.5, lease_timeout=3
 
 
 class SlowPrefillModel(ModelRankModel):
-    """The real model, with STATEBRIDGE_TEST_PREFILL_DELAY seconds added to every prefill so a
-    test can kill the prefill node while requests are in flight."""
+    """The real model, with STATEBRIDGE_TEST_PREFILL_DELAY seconds added to every prefill (and
+    every prefill step) so a test can kill the prefill node while requests are in flight."""
 
     def prefill(self, page, prompt, request_id, blocks=()) -> None:
         time.sleep(float(os.environ.get("STATEBRIDGE_TEST_PREFILL_DELAY", "1.0")))
         super().prefill(page, prompt, request_id, blocks)
+
+    def prefill_chunks(self, chunks):
+        time.sleep(float(os.environ.get("STATEBRIDGE_TEST_PREFILL_DELAY", "1.0")))
+        return super().prefill_chunks(chunks)
 
 
 class CorruptFirstModel(ModelRankModel):

@@ -111,6 +111,34 @@ def test_hybrid_greedy_tokens_equal_transformers(pools, hf_models, model, prefil
 
 
 @pytest.mark.timeout(300)
+@pytest.mark.parametrize("model", ["lfm2-hybrid", "mamba2-g1"])
+def test_batched_chunked_prefill_across_tp_ranks_gives_the_same_tokens(pools, hf_models, model):
+    """Prefill steps of at most 8 tokens on a TP 2 prefill node: concurrent prompts share
+    steps and the longer ones run in chunks (state and KV carried across steps), the ranks
+    agreeing on every step; every prompt's tokens are transformers'."""
+    prefill_hosts, decode_hosts = pools
+    hf = hf_models[model]
+    hybrid = model == "lfm2-hybrid"
+    prompts, reference = (KV_PROMPTS, hf.kv_reference) if hybrid else (PROMPTS, hf.reference)
+    kv = dict(block_size=KV_BLOCK, kv_blocks=64) if hybrid else {}
+    server = start_prefill_node(hf.path, 2, num_pages=16,
+                                config=FAST.replace(max_prefill_tokens=8),
+                                launcher=prefill_hosts.launcher(), **kv)
+    try:
+        with DecodeNode(hf.path, 1, [server.address], num_pages=16, config=FAST,
+                        launcher=decode_hosts.launcher(), **kv) as node:
+            for _ in range(2):          # the second round queues behind nothing
+                results = run_all(node.address, prompts)
+                for prompt, result, expected in zip(prompts, results, reference):
+                    assert result.tokens == list(expected), f"prompt of {len(prompt)} tokens"
+                    assert not result.recomputed
+        stats = server.stats()
+        assert stats["pages_used"] == 0
+    finally:
+        server.close()
+
+
+@pytest.mark.timeout(300)
 def test_eight_concurrent_clients_get_independent_results(pools, hf_models):
     prefill_hosts, decode_hosts = pools
     hf = hf_models["mamba2-g1"]

@@ -30,7 +30,8 @@ This module holds the extension points (:class:`RankModel`, :class:`RankSetup`,
 - ``routes``: the rank's pairs with each peer group, and the ONE posting path of a request;
 - ``pending``: pending transfers -- scan, settle, expire, fail -- and how the loop sleeps;
 - ``shared_map``: the rank's side of the same-host shared-map protocol;
-- ``compute``: the compute thread (the model's work in order) and its thread rule;
+- ``compute``: the compute thread (the model's work in order, prefills batched into steps of
+  ``max_prefill_tokens`` that the group's ranks agree on) and its thread rule;
 - ``digest``: transfer digests (``--verify-transfers``): what a prefill rank reports it sends
   each decode rank (``RankDigest``), what a decode rank found landed (``RankDone.digest``).
 """
@@ -55,8 +56,22 @@ from statebridge.state.kv import BlockGeometry
 
 log = logging.getLogger(__name__)
 
-__all__ = ["RankSetup", "RankWorker", "RankModel", "KVBlocks", "rank_main",
+__all__ = ["RankSetup", "RankWorker", "RankModel", "PrefillChunk", "KVBlocks", "rank_main",
            "load_callable", "kv_checksum"]
+
+
+@dataclass(frozen=True, slots=True)
+class PrefillChunk:
+    """One request's share of a prefill step: ``tokens``, its prompt's tokens
+    ``[start, start + len(tokens))``; ``last`` when they end the prompt (its state is final
+    after this step). ``blocks`` is the request's whole KV block table (empty without KV)."""
+
+    request_id: str
+    page: int
+    tokens: tuple[int, ...]
+    start: int = 0
+    last: bool = True
+    blocks: tuple[int, ...] = ()
 
 
 class RankModel:
@@ -64,7 +79,9 @@ class RankModel:
     one (``RankSetup.model`` empty) runs this base class: it moves state, computes none.
 
     ``prefill`` writes the state of ``prompt`` into ``page`` of the rank's cache (and, for a
-    spec with attention KV, its K and V into the request's ``blocks`` of :attr:`kv`). ``handlers``
+    spec with attention KV, its K and V into the request's ``blocks`` of :attr:`kv`);
+    ``prefill_chunks`` runs one prefill step of several requests (by default, ``prefill`` per
+    request) and ``agree_max`` lets the group's ranks agree on what a step holds. ``handlers``
     names further coordinator messages the model serves (e.g. a decode step): each handler
     returns the reply to send to the coordinator, or None. Everything runs in arrival order on
     every rank of the group, so collective ops across ranks line up.
@@ -90,6 +107,36 @@ class RankModel:
         This base class is the rank without a model (``RankSetup.model`` empty): it refuses."""
         raise ConfigError(f"{self.setup.role} rank {self.setup.tp_rank} has no model "
                           f"(RankSetup.model is empty) to compute {request_id!r}")
+
+    #: Whether :meth:`prefill_chunks` takes parts of prompts (``start > 0`` or not ``last``).
+    #: False: the compute thread hands it whole prompts only.
+    chunked_prefill = False
+
+    def prefill_chunks(self, chunks: "list[PrefillChunk]") -> "list[str | None]":
+        """Run one prefill step: several requests' chunks (whole prompts unless
+        :attr:`chunked_prefill`), in one forward where the model can. Returns, per chunk, None
+        or why it failed: a chunk that cannot run fails its request alone where the model can
+        tell (e.g. a token outside the vocabulary), else the whole step fails. Runs on the
+        compute thread; every rank of the group runs the same steps in the same order.
+
+        This base runs :meth:`prefill` per chunk (each one failing alone)."""
+        errors: list[str | None] = []
+        for chunk in chunks:
+            try:
+                self.prefill(chunk.page, chunk.tokens, chunk.request_id, chunk.blocks)
+                errors.append(None)
+            except Exception as e:  # noqa: BLE001 -- the model failed: this request fails
+                log.exception("%s rank %d: computing %s failed", self.setup.role,
+                              self.setup.tp_rank, chunk.request_id)
+                errors.append(f"prefill failed: {type(e).__name__}: {e}")
+        return errors
+
+    def agree_max(self, values: "list[int]") -> "list[int]":
+        """The elementwise maximum of ``values`` over the ranks of the group (every rank calls
+        it with as many values, at the same point of its work). The compute thread agrees this
+        way on what the next prefill step holds, which depends on when each rank's messages
+        arrived, so that collective ops line up. This base (no collectives): ``values``."""
+        return list(values)
 
     @classmethod
     def validate(cls, model_dir: str, tp_size: int) -> None:

@@ -1,5 +1,16 @@
-"""A rank's compute thread: the model's work in arrival order, results back to the loop in
-batches.
+"""A rank's compute thread: the model's work in arrival order, prefills batched into steps,
+results back to the loop in batches.
+
+Prefill steps. Queued prefills run together as one step of at most
+``config.max_prefill_tokens`` tokens (:class:`PrefillBatcher`): a prompt longer than what is
+left of a step runs in chunks over several steps when the model takes chunks
+(:attr:`RankModel.chunked_prefill`); each request's result goes to the loop right after the
+step that ran its last token, so its transfer starts then, not when the others' do. A step
+never reaches past a model message (a decode step): those run in arrival order between
+steps. What a step holds depends on which messages had arrived, which differs between the
+ranks of a group, so before each step the ranks agree (:meth:`RankModel.agree_max`) on how
+many new prefills it takes and which queued ones were cancelled: every rank runs the same
+steps, and collective ops line up.
 
 The thread rule: :class:`ComputeThread`'s bookkeeping of the requests queued or computing --
 which one is, and why it was cancelled -- belongs to the loop thread. Only one thread (the
@@ -13,14 +24,17 @@ through :meth:`~statebridge.connector.control.EventLoop.call_soon`.
 
 from __future__ import annotations
 
+import collections
 import logging
 import queue
 import threading
 import time
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable
 
 from statebridge.connector import messages as m
 from statebridge.connector.ledger import RequestKey
+from statebridge.connector.rank import PrefillChunk
 from statebridge.errors import ConfigError, StatebridgeError
 from statebridge.state.kv import blocks_for
 
@@ -31,10 +45,12 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-__all__ = ["ComputeThread", "check_blocks", "key_of"]
+__all__ = ["ComputeThread", "PrefillBatcher", "PrefillJob", "check_blocks", "key_of"]
 
 #: Longest a compute result waits for later ones before the batch goes to the loop.
 _RESULT_HOLD_S = 0.0005
+#: Most requests in one prefill step (and in the batcher): bounds the agreement vector.
+MAX_STEP_REQUESTS = 256
 
 
 def key_of(msg: "m.RankPrefill | m.RankLocalPrefill") -> RequestKey:
@@ -55,20 +71,128 @@ def check_blocks(kv: "KVBlocks | None", blocks, tokens: int) -> None:
                           f"{kv.geometry.num_blocks} blocks")
 
 
+@dataclass(eq=False)
+class PrefillJob:
+    """A queued prefill: ``tokens`` of the request ``msg``, ``done`` of them run so far."""
+
+    msg: "m.RankPrefill | m.RankLocalPrefill"
+    key: RequestKey
+    page: int
+    tokens: tuple[int, ...]
+    blocks: tuple[int, ...] = ()
+    done: int = 0
+    started_at: float = 0.0            # time.monotonic() when its first step began
+
+    @property
+    def left(self) -> int:
+        return len(self.tokens) - self.done
+
+
+class PrefillBatcher:
+    """Which tokens of which queued prefills the next step runs (no threads, no model).
+
+    Jobs keep their arrival order. A step fills ``budget`` tokens: first the jobs already
+    begun (chunked), then new ones in order; with ``chunked`` the job that does not fit is cut
+    at the budget (the next step continues it), without it a step takes whole prompts only (a
+    prompt over the budget runs alone). So that a long prompt does not hold back the ones
+    behind it, begun jobs take at most half the budget while new jobs wait: a waiting job
+    gets at least ``budget // 2`` tokens of the next step, and a short prompt at the head of
+    the queue finishes in the step after the one it arrived in.
+    ``budget=None``: one whole prompt per step (batching off).
+    """
+
+    def __init__(self, budget: int | None, *, chunked: bool) -> None:
+        if budget is not None and (isinstance(budget, bool) or not isinstance(budget, int)
+                                   or budget < 1):
+            raise ConfigError(f"prefill token budget must be a positive integer, got {budget!r}")
+        self.budget = budget
+        self.chunked = chunked and budget is not None
+        self.jobs: list[PrefillJob] = []
+
+    def __len__(self) -> int:
+        return len(self.jobs)
+
+    def add(self, job: PrefillJob) -> None:
+        self.jobs.append(job)
+
+    def drop(self, job: PrefillJob) -> None:
+        self.jobs.remove(job)
+
+    def plan(self) -> list[tuple[PrefillJob, int, int]]:
+        """The next step: ``(job, start, end)`` token ranges, in job order. Does not change
+        the jobs (:meth:`ran` does)."""
+        if not self.jobs:
+            return []
+        if self.budget is None:
+            job = self.jobs[0]
+            return [(job, job.done, len(job.tokens))]
+        begun = [j for j in self.jobs if j.done]
+        fresh = [j for j in self.jobs if not j.done]
+        room = self.budget
+        begun_room = max(1, self.budget // 2) if fresh else self.budget
+        step: list[tuple[PrefillJob, int, int]] = []
+        for job in begun:
+            take = min(job.left, begun_room, room)
+            if take <= 0:
+                break
+            step.append((job, job.done, job.done + take))
+            room -= take
+            begun_room -= take
+        for job in fresh:
+            if len(step) >= MAX_STEP_REQUESTS:
+                break
+            if job.left <= room:
+                step.append((job, 0, len(job.tokens)))
+                room -= job.left
+            elif self.chunked and room > 0:
+                step.append((job, 0, room))
+                room = 0
+            elif not step:                      # whole prompts only: a long one runs alone
+                step.append((job, 0, len(job.tokens)))
+                room = 0
+            else:
+                break
+            if room <= 0:
+                break
+        for i, (job, start, end) in enumerate(step):   # room the new jobs left: begun ones
+            if room <= 0 or start == 0:
+                break
+            more = min(len(job.tokens) - end, room)
+            step[i] = (job, start, end + more)
+            room -= more
+        return step
+
+    def ran(self, step: list[tuple[PrefillJob, int, int]]) -> list[PrefillJob]:
+        """``step`` ran: advance its jobs; returns (and forgets) those that are complete."""
+        finished = []
+        for job, _, end in step:
+            job.done = end
+            if job.done >= len(job.tokens):
+                finished.append(job)
+                self.jobs.remove(job)
+        return finished
+
+
 class ComputeThread:
     """Runs ``model`` on its own thread: prefills (:meth:`submit`) and the model's own messages
     (:meth:`submit_model`, :meth:`RankModel.handlers`), in arrival order -- every rank of a group
     sees the same order, which collective ops across ranks need.
 
+    Prefills run in steps of at most ``max_prefill_tokens`` tokens (None: one whole prompt per
+    step; see the module docstring).
+
     Results go back to ``loop``: ``on_computed(msg, error, final_at, started_at)`` for a
-    prefill (error None, or why the model failed; when its compute ended and began,
-    ``time.monotonic()``), ``on_reply(reply)`` for a model handler's reply. Both run on the
-    loop thread.
+    prefill (error None, or why the model failed; when its compute ended and when its first
+    step began, ``time.monotonic()``), ``on_reply(reply)`` for a model handler's reply. Both
+    run on the loop thread.
     """
 
     def __init__(self, name: str, model: "RankModel", loop: "EventLoop", counters: "Counters",
-                 *, on_computed: Callable, on_reply: Callable[[m.Message], None]) -> None:
+                 *, on_computed: Callable, on_reply: Callable[[m.Message], None],
+                 max_prefill_tokens: int | None = 2048) -> None:
         self.name = name
+        self.batcher = PrefillBatcher(max_prefill_tokens,
+                                      chunked=bool(getattr(model, "chunked_prefill", False)))
         self.model = model
         self.loop = loop
         self.counters = counters
@@ -148,12 +272,14 @@ class ComputeThread:
         stand-in model) costs one hand-off. Held results go to the loop before the thread
         blocks on an empty queue, before a model message (a decode step is latency-bound),
         after work that took :data:`_RESULT_HOLD_S` or more (the next is likely as slow: a
-        real model), and once the first held result is that old -- a result waits at most
-        about one cheap item.
+        real model; so each prefill step's finished requests go out as soon as it ends), and
+        once the first held result is that old -- a result waits at most about one cheap item.
         """
         results: list = []
         first_at = took = 0.0
         model_handlers = self.model_handlers
+        buffer: collections.deque = collections.deque()   # taken off the queue, in order
+        batcher = self.batcher
 
         def hand_over() -> bool:
             nonlocal results
@@ -164,56 +290,156 @@ class ComputeThread:
             results = []
             return True
 
+        def held(callback, args) -> None:
+            nonlocal first_at
+            if not results:
+                first_at = time.perf_counter()
+            results.append((callback, args))
+
         while True:
-            if results and self._queue.empty() and not hand_over():
+            idle = not buffer and not batcher and self._queue.empty()
+            if results and idle and not hand_over():
                 return
-            msg = self._queue.get()
-            model_handler = None if msg is None else model_handlers.get(type(msg))
-            if results and (msg is None or model_handler is not None or took >= _RESULT_HOLD_S
+            if not buffer and not batcher:
+                buffer.append(self._queue.get())
+            while True:
+                try:
+                    buffer.append(self._queue.get_nowait())
+                except queue.Empty:
+                    break
+            msg = buffer[0] if buffer else _NOTHING
+            prefill_next = bool(batcher) or _is_prefill(msg)
+            model_handler = None if prefill_next or msg is None else model_handlers.get(type(msg))
+            if results and (msg is None and not batcher or model_handler is not None
+                            or took >= _RESULT_HOLD_S
                             or time.perf_counter() - first_at >= _RESULT_HOLD_S) \
                     and not hand_over():
                 return
-            if msg is None:
-                self.model.close()
-                return
-            started, started_at = time.perf_counter(), time.monotonic()
-            if model_handler is not None:
+            started = time.perf_counter()
+            if prefill_next:
+                for args in self._prefill_step(buffer):
+                    held(self._on_computed, args)
+            else:
+                buffer.popleft()
+                if msg is None:
+                    self.model.close()
+                    return
                 reply = None
                 try:
                     reply = model_handler(msg)
                 except Exception:  # noqa: BLE001 -- the handler's own failure: logged
                     log.exception("%s: %s failed", self.name, type(msg).__name__)
                     self.counters.add("model_handler_errors")
-                callback, args = (self._on_reply, (reply,)) if reply is not None else (None, ())
-            else:
-                error = None
-                if not self._was_cancelled(key_of(msg)):      # not cancelled while queued
-                    error = self._prefill(msg)
-                # CLOCK_MONOTONIC is one clock for every process of the machine: the moment
-                # the state is final, compared with the decode ranks' held_at (low-load latency).
-                callback, args = self._on_computed, (msg, error, time.monotonic(), started_at)
+                if reply is not None:
+                    held(self._on_reply, (reply,))
             took = time.perf_counter() - started
             self.counters.add("compute_seconds", took)
-            if callback is not None:
-                if not results:
-                    first_at = time.perf_counter()
-                results.append((callback, args))
 
-    def _prefill(self, msg: "m.RankPrefill | m.RankLocalPrefill") -> str | None:
-        """Run the model's prefill of ``msg``; None, or why it failed (the request fails, the
-        rank serves on)."""
+    def _job(self, msg: "m.RankPrefill | m.RankLocalPrefill") -> PrefillJob | str:
+        """The job of a prefill message, or why it cannot run (its request fails)."""
         if isinstance(msg, m.RankPrefill):
-            page, blocks, tokens = msg.src_page, msg.src_blocks, msg.kv_tokens
+            page, blocks, kv_tokens = msg.src_page, msg.src_blocks, msg.kv_tokens
         else:
-            page, blocks, tokens = msg.page, msg.blocks, m.token_count(msg.prompt)
+            page, blocks, kv_tokens = msg.page, msg.blocks, m.token_count(msg.prompt)
         try:
             if blocks:
-                check_blocks(self.model.kv, blocks, tokens)
-            self.model.prefill(page, m.unpack_tokens(msg.prompt), msg.request_id, tuple(blocks))
-        except Exception as e:  # noqa: BLE001 -- the model failed: the request fails
-            log.exception("%s: computing %s failed", self.name, msg.request_id)
+                check_blocks(self.model.kv, blocks, kv_tokens)
+            tokens = tuple(m.unpack_tokens(msg.prompt))
+        except Exception as e:  # noqa: BLE001 -- a bad request fails alone
+            log.warning("%s: %s cannot be computed: %s", self.name, msg.request_id, e)
             return f"prefill failed: {type(e).__name__}: {e}"
-        return None
+        return PrefillJob(msg, key_of(msg), page, tokens, tuple(blocks))
+
+    def _prefill_step(self, buffer: collections.deque) -> list[tuple]:
+        """Take the prefills the group agrees on off ``buffer``, run one step; the
+        ``on_computed`` arguments of every request it finished or failed, in order."""
+        batcher = self.batcher
+        avail = 0
+        for msg in buffer:
+            if not _is_prefill(msg) or len(batcher) + avail >= MAX_STEP_REQUESTS:
+                break
+            avail += 1
+        candidates = [job.key for job in batcher.jobs] + \
+                     [key_of(buffer[i]) for i in range(avail)]
+        with self._lock:
+            flags = [int(key in self._cancelled) for key in candidates]
+        # One agreement per step: the fewest new prefills any rank has, and any rank's cancels.
+        try:
+            agreed = self.model.agree_max(
+                [-avail] + flags + [0] * (MAX_STEP_REQUESTS - len(flags)))
+        except Exception as e:  # noqa: BLE001 -- the group is broken: nothing can run in step
+            log.exception("%s: the ranks could not agree on a prefill step", self.name)
+            self.counters.add("prefill_agreement_errors")
+            why, now = f"prefill failed: the ranks could not agree: {type(e).__name__}: {e}", \
+                time.monotonic()
+            out = [(job.msg, why, now, job.started_at or now) for job in batcher.jobs]
+            for job in list(batcher.jobs):
+                batcher.drop(job)
+            out += [(buffer.popleft(), why, now, now) for _ in range(avail)]
+            return out
+        take = -int(agreed[0])
+        cancelled = [bool(x) for x in agreed[1:1 + len(candidates)]]
+        out: list[tuple] = []
+        now = time.monotonic()
+        for job, gone in zip(list(batcher.jobs), cancelled):
+            if gone:
+                batcher.drop(job)
+                out.append((job.msg, _CANCELLED, now, job.started_at or now))
+        for i in range(take):
+            msg = buffer.popleft()
+            if cancelled[len(candidates) - avail + i]:
+                out.append((msg, _CANCELLED, now, now))
+                continue
+            job = self._job(msg)
+            if isinstance(job, str):
+                out.append((msg, job, now, now))
+            else:
+                batcher.add(job)
+        plan = batcher.plan()
+        if not plan:
+            return out
+        step_at = time.monotonic()
+        for job, _, _ in plan:
+            if not job.started_at:
+                job.started_at = step_at
+        chunks = [PrefillChunk(request_id=job.msg.request_id, page=job.page,
+                               tokens=job.tokens[start:end], start=start,
+                               last=end == len(job.tokens), blocks=job.blocks)
+                  for job, start, end in plan]
+        try:
+            errors = list(self.model.prefill_chunks(chunks))
+            if len(errors) != len(chunks):
+                raise StatebridgeError(f"prefill_chunks answered {len(errors)} results for "
+                                       f"{len(chunks)} chunks")
+        except Exception as e:  # noqa: BLE001 -- the step failed: its requests fail
+            log.exception("%s: a prefill step of %d requests failed", self.name, len(chunks))
+            errors = [f"prefill failed: {type(e).__name__}: {e}"] * len(chunks)
+        # CLOCK_MONOTONIC is one clock for every process of the machine: the moment the
+        # states are final, compared with the decode ranks' held_at (low-load latency).
+        final_at = time.monotonic()
+        self.counters.add("prefill_steps")
+        self.counters.add("prefill_step_tokens", sum(len(c.tokens) for c in chunks))
+        ran = []
+        for (job, start, end), error in zip(plan, errors):
+            if error is None:
+                ran.append((job, start, end))
+            else:
+                batcher.drop(job)
+                out.append((job.msg, error, final_at, job.started_at))
+        for job in batcher.ran(ran):
+            out.append((job.msg, None, final_at, job.started_at))
+        return out
+
+
+_NOTHING = object()
+
+#: Why a request cancelled on another rank of the group failed here (the loop answers with
+#: its own reason when it heard the cancel too).
+_CANCELLED = "cancelled while queued (on a rank of the group)"
+
+
+def _is_prefill(msg) -> bool:
+    return isinstance(msg, (m.RankPrefill, m.RankLocalPrefill))
 
 
 def _run_all(calls: list) -> None:

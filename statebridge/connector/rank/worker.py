@@ -109,7 +109,9 @@ class RankWorker:
                                         self.maps.answered)
         self.compute = ComputeThread(self.name, self.model, self.loop, self.counters,
                                      on_computed=self._after_compute,
-                                     on_reply=lambda reply: self._send(reply))
+                                     on_reply=lambda reply: self._send(reply),
+                                     max_prefill_tokens=self.config.max_prefill_tokens
+                                     if self.config.batched_prefill else None)
         #: Newest generation the coordinator announced to this rank (RankRecv /
         #: RankLocalPrefill); with ``pending`` it says which data-plane messages may still be
         #: received (see :meth:`_may_arrive`).
