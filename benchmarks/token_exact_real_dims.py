@@ -355,6 +355,10 @@ class Node:
     def __init__(self, args: list[str], log: Path) -> None:
         self.log = log
         env = dict(os.environ, UCX_WARN_UNUSED_ENV_VARS="n", PYTHONUNBUFFERED="1")
+        # Every prompt is sent at once to one TP 1 prefill rank: at real dimensions on a CPU
+        # the last waits minutes for its turn, and a decode rank's wait for the state counts
+        # from submit (transfer_timeout). A caller's own setting wins.
+        env.setdefault("STATEBRIDGE_TRANSFER_TIMEOUT", "1800")
         self._file = open(log, "w")
         self.proc = subprocess.Popen([sys.executable, "-m", "statebridge.cli", *args],
                                      stdout=self._file, stderr=subprocess.STDOUT, env=env,
