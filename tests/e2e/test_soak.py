@@ -139,6 +139,7 @@ def _server_with_requests(started: int, waiting: int) -> tuple[PrefillServer, _P
     server = PrefillServer(SPEC, 1, "DLS", num_pages=started, config=FAST, launcher=None)
 
     def setup() -> _Peer:
+        server._ready.set()              # its (absent) rank counts as up: the server serves
         peer = _Peer(b"decode-peer", "decode-x")
         peer.hello = peer.connected = True
         server.peers[peer.identity] = peer
@@ -173,6 +174,7 @@ def test_lost_prefill_rank_fails_every_request_once_and_starts_no_waiting_one():
 @pytest.mark.timeout(60)
 def test_decode_rank_failure_settles_the_request_once():
     decode = DecodeCoordinator(SPEC, 1, "DLS", num_pages=2, config=FAST, launcher=None)
+    decode._ready.set()                  # its (absent) rank counts as up: the group serves
     try:
         future = decode.submit_local("r0", [1, 2])
         generation = decode.loop.call(lambda: decode.current["r0"].generation)
