@@ -46,7 +46,6 @@ new requests carry new generations, hence new tags.
 
 from __future__ import annotations
 
-import concurrent.futures
 import itertools
 import logging
 import time
@@ -67,6 +66,7 @@ from statebridge.connector.prefill_links import (
     _Prefill,
 )
 from statebridge.connector.request_timing import RequestTiming, TimingJoin
+from statebridge.connector.decode_api import ThreadSafeRequests, _packed
 from statebridge.errors import (
     ClosedError,
     ConfigError,
@@ -120,7 +120,7 @@ class DecodeGauges:
     transfer_mismatches: int = 0
 
 
-class DecodeCoordinator(PrefillLinks, TimingJoin, RankGroup):
+class DecodeCoordinator(PrefillLinks, TimingJoin, ThreadSafeRequests, RankGroup):
     """The decode group's coordinator: the N-1 transfer of each request into its ranks."""
 
     role = "decode"
@@ -366,48 +366,6 @@ class DecodeCoordinator(PrefillLinks, TimingJoin, RankGroup):
         record = self.ledger.get(key) if key is not None else None
         return record.result if record is not None and record.phase is Phase.DONE else None
 
-    # -- requests: thread-safe wrappers ------------------------------------------------------
-    def submit(self, request_id: str, prompt: Sequence[int], *,
-               prefill: str | None = None) -> concurrent.futures.Future:
-        """:meth:`start` from any thread; the future resolves to a :class:`TransferResult` or
-        a typed error. Refusals raise here (one thread hand-off)."""
-        future: concurrent.futures.Future = concurrent.futures.Future()
-        prompt = _packed(request_id, prompt)
-        self.loop.call(lambda: self._start(request_id, prompt, _resolver(future),
-                                           prefill=prefill))
-        return future
-
-    def submit_local(self, request_id: str, prompt: Sequence[int]) -> concurrent.futures.Future:
-        """Compute the state of ``prompt`` on the decode ranks themselves (the ``recompute``
-        policy when a transfer failed); resolves like :meth:`submit`."""
-        future: concurrent.futures.Future = concurrent.futures.Future()
-        prompt = _packed(request_id, prompt)
-        self.loop.call(lambda: self._start(request_id, prompt, _resolver(future), local=True))
-        return future
-
-    def abort(self, request_id: str, reason: str = "aborted by caller") -> None:
-        """Abort a request in flight: its future fails with AbortedError."""
-        self.loop.call(self.cancel, request_id, reason)
-
-    def release(self, result: "TransferResult | str") -> None:
-        """The caller is done with a completed request's page."""
-        self.release_many([result])
-
-    def release_many(self, results: Sequence["TransferResult | str"]) -> None:
-        """:meth:`release` for many completed requests in one hop to the loop thread; raises
-        InvalidRequestError naming the ids that were not completed requests (the others are
-        freed)."""
-        ids = [r if isinstance(r, str) else r.request_id for r in results]
-
-        def run() -> None:
-            unknown = [rid for rid in ids if not self.free(rid)]
-            if unknown:
-                raise InvalidRequestError(
-                    f"no completed request {unknown[:5]!r}"
-                    f"{f' (+{len(unknown) - 5} more)' if len(unknown) > 5 else ''} to release")
-        if ids:
-            self.loop.call(run)
-
     # -- request lifecycle --------------------------------------------------------------------
     def _on_rank_done(self, rank: int, msg: m.RankDone) -> None:
         record = self.ledger.answer(rank, msg)
@@ -590,25 +548,3 @@ class DecodeCoordinator(PrefillLinks, TimingJoin, RankGroup):
                     "healthy": self.healthy, "generation": self.generation,
                     **self.counters.snapshot()}
         return self.loop.call(collect)
-
-
-
-def _packed(request_id: str, prompt: Sequence[int]) -> bytes:
-    """A caller's prompt as token bytes (:func:`~statebridge.connector.messages.pack_tokens`),
-    or InvalidRequestError naming the request and the first bad id."""
-    try:
-        return m.pack_tokens(prompt)
-    except ValueError as e:
-        raise InvalidRequestError(f"prompt of {request_id!r}: {e}",
-                                  request_id=str(request_id)) from None
-
-
-def _resolver(future: concurrent.futures.Future) -> OnDone:
-    def on_done(result: "TransferResult | None", error: "TransferError | None") -> None:
-        if future.done():
-            return
-        if error is not None:
-            future.set_exception(error)
-        else:
-            future.set_result(result)
-    return on_done
