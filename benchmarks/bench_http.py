@@ -29,7 +29,6 @@ import asyncio
 import json
 import os
 import platform
-import socket
 import statistics
 import subprocess
 import sys
@@ -37,12 +36,8 @@ import tempfile
 import time
 
 CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from statebridge.bench.process import NodeProcess
+from statebridge.net import free_port
 
 
 def _cpu_seconds(pid: int) -> float:
@@ -106,43 +101,6 @@ def _cpu_of(pids: list[int]) -> float:
     return total
 
 
-class _Node:
-    """A node CLI process; ``start`` waits for its ``ready`` line."""
-
-    def __init__(self, args: list[str], env: dict, ready: str, log_path: str) -> None:
-        self.log = open(log_path, "w")
-        # (cwd: ``python -m`` puts the working directory first on sys.path, before PYTHONPATH)
-        self.proc = subprocess.Popen([sys.executable, "-m", "statebridge", *args], env=env,
-                                     stdout=subprocess.PIPE, stderr=self.log, text=True,
-                                     cwd=os.path.dirname(log_path))
-        deadline = time.monotonic() + 180
-        lines = []
-        while time.monotonic() < deadline:
-            line = self.proc.stdout.readline()
-            if not line:
-                break
-            lines.append(line)
-            if ready in line:
-                return
-        self.stop()
-        raise SystemExit(f"{' '.join(args[:1])} node did not start: {''.join(lines)} (log: "
-                         f"{log_path})")
-
-    @property
-    def pid(self) -> int:
-        return self.proc.pid
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        self.log.close()
-
-
 async def _stream(client, url: str, prompt: str, max_tokens: int) -> int:
     body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True,
             "ignore_eos": True, "stream_options": {"include_usage": True}}
@@ -184,15 +142,18 @@ def run_code(name: str, path: str | None, args: argparse.Namespace, workdir: str
     common = ["--host", "127.0.0.1", "--num-pages", str(max(2 * args.streams, 8))]
     if args.keys:
         common += ["--keys", os.path.join(workdir, "keys")]
-    prefill_port, decode_port, http_port = _free_port(), _free_port(), _free_port()
-    prefill = _Node(["prefill", "--model", model, "--tp", str(args.prefill_tp), "--port",
-                     str(prefill_port), *common], env, "prefill node ready",
-                    os.path.join(workdir, f"prefill-{name}.log"))
+    prefill_port, decode_port, http_port = free_port(), free_port(), free_port()
+    prefill = NodeProcess(
+        ["statebridge", "prefill", "--model", model, "--tp", str(args.prefill_tp),
+         "--port", str(prefill_port), *common], env, "prefill node ready",
+        os.path.join(workdir, f"prefill-{name}.log"), start_timeout=180)
     try:
-        decode = _Node(["decode", "--model", model, "--tp", str(args.decode_tp), "--prefill",
-                        f"127.0.0.1:{prefill_port}", "--port", str(decode_port), "--http-port",
-                        str(http_port), "--max-new-tokens", str(args.max_tokens), *common],
-                       env, "decode node ready", os.path.join(workdir, f"decode-{name}.log"))
+        decode = NodeProcess(
+            ["statebridge", "decode", "--model", model, "--tp", str(args.decode_tp),
+             "--prefill", f"127.0.0.1:{prefill_port}", "--port", str(decode_port),
+             "--http-port", str(http_port), "--max-new-tokens", str(args.max_tokens), *common],
+            env, "decode node ready", os.path.join(workdir, f"decode-{name}.log"),
+            start_timeout=180)
         try:
             url = f"http://127.0.0.1:{http_port}"
             for _ in range(args.warmup):

@@ -35,7 +35,6 @@ import json
 import os
 import platform
 import random
-import socket
 import statistics
 import subprocess
 import sys
@@ -43,41 +42,8 @@ import tempfile
 import threading
 import time
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class _Node:
-    """A node process; the constructor waits for its ``ready`` line."""
-
-    def __init__(self, argv: list[str], env: dict, ready: str, log_path: str) -> None:
-        self.log = open(log_path, "w")
-        self.proc = subprocess.Popen([sys.executable, "-m", *argv], env=env,
-                                     stdout=subprocess.PIPE, stderr=self.log, text=True,
-                                     cwd=os.path.dirname(log_path))
-        deadline, lines = time.monotonic() + 300, []
-        while time.monotonic() < deadline:
-            line = self.proc.stdout.readline()
-            if not line:
-                break
-            lines.append(line)
-            if ready in line:
-                return
-        self.stop()
-        raise SystemExit(f"node did not start: {''.join(lines)} (log: {log_path})")
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        self.log.close()
+from statebridge.bench.process import NodeProcess
+from statebridge.net import free_port
 
 
 def _burst(address: str, prompts: list[list[int]], max_tokens: int) -> list[float]:
@@ -122,20 +88,21 @@ def run_variant(name: str, budget: str, args, workdir: str, cells, vocab: int) -
     env = dict(os.environ, UCX_WARN_UNUSED_ENV_VARS="n", **NODE_ENV)
     model = os.path.join(workdir, "model")
     common = ["--host", "127.0.0.1", "--num-pages", str(max(2 * max(c[0] for c in cells), 8))]
-    prefill_port, decode_port = _free_port(), _free_port()
+    prefill_port, decode_port = free_port(), free_port()
     if budget == "off":
         head = ["statebridge.bench.node", "--off", "batched_prefill", "--", "prefill"]
     else:
         head = ["statebridge", "prefill", "--max-prefill-tokens", budget]
-    prefill = _Node([*head, "--model", model, "--tp", str(args.prefill_tp), "--port",
-                     str(prefill_port), *common], env, "prefill node ready",
-                    os.path.join(workdir, f"prefill-{name}.log"))
+    prefill = NodeProcess([*head, "--model", model, "--tp", str(args.prefill_tp), "--port",
+                           str(prefill_port), *common], env, "prefill node ready",
+                          os.path.join(workdir, f"prefill-{name}.log"))
     out = []
     try:
-        decode = _Node(["statebridge", "decode", "--model", model, "--tp", str(args.decode_tp),
-                        "--prefill", f"127.0.0.1:{prefill_port}", "--port", str(decode_port),
-                        "--max-new-tokens", str(args.max_tokens), *common], env,
-                       "decode node ready", os.path.join(workdir, f"decode-{name}.log"))
+        decode = NodeProcess(["statebridge", "decode", "--model", model,
+                              "--tp", str(args.decode_tp), "--prefill", f"127.0.0.1:{prefill_port}",
+                              "--port", str(decode_port), "--max-new-tokens", str(args.max_tokens),
+                              *common], env, "decode node ready",
+                             os.path.join(workdir, f"decode-{name}.log"))
         try:
             address = f"127.0.0.1:{decode_port}"
             rng = random.Random(0)

@@ -710,22 +710,8 @@ def paged_prefill_attention_ref(
     starts: torch.Tensor,
     scale: float,
 ) -> torch.Tensor:
-    """Causal attention of B packed chunks over their sequences' paged K and V.
-
-    Args:
-        q: ``[T, Hq, D]`` queries of B chunks packed along T.
-        k_cache, v_cache: ``[NB, Hkv, BS, D]`` views of one layer's pool (as for
-            :func:`paged_attention_decode`), already holding every key of each chunk: its
-            sequence's positions ``0 .. starts[b] + len_b - 1``.
-        block_tables: ``[B, MB]`` int, row b the block table of chunk b's sequence.
-        query_start_loc: ``[B + 1]`` int32/int64, chunk b is tokens ``qsl[b]:qsl[b+1]``.
-        starts: ``[B]`` int32/int64, the position of each chunk's first token.
-        scale: softmax scale.
-
-    Returns:
-        ``[T, Hq, D]`` in q's dtype (fp32 softmax, ``F.scaled_dot_product_attention`` per
-        chunk): the token at position p of a sequence attends to its positions ``0..p``.
-    """
+    """Torch reference of :func:`paged_prefill_attention` (the same arguments, checks and
+    result): ``F.scaled_dot_product_attention`` per chunk."""
     batch = _check_paged_prefill(q, block_tables, query_start_loc, starts)
     seq, seq_lens = _token_rows(query_start_loc, starts, q.shape[0])
     _check_args(q, k_cache, v_cache, block_tables.index_select(0, seq), seq_lens, scale, None)
