@@ -154,7 +154,7 @@ def _prefill(name: str, n: int) -> m.RankLocalPrefill:
 
 
 def _thread(model: _Model, events: list, budget: int) -> ComputeThread:
-    def computed(msg, error, final_at):
+    def computed(msg, error, final_at, started_at):
         events.append(("done", model.rank, msg.request_id, error))
 
     return ComputeThread(f"rank{model.rank}", model, _Loop(), Counters(),
