@@ -497,11 +497,13 @@ def test_receiver_reads_while_the_sender_is_stopped(agents, src_layout, dst_layo
     a, b, _ = agents
     options = ucx_options(ucx_net_devices("127.0.0.1"), "127.0.0.1", environ={}) \
         if loopback else {}
+    # The agents serve every case of the module: what earlier cases' workers opened stays.
+    before = {agent.pid: set(listening_sockets(agent.pid)) for agent in (a, b)}
     cluster = Cluster(plan, {0: a}, {0: b}, ucx_options=options)
     if loopback:
         assert options == {"NET_DEVICES": "lo", "TCP_AF_PRIO": "inet"}
         for agent in (a, b):
-            found = listening_sockets(agent.pid)
+            found = set(listening_sockets(agent.pid)) - before[agent.pid]
             assert found and all(x.address == "127.0.0.1" for x in found), found
     (pair,) = cluster.pairs()
     largest = int(pair.pack[:, 2].sum()) if pair.staged else int(pair.runs[:, 2].max())
