@@ -8,6 +8,10 @@ branch). This compiles each variant :mod:`statebridge.kernels._launch` declares 
 
     python -m statebridge.kernels.compile_check --arch 90 80 --jobs 2 --json report.json
 
+``--sample-arch 80`` compiles only the first variant of each launcher for that arch (the test
+suite compiles every variant for sm_90, the H100/H200 it targets, and samples sm_80: the
+variants of one launcher differ in dtypes and constexprs, which the sm_90 compile covers).
+
 Exit status 0 when every variant compiled. It must run WITHOUT ``TRITON_INTERPRET=1`` (the
 kernels must be real ``JITFunction`` objects when they are decorated); the parent process
 starts one worker process per job with that variable removed. Set ``TRITON_CACHE_DIR`` to an
@@ -26,8 +30,10 @@ import traceback
 
 __all__ = ["main", "compile_shard"]
 
-def compile_shard(archs: list[int], shard: int, shards: int, only: list[str] | None = None) -> list[dict]:
+def compile_shard(archs: list[int], shard: int, shards: int, only: list[str] | None = None,
+                  sample_archs: list[int] | None = None) -> list[dict]:
     """Compile this shard's variants (in this process); one result row per (variant, arch).
+    ``sample_archs``: archs compiled for the first variant of each launcher only.
 
     A variant's position in the stable enumeration decides its shard, so jobs split the work
     evenly without talking to each other."""
@@ -43,10 +49,14 @@ def compile_shard(archs: list[int], shard: int, shards: int, only: list[str] | N
     kernels = {launcher.name: launcher.kernel for launcher in launchers()}
     rows = []
     variants = [v for v in iter_variants() if not only or v.launcher in only]
+    first = {}
+    for v in variants:
+        first.setdefault(v.launcher, v.label)
     for i, variant in enumerate(variants):
         if i % shards != shard:
             continue
-        for arch in archs:
+        sampled = [a for a in sample_archs or () if a not in archs and first[variant.launcher] == variant.label]
+        for arch in [*archs, *sampled]:
             t0 = time.perf_counter()
             row = {"variant": variant.label, "launcher": variant.launcher, "arch": arch}
             try:
@@ -69,8 +79,9 @@ def _worker(argv: list[str]) -> int:
     p.add_argument("--arch", nargs="+", type=int)
     p.add_argument("--out")
     p.add_argument("--only", nargs="*", default=None)
+    p.add_argument("--sample-arch", nargs="*", type=int, default=[])
     a = p.parse_args(argv)
-    rows = compile_shard(a.arch, *a.worker, only=a.only)
+    rows = compile_shard(a.arch, *a.worker, only=a.only, sample_archs=a.sample_arch)
     with open(a.out, "w") as f:
         json.dump(rows, f)
     return 0
@@ -86,6 +97,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", default=None, help="write every result row here")
     p.add_argument("--only", nargs="+", default=None, metavar="LAUNCHER",
                    help="compile only these launchers' variants, e.g. causal_conv1d.fwd")
+    p.add_argument("--sample-arch", nargs="+", type=int, default=[], metavar="ARCH",
+                   help="also compile each launcher's first variant for these archs, e.g. 80")
     a = p.parse_args(argv)
     import tempfile
 
@@ -96,7 +109,8 @@ def main(argv: list[str] | None = None) -> int:
         for shard in range(a.jobs):
             out = os.path.join(tmp, f"shard{shard}.json")
             cmd = [sys.executable, "-m", "statebridge.kernels.compile_check", "--worker", str(shard), str(a.jobs),
-                   "--arch", *map(str, a.arch), "--out", out, *(["--only", *a.only] if a.only else [])]
+                   "--arch", *map(str, a.arch), "--out", out, *(["--only", *a.only] if a.only else []),
+                   *(["--sample-arch", *map(str, a.sample_arch)] if a.sample_arch else [])]
             procs.append((subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT), out))
         rows, failed_workers = [], []
         for proc, out in procs:
@@ -108,7 +122,7 @@ def main(argv: list[str] | None = None) -> int:
                 rows.extend(json.load(f))
     wall = time.perf_counter() - t0
     bad = [r for r in rows if not r["ok"]]
-    report = {"archs": a.arch, "jobs": a.jobs, "wall_s": round(wall, 2), "compiled": len(rows) - len(bad),
+    report = {"archs": a.arch, "sample_archs": a.sample_arch, "jobs": a.jobs, "wall_s": round(wall, 2), "compiled": len(rows) - len(bad),
               "failed": len(bad), "worker_errors": failed_workers, "rows": rows}
     if a.json:
         with open(a.json, "w") as f:

@@ -203,8 +203,8 @@ def test_counts_per_request_match_the_plan(report):
 def test_append_adds_a_run_to_an_existing_file_and_csv_has_every_cell(tmp_path):
     out = tmp_path / "bench.json"
     base = ["--preset", "tiny", "--layouts", "DLS", "--requests", "4", "--concurrency", "2",
-            "--check-requests", "1", "--no-nixl", "--no-line-rate", "--json", str(out),
-            "--quiet"]
+            "--check-requests", "1", "--no-nixl", "--no-line-rate", "--no-copy-limit",
+            "--low-load-requests", "0", "--json", str(out), "--quiet"]
     assert hetero_tp.main(base + ["--pairs", "1x2"]) == 0
     table = tmp_path / "cells.csv"
     assert hetero_tp.main(base + ["--pairs", "2x1", "--append", "--csv", str(table)]) == 0
