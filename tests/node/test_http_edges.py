@@ -283,7 +283,7 @@ def test_a_client_disconnect_is_one_debug_line(tok, caplog, stream):
     finally:
         server.close()
     assert _records(caplog, logging.WARNING) == [] and gc_logged == []
-    lines = [r for r in caplog.records if r.name == "statebridge.node.http"
+    lines = [r for r in caplog.records if r.name.startswith("statebridge.node.http")
              and "disconnect" in r.getMessage()]
     assert len(lines) == 1 and lines[0].levelno == logging.DEBUG, \
         [(r.levelname, r.getMessage()) for r in lines]
