@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import os
 import shutil
@@ -18,10 +20,25 @@ from statebridge.state.spec import StateSpec
 CONFIGS = Path(__file__).resolve().parents[1] / "examples" / "configs"
 
 
-def run(*args: str) -> subprocess.CompletedProcess:
+def run_script(*args: str) -> subprocess.CompletedProcess:
+    """The installed console script, in a process of its own."""
     exe = shutil.which("statebridge")
     cmd = [exe] if exe else [sys.executable, "-m", "statebridge.cli"]
     return subprocess.run(cmd + list(args), capture_output=True, text=True, timeout=120)
+
+
+def run(*args: str) -> subprocess.CompletedProcess:
+    """``statebridge ARGS`` in this process (the script's own ``main``; a process each would
+    spend a second or more importing torch): its exit status, stdout and stderr."""
+    from statebridge.cli import main
+
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            code = main(list(args))
+        except SystemExit as e:                       # argparse's errors exit 2
+            code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+    return subprocess.CompletedProcess(list(args), code, out.getvalue(), err.getvalue())
 
 
 @pytest.mark.parametrize("model,p,d,layout", [("mamba2-2.7b.json", 2, 4, "DLS"),
@@ -42,7 +59,7 @@ def test_plan_json(model, p, d, layout):
 
 def test_plan_table_and_directory_model(tmp_path):
     (tmp_path / "config.json").write_text((CONFIGS / "lfm2-1.2b.json").read_text())
-    out = run("plan", "--model", str(tmp_path), "--prefill-tp", "2", "--decode-tp", "1")
+    out = run_script("plan", "--model", str(tmp_path), "--prefill-tp", "2", "--decode-tp", "1")
     assert out.returncode == 0, out.stderr
     assert "10 recurrent-state layers" in out.stdout
     assert "total per request: 2 messages, 81,920 bytes" in out.stdout

@@ -179,7 +179,7 @@ def start_slow_prefill_node(model_dir: str, port: int) -> NodeProcess:
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("model", ["lfm2", "lfm2-hybrid"])
+@pytest.mark.parametrize("model", ["lfm2-hybrid"])      # (state and KV; lfm2 moves a subset)
 @pytest.mark.parametrize("policy", ["fail", "recompute"])
 def test_killed_prefill_node_follows_the_policy(pools, hf_models, policy, model, monkeypatch):
     _, decode_hosts = pools
