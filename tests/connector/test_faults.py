@@ -115,7 +115,10 @@ def test_sigkill_decode_rank_fails_its_requests_and_frees_prefill_pages(prefill_
     monkeypatch.setenv("STATEBRIDGE_TEST_PREFILL_DELAY", "0.3")
     server = PrefillServer(SPEC, 2, "LDS", num_pages=16, config=FAST, model=SLOW,
                            launcher=prefill_hosts.launcher())
-    decode = instrumented(DecodeCoordinator(SPEC, 2, "LDS", num_pages=16, config=FAST,
+    # (on_rank_loss=exit: what the lost rank's requests get is the point here, not the
+    # group's restart, which test_supervision covers; no second group to spawn)
+    decode = instrumented(DecodeCoordinator(SPEC, 2, "LDS", num_pages=16,
+                                            config=FAST.replace(on_rank_loss="exit"),
                                             probes="checksums"))
     try:
         server.wait_ready()

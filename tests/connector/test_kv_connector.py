@@ -328,7 +328,10 @@ def test_sigkill_decode_rank_during_shared_map_reads_frees_prefill_pages_and_blo
     config = FAST.replace(transfer_timeout=120.0)
     server = PrefillServer(spec, 2, "DLS", num_pages=16, config=config, block_size=BS,
                            model=SLOW, launcher=prefill_hosts.launcher())
-    decode = instrumented(DecodeCoordinator(spec, 2, "DLS", num_pages=16, config=config,
+    # (on_rank_loss=exit: the lost rank's requests and the prefill side's pages are the point
+    # here; the group's restart is test_supervision's, and needs no second group spawned)
+    decode = instrumented(DecodeCoordinator(spec, 2, "DLS", num_pages=16,
+                                            config=config.replace(on_rank_loss="exit"),
                                             block_size=BS,
                                             probes="checksums"))  # spawned: killable
     try:
@@ -412,8 +415,8 @@ def test_sigkill_prefill_rank_during_kv_fails_its_requests_and_leaks_no_block(po
     decode = instrumented(DecodeCoordinator(spec, 4, "DLS", num_pages=16, config=FAST,
                                             block_size=BS,
                                             launcher=decode_hosts.launcher(), probes="checksums"))
-    server = PrefillServer(spec, 2, "DLS", num_pages=16, config=FAST, block_size=BS,
-                           model=SLOW)                                    # spawned: killable
+    server = PrefillServer(spec, 2, "DLS", num_pages=16, config=FAST.replace(
+        on_rank_loss="exit"), block_size=BS, model=SLOW)                 # spawned: killable
     try:
         server.wait_ready()
         decode.connect(server.address)
