@@ -24,13 +24,12 @@ from statebridge.kernels.causal_conv1d import (
 )
 from statebridge.kernels.layers import Mamba2Mixer, ShortConvMixer
 from statebridge.kernels.pack import RunTemplate, pack, pack_ref, prepare_runs, unpack, unpack_ref
-from statebridge.kernels.ssm import (
+from statebridge.kernels.ssd import (
     mamba_chunk_scan_ref,
     mamba_chunk_scan_varlen,
     mamba_chunk_scan_varlen_ref,
-    selective_state_update,
-    selective_state_update_ref,
 )
+from statebridge.kernels.ssm import selective_state_update, selective_state_update_ref
 
 __all__ = [
     "Mamba2Mixer",

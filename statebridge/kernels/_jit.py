@@ -67,3 +67,13 @@ def dot(a, b):
         return tl.dot(a, b)
     else:
         return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+
+
+@triton.jit
+def softplus(b_x):
+    # softplus(x) = log1p(exp(x)), linear above 20 like torch; log1p via Goldberg's trick,
+    # log(w) * u / (w - 1) with w = 1 + u, exact where a plain log(1 + u) loses all digits.
+    b_u = tl.exp(tl.minimum(b_x, 20.0))
+    b_w = 1.0 + b_u
+    b_log1p = tl.where(b_w == 1.0, b_u, tl.log(b_w) * b_u / (b_w - 1.0))
+    return tl.where(b_x <= 20.0, b_log1p, b_x)

@@ -43,12 +43,8 @@ from statebridge.kernels.attention import (
     varlen_attention_prefill,
     varlen_attention_prefill_ref,
 )
-from statebridge.kernels.ssm import (
-    mamba_chunk_scan_varlen,
-    mamba_chunk_scan_varlen_ref,
-    selective_state_update,
-    selective_state_update_ref,
-)
+from statebridge.kernels.ssd import mamba_chunk_scan_varlen, mamba_chunk_scan_varlen_ref
+from statebridge.kernels.ssm import selective_state_update, selective_state_update_ref
 
 __all__ = ["ShortConvMixer", "Mamba2Mixer", "AttentionMixer", "AllReduce", "rotary"]
 

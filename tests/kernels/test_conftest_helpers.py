@@ -12,12 +12,13 @@ from triton.runtime.interpreter import InterpretedFunction
 # (import_module: the package's ``pack`` attribute is the function, which shadows the module)
 _conv = importlib.import_module("statebridge.kernels.causal_conv1d")
 _ssm = importlib.import_module("statebridge.kernels.ssm")
+_ssd = importlib.import_module("statebridge.kernels.ssd")
 _pack = importlib.import_module("statebridge.kernels.pack")
 _attn = importlib.import_module("statebridge.kernels.attention")
 from statebridge.kernels._launch import launchers  # noqa: E402
 
 KERNELS = [launcher.kernel for launcher in launchers()]
-assert len(KERNELS) >= 10 and _conv and _ssm and _pack and _attn
+assert len(KERNELS) >= 10 and _conv and _ssm and _ssd and _pack and _attn
 
 
 def test_kernels_are_interpreted_exactly_when_there_is_no_cuda():

@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from statebridge.errors import ShapeError
-from statebridge.kernels.ssm import SCAN_CHUNK, mamba_chunk_scan_varlen, mamba_chunk_scan_varlen_ref
+from statebridge.kernels.ssd import SCAN_CHUNK, mamba_chunk_scan_varlen, mamba_chunk_scan_varlen_ref
 
 from .helpers import element_ids, naive_ssm, noncontig, qsl_of, ssm_region
 

@@ -8,7 +8,8 @@ import torch
 import torch.nn.functional as F
 
 from statebridge.errors import ShapeError
-from statebridge.kernels.ssm import mamba_chunk_scan_ref, selective_state_update, selective_state_update_ref
+from statebridge.kernels.ssd import mamba_chunk_scan_ref
+from statebridge.kernels.ssm import selective_state_update, selective_state_update_ref
 
 from .helpers import naive_ssm, noncontig, outside, qsl_of, ssm_region
 
