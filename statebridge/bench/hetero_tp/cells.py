@@ -376,7 +376,7 @@ def _nixl_cell(nixl, nixl_why, plan, spec, preset, src_tp, dst_tp, layout, a, vl
     vLLM's way (``vllm_way_*``): NixlConnector's loop over vLLM's descriptors -- pages ``LDS``
     (one descriptor per layer per conv x/B/C piece and SSM slice), KV ``LH`` (one per layer per
     K or V half per block), with notifications and the sources' free-on-every-reader loop
-    (:func:`statebridge.bench._nixl._vllm_read`). vLLM's way does not depend on statebridge's
+    (:func:`statebridge.bench._vllm_way._vllm_read`). vLLM's way does not depend on statebridge's
     layout: measured once per (preset, pair) and shared by its cells."""
     from statebridge.bench._nixl import SlotPlan
     from statebridge.state.layout import PageGeometry
