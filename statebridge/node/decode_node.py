@@ -48,19 +48,17 @@ fails every request in flight (``peer_lost``); the group then restarts or fails 
 command exits non-zero.
 
 The scheduling -- a request's transfer, waiting for a page, decode steps, KV growth and
-preemption -- is :class:`~statebridge.node.scheduler.DecodeScheduler`, this node's base class;
-this module holds the front doors, start-up, status and lifecycle.
+preemption -- is :class:`~statebridge.node.scheduler.DecodeScheduler`, the node's
+:attr:`~DecodeNode.scheduler`; this module holds the front doors, start-up, status and
+lifecycle.
 """
 
 from __future__ import annotations
 
-import collections
 import functools
-import itertools
 import logging
 import time
 from dataclasses import dataclass
-from typing import Protocol
 
 from statebridge.config import ConnectorConfig, NodeConfig
 from statebridge.connector import control as c
@@ -76,7 +74,8 @@ from statebridge.node import capacity
 from statebridge.node import messages as nm
 from statebridge.node.checks import check_checkpoint
 from statebridge.node.metrics import NodeHistograms
-from statebridge.node.scheduler import DecodeScheduler, _Gen
+from statebridge.node.requests import FrontDoorClient, _Gen
+from statebridge.node.scheduler import DecodeScheduler
 from statebridge.security import CurveKeys
 
 log = logging.getLogger(__name__)
@@ -109,14 +108,6 @@ def _front_door(setting: str, http, config: ConnectorConfig) -> tuple[bool, str]
     return True, ""
 
 
-class FrontDoorClient(Protocol):
-    """Who sent a front-door message: the node answers it through ``deliver``, on the loop
-    thread, never blocking. Equal clients are the same client (only the client that sent a
-    request may abort it)."""
-
-    def deliver(self, message: m.Message) -> None: ...
-
-
 @dataclass(frozen=True)
 class _RouterClient:
     """A client of the zmq door: its ROUTER identity."""
@@ -128,7 +119,7 @@ class _RouterClient:
         c.send_router(self.router, self.identity, message)
 
 
-class DecodeNode(DecodeScheduler):
+class DecodeNode:
     """Decode coordinator + front door + scheduler, in the decode node's main process."""
 
     def __init__(self, model_dir: str, tp_size: int, prefill: list[str], *, port: int = 0,
@@ -181,13 +172,9 @@ class DecodeNode(DecodeScheduler):
                         nc.max_model_len, self.max_model_len)
         self.loop = self.coordinator.loop
         self.counters = Counters()
-        self.gens: dict[str, _Gen] = {}
-        self.waiting: collections.deque[_Gen] = collections.deque()   # no free page yet
-        self.running: list[_Gen] = []
-        self.step_in_flight: tuple[int, list[_Gen]] | None = None
-        self._step_started = 0.0
-        self._steps = itertools.count(1)
-        self._closed = False
+        #: Each request from its transfer to its last token (on the loop thread).
+        self.scheduler = DecodeScheduler(self.coordinator, nc, self.config, kv=self.kv,
+                                         counters=self.counters)
         self.http = None
         self.router, self.port = None, 0
         door, why = _front_door(nc.front_door, http, self.config)
@@ -205,15 +192,15 @@ class DecodeNode(DecodeScheduler):
         #: Where each request's time went before decoding (the node's /metrics histograms).
         self.histograms = NodeHistograms()
         self.coordinator.on_timing(self.histograms.observe)
-        self.coordinator.on_rank_message(nm.RankStepResult, self._on_step_result)
-        self.coordinator.on_rank_lost(self._on_rank_lost)
+        self.coordinator.on_rank_message(nm.RankStepResult, self.scheduler.on_step_result)
+        self.coordinator.on_rank_lost(self.scheduler.on_rank_lost)
         self.coordinator.on_prefill_connected(self._on_prefill_connected)
 
         def attach() -> None:
             if self.router is not None:
                 self.loop.add_reader(self.router, self._on_client)
-            self.loop.call_every(_RETRY_WAITING_S, self._start_waiting)
-            self.loop.call_every(self.config.heartbeat_interval, self._check_step)
+            self.loop.call_every(_RETRY_WAITING_S, self.scheduler.start_waiting)
+            self.loop.call_every(self.config.heartbeat_interval, self.scheduler.check_step)
         try:
             self.loop.call(attach)
             self.coordinator.wait_ready()
@@ -247,7 +234,7 @@ class DecodeNode(DecodeScheduler):
 
     def _served(self) -> bool:
         """Loop thread: note the first time the node serves; True that time."""
-        if self.ready_after or self._closed:
+        if self.ready_after or self.scheduler.closed:
             return False
         self.ready_after = time.monotonic() - self.started_at
         return True
@@ -290,7 +277,7 @@ class DecodeNode(DecodeScheduler):
         return self.loop.call(self._status)
 
     def _status(self) -> tuple[bool, str]:
-        if self._closed:
+        if self.scheduler.closed:
             return False, "decode node is closing"
         ready, why = self.coordinator.status()
         if not ready and self.policy == "recompute" and self.coordinator.whole()[0]:
@@ -372,41 +359,21 @@ class DecodeNode(DecodeScheduler):
             node_id=self.coordinator.node_id, ready=ready, reason=why,
             prefill_nodes=g.prefill_nodes, pages_used=g.pages_used, pages_free=g.pages_free,
             blocks_used=g.blocks_used, blocks_free=g.blocks_free,
-            running=len(self.running), waiting=len(self.waiting),
+            running=len(self.scheduler.running), waiting=len(self.scheduler.waiting),
             refused_peers=g.refused_peers, aborted=int(self.counters.get("finished_aborted")),
             refused_clients=int(self.counters.get("auth_refused")),
             transfers_verified=g.transfers_verified, transfer_mismatches=g.transfer_mismatches,
             **capacity.memory_fields(self.coordinator), **self.histograms.fields())
 
     def _on_abort(self, client: FrontDoorClient, msg: nm.AbortRequest) -> None:
-        """Drop a client's request wherever it is. Decoding in the step in flight: it finishes
-        when the step's result comes (its ranks still write its page); transferring: the
-        transfer is cancelled (its page frees once every rank confirmed)."""
-        gen = self.gens.get(msg.request_id)
+        """Drop a client's request wherever it is (:meth:`DecodeScheduler.abort`); only the
+        client that sent it may."""
+        gen = self.scheduler.gens.get(msg.request_id)
         if gen is None or gen.client != client:
             self.counters.add("abort_unknown")
             return
         why = f"aborted by the client: {msg.reason}" if msg.reason else "aborted by the client"
-        if self.step_in_flight is not None and gen in self.step_in_flight[1]:
-            gen.aborted = why
-            return
-        transferring = gen.transfer is None and gen not in self.waiting and \
-            gen not in self.running
-        self._finish(gen, FailureKind.ABORTED, why)
-        if transferring:
-            self.coordinator.cancel(gen.request_id, why)
-
-    def _reply(self, gen: _Gen, tokens: tuple[int, ...], done: bool, kind: str = "",
-               message: str = "", logprobs: tuple = ()) -> None:
-        """``logprobs``: ``(logprobs, top_ids, top_logprobs)`` of ``tokens`` (a request that
-        asked for them)."""
-        t = gen.transfer
-        lp, top_ids, top_lps = logprobs or ((), (), ())
-        gen.client.deliver(nm.GenerateTokens(
-            request_id=gen.request_id, tokens=tokens, done=done, kind=str(kind),
-            message=message, ttft=gen.ttft, transfer_seconds=t.seconds if t else 0.0,
-            transfer_bytes=t.nbytes if t else 0, recomputed=gen.recomputed,
-            logprobs=lp, top_ids=top_ids, top_logprobs=top_lps))
+        self.scheduler.abort(gen, why)
 
     def _problem(self, msg: nm.GenerateRequest) -> str | None:
         """Why ``msg`` cannot be served, or None: the one check of a request, whichever door
@@ -433,7 +400,7 @@ class DecodeNode(DecodeScheduler):
             return problem[1]
         if not -1 <= msg.logprobs <= MAX_LOGPROBS:
             return f"logprobs {msg.logprobs} not in [-1 (none), {MAX_LOGPROBS}]"
-        if msg.request_id in self.gens:
+        if msg.request_id in self.scheduler.gens:
             return f"request id {msg.request_id!r} is already in flight"
         if self.kv:
             co = self.coordinator
@@ -451,46 +418,38 @@ class DecodeNode(DecodeScheduler):
         if problem is not None:
             self.counters.add("rejected")
             self.counters.add(f"rejected_{FailureKind.INVALID_REQUEST}")
-            self._reply(gen, (), True, FailureKind.INVALID_REQUEST, problem)
+            gen.reply((), True, FailureKind.INVALID_REQUEST, problem)
             return
         ready, why = self._status()
         if not ready and self.policy != "recompute":
             self.counters.add("rejected")
             self.counters.add(f"rejected_{FailureKind.NOT_READY}")
-            self._reply(gen, (), True, FailureKind.NOT_READY, f"decode node is not ready: {why}")
+            gen.reply((), True, FailureKind.NOT_READY, f"decode node is not ready: {why}")
             return
-        self.gens[gen.request_id] = gen
-        self.counters.add("requests")
-        self._start_transfer(gen, local=not ready)
+        self.scheduler.submit(gen, local=not ready)
 
     # -- lifecycle ----------------------------------------------------------------------------
     def stats(self) -> dict:
-        return {**self.loop.call(lambda: {"running": len(self.running),
-                                          "waiting": len(self.waiting),
+        return {**self.loop.call(lambda: {"running": len(self.scheduler.running),
+                                          "waiting": len(self.scheduler.waiting),
                                           "handoffs": self.loop.handoffs,
                                           **self.counters.snapshot()}),
                 "coordinator": self.coordinator.stats()}
 
     def close(self) -> None:
         """Fail what is in flight (clients hear ``aborted``), stop the ranks (idempotent)."""
-        if self._closed:
+        if self.scheduler.closed:
             return
         if self.http is not None:
             self.http.close()              # first: its requests end while the node still runs
             self.http = None
         try:
-            self.loop.call(self._fail_all)
+            self.loop.call(self.scheduler.close)
         except StatebridgeError:
             pass
         self.coordinator.close()
         if getattr(self, "router", None) is not None:
             self.router.close(0)
-
-    def _fail_all(self) -> None:
-        self._closed = True
-        self.waiting.clear()
-        for gen in list(self.gens.values()):
-            self._finish(gen, FailureKind.ABORTED, "decode node shutting down", release=False)
 
     def __enter__(self):
         return self

@@ -1,69 +1,84 @@
 """The decode node's scheduler: each request from its prompt's state to its last token.
 
-A request (:class:`_Gen`) gets a page (and KV blocks) and its prompt's state from a prefill
-node -- or, under the ``recompute`` policy, from a local prefill -- and then joins the running
-batch; one decode step at a time goes to every decode rank (at most ``max_batch`` requests,
-round robin beyond), each step's tokens go back to the clients, and a request that runs out of
-KV blocks fails ``cache_full`` or is preempted and resumed (``recompute``). Requests that find
-no page wait in arrival order. Everything here runs on the node's loop thread.
+A request (:class:`~statebridge.node.requests._Gen`) gets a page (and KV blocks) and its
+prompt's state from a prefill node -- or, under the ``recompute`` policy, from a local prefill
+-- and then joins the running batch; one decode step at a time goes to every decode rank (at
+most ``max_batch`` requests, round robin beyond), each step's tokens go back to the clients,
+and a request that runs out of KV blocks fails ``cache_full`` or is preempted and resumed
+(``recompute``). Requests that find no page wait in arrival order. Everything here runs on the
+node's loop thread.
 """
 
 from __future__ import annotations
 
+import collections
+import itertools
 import logging
 import time
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
-from statebridge.connector.decode import TransferResult
+from statebridge.config import ConnectorConfig, NodeConfig
+from statebridge.connector.decode import DecodeCoordinator, TransferResult
+from statebridge.connector.stats import Counters
 from statebridge.errors import CacheFullError, FailureKind, TransferError, kind_of
 from statebridge.node import messages as nm
-
-if TYPE_CHECKING:
-    from statebridge.node.decode_node import FrontDoorClient
+from statebridge.node.requests import _Gen
 
 log = logging.getLogger("statebridge.node.decode_node")
 
 __all__ = ["DecodeScheduler"]
 
 
-@dataclass(eq=False)
-class _Gen:
-    """One client request inside the decode node."""
-
-    request_id: str
-    client: FrontDoorClient
-    prompt: tuple[int, ...]
-    max_new_tokens: int
-    temperature: float
-    top_p: float
-    seed: int
-    logprobs: int = -1                # top log-probabilities per token (-1: none)
-    arrived: float = field(default_factory=time.perf_counter)
-    arrived_at: float = field(default_factory=time.time)     # wall clock, for RequestTiming
-    page: int = -1
-    next_token: int = 0
-    generated: list[int] = field(default_factory=list)
-    ttft: float = 0.0
-    transfer: TransferResult | None = None
-    recomputed: bool = False
-    local: bool = False               # the current attempt is a local recompute
-    blocks: tuple[int, ...] = ()      # KV block table (attention models)
-    preemptions: int = 0
-    aborted: str = ""                 # the client aborted it while its step was in flight
-
-    def sequence(self) -> tuple[int, ...]:
-        """The prompt and the tokens generated so far: what a (re)start prefills, but for
-        its last token, which the next step decodes."""
-        return self.prompt + tuple(self.generated)
-
-
 class DecodeScheduler:
-    """The scheduling half of :class:`~statebridge.node.decode_node.DecodeNode` (its base
-    class). The node sets what these methods use: ``coordinator``, ``config``, ``node_config``,
-    ``policy``, ``kv``, ``counters``, ``gens`` (request id -> request), ``waiting`` (a deque),
-    ``running`` (a list), ``step_in_flight``, ``_steps``, ``_step_started``, ``_closed``, and
-    ``_reply`` (answers a request's client)."""
+    """The decode node's requests from their transfer to their last token, on the node's loop
+    thread: :attr:`~statebridge.node.decode_node.DecodeNode.scheduler`. The node hands it each
+    admitted request (:meth:`submit`), a client's abort (:meth:`abort`), the rank group's step
+    results and losses (:meth:`on_step_result`, :meth:`on_rank_lost`) and its timers
+    (:meth:`start_waiting`, :meth:`check_step`); every answer goes to the request's client
+    (:meth:`_Gen.reply`)."""
+
+    def __init__(self, coordinator: DecodeCoordinator, node_config: NodeConfig,
+                 config: ConnectorConfig, *, kv: bool, counters: Counters) -> None:
+        self.coordinator, self.node_config, self.config = coordinator, node_config, config
+        self.kv = kv                      # attention KV: requests own block tables
+        self.counters = counters          # the node's
+        self.gens: dict[str, _Gen] = {}   # request id -> request
+        self.waiting: collections.deque[_Gen] = collections.deque()   # no free page yet
+        self.running: list[_Gen] = []
+        self.step_in_flight: tuple[int, list[_Gen]] | None = None
+        self._step_started = 0.0
+        self._steps = itertools.count(1)
+        self.closed = False
+
+    @property
+    def policy(self) -> str:
+        return self.node_config.policy
+
+    def submit(self, gen: _Gen, local: bool = False) -> None:
+        """Serve ``gen`` (a request the node admitted): its transfer starts, or it waits for a
+        page; ``local``: a local prefill (``recompute`` with no prefill node)."""
+        self.gens[gen.request_id] = gen
+        self.counters.add("requests")
+        self._start_transfer(gen, local=local)
+
+    def abort(self, gen: _Gen, why: str) -> None:
+        """Drop ``gen`` wherever it is. Decoding in the step in flight: it finishes when the
+        step's result comes (its ranks still write its page); transferring: the transfer is
+        cancelled (its page frees once every rank confirmed)."""
+        if self.step_in_flight is not None and gen in self.step_in_flight[1]:
+            gen.aborted = why
+            return
+        transferring = gen.transfer is None and gen not in self.waiting and \
+            gen not in self.running
+        self.finish(gen, FailureKind.ABORTED, why)
+        if transferring:
+            self.coordinator.cancel(gen.request_id, why)
+
+    def close(self) -> None:
+        """Fail every request (clients hear ``aborted``); no step starts after."""
+        self.closed = True
+        self.waiting.clear()
+        for gen in list(self.gens.values()):
+            self.finish(gen, FailureKind.ABORTED, "decode node shutting down", release=False)
 
     # -- the prompt's state ------------------------------------------------------------------
     def _start_transfer(self, gen: _Gen, local: bool = False, *, retry: bool = False) -> bool:
@@ -88,7 +103,7 @@ class DecodeScheduler:
         gen.recomputed = local
         return True
 
-    def _start_waiting(self) -> None:
+    def start_waiting(self) -> None:
         while self.waiting:
             gen = self.waiting[0]
             if self.gens.get(gen.request_id) is not gen:
@@ -129,11 +144,11 @@ class DecodeScheduler:
             log.warning("%s: transfer failed (%s), recomputing locally", gen.request_id, error)
             self._start_transfer(gen, local=True)
             return
-        self._finish(gen, kind, str(error))
+        self.finish(gen, kind, str(error))
 
     # -- decode steps -------------------------------------------------------------------------
     def _maybe_step(self) -> None:
-        if self.step_in_flight is not None or not self.running or self._closed:
+        if self.step_in_flight is not None or not self.running or self.closed:
             return
         if self.kv:
             self._grow_blocks(self.running[:self.node_config.max_batch])
@@ -170,8 +185,8 @@ class DecodeScheduler:
                 if self.policy == "recompute":
                     self._preempt(gen)
                 else:
-                    self._finish(gen, FailureKind.CACHE_FULL,
-                                 f"{gen.request_id}: no KV block for token {tokens}: {e}")
+                    self.finish(gen, FailureKind.CACHE_FULL,
+                                f"{gen.request_id}: no KV block for token {tokens}: {e}")
 
     def _preempt(self, gen: _Gen) -> None:
         """Free ``gen``'s page and blocks; it resumes first when space frees, by a local
@@ -186,7 +201,7 @@ class DecodeScheduler:
         gen.local = True
         self.waiting.appendleft(gen)
 
-    def _check_step(self) -> None:
+    def check_step(self) -> None:
         """A step whose result does not come (a rank's model hangs while its loop still
         heartbeats) fails its batch after ``transfer_timeout``; a late result is ignored."""
         if self.step_in_flight is None:
@@ -198,16 +213,16 @@ class DecodeScheduler:
         self.step_in_flight = None
         self.counters.add("steps_timed_out")
         for gen in batch:
-            self._finish(gen, FailureKind.TIMEOUT, f"decode step {step} got no result within "
-                                                   f"{self.config.transfer_timeout} s")
+            self.finish(gen, FailureKind.TIMEOUT, f"decode step {step} got no result within "
+                                                  f"{self.config.transfer_timeout} s")
         self._maybe_step()
 
-    def _on_rank_lost(self, rank: int) -> None:
+    def on_rank_lost(self, rank: int) -> None:
         for gen in list(self.running):
-            self._finish(gen, FailureKind.PEER_LOST, f"decode rank {rank} died", release=False)
+            self.finish(gen, FailureKind.PEER_LOST, f"decode rank {rank} died", release=False)
         self.step_in_flight = None
 
-    def _on_step_result(self, rank: int, msg: nm.RankStepResult) -> None:
+    def on_step_result(self, rank: int, msg: nm.RankStepResult) -> None:
         if self.step_in_flight is None:
             return
         step, batch = self.step_in_flight
@@ -220,8 +235,8 @@ class DecodeScheduler:
             # updated). A model's failure is the server's (internal, HTTP 500).
             self.counters.add(f"steps_failed_{msg.kind}")
             for gen in batch:
-                self._finish(gen, FailureKind.parse(msg.kind),
-                             f"decode step {step} failed: {msg.message}")
+                self.finish(gen, FailureKind.parse(msg.kind),
+                            f"decode step {step} failed: {msg.message}")
             self._maybe_step()
             return
         failed = {row: (kind, why) for row, kind, why in zip(
@@ -230,9 +245,9 @@ class DecodeScheduler:
                 not all(0 <= row < len(batch) for row in failed):
             self.counters.add("malformed_step_results")
             for gen in batch:
-                self._finish(gen, FailureKind.INTERNAL, f"decode step {step}: rank {rank} "
-                             f"answered {len(msg.tokens)} tokens and failed rows "
-                             f"{msg.failed_rows} for {len(batch)} requests")
+                self.finish(gen, FailureKind.INTERNAL, f"decode step {step}: rank {rank} "
+                            f"answered {len(msg.tokens)} tokens and failed rows "
+                            f"{msg.failed_rows} for {len(batch)} requests")
             self._maybe_step()
             return
         now = time.perf_counter()
@@ -242,13 +257,13 @@ class DecodeScheduler:
         # only (its page is untouched by the step or belongs to it alone).
         for row, (gen, token) in enumerate(zip(batch, msg.tokens)):
             if gen.aborted:
-                self._finish(gen, FailureKind.ABORTED, gen.aborted)
+                self.finish(gen, FailureKind.ABORTED, gen.aborted)
                 continue
             if row in failed:
                 kind, why = failed[row]
                 self.counters.add("step_rows_failed")
-                self._finish(gen, FailureKind.parse(kind),
-                             f"decode step {step}: {gen.request_id}: {why}")
+                self.finish(gen, FailureKind.parse(kind),
+                            f"decode step {step}: {gen.request_id}: {why}")
                 continue
             if not gen.generated:
                 gen.ttft = now - gen.arrived
@@ -257,16 +272,16 @@ class DecodeScheduler:
             logprobs = ((msg.logprobs[row],), (msg.top_ids[row],), (msg.top_logprobs[row],)) \
                 if asked and gen.logprobs >= 0 else ()
             if len(gen.generated) >= gen.max_new_tokens:
-                self._finish(gen, "", "", last=(token,), logprobs=logprobs)
+                self.finish(gen, "", "", last=(token,), logprobs=logprobs)
             else:
-                self._reply(gen, (token,), False, logprobs=logprobs)
+                gen.reply((token,), False, logprobs=logprobs)
         served = set(map(id, batch))
         kept = [g for g in batch if g in self.running]
         self.running = [g for g in self.running if id(g) not in served] + kept
         self._maybe_step()
 
-    def _finish(self, gen: _Gen, kind: "FailureKind | str", message: str, *,
-                last: tuple[int, ...] = (), release: bool = True, logprobs: tuple = ()) -> None:
+    def finish(self, gen: _Gen, kind: "FailureKind | str", message: str, *,
+               last: tuple[int, ...] = (), release: bool = True, logprobs: tuple = ()) -> None:
         if gen in self.running:
             self.running.remove(gen)
         if self.gens.get(gen.request_id) is gen:
@@ -274,5 +289,5 @@ class DecodeScheduler:
         if gen.transfer is not None and release and not self.coordinator.free(gen.request_id):
             log.warning("%s: its page was not held any more", gen.request_id)
         self.counters.add("finished_ok" if not kind else f"finished_{kind}")
-        self._reply(gen, last, True, kind, message, logprobs)
-        self._start_waiting()
+        gen.reply(last, True, kind, message, logprobs)
+        self.start_waiting()

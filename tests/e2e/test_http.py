@@ -296,7 +296,7 @@ def test_only_the_door_that_sent_a_request_can_abort_it(served):
                             "stream_options": {"include_usage": True}}) as r:
         lines = r.iter_lines()
         assert next(lines).startswith("data: ")
-        (request_id,) = node.loop.call(lambda: list(node.gens))
+        (request_id,) = node.loop.call(lambda: list(node.scheduler.gens))
         sock = c.connect_dealer(zmq.Context.instance(), node.address)
         try:
             sock.send(m.encode(nm.AbortRequest(request_id=request_id, reason="not mine")))
@@ -304,7 +304,7 @@ def test_only_the_door_that_sent_a_request_can_abort_it(served):
                        "the foreign abort refused")
         finally:
             sock.close(0)
-        assert node.loop.call(lambda: request_id in node.gens)      # still generating
+        assert node.loop.call(lambda: request_id in node.scheduler.gens)      # still generating
         rest = [line for line in lines if line.startswith("data: {")]
     assert json.loads(rest[-1][6:])["usage"]["completion_tokens"] == MAX_NEW
     wait_until(served.idle, 10, "page and blocks freed")

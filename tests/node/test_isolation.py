@@ -4,8 +4,6 @@ fails as a whole is a server error (``internal``), not a transfer error."""
 
 from __future__ import annotations
 
-import collections
-import itertools
 from types import SimpleNamespace
 
 import pytest
@@ -20,6 +18,7 @@ from statebridge.node import messages as nm
 from statebridge.node.decode_node import DecodeNode, _Gen
 from statebridge.node.http import build_app
 from statebridge.node.rank_model import ModelRankModel
+from statebridge.node.scheduler import DecodeScheduler
 from statebridge.node.text import TextTokenizer
 
 from tests.node.test_http import FakeLink
@@ -63,14 +62,13 @@ def _stub_node(**config) -> DecodeNode:
     node.config = ConnectorConfig()
     node.kv = False
     node.vocab_size = VOCAB
-    node.gens, node.running, node.waiting = {}, [], collections.deque()
-    node.step_in_flight, node._closed, node._step_started = None, False, 0.0
-    node._steps = itertools.count(1)
     node.counters = Counters()
     node.coordinator = SimpleNamespace(
         steps=[], freed=[], to_ranks=lambda msg: node.coordinator.steps.append(msg),
         free=lambda rid: node.coordinator.freed.append(rid) or True,
         status=lambda: (True, ""), start=lambda *a, **k: None)
+    node.scheduler = DecodeScheduler(node.coordinator, node.node_config, node.config,
+                                     kv=node.kv, counters=node.counters)
     return node
 
 
@@ -103,7 +101,7 @@ def test_the_front_door_refuses_what_the_ranks_cannot_use(kw, words):
     (reply,) = inbox.got
     assert reply.done and reply.kind == "invalid_request", reply
     assert all(w in reply.message for w in words), reply.message
-    assert node.gens == {}
+    assert node.scheduler.gens == {}
 
 
 def test_the_http_door_refuses_top_p_that_is_zero_in_float32(tmp_path):
@@ -208,10 +206,10 @@ def _running(node, n):
         gen = _Gen(f"r{i}", inbox, (1, 2, 3), 4, 0.0, 1.0, 0)
         gen.transfer = SimpleNamespace(seconds=0.0, nbytes=0, page=i, blocks=())
         gen.page, gen.next_token = i, 3
-        node.gens[gen.request_id] = gen
-        node.running.append(gen)
+        node.scheduler.gens[gen.request_id] = gen
+        node.scheduler.running.append(gen)
         inboxes.append(inbox)
-    node._maybe_step()
+    node.scheduler._maybe_step()
     return inboxes
 
 
@@ -219,7 +217,7 @@ def test_a_failed_row_finishes_only_its_request():
     node = _stub_node()
     inboxes = _running(node, 3)
     (step,) = node.coordinator.steps
-    node._on_step_result(0, nm.RankStepResult(
+    node.scheduler.on_step_result(0, nm.RankStepResult(
         step=step.step, tp_rank=0, tokens=(5, -1, 6), kind="", message="",
         failed_rows=(1,), failed_kinds=("invalid_request",),
         failed_messages=("token id 999 is outside the vocabulary of 8",)))
@@ -227,8 +225,8 @@ def test_a_failed_row_finishes_only_its_request():
     assert [m.tokens for m in inboxes[2].got] == [(6,)]
     (failed,) = inboxes[1].got
     assert failed.done and failed.kind == "invalid_request" and "999" in failed.message
-    assert sorted(node.gens) == ["r0", "r2"] and node.coordinator.freed == ["r1"]
-    assert [g.request_id for g in node.running] == ["r0", "r2"]
+    assert sorted(node.scheduler.gens) == ["r0", "r2"] and node.coordinator.freed == ["r1"]
+    assert [g.request_id for g in node.scheduler.running] == ["r0", "r2"]
     assert node.coordinator.steps[-1].request_ids == ("r0", "r2")    # the next step goes on
 
 
@@ -236,8 +234,8 @@ def test_a_failed_step_is_internal_for_its_batch():
     node = _stub_node()
     inboxes = _running(node, 2)
     (step,) = node.coordinator.steps
-    node._on_step_result(0, nm.RankStepResult(step=step.step, tp_rank=0, tokens=(),
+    node.scheduler.on_step_result(0, nm.RankStepResult(step=step.step, tp_rank=0, tokens=(),
                                               kind="internal", message="RuntimeError: boom"))
     assert [(m.kind, m.done) for inbox in inboxes for m in inbox.got] == \
         [("internal", True), ("internal", True)]
-    assert node.gens == {} and node.running == []
+    assert node.scheduler.gens == {} and node.scheduler.running == []
