@@ -6,7 +6,6 @@ log-probabilities and token ids, answered whole or as server-sent events; ``/v1/
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import functools
 import json
 import logging
@@ -21,8 +20,8 @@ from statebridge.node import messages as nm
 from statebridge.node.http.errors import ApiError, bad, node_error
 from statebridge.node.http.link import NodeLink, NodeStream
 from statebridge.node.http.metrics import Metrics
-from statebridge.node.http.requests import (MAX_CHARS_PER_TOKEN, RequestReader, Sampling)
-from statebridge.node.text import TextTokenizer
+from statebridge.node.http.requests import RequestReader, Sampling
+from statebridge.node.text import TextStream, TextTokenizer
 
 log = logging.getLogger(__name__)
 
@@ -43,7 +42,7 @@ def _quiet(future: "asyncio.Future") -> None:
     future.add_done_callback(lambda f: f.cancelled() or f.exception())
 
 
-class _Api(RequestReader):
+class _Api:
     """The endpoints, on the server's event loop."""
 
     def __init__(self, link: NodeLink, tokenizer: TextTokenizer, config: HttpConfig, *,
@@ -51,12 +50,13 @@ class _Api(RequestReader):
                  max_inflight: int, metrics: "Metrics", max_model_len: int = 0) -> None:
         self.link, self.tok, self.config = link, tokenizer, config
         self.model_name, self.model_dir = model_name, model_dir
-        self.max_prompt_len, self.max_new_tokens = max_prompt_len, max_new_tokens
+        #: Reads each request (key, body, sampling values, prompts) under the node's limits.
+        self.reader = RequestReader(config, tokenizer, model_name=model_name,
+                                    max_prompt_len=max_prompt_len,
+                                    max_new_tokens=max_new_tokens, max_inflight=max_inflight)
         #: /v1/models' max_model_len: what the node serves (0: the two limits' sum).
         self.max_model_len = max_model_len or max_prompt_len + max_new_tokens
-        self.max_chars = MAX_CHARS_PER_TOKEN * max_prompt_len
         self.max_inflight = max_inflight
-        self.pool: concurrent.futures.ThreadPoolExecutor | None = None
         self.inflight = 0
         self.metrics = metrics
         self.created = int(time.time())
@@ -76,11 +76,11 @@ class _Api(RequestReader):
         endpoint = "chat_completions" if chat else "completions"
         arrived = time.perf_counter()
         try:
-            self.check_key(request)
-            body, size = await self.body(request)
-            params = self.sampling(body, chat=chat)
-            prompts = [await self.chat_prompt(body, size)] if chat else \
-                await self.prompts(body)
+            self.reader.check_key(request)
+            body, size = await self.reader.body(request)
+            params = self.reader.sampling(body, chat=chat)
+            prompts = [await self.reader.chat_prompt(body, size)] if chat else \
+                await self.reader.prompts(body)
         except RecursionError:
             e = bad("the body is nested too deeply to be a request")
             self.metrics.request(endpoint, e.outcome)
@@ -98,7 +98,9 @@ class _Api(RequestReader):
             self.metrics.request(endpoint, e.outcome)
             return e.response()
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
-        choices = [_Choice(self, f"{rid}-{i}", i, ids, params, arrived)
+        choices = [_Choice(f"{rid}-{i}", i, ids, params, arrived, link=self.link,
+                           text=self.tok.stream(params.stop, ignore_eos=params.ignore_eos),
+                           metrics=self.metrics, timeout=self.config.node_timeout)
                    for i, ids in enumerate(prompts)]
         released = False
 
@@ -290,7 +292,7 @@ class _Api(RequestReader):
         from starlette.responses import JSONResponse
 
         try:
-            self.check_key(request)
+            self.reader.check_key(request)
         except ApiError as e:
             self.metrics.request("models", e.outcome)
             return e.response()
@@ -385,11 +387,14 @@ class _Piece:
 class _Choice:
     """One prompt of a request: its node stream, its text, its token ids and log-probs."""
 
-    def __init__(self, api: _Api, request_id: str, index: int, prompt: list[int],
-                 params: Sampling, arrived: float) -> None:
-        self.api, self.request_id, self.index, self.prompt = api, request_id, index, prompt
+    def __init__(self, request_id: str, index: int, prompt: list[int], params: Sampling,
+                 arrived: float, *, link: NodeLink, text: TextStream, metrics: Metrics,
+                 timeout: float) -> None:
+        """``text``: the tokenizer's stream for ``params``; ``timeout``: how long to wait
+        for each node message."""
+        self.request_id, self.index, self.prompt = request_id, index, prompt
         self.params, self.arrived = params, arrived
-        self.text = api.tok.stream(params.stop, ignore_eos=params.ignore_eos)
+        self.link, self.text, self.metrics, self.timeout = link, text, metrics, timeout
         self.stream: NodeStream | None = None
         self.finish: str | None = None
         self.out = ""
@@ -401,18 +406,18 @@ class _Choice:
 
     async def start(self) -> None:
         p = self.params
-        self.stream = self.api.link.open(nm.GenerateRequest(
+        self.stream = self.link.open(nm.GenerateRequest(
             request_id=self.request_id, prompt=tuple(self.prompt), max_new_tokens=p.max_tokens,
             temperature=p.temperature, top_p=p.top_p, seed=p.seed, logprobs=p.logprobs))
         self._first = await self._next()
 
     async def _next(self) -> nm.GenerateTokens:
-        msg = await self.stream.next(self.api.config.node_timeout)
+        msg = await self.stream.next(self.timeout)
         if msg.kind:
             raise node_error(msg.kind, msg.message)
         if msg.tokens:
             now = time.perf_counter()
-            metrics = self.api.metrics
+            metrics = self.metrics
             if not self._last_token:
                 self._first_at = now
                 metrics.ttft.observe(now - self.arrived)
@@ -449,7 +454,9 @@ class _Choice:
         if finish is not None:
             self.finish = finish
             self.close("stop string" if finish == "stop" else "done")
-            self.api.metrics.finished(self, time.perf_counter())
+            self.metrics.finished(finish, prompt_tokens=len(self.prompt),
+                                  tokens=self.text.tokens, arrived=self.arrived,
+                                  first_token_at=self._first_at, now=time.perf_counter())
         return _Piece(delta, finish, tuple(consumed), tuple(logprobs))
 
     async def run(self) -> None:
@@ -482,9 +489,7 @@ def build_app(link: NodeLink, tokenizer: TextTokenizer, config: HttpConfig, *, m
             yield
         finally:
             await link.close()
-            if api.pool is not None:
-                api.pool.shutdown(wait=False, cancel_futures=True)
-                api.pool = None
+            api.reader.close()
 
     async def completions(request):
         return await api.completion(request, chat=False)

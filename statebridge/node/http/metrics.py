@@ -5,12 +5,7 @@ and per-request histograms from its NodeStats. Names are vLLM's with ``statebrid
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 from statebridge.node import messages as nm
-
-if TYPE_CHECKING:
-    from statebridge.node.http.api import _Choice
 
 __all__ = ["Metrics"]
 
@@ -64,17 +59,19 @@ class Metrics:
     def request(self, endpoint: str, outcome: str) -> None:
         self.requests.labels(endpoint, outcome).inc()
 
-    def finished(self, choice: "_Choice", now: float) -> None:
-        """``choice`` met its finish reason at ``now`` (perf_counter)."""
-        tokens = choice.text.tokens
-        self.prompt_tokens.inc(len(choice.prompt))
+    def finished(self, reason: str, *, prompt_tokens: int, tokens: int, arrived: float,
+                 first_token_at: float, now: float) -> None:
+        """A generation of ``prompt_tokens`` and ``tokens`` generated ones met its finish
+        ``reason`` at ``now``; it arrived at ``arrived`` and had its first token at
+        ``first_token_at`` (0.0: none). Times from ``time.perf_counter``."""
+        self.prompt_tokens.inc(prompt_tokens)
         self.generation_tokens.inc(tokens)
-        self.success.labels(choice.finish).inc()
-        self.e2e.observe(now - choice.arrived)
-        if choice._first_at:
-            self.decode_time.observe(now - choice._first_at)
+        self.success.labels(reason).inc()
+        self.e2e.observe(now - arrived)
+        if first_token_at:
+            self.decode_time.observe(now - first_token_at)
             if tokens > 1:
-                self.tpot.observe((now - choice._first_at) / (tokens - 1))
+                self.tpot.observe((now - first_token_at) / (tokens - 1))
 
 
 class NodeCollector:

@@ -87,18 +87,24 @@ def unicode_text(value: str, param: str) -> str:
 
 
 class RequestReader:
-    """The request-reading half of the API (a base class of the API object, whose
-    ``__init__`` sets what these read: ``config``, ``tok``, ``model_name``, the limits and the
-    tokenizer ``pool``)."""
+    """Reads the API's requests (:class:`~statebridge.node.http.api` has one): the key, the
+    body under its limits, the sampling values and the prompts as token ids, for a node with
+    these limits; long texts are tokenized in a small pool of its own (:meth:`close` stops
+    it)."""
 
-    config: HttpConfig
-    tok: TextTokenizer
-    model_name: str
-    max_prompt_len: int
-    max_new_tokens: int
-    max_chars: int
-    max_inflight: int
-    pool: "concurrent.futures.ThreadPoolExecutor | None"
+    def __init__(self, config: HttpConfig, tokenizer: TextTokenizer, *, model_name: str,
+                 max_prompt_len: int, max_new_tokens: int, max_inflight: int) -> None:
+        self.config, self.tok, self.model_name = config, tokenizer, model_name
+        self.max_prompt_len, self.max_new_tokens = max_prompt_len, max_new_tokens
+        self.max_chars = MAX_CHARS_PER_TOKEN * max_prompt_len
+        self.max_inflight = max_inflight
+        self.pool: concurrent.futures.ThreadPoolExecutor | None = None
+
+    def close(self) -> None:
+        """Stop the tokenizer pool (queued work is dropped); one starts again if needed."""
+        if self.pool is not None:
+            self.pool.shutdown(wait=False, cancel_futures=True)
+            self.pool = None
 
     # -- checks ---------------------------------------------------------------------------
     def check_key(self, request) -> None:
