@@ -17,11 +17,9 @@ from statebridge.models.checkpoint import make_checkpoint
 from statebridge.net import free_port
 from statebridge.node.client import Client
 from statebridge.node.decode_node import DecodeNode
-from statebridge.node.prefill_node import start_prefill_node
 from statebridge.node.text import TextTokenizer
-from statebridge.testing.hosts import RankHostPool
 
-from tests.connector._helpers import log_to_stderr, wait_until
+from tests.connector._helpers import wait_until
 
 from ._helpers import FAST
 
@@ -70,33 +68,15 @@ class Served:
 
 
 @pytest.fixture(scope="module")
-def pools():
-    with RankHostPool(1, initializer=log_to_stderr) as prefill_hosts, \
-            RankHostPool(2, initializer=log_to_stderr) as decode_hosts:
-        yield prefill_hosts, decode_hosts
-
-
-@pytest.fixture(scope="module")
-def served(pools, tmp_path_factory):
-    prefill_hosts, decode_hosts = pools
+def served(live_pair, tmp_path_factory):
     model = str(make_checkpoint("lfm2-hybrid", tmp_path_factory.mktemp("http") / "lfm2h-tiny"))
-    server = start_prefill_node(model, 1, num_pages=PAGES, config=FAST, kv_blocks=128,
-                                launcher=prefill_hosts.launcher())
-    try:
-        node = DecodeNode(model, 2, [server.address], num_pages=PAGES, config=FAST,
-                          kv_blocks=128, max_prompt_len=64, max_new_tokens=MAX_NEW,
-                          launcher=decode_hosts.launcher(),
-                          # The zmq door too (these tests compare both doors): with an API
-                          # key and no CURVE keys it is off unless asked for.
-                          node=NodeConfig(front_door="on"),
-                          http=HttpConfig(port=0, api_key=KEY))
-        try:
-            node.wait_ready(60)
-            yield Served(model, TextTokenizer.from_dir(model), server, node)
-        finally:
-            node.close()
-    finally:
-        server.close()
+    with live_pair(model, num_pages=PAGES, kv_blocks=128, max_prompt_len=64,
+                   max_new_tokens=MAX_NEW,
+                   # The zmq door too (these tests compare both doors): with an API key and
+                   # no CURVE keys it is off unless asked for.
+                   node=NodeConfig(front_door="on"),
+                   http=HttpConfig(port=0, api_key=KEY)) as (server, node):
+        yield Served(model, TextTokenizer.from_dir(model), server, node)
 
 
 PROMPT = "The old man rowed down the river"

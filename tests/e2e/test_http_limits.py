@@ -22,11 +22,9 @@ from statebridge.models.checkpoint import make_checkpoint
 from statebridge.net import free_port
 from statebridge.node.client import Client
 from statebridge.node.decode_node import DecodeNode
-from statebridge.node.prefill_node import start_prefill_node
 from statebridge.security import CurveKeys, generate_keys
-from statebridge.testing.hosts import RankHostPool
 
-from tests.connector._helpers import log_to_stderr, wait_until
+from tests.connector._helpers import wait_until
 
 from ._helpers import FAST
 
@@ -86,32 +84,14 @@ class Pair:
 
 
 @pytest.fixture(scope="module")
-def pools():
-    with RankHostPool(1, initializer=log_to_stderr) as prefill_hosts, \
-            RankHostPool(2, initializer=log_to_stderr) as decode_hosts:
-        yield prefill_hosts, decode_hosts
-
-
-@pytest.fixture(scope="module")
-def pair(pools, tmp_path_factory):
-    prefill_hosts, decode_hosts = pools
+def pair(live_pair, tmp_path_factory):
     model = str(make_checkpoint("lfm2-hybrid", tmp_path_factory.mktemp("limits") / "lh"))
-    server = start_prefill_node(model, 1, num_pages=PAGES, config=FAST, kv_blocks=256,
-                                launcher=prefill_hosts.launcher())
-    try:
-        node = DecodeNode(model, 2, [server.address], num_pages=PAGES, config=FAST,
-                          kv_blocks=256, max_prompt_len=MAX_PROMPT, max_new_tokens=16,
-                          launcher=decode_hosts.launcher(),
-                          # Above the default (1 MiB), so the 4 MB prompt is read, parsed and
-                          # refused from its length: the path that once tokenized it.
-                          http=HttpConfig(port=0, max_body_bytes=8 << 20))
-        try:
-            node.wait_ready(60)
-            yield Pair(model, server, node)
-        finally:
-            node.close()
-    finally:
-        server.close()
+    with live_pair(model, num_pages=PAGES, kv_blocks=256, max_prompt_len=MAX_PROMPT,
+                   max_new_tokens=16,
+                   # Above the default (1 MiB), so the 4 MB prompt is read, parsed and refused
+                   # from its length: the path that once tokenized it.
+                   http=HttpConfig(port=0, max_body_bytes=8 << 20)) as (server, node):
+        yield Pair(model, server, node)
 
 
 def _rss_kib() -> int:

@@ -16,7 +16,6 @@ from statebridge.models.checkpoint import make_checkpoint
 from statebridge.net import free_port
 from statebridge.node.client import Client
 from statebridge.node.decode_node import DecodeNode
-from statebridge.node.prefill_node import start_prefill_node
 from statebridge.node.text import TextTokenizer
 from statebridge.testing.hosts import RankHostPool
 
@@ -61,20 +60,13 @@ def model(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def node(pools, model):
-    prefill_hosts, decode_hosts = pools
-    server = start_prefill_node(model, 1, num_pages=8, config=FAST, kv_blocks=64,
-                                launcher=prefill_hosts.launcher(),
-                                rank_model="tests.e2e._helpers:SlowPrefillModel")
-    try:
-        with DecodeNode(model, 2, [server.address], num_pages=8, config=FAST, kv_blocks=64,
-                        max_prompt_len=64, max_new_tokens=32, launcher=decode_hosts.launcher(),
-                        node=NodeConfig(front_door="on"), http=HttpConfig(port=0)) as node:
-            node.wait_ready(60)
-            node.tok = TextTokenizer.from_dir(model)
-            yield node
-    finally:
-        server.close()
+def node(live_pair, model):
+    with live_pair(model, num_pages=8, kv_blocks=64,
+                   prefill_model="tests.e2e._helpers:SlowPrefillModel", max_prompt_len=64,
+                   max_new_tokens=32, node=NodeConfig(front_door="on"),
+                   http=HttpConfig(port=0)) as (_, node):
+        node.tok = TextTokenizer.from_dir(model)
+        yield node
 
 
 def scrape(node) -> tuple[dict, dict]:

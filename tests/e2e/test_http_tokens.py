@@ -13,14 +13,9 @@ from statebridge.config import HttpConfig, NodeConfig
 from statebridge.models.checkpoint import make_checkpoint
 from statebridge.models.sampling import MAX_LOGPROBS
 from statebridge.node.client import Client
-from statebridge.node.decode_node import DecodeNode
-from statebridge.node.prefill_node import start_prefill_node
 from statebridge.node.text import TextTokenizer
-from statebridge.testing.hosts import RankHostPool
 
-from tests.connector._helpers import log_to_stderr, wait_until
-
-from ._helpers import FAST
+from tests.connector._helpers import wait_until
 
 openai = pytest.importorskip("openai")
 httpx = pytest.importorskip("httpx")
@@ -49,22 +44,12 @@ class Served:
 
 
 @pytest.fixture(scope="module")
-def served(tmp_path_factory):
+def served(live_pair, tmp_path_factory):
     model = str(make_checkpoint("lfm2-hybrid", tmp_path_factory.mktemp("vocab") / "lfm2h-64k",
                                 overrides={"vocab_size": VOCAB}))
-    with RankHostPool(1, initializer=log_to_stderr) as prefill_hosts, \
-            RankHostPool(2, initializer=log_to_stderr) as decode_hosts:
-        server = start_prefill_node(model, 1, num_pages=PAGES, config=FAST, kv_blocks=64,
-                                    launcher=prefill_hosts.launcher())
-        try:
-            with DecodeNode(model, 2, [server.address], num_pages=PAGES, config=FAST,
-                            kv_blocks=64, max_prompt_len=64, max_new_tokens=64,
-                            launcher=decode_hosts.launcher(), node=NodeConfig(front_door="on"),
-                            http=HttpConfig(port=0)) as node:
-                node.wait_ready(60)
-                yield Served(model, node)
-        finally:
-            server.close()
+    with live_pair(model, num_pages=PAGES, kv_blocks=64, max_prompt_len=64, max_new_tokens=64,
+                   node=NodeConfig(front_door="on"), http=HttpConfig(port=0)) as (_, node):
+        yield Served(model, node)
 
 
 def _check_top(chosen: int, chosen_lp: float, top: list[tuple[int, float]], k: int,
