@@ -245,7 +245,8 @@ class PrefixIndex(Generic[E]):
 
     def __init__(self) -> None:
         self._entries: dict[bytes, tuple[Checkpoint, E]] = {}
-        self._anchors: dict[bytes, dict[int, bytes]] = {}      # anchor -> {tokens: key}
+        # anchor -> {tokens: how many keys} (prompts that share blocks may differ in the tail)
+        self._anchors: dict[bytes, dict[int, int]] = {}
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -266,13 +267,16 @@ class PrefixIndex(Generic[E]):
             raise ConfigError(f"checkpoint {checkpoint.key.hex()} ({checkpoint.tokens} tokens) "
                               f"is indexed already")
         self._entries[checkpoint.key] = (checkpoint, entry)
-        self._anchors.setdefault(checkpoint.anchor, {})[checkpoint.tokens] = checkpoint.key
+        bucket = self._anchors.setdefault(checkpoint.anchor, {})
+        bucket[checkpoint.tokens] = bucket.get(checkpoint.tokens, 0) + 1
 
     def remove(self, key: bytes) -> E:
         """Drop ``key`` and return its entry (KeyError if absent)."""
         checkpoint, entry = self._entries.pop(key)
         bucket = self._anchors[checkpoint.anchor]
-        del bucket[checkpoint.tokens]
+        bucket[checkpoint.tokens] -= 1
+        if not bucket[checkpoint.tokens]:
+            del bucket[checkpoint.tokens]
         if not bucket:
             del self._anchors[checkpoint.anchor]
         return entry
@@ -299,8 +303,7 @@ class PrefixIndex(Generic[E]):
                 if n > limit or n // bs != b:
                     continue
                 key = prompt.key_at(n)
-                if key == bucket[n]:
-                    entry = self._entries[key][1]
-                    if accept is None or accept(entry):
-                        return Match(n, key, entry)
+                item = self._entries.get(key)
+                if item is not None and (accept is None or accept(item[1])):
+                    return Match(n, key, item[1])
         return _NO_MATCH
