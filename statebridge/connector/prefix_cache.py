@@ -350,12 +350,13 @@ class PrefixCache:
         """Pending units for the checkpoints a prefill of ``prompt`` from token ``start`` passes
         (default: :meth:`PrefixHasher.checkpoint_positions`), skipping those already cached or
         in flight. Each takes a page (and a tail block) within the budget, evicting least
-        recently used units for it; stops at the first that does not fit (best effort: a
-        request never waits for its checkpoints)."""
+        recently used units for it. Positions are taken from the last down (the prompt's end
+        is what the next turn of a chat hits) and stop at the first that does not fit (best
+        effort: a request never waits for its checkpoints). Returned in token order."""
         if positions is None:
             positions = self.hasher.checkpoint_positions(len(prompt), start)
         out: list[Unit] = []
-        for n in positions:
+        for n in sorted(positions, reverse=True):   # the prompt's end first: the next turn's
             checkpoint = prompt.checkpoint(n)
             if checkpoint.key in self.index:
                 continue
@@ -364,7 +365,7 @@ class PrefixCache:
                     needs_tail and (self.num_blocks >= self.block_budget
                                     or not self.blocks.num_free)):
                 if not self._evict_lru():
-                    return out
+                    return sorted(out, key=lambda u: u.tokens)
             page = self.pages.allocate()
             tail = self.blocks.allocate(1)[0] if needs_tail else None
             unit = Unit(checkpoint, page, tail, final=n == len(prompt),
@@ -375,7 +376,7 @@ class PrefixCache:
             self.index.add(checkpoint, unit)
             lease.pending.append(unit)
             out.append(unit)
-        return out
+        return sorted(out, key=lambda u: u.tokens)
 
     def commit(self, key: bytes, lease: Lease, table: Sequence[int] = ()) -> list[int]:
         """The checkpoint ``key`` (and its tail copy) is written: the unit becomes ready. Its
