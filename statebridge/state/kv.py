@@ -305,6 +305,11 @@ class BlockPool:
     def is_allocated(self, block: int) -> bool:
         return 0 <= block < self.num_blocks and bool(self._used[block])
 
+    def used_mask(self) -> np.ndarray:
+        """A copy of the in-use flags, one bool per block id (for callers that choose which
+        blocks to free so that a contiguous range opens, e.g. the prefix cache)."""
+        return self._used.copy()
+
 
 #: Block counts whose contiguous-table runs a KVPairPlan keeps (cleared when full).
 _CONTIGUOUS_CACHE = 256
