@@ -10,17 +10,17 @@ A handle leaves PENDING exactly once; then :attr:`TransferHandle.error` says why
 None) and its staging buffer goes back to the pool. Like its :class:`Transport`, a handle
 belongs to the thread that owns the transport.
 
-What a handle asks of its transport (``Transport`` in ``transport.py``): ``_drive(block_s,
-ready)`` one progress round, ``_classify(handle, request)`` the error of a failed UCX request,
-``_finished(handle, staging, quiescent)`` the bookkeeping when it leaves flight, and
-``_count_failure(kind)``.
+What a handle asks of its transport is :class:`HandleOwner` (implemented by ``Transport`` in
+``transport.py``, which this module does not import): ``_drive(block_s, ready)`` one progress
+round, ``_classify(handle, request)`` the error of a failed UCX request, ``_finished(handle,
+staging, quiescent)`` the bookkeeping when it leaves flight, and ``_count_failure(kind)``.
 """
 
 from __future__ import annotations
 
 import enum
 import time
-from typing import TYPE_CHECKING
+from typing import Any, Callable, Protocol
 
 import torch
 
@@ -31,10 +31,7 @@ from statebridge.errors import (
     TransferTimeoutError,
 )
 
-if TYPE_CHECKING:
-    from statebridge.connector.data.transport import Transport
-
-__all__ = ["HandleState", "TransferHandle"]
+__all__ = ["HandleOwner", "HandleState", "TransferHandle"]
 
 #: UCX's status of a request that completed successfully (ucs/type/status.h).
 UCS_OK = 0
@@ -52,6 +49,23 @@ class HandleState(enum.Enum):
 _PENDING, _DONE, _FAILED = HandleState.PENDING, HandleState.DONE, HandleState.FAILED
 
 
+class HandleOwner(Protocol):
+    """What a :class:`TransferHandle` calls back into: the transport that posted it."""
+
+    def _drive(self, block_s: float, ready: Callable[[], bool] | None) -> None:
+        """One progress round, sleeping up to ``block_s`` unless ``ready()``."""
+
+    def _classify(self, handle: "TransferHandle", request: Any) -> BaseException:
+        """The error of ``request``, which completed with a non-OK status."""
+
+    def _finished(self, handle: "TransferHandle", staging: torch.Tensor | None,
+                  quiescent: bool) -> None:
+        """Bookkeeping when ``handle`` leaves flight (its staging buffer back to the pool)."""
+
+    def _count_failure(self, kind: str) -> None:
+        """Count a failure of ``kind`` (e.g. "timeout")."""
+
+
 class TransferHandle:
     """One posted transfer of one rank pair: a zero-copy run list or one staged message.
 
@@ -66,7 +80,7 @@ class TransferHandle:
                  "_checked", "_staging", "_on_success", "_state", "_error", "_timed_out",
                  "__weakref__")
 
-    def __init__(self, transport: "Transport", *, direction: str, kind: str,
+    def __init__(self, transport: HandleOwner, *, direction: str, kind: str,
                  peer_id: str | None, generation: int, src_rank: int, nbytes: int,
                  messages: int, request_id: str | None, requests: list,
                  staging: torch.Tensor | None = None, on_success=None) -> None:
