@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import collections
 import logging
+from dataclasses import KW_ONLY, dataclass, field
 from typing import Any, Protocol
 
 from statebridge.connector.data import ucxinfo
@@ -46,19 +47,18 @@ class WorkerOwner(Protocol):
         closed."""
 
 
+@dataclass(slots=True, eq=False)
 class Peer:
     """One connected peer: its id, worker address, UCX endpoint and connection serial."""
 
-    __slots__ = ("peer_id", "address", "endpoint", "serial", "closing")
-
-    def __init__(self, peer_id: str, address: bytes, endpoint: Any, serial: int) -> None:
-        self.peer_id = peer_id
-        self.address = address
-        self.endpoint = endpoint
-        self.serial = serial
-        self.closing = False
+    peer_id: str
+    address: bytes
+    endpoint: Any
+    serial: int
+    closing: bool = False
 
 
+@dataclass(eq=False, repr=False)
 class Endpoints:
     """A transport's endpoints to its peers (see the module docstring).
 
@@ -73,29 +73,28 @@ class Endpoints:
         name: label used in logs and errors.
     """
 
-    def __init__(self, owner: WorkerOwner, ucx_api: Any, *, error_handling: bool, tls: str,
-                 outstanding: dict[int, TransferHandle], counters: Counters,
-                 name: str) -> None:
-        self._owner = owner
-        self._ucx = ucx_api
-        self.error_handling = error_handling
-        self._tls = tls
-        self._outstanding = outstanding
-        self.counters = counters
-        self.name = name
-        self._peers: dict[str, Peer] = {}
-        self._lost: dict[str, str] = {}              # peer id -> why it was declared lost
-        self._lanes: dict[str, list[str]] = {}
-        self._serial = 0
-        #: (peer id, serial) recorded by UCX's callbacks, processed by :meth:`process_events`.
-        self.events: collections.deque = collections.deque()
-        self._abandoned: list[Peer] = []     # endpoints of lost peers, closed without waiting
+    owner: WorkerOwner
+    ucx_api: Any
+    _: KW_ONLY
+    error_handling: bool
+    tls: str
+    outstanding: dict[int, TransferHandle]
+    counters: Counters
+    name: str
+    #: (peer id, serial) recorded by UCX's callbacks, processed by :meth:`process_events`.
+    events: collections.deque = field(init=False, default_factory=collections.deque)
+    _peers: dict[str, Peer] = field(init=False, default_factory=dict)
+    _lost: dict[str, str] = field(init=False, default_factory=dict)   # peer id -> why lost
+    _lanes: dict[str, list[str]] = field(init=False, default_factory=dict)
+    _serial: int = field(init=False, default=0)
+    #: Endpoints of lost peers, closed without waiting.
+    _abandoned: list[Peer] = field(init=False, default_factory=list)
 
     # -- what the transport reads -----------------------------------------------------------------
     def peer_ids(self) -> tuple[str, ...]:
         return tuple(self._peers)
 
-    def __len__(self) -> int:
+    def peer_count(self) -> int:
         return len(self._peers)
 
     def lanes(self, peer_id: str) -> list[str]:
@@ -130,7 +129,7 @@ class Endpoints:
             raise ConfigError(f"address of peer {peer_id!r} must be non-empty bytes, got "
                               f"{type(address).__name__}")
         address = bytes(address)
-        worker = self._owner.live_worker()
+        worker = self.owner.live_worker()
         peer = self._peers.get(peer_id)
         if peer is not None:
             if peer.address == address:
@@ -138,7 +137,7 @@ class Endpoints:
             raise ConfigError(f"peer {peer_id!r} is already connected with another address; "
                               f"fail_peer() it first")
         try:
-            ucx_address = self._ucx.UCXAddress.create_from_buffer(address)
+            ucx_address = self.ucx_api.UCXAddress.create_from_buffer(address)
             endpoint = worker.create_endpoint_from_worker_address(
                 ucx_address, self.error_handling)
         except Exception as e:  # noqa: BLE001 -- ucxx raises its own exception types
@@ -165,7 +164,7 @@ class Endpoints:
         handles failed."""
         self._lost[peer_id] = str(reason)
         peer = self._peers.pop(peer_id, None)
-        handles = [h for h in self._outstanding.values() if h.peer_id == peer_id]
+        handles = [h for h in self.outstanding.values() if h.peer_id == peer_id]
         self.counters.add("peers_failed")
         if peer is not None:
             # Closing the endpoint cancels the requests registered on it (status CANCELED). The
@@ -189,7 +188,7 @@ class Endpoints:
         or when ``UCX_TLS`` leaves out cma."""
         if not same_host or self.error_handling:
             return False
-        tls = [t.strip() for t in self._tls.split(",") if t.strip()]
+        tls = [t.strip() for t in self.tls.split(",") if t.strip()]
         if not tls:
             return True
         if tls[0].startswith("^"):                 # an exclusion list
@@ -199,7 +198,7 @@ class Endpoints:
 
     def endpoint(self, peer_id: str):
         """The live endpoint of ``peer_id``."""
-        self._owner.live_worker()
+        self.owner.live_worker()
         peer = self._peers.get(peer_id)
         if peer is not None:
             return peer.endpoint

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import enum
 import time
+from dataclasses import KW_ONLY, InitVar, dataclass, field
 from typing import Any, Callable, Protocol
 
 import torch
@@ -66,6 +67,7 @@ class HandleOwner(Protocol):
         """Count a failure of ``kind`` (e.g. "timeout")."""
 
 
+@dataclass(slots=True, eq=False, repr=False)
 class TransferHandle:
     """One posted transfer of one rank pair: a zero-copy run list or one staged message.
 
@@ -75,33 +77,35 @@ class TransferHandle:
     staging buffer was scattered into the page.
     """
 
-    __slots__ = ("_transport", "direction", "kind", "peer_id", "generation", "src_rank",
-                 "nbytes", "messages", "request_id", "posted_at", "finished_at", "_requests",
-                 "_checked", "_staging", "_on_success", "_state", "_error", "_timed_out",
-                 "__weakref__")
+    # The transport it calls back into (progress, error classification, bookkeeping).
+    _transport: HandleOwner
+    _: KW_ONLY
+    direction: str                      # "send" | "recv"
+    kind: str                           # "zero_copy" | "staged" | "notice"
+    peer_id: str | None
+    generation: int
+    src_rank: int
+    nbytes: int
+    messages: int
+    request_id: str | None
+    requests: InitVar[list]             # the UCX requests, kept as _requests until it finishes
+    staging: InitVar[torch.Tensor | None] = None
+    on_success: InitVar[Callable[[], None] | None] = None   # e.g. the scatter of a staged recv
+    posted_at: float = field(init=False, default_factory=time.monotonic)
+    finished_at: float | None = field(init=False, default=None)
+    _requests: list = field(init=False)
+    _checked: int = field(init=False, default=0)    # requests[:_checked] known complete and OK
+    _staging: torch.Tensor | None = field(init=False)
+    _on_success: Callable[[], None] | None = field(init=False)
+    _state: HandleState = field(init=False, default=HandleState.PENDING)
+    _error: BaseException | None = field(init=False, default=None)
+    _timed_out: bool = field(init=False, default=False)
 
-    def __init__(self, transport: HandleOwner, *, direction: str, kind: str,
-                 peer_id: str | None, generation: int, src_rank: int, nbytes: int,
-                 messages: int, request_id: str | None, requests: list,
-                 staging: torch.Tensor | None = None, on_success=None) -> None:
-        self._transport = transport
-        self.direction = direction          # "send" | "recv"
-        self.kind = kind                    # "zero_copy" | "staged"
-        self.peer_id = peer_id
-        self.generation = generation
-        self.src_rank = src_rank
-        self.nbytes = nbytes
-        self.messages = messages
-        self.request_id = request_id
-        self.posted_at = time.monotonic()
-        self.finished_at: float | None = None
+    def __post_init__(self, requests: list, staging: torch.Tensor | None,
+                      on_success: Callable[[], None] | None) -> None:
         self._requests = requests
-        self._checked = 0                   # requests[:_checked] are known complete and OK
         self._staging = staging
-        self._on_success = on_success       # e.g. the scatter of a staged receive
-        self._state = _PENDING
-        self._error: BaseException | None = None
-        self._timed_out = False
+        self._on_success = on_success
 
     # -- public ------------------------------------------------------------------------------
     def done(self) -> bool:

@@ -16,6 +16,7 @@ before its handle reports done.
 
 from __future__ import annotations
 
+from dataclasses import KW_ONLY, InitVar, dataclass, field
 from typing import Any, Protocol
 
 import numpy as np
@@ -59,45 +60,51 @@ class PeerEndpoints(Protocol):
         """The live UCX endpoint of ``peer_id`` (raises when closed, lost or unknown)."""
 
 
+@dataclass(eq=False, repr=False)
 class Posting:
     """A transport's posts over its page buffer (see the module docstring).
 
     Args:
         owner: the transport (:class:`PostingOwner`): the handles' owner.
         endpoints: the endpoint lookup (:class:`PeerEndpoints`).
-        segments: the buffer's ``(start, tensor)`` segments, checked, in address order.
-        array: ``ucxx._lib.arr.Array``; ``tag``: ``UCXXTag`` (imported by the transport).
+        buffer: the buffer's ``(start, tensor)`` segments, checked, in address order.
+        array_type: ``ucxx._lib.arr.Array``; ``tag_type``: ``UCXXTag`` (imported by the
+            transport).
         pool: the staging pool of staged pairs.
         outstanding: the transport's handles in flight (id -> handle); posts add to it.
         counters: the transport's counters.
         name: label used in errors.
     """
 
-    def __init__(self, owner: PostingOwner, endpoints: PeerEndpoints,
-                 segments: list[tuple[int, torch.Tensor]], *, array: Any, tag: Any,
-                 pool: StagingPool, outstanding: dict[int, TransferHandle],
-                 counters: Counters, name: str) -> None:
-        self._owner = owner
-        self._endpoints = endpoints
-        self._Array = array
-        self._Tag = tag
-        self._pool = pool
-        self._outstanding = outstanding
-        self.counters = counters
-        self.name = name
-        #: (start, end, tensor, host memoryview or None) per segment, in address order.
+    owner: PostingOwner
+    endpoints: PeerEndpoints
+    _: KW_ONLY
+    buffer: InitVar[list[tuple[int, torch.Tensor]]]
+    array_type: Any
+    tag_type: Any
+    pool: StagingPool
+    outstanding: dict[int, TransferHandle]
+    counters: Counters
+    name: str
+    #: (start, end, tensor, host memoryview or None) per segment, in address order.
+    segments: list[tuple[int, int, torch.Tensor, memoryview | None]] = field(init=False)
+    #: The staged pairs' buffer: the first segment (the pool); as numpy and as a memoryview
+    #: when on the host (else None).
+    page: torch.Tensor = field(init=False)
+    page_np: np.ndarray | None = field(init=False)
+    page_mv: memoryview | None = field(init=False)
+    #: The whole buffer's size in bytes (the end of its last segment).
+    size: int = field(init=False)
+    _arrays: dict[tuple[int, int], Any] = field(init=False, default_factory=dict)  # see view()
+
+    def __post_init__(self, buffer: list[tuple[int, torch.Tensor]]) -> None:
         self.segments = [(start, start + t.numel(), t,
                           memoryview(t.numpy()) if t.device.type == "cpu" else None)
-                         for start, t in segments]
-        first = segments[0][1]
-        #: The staged pairs' buffer: the first segment (the pool); as numpy and as a memoryview
-        #: when on the host (else None).
-        self.page = first
+                         for start, t in buffer]
+        self.page = first = buffer[0][1]
         self.page_np = first.numpy() if first.device.type == "cpu" else None
         self.page_mv = self.segments[0][3]
-        #: The whole buffer's size in bytes (the end of its last segment).
         self.size = self.segments[-1][1]
-        self._arrays: dict[tuple[int, int], Any] = {}     # see view()
 
     def template(self, runs: object, direction: str) -> RunTemplate:
         """``runs`` (``[R, 3]``: src offset, dst offset, length; relative to a page) as a
@@ -110,7 +117,7 @@ class Posting:
     def post_runs(self, direction: str, peer_id: str | None, generation: int, src_rank: int,
                   base: int, template: RunTemplate, *,
                   request_id: str | None = None, index0: int = 0) -> TransferHandle:
-        """:meth:`post_send` / :meth:`post_recv` of a :class:`RunTemplate` at byte offset
+        """``Transport.post_send`` / ``post_recv`` of a :class:`RunTemplate` at byte offset
         ``base`` of the buffer (a page's start): the rank's per-request post. Run ``i``
         travels with tag index ``index0 + i`` (a second post of the same pair and attempt,
         e.g. the attention KV after the recurrent runs, numbers on)."""
@@ -131,17 +138,17 @@ class Posting:
             generation, src_rank = int(generation), int(src_rank)
         tag0 = pack_tag(generation, src_rank, index0)
         if send:
-            op = self._endpoints.endpoint(peer_id).tag_send
+            op = self.endpoints.endpoint(peer_id).tag_send
         elif peer_id is None:                      # a receive matching any peer
-            op = self._owner.live_worker().tag_recv
+            op = self.owner.live_worker().tag_recv
         else:
-            op = self._endpoints.endpoint(peer_id).tag_recv
+            op = self.endpoints.endpoint(peer_id).tag_recv
         requests = self._post_runs(op, base, template, tag0, peer_id)
-        handle = TransferHandle(self._owner, direction=direction, kind="zero_copy",
+        handle = TransferHandle(self.owner, direction=direction, kind="zero_copy",
                                 peer_id=peer_id, generation=generation, src_rank=src_rank,
                                 nbytes=template.nbytes, messages=len(template.offsets),
                                 request_id=request_id, requests=requests)
-        self._outstanding[id(handle)] = handle
+        self.outstanding[id(handle)] = handle
         return handle
 
     def post_send_staged(self, peer_id: str, generation: int, src_rank: int, pack_runs: object,
@@ -154,14 +161,14 @@ class Posting:
         nbytes = int((pack_runs[:, 1] + pack_runs[:, 2]).max()) if len(pack_runs) else 0
         check_span(pack_runs, 1, nbytes, "pack", "staging buffer")
         tag = make_tag(generation, src_rank, STAGED_INDEX)
-        staging = self._pool.acquire(nbytes)
+        staging = self.pool.acquire(nbytes)
         try:
             self._staged_copy(self.page, pack_runs, staging, "pack")
-            endpoint = self._endpoints.endpoint(peer_id)
+            endpoint = self.endpoints.endpoint(peer_id)
             requests = self.post_one(endpoint.tag_send, self._staging_view(staging, nbytes),
                                       tag, peer_id)
         except BaseException:
-            self._pool.release(staging)
+            self.pool.release(staging)
             raise
         return self._staged_handle("send", peer_id, generation, src_rank, nbytes, request_id,
                                    requests, staging, None)
@@ -178,14 +185,14 @@ class Posting:
         check_span(unpack_runs, 0, nbytes, "unpack", "staging message")
         check_span(unpack_runs, 1, self.page.numel(), "unpack", "page buffer")
         tag = make_tag(generation, src_rank, STAGED_INDEX)
-        staging = self._pool.acquire(nbytes)
+        staging = self.pool.acquire(nbytes)
         try:
-            target = self._owner.live_worker() if peer_id is None \
-                else self._endpoints.endpoint(peer_id)
+            target = self.owner.live_worker() if peer_id is None \
+                else self.endpoints.endpoint(peer_id)
             requests = self.post_one(target.tag_recv, self._staging_view(staging, nbytes),
                                       tag, peer_id)
         except BaseException:
-            self._pool.release(staging)
+            self.pool.release(staging)
             raise
         page = self.page
         return self._staged_handle("recv", peer_id, generation, src_rank, nbytes, request_id,
@@ -208,34 +215,34 @@ class Posting:
             raise ConfigError(f"notice [{offset!r}, +{nbytes!r}) is outside the "
                               f"{self.size}-byte buffer")
         tag = make_tag(generation, src_rank, index)
-        endpoint = self._endpoints.endpoint(peer_id)
+        endpoint = self.endpoints.endpoint(peer_id)
         op = endpoint.tag_send if direction == "send" else endpoint.tag_recv
         # A notice slot is the same few bytes request after request: its view is cached.
         requests = self.post_one(op, self.view(offset, nbytes), tag, peer_id)
-        handle = TransferHandle(self._owner, direction=direction, kind="notice", peer_id=peer_id,
+        handle = TransferHandle(self.owner, direction=direction, kind="notice", peer_id=peer_id,
                                 generation=generation, src_rank=src_rank, nbytes=nbytes,
                                 messages=1, request_id=request_id, requests=requests)
-        self._outstanding[id(handle)] = handle
+        self.outstanding[id(handle)] = handle
         return handle
 
     def _staged_handle(self, direction: str, peer_id: str | None, generation: int,
                        src_rank: int, nbytes: int, request_id: str | None, requests: list,
                        staging: torch.Tensor, on_success) -> TransferHandle:
-        handle = TransferHandle(self._owner, direction=direction, kind="staged", peer_id=peer_id,
+        handle = TransferHandle(self.owner, direction=direction, kind="staged", peer_id=peer_id,
                                 generation=generation, src_rank=src_rank, nbytes=nbytes,
                                 messages=1, request_id=request_id, requests=requests,
                                 staging=staging, on_success=on_success)
         c = self.counters.shard()
         c["staging_buffers_used"] += 1
         c["staging_bytes"] += nbytes
-        self._outstanding[id(handle)] = handle
+        self.outstanding[id(handle)] = handle
         return handle
 
     def _post_runs(self, op, base: int, template: RunTemplate, tag0: int,
                    peer_id: str | None) -> list:
         """One UCX request per run of the page buffer, straight from/into its memory (views
         from :meth:`view`)."""
-        Tag, view = self._Tag, self.view
+        Tag, view = self.tag_type, self.view
         requests: list = []
         try:
             tag = tag0
@@ -265,17 +272,17 @@ class Posting:
                 raise ConfigError(f"bytes [{start}, {start + n}) are not inside one segment of "
                                   f"the buffer {[(a, b) for a, b, _, _ in self.segments]}")
             if mv is not None:
-                array = self._Array(mv[start - s0:start - s0 + n])
+                array = self.array_type(mv[start - s0:start - s0 + n])
             else:
-                array = self._Array(cuda_array(tensor.data_ptr() + start - s0, n))
+                array = self.array_type(cuda_array(tensor.data_ptr() + start - s0, n))
             arrays[start, n] = array
         return array
 
     def _staging_view(self, staging: torch.Tensor, nbytes: int):
         """The ucxx view of the first ``nbytes`` of a staging buffer (host or device)."""
         if staging.device.type == "cpu":
-            return self._Array(staging.numpy()[:nbytes])
-        return self._Array(cuda_array(staging.data_ptr(), nbytes))
+            return self.array_type(staging.numpy()[:nbytes])
+        return self.array_type(cuda_array(staging.data_ptr(), nbytes))
 
     @staticmethod
     def _staged_copy(frm: torch.Tensor, runs: np.ndarray, to: torch.Tensor, what: str) -> None:
@@ -295,7 +302,7 @@ class Posting:
         buffer (None: ``op`` needs no buffer)."""
         ops.add("ucx_ops")
         try:
-            return [op(array, self._Tag(tag))]
+            return [op(array, self.tag_type(tag))]
         except Exception as e:  # noqa: BLE001
             raise TransferError(f"{self.name}: posting to {peer_id!r} failed: {e}",
                                 peer=peer_id) from e

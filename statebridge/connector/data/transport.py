@@ -210,8 +210,8 @@ class Transport:
                                    outstanding=self._outstanding, counters=self.counters,
                                    name=name)
         #: Its page buffer and every post.
-        self.posting = Posting(self, self.endpoints, segments, array=Array,
-                               tag=ucx_api.UCXXTag, pool=self._pool,
+        self.posting = Posting(self, self.endpoints, buffer=segments, array_type=Array,
+                               tag_type=ucx_api.UCXXTag, pool=self._pool,
                                outstanding=self._outstanding, counters=self.counters, name=name)
         self._guard = UnexpectedGuard(self._worker, ucx_api, Array, name, self.counters)
         #: The UCX context's transports (``tl/device``; [] when UCX could not be asked), the
@@ -288,7 +288,7 @@ class Transport:
         self.close()
 
     def __repr__(self) -> str:
-        return (f"Transport({self.name!r}, {self.posting.size} B, peers={len(self.endpoints)}, "
+        return (f"Transport({self.name!r}, {self.posting.size} B, peers={self.endpoints.peer_count()}, "
                 f"outstanding={len(self._outstanding)}, error_handling={self.error_handling}"
                 f"{', closed' if self._closed else ''})")
 
@@ -394,7 +394,7 @@ class Transport:
                 "staging_pool_bytes": pool.cached_bytes,
                 "staging_quarantined_bytes": pool.quarantined_bytes,
                 "handles_outstanding": len(self._outstanding),
-                "peers": len(self.endpoints),
+                "peers": self.endpoints.peer_count(),
                 "lanes": self.endpoints.all_lanes()}
 
     # -- peers (:attr:`endpoints`) ------------------------------------------------------------------
