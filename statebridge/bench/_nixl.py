@@ -48,6 +48,7 @@ from typing import Sequence
 import numpy as np
 
 from statebridge.bench._nixl_reads import poll_reads, with_strides
+from statebridge.bench._pipe_worker import PipeWorker
 from statebridge.bench._vllm_way import _serve_notifs, _vllm_read, vllm_groups
 from statebridge.errors import ConfigError
 
@@ -347,28 +348,9 @@ def _cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-class _Worker:
-    def __init__(self, ctx, role: str, index: int) -> None:
-        self.conn, child = ctx.Pipe()
-        self.proc = ctx.Process(target=_worker_main, args=(child, role, index), daemon=True,
-                                name=f"statebridge-nixl-{role}{index}")
-        self.proc.start()
-        child.close()
-
-    def send(self, cmd: str, **kw) -> None:
-        self.conn.send((cmd, kw))
-
-    def recv(self, timeout: float):
-        if not self.conn.poll(timeout):
-            raise RuntimeError(f"NIXL worker {self.proc.name} silent for {timeout} s")
-        status, value = self.conn.recv()
-        if status != "ok":
-            raise RuntimeError(f"NIXL worker {self.proc.name}: {value}")
-        return value
-
-    def call(self, cmd: str, timeout: float = 120.0, **kw):
-        self.send(cmd, **kw)
-        return self.recv(timeout)
+def _worker(ctx, role: str, index: int) -> PipeWorker:
+    return PipeWorker(ctx, _worker_main, (role, index), f"statebridge-nixl-{role}{index}",
+                      "NIXL worker")
 
 
 class NixlPool:
@@ -377,11 +359,11 @@ class NixlPool:
     def __init__(self, num_src: int, num_dst: int, options: NixlOptions | None = None) -> None:
         self.options = NixlOptions() if options is None else options
         ctx = multiprocessing.get_context("spawn")
-        self.src: list[_Worker] = []
-        self.dst: list[_Worker] = []
+        self.src: list[PipeWorker] = []
+        self.dst: list[PipeWorker] = []
         try:
-            self.src = [_Worker(ctx, "src", i) for i in range(num_src)]
-            self.dst = [_Worker(ctx, "dst", i) for i in range(num_dst)]
+            self.src = [_worker(ctx, "src", i) for i in range(num_src)]
+            self.dst = [_worker(ctx, "dst", i) for i in range(num_dst)]
         except BaseException:
             self.close()
             raise
@@ -544,16 +526,9 @@ class NixlPool:
 
     def close(self) -> None:
         for w in self.src + self.dst:
-            try:
-                w.send("exit")
-            except (BrokenPipeError, OSError):
-                pass
+            w.ask_exit()
         for w in self.src + self.dst:
-            w.proc.join(5)
-            if w.proc.is_alive():
-                w.proc.kill()
-                w.proc.join(2)
-            w.conn.close()
+            w.reap()
         self.src, self.dst = [], []
 
     def __enter__(self):
