@@ -288,7 +288,8 @@ class Transport:
         self.close()
 
     def __repr__(self) -> str:
-        return (f"Transport({self.name!r}, {self.posting.size} B, peers={self.endpoints.peer_count()}, "
+        return (f"Transport({self.name!r}, {self.posting.size} B, "
+                f"peers={self.endpoints.peer_count()}, "
                 f"outstanding={len(self._outstanding)}, error_handling={self.error_handling}"
                 f"{', closed' if self._closed else ''})")
 
@@ -302,15 +303,14 @@ class Transport:
     def fileno(self) -> int:
         """A file descriptor that becomes readable when UCX has work, for the owner's poller
         (the rank loop); call :meth:`arm` before sleeping on it."""
-        self._check_open()
-        return self._worker.epoll_file_descriptor
+        return self.live_worker().epoll_file_descriptor
 
     def arm(self) -> bool:
         """Progress, then arm the worker: True when nothing is pending and it is safe to sleep
         on :meth:`fileno`; False means progress again first."""
-        self._check_open()
-        self._worker.progress()
-        return bool(self._worker.arm())
+        worker = self.live_worker()
+        worker.progress()
+        return bool(worker.arm())
 
     def _drive(self, block_s: float, ready: Callable[[], bool] | None) -> None:
         """One progress round, sleeping up to ``block_s`` in ``poll()`` on the worker's epoll fd
@@ -335,7 +335,7 @@ class Transport:
                            timeout: float = 1.0) -> int:
         """Receive and drop messages of ``generation`` (and ``src_rank``) that arrived with no
         matching receive, e.g. of an aborted attempt. Returns how many were dropped."""
-        self._check_open()
+        self.live_worker()                 # raises once closed
         return self._guard.discard(generation, src_rank, timeout=timeout, drive=self._drive)
 
     def reject_unannounced(self, may_arrive: Callable[[int, int], bool], *, grace: float,
@@ -397,7 +397,7 @@ class Transport:
                 "peers": self.endpoints.peer_count(),
                 "lanes": self.endpoints.all_lanes()}
 
-    # -- peers (:attr:`endpoints`) ------------------------------------------------------------------
+    # -- peers (:attr:`endpoints`) -------------------------------------------------------------
     def connect(self, peer_id: str, address: bytes) -> None:
         """Endpoint to the peer worker at ``address`` (:meth:`Endpoints.connect
         <statebridge.connector.data.endpoints.Endpoints.connect>`)."""
@@ -415,7 +415,7 @@ class Transport:
         <statebridge.connector.data.endpoints.Endpoints.sends_complete_unattended>`)."""
         return self.endpoints.sends_complete_unattended(same_host)
 
-    # -- posts (:attr:`posting`) ---------------------------------------------------------------------
+    # -- posts (:attr:`posting`) ---------------------------------------------------------------
     # post_send / post_recv go through self.post_runs, so a subclass that hooks post_runs (the
     # benchmark's ModeTransport) sees every zero-copy post.
     def post_send(self, peer_id: str, generation: int, src_rank: int, runs: object, *,
@@ -474,11 +474,7 @@ class Transport:
         return self.posting.post_notice(direction, peer_id, generation, src_rank, index, offset,
                                         nbytes, request_id=request_id)
 
-    # -- internals (what handles and parts call back into) -----------------------------------------
-    def _check_open(self) -> None:
-        if self._closed:
-            raise ClosedError(f"{self.name}: transport is closed")
-
+    # -- internals (what handles and parts call back into) -------------------------------------
     def _classify(self, handle: TransferHandle, request) -> BaseException:
         """The error of a request that completed with a non-OK status."""
         return self.endpoints.classify(handle, request)
