@@ -56,10 +56,10 @@ def _raw(a, b, size: int, messages: int, rounds: int) -> float:
     import ucxx._lib.libucxx as ucx_api
     from ucxx._lib.arr import Array
 
-    ea, eb = a._peers["b"].endpoint, b._peers["a"].endpoint
+    ea, eb = a.endpoints.endpoint("b"), b.endpoints.endpoint("a")
     stride = 2 * size
-    src = [Array(a._mv[r * stride:r * stride + size]) for r in range(messages)]
-    dst = [Array(b._mv[r * stride:r * stride + size]) for r in range(messages)]
+    src = [Array(a.posting.page_mv[r * stride:r * stride + size]) for r in range(messages)]
+    dst = [Array(b.posting.page_mv[r * stride:r * stride + size]) for r in range(messages)]
     Tag = ucx_api.UCXXTag
 
     def one(generation: int) -> None:

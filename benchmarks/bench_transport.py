@@ -151,7 +151,7 @@ class ModeTransport(tr.Transport):
             self._wake(force=True)
             self._progress_thread.join(5.0)
         for peer in peers:                        # while ucxx's thread still progresses
-            self._close_endpoint(peer)
+            self.endpoints.close_endpoint(peer)
         if self.progress_mode == "thread":
             self._worker.stop_progress_thread()
         super()._shutdown([])
@@ -177,8 +177,8 @@ class ModeTransport(tr.Transport):
         if mode == "blocking":
             super()._drive(block_s, ready)
             return
-        if self._ep_events:
-            self._process_endpoint_events()
+        if self.endpoints.events:
+            self.endpoints.process_events()
         if self._closed:
             return
         if mode == "polling":
@@ -192,8 +192,8 @@ class ModeTransport(tr.Transport):
             with self._round:                   # it notifies under this lock: no lost wake-up
                 if ready is None or not ready():
                     self._round.wait(min(block_s, 0.05))
-        if self._ep_events:
-            self._process_endpoint_events()
+        if self.endpoints.events:
+            self.endpoints.process_events()
 
     def _progress_loop(self) -> None:
         """``background``: progress whenever UCX (or a post) has something to do."""
@@ -257,12 +257,12 @@ class ModeTransport(tr.Transport):
                         request_id: str | None = None) -> tr.TransferHandle:
         """All runs in one ucxx ``tag_send_multi`` (header + one message per run, same tag)."""
         runs = as_runs(runs, "runs")
-        check_span(runs, 0, self._size, "send", "page buffer")
+        check_span(runs, 0, self.posting.size, "send", "page buffer")
         tag = tr.make_tag(generation, src_rank, 0)
-        endpoint = self._endpoint(peer_id)
-        mv, Array = self._mv, self._Array
+        endpoint = self.endpoints.endpoint(peer_id)
+        mv, Array = self.posting.page_mv, self._Array
         arrays = tuple(Array(mv[o:o + n]) for o, n in runs[:, [0, 2]].tolist())
-        requests = self._post_one(lambda _, t: endpoint.tag_send_multi(arrays, t), None, tag,
+        requests = self.posting.post_one(lambda _, t: endpoint.tag_send_multi(arrays, t), None, tag,
                                   peer_id)
         return self._multi_handle("send", peer_id, generation, src_rank, runs, request_id,
                                   requests, None)
@@ -271,14 +271,14 @@ class ModeTransport(tr.Transport):
                         request_id: str | None = None) -> tr.TransferHandle:
         """Receive a :meth:`post_send_multi` (into ucxx's buffers, then copied into the runs)."""
         runs = as_runs(runs, "runs")
-        check_span(runs, 1, self._size, "receive", "page buffer")
+        check_span(runs, 1, self.posting.size, "receive", "page buffer")
         tag = tr.make_tag(generation, src_rank, 0)
         starts = np.concatenate([[0], np.cumsum(runs[:, 2])[:-1]]).astype(np.int64)
         stage_runs = np.stack([starts, runs[:, 1], runs[:, 2]], axis=1)
         total = int(runs[:, 2].sum())
-        page = self._np
-        endpoint = self._endpoint(peer_id)
-        (request,) = self._post_one(lambda _, t: endpoint.tag_recv_multi(t), None, tag, peer_id)
+        page = self.posting.page_np
+        endpoint = self.endpoints.endpoint(peer_id)
+        (request,) = self.posting.post_one(lambda _, t: endpoint.tag_recv_multi(t), None, tag, peer_id)
 
         def land() -> None:
             frames = [np.asarray(b, dtype=np.uint8).reshape(-1) for b in request.py_buffers]
@@ -361,7 +361,7 @@ def _run(transport, conn, peer: str, generation: int, *, role: str, variant: str
          count: int, timeout: float) -> dict:
     """One round. The receiver posts, reports ``posted`` early, then waits; the sender posts
     when the parent says so and waits. Returns monotonic timestamps."""
-    nbytes = transport._size
+    nbytes = transport.posting.size
     offsets = _slots(nbytes, size, count)
     runs = np.stack([offsets, offsets, np.full(count, size, dtype=np.int64)], axis=1)
     gen = generation & 0xFFFFFFFF

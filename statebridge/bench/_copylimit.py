@@ -62,6 +62,7 @@ import time
 from dataclasses import dataclass
 from typing import Sequence
 
+from statebridge.bench._pipe_worker import PipeWorker, WorkerGone
 from statebridge.errors import ConfigError
 
 __all__ = ["CANDIDATES", "Candidate", "copy_limit"]
@@ -258,19 +259,14 @@ def _worker_main(conn) -> None:
             conn.send(("error", f"{type(e).__name__}: {e}"[:300]))
 
 
-class _Broken(RuntimeError):
-    """A worker is gone or did not answer in time (its late answer would be taken for the next
-    one's): no further command goes to any worker."""
-
-
-def _gather(workers: Sequence["_Worker"], timeout: float) -> list:
+def _gather(workers: Sequence[PipeWorker], timeout: float) -> list:
     """Every worker's answer to the command each was sent (all read, so none is left behind
-    for the next command); RuntimeError naming the failures, :class:`_Broken` at once."""
+    for the next command); RuntimeError naming the failures, :class:`WorkerGone` at once."""
     values, errors = [], []
     for w in workers:
         try:
             values.append(w.recv(timeout))
-        except _Broken:
+        except WorkerGone:
             raise
         except RuntimeError as e:
             errors.append(str(e))
@@ -279,42 +275,8 @@ def _gather(workers: Sequence["_Worker"], timeout: float) -> list:
     return values
 
 
-class _Worker:
-    def __init__(self, ctx, name: str) -> None:
-        self.conn, child = ctx.Pipe()
-        self.proc = ctx.Process(target=_worker_main, args=(child,), daemon=True, name=name)
-        self.proc.start()
-        child.close()
-
-    def send(self, cmd: str, **kw) -> None:
-        self.conn.send((cmd, kw))
-
-    def recv(self, timeout: float):
-        try:
-            if not self.conn.poll(timeout):
-                raise _Broken(f"copy-limit worker {self.proc.name} silent for {timeout} s")
-            status, value = self.conn.recv()
-        except (EOFError, OSError) as e:
-            raise _Broken(f"copy-limit worker {self.proc.name} is gone "
-                          f"(exit code {self.proc.exitcode}): {e!r}") from None
-        if status != "ok":
-            raise RuntimeError(f"copy-limit worker {self.proc.name}: {value}")
-        return value
-
-    def call(self, cmd: str, timeout: float = 120.0, **kw):
-        self.send(cmd, **kw)
-        return self.recv(timeout)
-
-    def close(self) -> None:
-        try:
-            self.send("exit")
-        except (BrokenPipeError, OSError):
-            pass
-        self.proc.join(5)
-        if self.proc.is_alive():
-            self.proc.kill()
-            self.proc.join(2)
-        self.conn.close()
+def _worker(ctx, name: str) -> PipeWorker:
+    return PipeWorker(ctx, _worker_main, (), name, "copy-limit worker")
 
 
 # -- the driver ------------------------------------------------------------------------------------
@@ -386,11 +348,11 @@ def copy_limit(pair_bytes: Sequence[tuple[int, int, int]], *, src_tp: int, reque
     dst_tp = len({d for _s, d, *_ in laid})
     results: dict[str, dict] = {}
     ctx = multiprocessing.get_context("spawn")
-    workers: list[_Worker] = []
+    workers: list[PipeWorker] = []
     try:
-        sources = [_Worker(ctx, f"statebridge-copy-src{s}") for s in range(src_tp)]
+        sources = [_worker(ctx, f"statebridge-copy-src{s}") for s in range(src_tp)]
         workers += sources
-        copy_workers = [_Worker(ctx, f"statebridge-copier{k}")
+        copy_workers = [_worker(ctx, f"statebridge-copier{k}")
                         for k in range(max(per_core, dst_tp))]
         workers += copy_workers
         for mechanism in MECHANISMS:
@@ -410,7 +372,7 @@ def copy_limit(pair_bytes: Sequence[tuple[int, int, int]], *, src_tp: int, reque
                 for w in sources:
                     w.send("free")
                 _gather(sources, 120)
-            except _Broken as e:                # no worker can be trusted any more
+            except WorkerGone as e:                # no worker can be trusted any more
                 for c in chosen:
                     results.setdefault(c.name, {"gbps": None, "error": str(e)[:300]})
                 break
@@ -443,12 +405,12 @@ def _figures(spans: list, copiers: int, requests: int, bytes_per_request: int) -
             "copiers": copiers, "cpu_us_per_request": cpu / requests * 1e6}
 
 
-def _measure(passes: list[Candidate], workers: list[_Worker], sources: list, laid: list,
+def _measure(passes: list[Candidate], workers: list[PipeWorker], sources: list, laid: list,
              src_page: list, pages: int, per_core: int, requests: int,
              timeout: float) -> dict[str, dict]:
     """One arrangement of one mechanism: set its copiers up, then the cold pass, then the warm
     pass (run when asked for; the cold pass always runs, it warms); name -> figures or error.
-    :class:`_Broken` when a worker did not answer."""
+    :class:`WorkerGone` when a worker did not answer."""
     mechanism, arrangement = passes[0].mechanism, passes[0].copiers
     jobs = _jobs(arrangement, laid, src_page, pages, per_core)
     used = workers[:len(jobs)]
@@ -477,7 +439,7 @@ def _measure(passes: list[Candidate], workers: list[_Worker], sources: list, lai
                 continue
             out[candidate.name] = _figures(spans, len(jobs), requests,
                                            jobs[0].bytes_per_request)
-    except _Broken:
+    except WorkerGone:
         raise
     except RuntimeError as e:                   # recorded per candidate
         for c in passes:

@@ -47,14 +47,16 @@ from typing import Sequence
 
 import numpy as np
 
+from statebridge.bench._nixl_reads import poll_reads, with_strides
+from statebridge.bench._pipe_worker import PipeWorker
+from statebridge.bench._vllm_way import _serve_notifs, _vllm_read, vllm_groups
 from statebridge.errors import ConfigError
 
-__all__ = ["NixlOptions", "NixlPool", "SlotPlan", "nixl_available", "pattern_block"]
+__all__ = ["NixlOptions", "NixlPool", "nixl_available", "pattern_block"]
 
 _MODULES = ("nixl_cu12", "nixl")
 _WAITS = ("spin", "yield")
 #: Prefix of a source's "state final" notification in a paced vLLM-way round.
-FINAL_NOTIF = "F"
 PATTERN_PERIOD = 4093            # prime: a run read from the wrong offset shows up as a mismatch
 
 
@@ -186,10 +188,8 @@ def _worker_main(conn, role: str, index: int) -> None:
             elif cmd == "read":
                 conn.send(("ok", _read(state, **kw)))
             elif cmd == "vllm_read":
-                from statebridge.bench._vllm_way import _vllm_read
                 conn.send(("ok", _vllm_read(state, **kw)))
             elif cmd == "serve":
-                from statebridge.bench._vllm_way import _serve_notifs
                 conn.send(("ok", _serve_notifs(state, **kw)))
             elif cmd == "verify":
                 conn.send(("ok", _verify(state, **kw)))
@@ -223,31 +223,6 @@ def _open(state: dict, role: str, nixl_agent, nixl_agent_config, *, name: str, n
     return state["agent"].get_agent_metadata(), buf.data_ptr(), env
 
 
-def _poll(agent, active: dict, calls: dict, done, deadline: float, timeout: float,
-          yield_cpu: bool) -> None:
-    """One poll of every request in flight (``active``: slot -> (request, post time, handles)):
-    ``check_xfer_state`` on each of its handles; a request whose handles are all ``DONE``
-    leaves ``active`` and ``done(slot, request, latency in s, handles)`` runs at once (it may
-    post the slot's next request). RuntimeError on a failed READ; when nothing finished, past
-    ``deadline``; otherwise, when nothing finished and ``yield_cpu``, the CPU is yielded."""
-    progressed = False
-    for slot, (req, started, handles) in list(active.items()):
-        states = [agent.check_xfer_state(h) for h in handles]
-        calls["check_xfer_state"] += len(handles)
-        if "ERR" in states:
-            raise RuntimeError(f"NIXL READ of request {req} failed")
-        if all(st == "DONE" for st in states):
-            latency = time.perf_counter() - started
-            del active[slot]
-            progressed = True
-            done(slot, req, latency, handles)
-    if not progressed:
-        if time.perf_counter() > deadline:
-            raise RuntimeError(f"NIXL READs not done after {timeout} s ({len(active)} in flight)")
-        if yield_cpu:
-            os.sched_yield()
-
-
 def _read(state: dict, *, sources: Sequence[tuple[str, int, np.ndarray]], src_page: int,
           dst_page: int, pages: int, requests: int, concurrency: int, start_at: float,
           timeout: float) -> dict:
@@ -259,7 +234,7 @@ def _read(state: dict, *, sources: Sequence[tuple[str, int, np.ndarray]], src_pa
     for name, src_ptr, runs in sources:
         r = len(runs)
         page_idx = np.repeat(np.arange(pages, dtype=np.int64), r)
-        tiled = np.tile(_with_strides(runs, src_page, dst_page), (pages, 1))
+        tiled = np.tile(with_strides(runs, src_page, dst_page), (pages, 1))
         zeros = np.zeros(len(tiled), dtype=np.int64)
         remote = np.column_stack([src_ptr + page_idx * tiled[:, 3] + tiled[:, 0], tiled[:, 2],
                                   zeros])
@@ -317,7 +292,7 @@ def _read(state: dict, *, sources: Sequence[tuple[str, int, np.ndarray]], src_pa
                 post(slot)
 
         while active:
-            _poll(agent, active, calls, done, deadline, timeout, opts.wait == "yield")
+            poll_reads(agent, active, calls, done, deadline, timeout, opts.wait == "yield")
         return latencies
 
     try:
@@ -351,7 +326,7 @@ def _verify(state: dict, *, sources: Sequence[tuple[int, np.ndarray]], src_page:
         block = pattern_block(seed)
         for p in range(pages):
             for src_off, dst_off, length, src_stride, dst_stride in \
-                    _with_strides(runs, src_page, dst_page):
+                    with_strides(runs, src_page, dst_page):
                 start = p * int(src_stride) + int(src_off)
                 expect = block[(start + np.arange(length, dtype=np.int64)) % PATTERN_PERIOD]
                 at = p * int(dst_stride) + int(dst_off)
@@ -361,17 +336,6 @@ def _verify(state: dict, *, sources: Sequence[tuple[int, np.ndarray]], src_page:
                     bad.append({"source": seed, "page": p, "run": [int(src_off), int(dst_off),
                                                                    int(length)]})
     return {"bytes": checked, "bad_runs": bad}
-
-
-def _with_strides(runs, src_page: int, dst_page: int) -> np.ndarray:
-    """Runs as ``[R, 5]`` (src off, dst off, len, src slot stride, dst slot stride): a plain
-    ``[R, 3]`` table moves by one page per slot on both sides; a request's KV runs move by its
-    blocks' stride instead (slot ``s`` owns the ``s``-th range of blocks)."""
-    runs = np.asarray(runs, dtype=np.int64)
-    if runs.shape[1] == 5:
-        return runs
-    return np.column_stack([runs, np.full(len(runs), src_page, dtype=np.int64),
-                            np.full(len(runs), dst_page, dtype=np.int64)])
 
 
 def _cpu_seconds(pid: int) -> float:
@@ -384,95 +348,9 @@ def _cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-class _Worker:
-    def __init__(self, ctx, role: str, index: int) -> None:
-        self.conn, child = ctx.Pipe()
-        self.proc = ctx.Process(target=_worker_main, args=(child, role, index), daemon=True,
-                                name=f"statebridge-nixl-{role}{index}")
-        self.proc.start()
-        child.close()
-
-    def send(self, cmd: str, **kw) -> None:
-        self.conn.send((cmd, kw))
-
-    def recv(self, timeout: float):
-        if not self.conn.poll(timeout):
-            raise RuntimeError(f"NIXL worker {self.proc.name} silent for {timeout} s")
-        status, value = self.conn.recv()
-        if status != "ok":
-            raise RuntimeError(f"NIXL worker {self.proc.name}: {value}")
-        return value
-
-    def call(self, cmd: str, timeout: float = 120.0, **kw):
-        self.send(cmd, **kw)
-        return self.recv(timeout)
-
-
-class SlotPlan:
-    """A :class:`~statebridge.state.plan.TransferPlan` plus the KV of ``tokens`` prompt tokens,
-    shaped for :meth:`NixlPool.run_cell`: each buffer is ``pages`` recurrent pages followed by a
-    KV pool of ``pages x blocks`` blocks; slot ``s`` owns page ``s`` and blocks
-    ``[s*blocks, (s+1)*blocks)`` on both sides (contiguous tables), and reads exactly the runs
-    statebridge posts for it: the page's runs, then ``KVPairPlan.runs`` of its blocks."""
-
-    def __init__(self, plan, kv_layouts: tuple[str, str], block_size: int, tokens: int,
-                 pages: int) -> None:
-        from statebridge.state.kv import BlockGeometry, KVPlan, blocks_for
-
-        self.plan, self.src, self.dst, self.pages = plan, plan.src, plan.dst, pages
-        spec = plan.spec
-        self.blocks = max(1, blocks_for(tokens, block_size))
-        pool = pages * self.blocks
-        self.kv_src = BlockGeometry(spec.kv, plan.src.tp_size, kv_layouts[0], block_size, pool)
-        self.kv_dst = BlockGeometry(spec.kv, plan.dst.tp_size, kv_layouts[1], block_size, pool)
-        self.kv = KVPlan(self.kv_src, self.kv_dst)
-        self._src_base = _round64(pages * plan.src.page_size)
-        self._dst_base = _round64(pages * plan.dst.page_size)
-        table = range(self.blocks)
-        self._pairs = []
-        for d in range(plan.dst.tp_size):
-            for s in range(plan.src.tp_size):
-                page = plan.pair(s, d)
-                kv = self.kv.pair(s, d)
-                runs = []
-                if page is not None:
-                    runs.append(_with_strides(page.runs, plan.src.page_size,
-                                              plan.dst.page_size))
-                if kv is not None:
-                    r = kv.runs(table, table)
-                    runs.append(np.column_stack([
-                        r[:, 0] + self._src_base, r[:, 1] + self._dst_base, r[:, 2],
-                        np.full(len(r), self.blocks * kv.src_block_stride, dtype=np.int64),
-                        np.full(len(r), self.blocks * kv.dst_block_stride, dtype=np.int64)]))
-                if runs:
-                    self._pairs.append(_SlotPair(s, d, np.concatenate(runs)))
-
-    def src_bytes(self, pages: int) -> int:
-        return self._src_base + self.kv_src.nbytes
-
-    def dst_bytes(self, pages: int) -> int:
-        return self._dst_base + self.kv_dst.nbytes
-
-    def __iter__(self):
-        return iter(self._pairs)
-
-    def for_destination(self, d: int) -> list:
-        return [p for p in self._pairs if p.dst_rank == d]
-
-    @property
-    def bytes_per_request(self) -> int:
-        return int(sum(p.runs[:, 2].sum() for p in self._pairs))
-
-
-@dataclass(frozen=True)
-class _SlotPair:
-    src_rank: int
-    dst_rank: int
-    runs: np.ndarray
-
-
-def _round64(n: int) -> int:
-    return -(-n // 64) * 64
+def _worker(ctx, role: str, index: int) -> PipeWorker:
+    return PipeWorker(ctx, _worker_main, (role, index), f"statebridge-nixl-{role}{index}",
+                      "NIXL worker")
 
 
 class NixlPool:
@@ -481,11 +359,11 @@ class NixlPool:
     def __init__(self, num_src: int, num_dst: int, options: NixlOptions | None = None) -> None:
         self.options = NixlOptions() if options is None else options
         ctx = multiprocessing.get_context("spawn")
-        self.src: list[_Worker] = []
-        self.dst: list[_Worker] = []
+        self.src: list[PipeWorker] = []
+        self.dst: list[PipeWorker] = []
         try:
-            self.src = [_Worker(ctx, "src", i) for i in range(num_src)]
-            self.dst = [_Worker(ctx, "dst", i) for i in range(num_dst)]
+            self.src = [_worker(ctx, "src", i) for i in range(num_src)]
+            self.dst = [_worker(ctx, "dst", i) for i in range(num_dst)]
         except BaseException:
             self.close()
             raise
@@ -496,8 +374,9 @@ class NixlPool:
                  options: NixlOptions | None = None, vllm: bool = False,
                  paced: bool = False) -> dict:
         """NIXL READ of every pair's runs of ``plan`` (a TransferPlan, or anything shaped like
-        one: :class:`SlotPlan` for state plus KV): GB/s, latencies, and with ``verify`` the
-        bytes compared with the sources' pattern (``verified_bytes``; a mismatch raises).
+        one: :class:`~statebridge.bench._nixl_reads.SlotPlan` for state plus KV): GB/s,
+        latencies, and with ``verify`` the bytes compared with the sources' pattern
+        (``verified_bytes``; a mismatch raises).
         ``options`` overrides the pool's for this cell. ``vllm``: vLLM's NixlConnector's loop
         instead (:mod:`statebridge.bench._vllm_way`: ``_vllm_read`` on the destinations over
         ``vllm_groups``, with notifications, and ``_serve_notifs`` on the sources). ``paced`` (with ``vllm``, one
@@ -548,7 +427,6 @@ class NixlPool:
             src_cpu0 = [_cpu_seconds(self.src[i].proc.pid) for i in range(src_tp)]
             served = []
             if vllm:
-                from statebridge.bench._vllm_way import vllm_groups   # (it imports this module)
                 groups = vllm_groups(plan, pages)
                 slots = min(concurrency, pages, requests)
                 warm_n = slots if opts.warmup else 0
@@ -648,16 +526,9 @@ class NixlPool:
 
     def close(self) -> None:
         for w in self.src + self.dst:
-            try:
-                w.send("exit")
-            except (BrokenPipeError, OSError):
-                pass
+            w.ask_exit()
         for w in self.src + self.dst:
-            w.proc.join(5)
-            if w.proc.is_alive():
-                w.proc.kill()
-                w.proc.join(2)
-            w.conn.close()
+            w.reap()
         self.src, self.dst = [], []
 
     def __enter__(self):

@@ -12,7 +12,7 @@ from typing import Sequence
 
 import numpy as np
 
-from statebridge.bench._nixl import FINAL_NOTIF, SlotPlan, _poll, _with_strides
+from statebridge.bench._nixl_reads import FINAL_NOTIF, SlotPlan, poll_reads, with_strides
 from statebridge.errors import ConfigError
 
 __all__ = ["vllm_descriptors_per_request", "vllm_groups"]
@@ -136,7 +136,7 @@ def _vllm_read(state: dict, *, sources, dst_tp: int, requests: int, concurrency:
             for slot in range(slots):
                 if slot not in active and nxt < count:
                     post(slot)
-            _poll(agent, active, calls, done, deadline, timeout, True)
+            poll_reads(agent, active, calls, done, deadline, timeout, True)
         return latencies
 
     try:
@@ -227,7 +227,7 @@ def vllm_groups(plan, pages: int) -> dict[tuple[int, int], list]:
             groups = []
             page = base.pair(s, d)
             if page is not None:
-                groups.append((_with_strides(page.runs, base.src.page_size, base.dst.page_size),
+                groups.append((with_strides(page.runs, base.src.page_size, base.dst.page_size),
                                pages, 1))
             if isinstance(plan, SlotPlan):
                 kv = plan.kv.pair(s, d)

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING, Callable, Protocol
 
 import zmq
 
@@ -14,11 +14,10 @@ from statebridge.connector.stats import Counters
 from statebridge.errors import AuthenticationError, ConfigError
 
 if TYPE_CHECKING:
-    from statebridge.connector.control import EventLoop
     from statebridge.security import CurveKeys
 
 __all__ = ["frame_cap", "bind_router", "connect_dealer", "dial_dealer", "HandshakeWatch",
-           "watch_handshake", "poll_dealer"]
+           "ReaderLoop", "watch_handshake", "poll_dealer"]
 
 log = logging.getLogger(__name__)
 
@@ -213,7 +212,16 @@ class HandshakeWatch:
         monitor.close(0)
 
 
-def watch_handshake(loop: EventLoop, watch: HandshakeWatch,
+class ReaderLoop(Protocol):
+    """What :func:`watch_handshake` needs of a loop (the control plane's
+    :class:`~statebridge.connector.control.EventLoop`): readers on zmq sockets."""
+
+    def add_reader(self, sock: zmq.Socket, handler: Callable[[], None]) -> None: ...
+
+    def remove_reader(self, sock: zmq.Socket) -> None: ...
+
+
+def watch_handshake(loop: ReaderLoop, watch: HandshakeWatch,
                     on_failure: Callable[[AuthenticationError], None]) -> None:
     """Call ``on_failure(error)`` on ``loop`` when the handshake ``watch`` follows fails (loop
     thread only). The watch leaves the loop after the first success or failure, or when its

@@ -15,7 +15,7 @@ import torch
 
 from statebridge.bench import hetero_tp
 from statebridge.bench._copylimit import CANDIDATES
-from statebridge.bench._nixl import SlotPlan
+from statebridge.bench._nixl_reads import SlotPlan
 from statebridge.bench._vllm_way import vllm_descriptors_per_request
 from statebridge.state.plan import TransferPlan
 

@@ -38,7 +38,8 @@ def _loop(bench, mode: str):
     t = bench.ModeTransport(bench.tr.alloc_buffer(PAGE * PAGES), progress_mode=mode,
                             name=f"loop-{mode}")
     t.connect("self", t.address)
-    t._np[:] = np.random.default_rng(3).integers(0, 256, t._np.size, dtype=np.uint8)
+    page = t.posting.page_np
+    page[:] = np.random.default_rng(3).integers(0, 256, page.size, dtype=np.uint8)
     return t
 
 
@@ -58,7 +59,7 @@ RUNS = np.array([[0, 100_000, 64], [1000, 0, 70_000], [200_000, 250_000, 1],
 def test_every_progress_mode_moves_the_same_bytes(bench, mode):
     t = _loop(bench, mode)
     try:
-        buf = t._np
+        buf = t.posting.page_np
         expected = buf.copy()
         src, dst = 0, 2 * PAGE
         runs = RUNS + np.array([src, dst, 0])
@@ -91,7 +92,7 @@ def test_every_progress_mode_moves_the_same_bytes(bench, mode):
 def test_send_multi_lands_exactly(bench):
     t = _loop(bench, "blocking")
     try:
-        buf = t._np
+        buf = t.posting.page_np
         expected = buf.copy()
         runs = RUNS + np.array([PAGE, 2 * PAGE, 0])
         recv = t.post_recv_multi("self", 7, 0, runs)

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from statebridge.bench import _nixl
+from statebridge.bench import _nixl, _nixl_reads
 from statebridge.bench._nixl import NixlOptions, NixlPool, pattern_block
 from statebridge.bench.hetero_tp import preset_spec
 from statebridge.errors import ConfigError
@@ -155,7 +155,7 @@ HYBRID = {"model_type": "lfm2", "hidden_size": 40, "conv_L_cache": 3, "torch_dty
 def test_slot_plan_reads_state_and_kv_exactly(pool, src_tp, dst_tp, kv_layout, tokens):
     """State plus the KV of a prompt: every slot's page runs and its blocks' KV runs, each byte
     compared with the sources' pattern."""
-    from statebridge.bench._nixl import SlotPlan
+    from statebridge.bench._nixl_reads import SlotPlan
     from statebridge.state.spec import StateSpec
 
     spec = StateSpec.from_config(HYBRID)
@@ -189,19 +189,20 @@ def test_poll_finishes_a_request_only_when_all_its_handles_are_done():
         finished.append((slot, req, handles))
         assert latency > 0
     far = 1e18
-    _nixl._poll(agent, active, calls, done, far, 1.0, yield_cpu=True)
+    _nixl_reads.poll_reads(agent, active, calls, done, far, 1.0, yield_cpu=True)
     assert finished == [] and set(active) == {0, 1} and calls["check_xfer_state"] == 3
-    _nixl._poll(agent, active, calls, done, far, 1.0, yield_cpu=False)
+    _nixl_reads.poll_reads(agent, active, calls, done, far, 1.0, yield_cpu=False)
     assert finished == [(0, 7, ["a", "b"])] and set(active) == {1}
-    _nixl._poll(agent, active, calls, done, far, 1.0, yield_cpu=True)
+    _nixl_reads.poll_reads(agent, active, calls, done, far, 1.0, yield_cpu=True)
     assert finished[1:] == [(1, 8, ["c"])] and active == {}
     assert calls["check_xfer_state"] == 3 + 3 + 1
 
 
 def test_poll_raises_on_a_failed_read_and_past_the_deadline():
     with pytest.raises(RuntimeError, match="READ of request 5 failed"):
-        _nixl._poll(_FakeAgent({"a": ["DONE"], "b": ["ERR"]}), {2: (5, 0.0, ["a", "b"])},
-                    {"check_xfer_state": 0}, lambda *a: None, 1e18, 1.0, True)
+        _nixl_reads.poll_reads(_FakeAgent({"a": ["DONE"], "b": ["ERR"]}),
+                               {2: (5, 0.0, ["a", "b"])}, {"check_xfer_state": 0},
+                               lambda *a: None, 1e18, 1.0, True)
     with pytest.raises(RuntimeError, match=r"not done after 3.5 s \(1 in flight\)"):
-        _nixl._poll(_FakeAgent({"a": ["PROC"]}), {0: (0, 0.0, ["a"])},
-                    {"check_xfer_state": 0}, lambda *a: None, 0.0, 3.5, True)
+        _nixl_reads.poll_reads(_FakeAgent({"a": ["PROC"]}), {0: (0, 0.0, ["a"])},
+                               {"check_xfer_state": 0}, lambda *a: None, 0.0, 3.5, True)

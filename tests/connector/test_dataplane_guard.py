@@ -59,10 +59,10 @@ class Bench:
         src_geo = PageGeometry(SPEC, 1, src_layout, region_align=16)
         self.plan = TransferPlan(src_geo, self.worker.geometry)
         self.src = Transport(alloc_buffer(src_geo.page_size * NUM_PAGES), name="prefill")
-        self.src._np[:] = np.random.default_rng(1).integers(0, 256, self.src._np.size,
-                                                            dtype=np.uint8)
+        src_page = self.src.posting.page_np
+        src_page[:] = np.random.default_rng(1).integers(0, 256, src_page.size, dtype=np.uint8)
         self.rogue = Transport(alloc_buffer(1 << 20), name="rogue")
-        self.rogue._np[:] = 0xAB
+        self.rogue.posting.page_np[:] = 0xAB
         self.worker._on_connect(self.peer_info(src_layout))
         self.src.connect("dec", self.worker.transport.address)
         self.rogue.connect("dec", self.worker.transport.address)
@@ -111,12 +111,12 @@ class Bench:
             if lands and pair.staged:              # pack into staging, unpack into the page
                 stage = np.zeros(pair.staging_bytes, np.uint8)
                 for s, o, n in pair.pack.tolist():
-                    stage[o:o + n] = self.src._np[src_base + s:src_base + s + n]
+                    stage[o:o + n] = self.src.posting.page_np[src_base + s:src_base + s + n]
                 for o, d, n in pair.unpack.tolist():
                     self.expected[dst_base + d:dst_base + d + n] = stage[o:o + n]
             elif lands:
                 for s, d, n in pair.runs_at(src_base, dst_base).tolist():
-                    self.expected[d:d + n] = self.src._np[s:s + n]
+                    self.expected[d:d + n] = self.src.posting.page_np[s:s + n]
         return handles
 
     def rank_done(self, generation: int) -> m.RankDone | None:
@@ -125,9 +125,10 @@ class Bench:
 
     def rogue_send(self, generation: int, index: int, nbytes: int):
         """One raw tagged message (a UCX request; ``.completed`` once the rank took it)."""
-        (request,) = self.rogue._post_one(self.rogue._endpoint("dec").tag_send,
-                                          self.rogue._view(0, nbytes),
-                                          make_tag(generation, 0, index), "dec")
+        posting = self.rogue.posting
+        (request,) = posting.post_one(self.rogue.endpoints.endpoint("dec").tag_send,
+                                      posting.view(0, nbytes), make_tag(generation, 0, index),
+                                      "dec")
         return request
 
     def sweep(self, grace: float = GRACE) -> int:

@@ -39,7 +39,7 @@ def _drive(t, handles, seconds=10.0):
 
 def test_template_posts_land_at_each_page_offset(loop_transport):
     t = loop_transport
-    buf = t._np                                     # the transport's page buffer, as numpy
+    buf = t.posting.page_np                         # the transport's page buffer, as numpy
     rng = np.random.default_rng(7)
     buf[:] = rng.integers(0, 256, buf.size, dtype=np.uint8)
     before = buf.copy()

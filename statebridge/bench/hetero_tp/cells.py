@@ -378,7 +378,7 @@ def _nixl_cell(nixl, nixl_why, plan, spec, preset, src_tp, dst_tp, layout, a, vl
     K or V half per block), with notifications and the sources' free-on-every-reader loop
     (:func:`statebridge.bench._vllm_way._vllm_read`). vLLM's way does not depend on statebridge's
     layout: measured once per (preset, pair) and shared by its cells."""
-    from statebridge.bench._nixl import SlotPlan
+    from statebridge.bench._nixl_reads import SlotPlan
     from statebridge.state.layout import PageGeometry
 
     out: dict[str, Any] = {f: None for f in _NIXL_FIELDS}
@@ -442,7 +442,7 @@ def _nixl_cell(nixl, nixl_why, plan, spec, preset, src_tp, dst_tp, layout, a, vl
 
 def _pair_bytes(plan, spec, a) -> list[tuple[int, int, int]]:
     """(source rank, destination rank, bytes per request) of the cell's plan, KV included."""
-    from statebridge.bench._nixl import SlotPlan
+    from statebridge.bench._nixl_reads import SlotPlan
 
     if spec.kv is not None:
         sp = SlotPlan(plan, (a.kv_layout, a.kv_layout), a.block_size, prompt_tokens(spec, a), 1)

@@ -27,9 +27,13 @@ One concern per module:
 - ``handle``: :class:`TransferHandle`, :class:`HandleState`;
 - ``staging``: the pool of staging buffers of staged pairs;
 - ``guard``: messages no announced receive takes (UCX's unexpected queue);
+- ``endpoints``: :class:`~statebridge.connector.data.endpoints.Endpoints`, a transport's part
+  holding its peers (connect, lost peers, UCX errors);
+- ``posting``: :class:`~statebridge.connector.data.posting.Posting`, a transport's part holding
+  its page buffer and every post;
 - ``transport``: :class:`Transport` -- worker, lifecycle, progress, counters (with the
-  measurements behind its choices: progress, error handling); its methods over endpoints
-  (connect, lost peers, UCX errors) are in ``endpoints``, its posts in ``posting``;
+  measurements behind its choices: progress, error handling); it holds an ``endpoints`` and a
+  ``posting`` part and hands its peer and post methods over to them;
 - ``shared/``: same-host shared-map reads -- a prefill rank's buffer as a memfd, a decode
   rank's read-only map of it, the run copy (``_copy.c``), the notice slots and the one rule
   of which pairs go that way; UCX carries their small notices.

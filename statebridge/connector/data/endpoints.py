@@ -1,18 +1,24 @@
-"""The endpoints half of :class:`~statebridge.connector.data.transport.Transport`: connecting to
-peers, declaring them lost, UCX's endpoint errors and how a failed UCX request is classified.
+"""A transport's endpoints: connecting to peers, declaring them lost, UCX's endpoint errors and
+how a failed UCX request is classified.
 
-:class:`Endpoints` holds methods only; they work on the state :class:`Transport` sets up
-(``_worker``, ``_peers``, ``_lost``, ``_lanes``, ``_serial``, ``_ep_events``, ``_outstanding``,
-``_abandoned``, ``counters``, ``error_handling``, ``name``). See the transport's docstring for
-why error handling is a choice and what each choice costs.
+:class:`Endpoints` is a part of :class:`~statebridge.connector.data.transport.Transport` with
+state of its own (the peers, those declared lost, the lanes UCX chose, endpoint events recorded
+by UCX's callbacks, endpoints of lost peers still closing). What it asks of its transport is
+:class:`WorkerOwner` (the UCX worker while the transport is open); the handles it fails and the
+counters it adds to are given to its constructor. See the transport's docstring for why error
+handling is a choice and what each choice costs.
 """
 
 from __future__ import annotations
 
+import collections
 import logging
-from typing import TYPE_CHECKING, Any
+from dataclasses import KW_ONLY, dataclass, field
+from typing import Any, Protocol
 
 from statebridge.connector.data import ucxinfo
+from statebridge.connector.data.handle import TransferHandle
+from statebridge.connector.stats import Counters
 from statebridge.errors import (
     AbortedError,
     ConfigError,
@@ -20,12 +26,9 @@ from statebridge.errors import (
     TransferError,
 )
 
-if TYPE_CHECKING:
-    from statebridge.connector.data.handle import TransferHandle
-
 log = logging.getLogger("statebridge.connector.data.transport")
 
-__all__ = ["Endpoints"]
+__all__ = ["Endpoints", "Peer", "WorkerOwner"]
 
 # -- UCX status classification (ucs/type/status.h) ---------------------------------------------
 
@@ -36,19 +39,83 @@ _UCS_ERR_MESSAGE_TRUNCATED = -9     # a message longer than the posted receive
 _PEER_STATUSES = frozenset([-6, -24, -25, *range(-89, -39)])
 
 
-class _Peer:
-    __slots__ = ("peer_id", "address", "endpoint", "serial", "closing")
+class WorkerOwner(Protocol):
+    """What :class:`Endpoints` asks of its transport."""
 
-    def __init__(self, peer_id: str, address: bytes, endpoint: Any, serial: int) -> None:
-        self.peer_id = peer_id
-        self.address = address
-        self.endpoint = endpoint
-        self.serial = serial
-        self.closing = False
+    def live_worker(self) -> Any:
+        """The UCX worker; :class:`~statebridge.errors.ClosedError` once the transport is
+        closed."""
 
 
+@dataclass(slots=True, eq=False)
+class Peer:
+    """One connected peer: its id, worker address, UCX endpoint and connection serial."""
+
+    peer_id: str
+    address: bytes
+    endpoint: Any
+    serial: int
+    closing: bool = False
+
+
+@dataclass(eq=False, repr=False)
 class Endpoints:
-    """:class:`Transport`'s methods over its endpoints (see the module docstring)."""
+    """A transport's endpoints to its peers (see the module docstring).
+
+    Args:
+        owner: the transport (:class:`WorkerOwner`).
+        ucx_api: ``ucxx._lib.libucxx`` (imported by the transport).
+        error_handling: UCX endpoint error handling of every endpoint.
+        tls: ``UCX_TLS`` of the transport's context ("" when unset).
+        outstanding: the transport's handles in flight (id -> handle); :meth:`fail_peer`
+            fails those of a lost peer.
+        counters: the transport's counters.
+        name: label used in logs and errors.
+    """
+
+    owner: WorkerOwner
+    ucx_api: Any
+    _: KW_ONLY
+    error_handling: bool
+    tls: str
+    outstanding: dict[int, TransferHandle]
+    counters: Counters
+    name: str
+    #: (peer id, serial) recorded by UCX's callbacks, processed by :meth:`process_events`.
+    events: collections.deque = field(init=False, default_factory=collections.deque)
+    _peers: dict[str, Peer] = field(init=False, default_factory=dict)
+    _lost: dict[str, str] = field(init=False, default_factory=dict)   # peer id -> why lost
+    _lanes: dict[str, list[str]] = field(init=False, default_factory=dict)
+    _serial: int = field(init=False, default=0)
+    #: Endpoints of lost peers, closed without waiting.
+    _abandoned: list[Peer] = field(init=False, default_factory=list)
+
+    # -- what the transport reads -----------------------------------------------------------------
+    def peer_ids(self) -> tuple[str, ...]:
+        return tuple(self._peers)
+
+    def peer_count(self) -> int:
+        return len(self._peers)
+
+    def lanes(self, peer_id: str) -> list[str]:
+        """The transports (``tl/device``) UCX chose for ``peer_id``'s endpoint ([] when
+        unknown)."""
+        return list(self._lanes.get(peer_id, ()))
+
+    def all_lanes(self) -> dict[str, str]:
+        """peer id -> the transports UCX chose for it, comma-separated."""
+        return {peer: ",".join(lanes) for peer, lanes in self._lanes.items()}
+
+    def take_all(self) -> list[Peer]:
+        """Every connected peer, forgotten (the transport is closing; it closes them)."""
+        peers = list(self._peers.values())
+        self._peers.clear()
+        return peers
+
+    def drop_abandoned(self) -> None:
+        """Forget the endpoints of lost peers that were closed without waiting."""
+        self._abandoned.clear()
+
 
     def connect(self, peer_id: str, address: bytes) -> None:
         """Endpoint to the peer worker at ``address`` (idempotent for the same address).
@@ -62,7 +129,7 @@ class Endpoints:
             raise ConfigError(f"address of peer {peer_id!r} must be non-empty bytes, got "
                               f"{type(address).__name__}")
         address = bytes(address)
-        self._check_open()
+        worker = self.owner.live_worker()
         peer = self._peers.get(peer_id)
         if peer is not None:
             if peer.address == address:
@@ -70,14 +137,14 @@ class Endpoints:
             raise ConfigError(f"peer {peer_id!r} is already connected with another address; "
                               f"fail_peer() it first")
         try:
-            ucx_address = self._ucx.UCXAddress.create_from_buffer(address)
-            endpoint = self._worker.create_endpoint_from_worker_address(
+            ucx_address = self.ucx_api.UCXAddress.create_from_buffer(address)
+            endpoint = worker.create_endpoint_from_worker_address(
                 ucx_address, self.error_handling)
         except Exception as e:  # noqa: BLE001 -- ucxx raises its own exception types
             raise TransferError(f"{self.name}: cannot create an endpoint to {peer_id!r}: {e}",
                                 peer=peer_id) from e
         self._serial += 1
-        peer = _Peer(peer_id, address, endpoint, self._serial)
+        peer = Peer(peer_id, address, endpoint, self._serial)
         if self.error_handling:
             endpoint.set_close_callback(self._on_endpoint_closed,
                                         cb_args=(peer_id, peer.serial))
@@ -97,14 +164,14 @@ class Endpoints:
         handles failed."""
         self._lost[peer_id] = str(reason)
         peer = self._peers.pop(peer_id, None)
-        handles = [h for h in self._outstanding.values() if h.peer_id == peer_id]
+        handles = [h for h in self.outstanding.values() if h.peer_id == peer_id]
         self.counters.add("peers_failed")
         if peer is not None:
             # Closing the endpoint cancels the requests registered on it (status CANCELED). The
             # peer is dead or unreachable: a blocking close would wait for a flush that never
             # completes (seconds behind a cut link, stalling this rank's heartbeats), so the
             # close is only started here and the endpoint kept until the transport closes.
-            self._close_endpoint(peer, blocking=False)
+            self.close_endpoint(peer, blocking=False)
         for h in handles:
             h._fail(PeerLostError(f"{self.name}: peer {peer_id!r} lost ({reason}) during "
                                   f"{h._describe()}", request_id=h.request_id, peer=peer_id))
@@ -121,7 +188,7 @@ class Endpoints:
         or when ``UCX_TLS`` leaves out cma."""
         if not same_host or self.error_handling:
             return False
-        tls = [t.strip() for t in self._tls.split(",") if t.strip()]
+        tls = [t.strip() for t in self.tls.split(",") if t.strip()]
         if not tls:
             return True
         if tls[0].startswith("^"):                 # an exclusion list
@@ -129,9 +196,9 @@ class Endpoints:
             return not excluded & {"cma", "sm", "shm"}
         return bool(set(tls) & {"all", "cma", "sm", "shm"})
 
-    def _endpoint(self, peer_id: str):
+    def endpoint(self, peer_id: str):
         """The live endpoint of ``peer_id``."""
-        self._check_open()
+        self.owner.live_worker()
         peer = self._peers.get(peer_id)
         if peer is not None:
             return peer.endpoint
@@ -141,7 +208,7 @@ class Endpoints:
         raise ConfigError(f"{self.name}: unknown peer {peer_id!r}; connect() it first "
                           f"(known: {sorted(self._peers)})")
 
-    def _classify(self, handle: TransferHandle, request) -> BaseException:
+    def classify(self, handle: TransferHandle, request) -> BaseException:
         """The error of a request that completed with a non-OK status."""
         status = int(request.status)
         try:
@@ -155,7 +222,7 @@ class Endpoints:
         if lost is None and peer is not None and self.error_handling \
                 and not peer.endpoint.alive:
             lost = "UCX endpoint error"
-            self._ep_events.append((peer_id, peer.serial))
+            self.events.append((peer_id, peer.serial))
         if lost is not None or status in _PEER_STATUSES:
             return PeerLostError(f"{self.name}: peer {peer_id!r} lost ({lost or detail}) during "
                                  f"{handle._describe()}", request_id=handle.request_id,
@@ -174,11 +241,12 @@ class Endpoints:
 
     def _on_endpoint_closed(self, peer_id: str, serial: int) -> None:
         # Called by ucxx from inside progress: only record it.
-        self._ep_events.append((peer_id, serial))
+        self.events.append((peer_id, serial))
 
-    def _process_endpoint_events(self) -> None:
-        while self._ep_events:
-            peer_id, serial = self._ep_events.popleft()
+    def process_events(self) -> None:
+        """Fail the peers whose endpoints UCX reported closed (recorded in :attr:`events`)."""
+        while self.events:
+            peer_id, serial = self.events.popleft()
             peer = self._peers.get(peer_id)
             if peer is None or peer.serial != serial or peer.closing:
                 continue
@@ -190,7 +258,7 @@ class Endpoints:
                 detail = f"{type(e).__name__}: {e}"
             self.fail_peer(peer_id, f"UCX endpoint error: {detail}")
 
-    def _close_endpoint(self, peer: _Peer, *, blocking: bool = True) -> None:
+    def close_endpoint(self, peer: Peer, *, blocking: bool = True) -> None:
         if peer.closing:
             return
         peer.closing = True

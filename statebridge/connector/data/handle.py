@@ -10,17 +10,18 @@ A handle leaves PENDING exactly once; then :attr:`TransferHandle.error` says why
 None) and its staging buffer goes back to the pool. Like its :class:`Transport`, a handle
 belongs to the thread that owns the transport.
 
-What a handle asks of its transport (``Transport`` in ``transport.py``): ``_drive(block_s,
-ready)`` one progress round, ``_classify(handle, request)`` the error of a failed UCX request,
-``_finished(handle, staging, quiescent)`` the bookkeeping when it leaves flight, and
-``_count_failure(kind)``.
+What a handle asks of its transport is :class:`HandleOwner` (implemented by ``Transport`` in
+``transport.py``, which this module does not import): ``_drive(block_s, ready)`` one progress
+round, ``_classify(handle, request)`` the error of a failed UCX request, ``_finished(handle,
+staging, quiescent)`` the bookkeeping when it leaves flight, and ``_count_failure(kind)``.
 """
 
 from __future__ import annotations
 
 import enum
 import time
-from typing import TYPE_CHECKING
+from dataclasses import KW_ONLY, InitVar, dataclass, field
+from typing import Any, Callable, Protocol
 
 import torch
 
@@ -31,10 +32,7 @@ from statebridge.errors import (
     TransferTimeoutError,
 )
 
-if TYPE_CHECKING:
-    from statebridge.connector.data.transport import Transport
-
-__all__ = ["HandleState", "TransferHandle"]
+__all__ = ["HandleOwner", "HandleState", "TransferHandle"]
 
 #: UCX's status of a request that completed successfully (ucs/type/status.h).
 UCS_OK = 0
@@ -52,6 +50,24 @@ class HandleState(enum.Enum):
 _PENDING, _DONE, _FAILED = HandleState.PENDING, HandleState.DONE, HandleState.FAILED
 
 
+class HandleOwner(Protocol):
+    """What a :class:`TransferHandle` calls back into: the transport that posted it."""
+
+    def _drive(self, block_s: float, ready: Callable[[], bool] | None) -> None:
+        """One progress round, sleeping up to ``block_s`` unless ``ready()``."""
+
+    def _classify(self, handle: "TransferHandle", request: Any) -> BaseException:
+        """The error of ``request``, which completed with a non-OK status."""
+
+    def _finished(self, handle: "TransferHandle", staging: torch.Tensor | None,
+                  quiescent: bool) -> None:
+        """Bookkeeping when ``handle`` leaves flight (its staging buffer back to the pool)."""
+
+    def _count_failure(self, kind: str) -> None:
+        """Count a failure of ``kind`` (e.g. "timeout")."""
+
+
+@dataclass(slots=True, eq=False, repr=False)
 class TransferHandle:
     """One posted transfer of one rank pair: a zero-copy run list or one staged message.
 
@@ -61,33 +77,35 @@ class TransferHandle:
     staging buffer was scattered into the page.
     """
 
-    __slots__ = ("_transport", "direction", "kind", "peer_id", "generation", "src_rank",
-                 "nbytes", "messages", "request_id", "posted_at", "finished_at", "_requests",
-                 "_checked", "_staging", "_on_success", "_state", "_error", "_timed_out",
-                 "__weakref__")
+    # The transport it calls back into (progress, error classification, bookkeeping).
+    _transport: HandleOwner
+    _: KW_ONLY
+    direction: str                      # "send" | "recv"
+    kind: str                           # "zero_copy" | "staged" | "notice"
+    peer_id: str | None
+    generation: int
+    src_rank: int
+    nbytes: int
+    messages: int
+    request_id: str | None
+    requests: InitVar[list]             # the UCX requests, kept as _requests until it finishes
+    staging: InitVar[torch.Tensor | None] = None
+    on_success: InitVar[Callable[[], None] | None] = None   # e.g. the scatter of a staged recv
+    posted_at: float = field(init=False, default_factory=time.monotonic)
+    finished_at: float | None = field(init=False, default=None)
+    _requests: list = field(init=False)
+    _checked: int = field(init=False, default=0)    # requests[:_checked] known complete and OK
+    _staging: torch.Tensor | None = field(init=False)
+    _on_success: Callable[[], None] | None = field(init=False)
+    _state: HandleState = field(init=False, default=HandleState.PENDING)
+    _error: BaseException | None = field(init=False, default=None)
+    _timed_out: bool = field(init=False, default=False)
 
-    def __init__(self, transport: "Transport", *, direction: str, kind: str,
-                 peer_id: str | None, generation: int, src_rank: int, nbytes: int,
-                 messages: int, request_id: str | None, requests: list,
-                 staging: torch.Tensor | None = None, on_success=None) -> None:
-        self._transport = transport
-        self.direction = direction          # "send" | "recv"
-        self.kind = kind                    # "zero_copy" | "staged"
-        self.peer_id = peer_id
-        self.generation = generation
-        self.src_rank = src_rank
-        self.nbytes = nbytes
-        self.messages = messages
-        self.request_id = request_id
-        self.posted_at = time.monotonic()
-        self.finished_at: float | None = None
+    def __post_init__(self, requests: list, staging: torch.Tensor | None,
+                      on_success: Callable[[], None] | None) -> None:
         self._requests = requests
-        self._checked = 0                   # requests[:_checked] are known complete and OK
         self._staging = staging
-        self._on_success = on_success       # e.g. the scatter of a staged receive
-        self._state = _PENDING
-        self._error: BaseException | None = None
-        self._timed_out = False
+        self._on_success = on_success
 
     # -- public ------------------------------------------------------------------------------
     def done(self) -> bool:

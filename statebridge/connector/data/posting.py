@@ -1,11 +1,12 @@
-"""The posting half of :class:`~statebridge.connector.data.transport.Transport`: a rank's
-sends and receives of runs (zero-copy, straight from and into its buffer), of staged pairs
-(one message through a pooled staging buffer) and of shared-map notices.
+"""A transport's posts: a rank's sends and receives of runs (zero-copy, straight from and into
+its buffer), of staged pairs (one message through a pooled staging buffer) and of shared-map
+notices.
 
-:class:`Posting` holds methods only; they work on the state :class:`Transport` sets up
-(``_worker``, ``_segments``, ``_data``, ``_np``, ``_arrays``, ``_size``, ``_pool``,
-``_outstanding``, ``counters``, ``_Array``, ``_Tag``, ``name``) and its endpoints
-(:class:`~statebridge.connector.data.endpoints.Endpoints`).
+:class:`Posting` is a part of :class:`~statebridge.connector.data.transport.Transport` that
+holds the page buffer (its segments and the cached ucxx views of its slices). It is given the
+staging pool, the handles in flight, the counters and the endpoint lookup
+(:class:`PeerEndpoints`) in its constructor; what it asks of its transport is
+:class:`PostingOwner` (the UCX worker while open, and being the owner of the handles it posts).
 
 Device memory: UCX is handed device buffers as such (``__cuda_array_interface__`` views) and
 moves them with its CUDA transports; a staged pair is packed on the device into a device
@@ -15,12 +16,14 @@ before its handle reports done.
 
 from __future__ import annotations
 
+from dataclasses import KW_ONLY, InitVar, dataclass, field
+from typing import Any, Protocol
 
 import numpy as np
 import torch
 
 from statebridge.connector.data.device import cuda_array
-from statebridge.connector.data.handle import TransferHandle
+from statebridge.connector.data.handle import HandleOwner, TransferHandle
 from statebridge.connector.data.runs import RunTemplate, as_runs, check_span, copy_runs
 from statebridge.connector.data.tags import (
     MAX_GENERATION,
@@ -31,35 +34,77 @@ from statebridge.connector.data.tags import (
     make_tag,
     pack_tag,
 )
-from statebridge.connector.stats import ops
+from statebridge.connector.data.staging import StagingPool
+from statebridge.connector.stats import Counters, ops
 from statebridge.errors import ConfigError, TransferError
 
-__all__ = ["Posting"]
+__all__ = ["PeerEndpoints", "Posting", "PostingOwner"]
 
-#: Most cached buffer views of a transport (see Posting._view); ~200 B each.
+#: Most cached buffer views of a transport (see Posting.view); ~200 B each.
 _MAX_CACHED_ARRAYS = 1 << 16
 
 
+class PostingOwner(HandleOwner, Protocol):
+    """What :class:`Posting` asks of its transport: to own the handles it posts, and its UCX
+    worker (for receives from any peer)."""
+
+    def live_worker(self) -> Any:
+        """The UCX worker; :class:`~statebridge.errors.ClosedError` once the transport is
+        closed."""
+
+
+class PeerEndpoints(Protocol):
+    """The endpoint lookup :class:`Posting` posts through."""
+
+    def endpoint(self, peer_id: str) -> Any:
+        """The live UCX endpoint of ``peer_id`` (raises when closed, lost or unknown)."""
+
+
+@dataclass(eq=False, repr=False)
 class Posting:
-    """:class:`Transport`'s posting methods (see the module docstring)."""
+    """A transport's posts over its page buffer (see the module docstring).
 
-    def post_send(self, peer_id: str, generation: int, src_rank: int, runs: object, *,
-                  request_id: str | None = None) -> TransferHandle:
-        """Send every run zero-copy, one tagged message per run, straight from the buffer.
+    Args:
+        owner: the transport (:class:`PostingOwner`): the handles' owner.
+        endpoints: the endpoint lookup (:class:`PeerEndpoints`).
+        buffer: the buffer's ``(start, tensor)`` segments, checked, in address order.
+        array_type: ``ucxx._lib.arr.Array``; ``tag_type``: ``UCXXTag`` (imported by the
+            transport).
+        pool: the staging pool of staged pairs.
+        outstanding: the transport's handles in flight (id -> handle); posts add to it.
+        counters: the transport's counters.
+        name: label used in errors.
+    """
 
-        ``runs``: int ``[R, 3]`` (local src offset, dst offset, length), absolute offsets; run
-        ``i`` travels with tag ``make_tag(generation, src_rank, i)``.
-        """
-        return self.post_runs("send", peer_id, generation, src_rank, 0, RunTemplate(runs, 0),
-                              request_id=request_id)
+    owner: PostingOwner
+    endpoints: PeerEndpoints
+    _: KW_ONLY
+    buffer: InitVar[list[tuple[int, torch.Tensor]]]
+    array_type: Any
+    tag_type: Any
+    pool: StagingPool
+    outstanding: dict[int, TransferHandle]
+    counters: Counters
+    name: str
+    #: (start, end, tensor, host memoryview or None) per segment, in address order.
+    segments: list[tuple[int, int, torch.Tensor, memoryview | None]] = field(init=False)
+    #: The staged pairs' buffer: the first segment (the pool); as numpy and as a memoryview
+    #: when on the host (else None).
+    page: torch.Tensor = field(init=False)
+    page_np: np.ndarray | None = field(init=False)
+    page_mv: memoryview | None = field(init=False)
+    #: The whole buffer's size in bytes (the end of its last segment).
+    size: int = field(init=False)
+    _arrays: dict[tuple[int, int], Any] = field(init=False, default_factory=dict)  # see view()
 
-    def post_recv(self, peer_id: str | None, generation: int, src_rank: int, runs: object, *,
-                  request_id: str | None = None) -> TransferHandle:
-        """Receive every run zero-copy, straight into the buffer (``runs[:, 1]`` absolute dst
-        offsets). With ``peer_id`` the receives belong to that peer (:meth:`fail_peer` and UCX
-        errors fail them); with None they match the tags from any peer."""
-        return self.post_runs("recv", peer_id, generation, src_rank, 0, RunTemplate(runs, 1),
-                              request_id=request_id)
+    def __post_init__(self, buffer: list[tuple[int, torch.Tensor]]) -> None:
+        self.segments = [(start, start + t.numel(), t,
+                          memoryview(t.numpy()) if t.device.type == "cpu" else None)
+                         for start, t in buffer]
+        self.page = first = buffer[0][1]
+        self.page_np = first.numpy() if first.device.type == "cpu" else None
+        self.page_mv = self.segments[0][3]
+        self.size = self.segments[-1][1]
 
     def template(self, runs: object, direction: str) -> RunTemplate:
         """``runs`` (``[R, 3]``: src offset, dst offset, length; relative to a page) as a
@@ -72,7 +117,7 @@ class Posting:
     def post_runs(self, direction: str, peer_id: str | None, generation: int, src_rank: int,
                   base: int, template: RunTemplate, *,
                   request_id: str | None = None, index0: int = 0) -> TransferHandle:
-        """:meth:`post_send` / :meth:`post_recv` of a :class:`RunTemplate` at byte offset
+        """``Transport.post_send`` / ``post_recv`` of a :class:`RunTemplate` at byte offset
         ``base`` of the buffer (a page's start): the rank's per-request post. Run ``i``
         travels with tag index ``index0 + i`` (a second post of the same pair and attempt,
         e.g. the attention KV after the recurrent runs, numbers on)."""
@@ -83,8 +128,8 @@ class Posting:
                                   f"{MAX_RUNS} a tag index can number")
         if not send and direction != "recv":
             raise ConfigError(f"direction must be 'send' or 'recv', got {direction!r}")
-        if type(base) is not int or base < 0 or base + template.extent > self._size:
-            raise ConfigError(template.outside(base, self._size, "send" if send else "receive",
+        if type(base) is not int or base < 0 or base + template.extent > self.size:
+            raise ConfigError(template.outside(base, self.size, "send" if send else "receive",
                                                "page buffer")
                               if type(base) is int else f"base must be an int, got {base!r}")
         if type(generation) is not int or type(src_rank) is not int \
@@ -93,18 +138,17 @@ class Posting:
             generation, src_rank = int(generation), int(src_rank)
         tag0 = pack_tag(generation, src_rank, index0)
         if send:
-            op = self._endpoint(peer_id).tag_send
+            op = self.endpoints.endpoint(peer_id).tag_send
         elif peer_id is None:                      # a receive matching any peer
-            self._check_open()
-            op = self._worker.tag_recv
+            op = self.owner.live_worker().tag_recv
         else:
-            op = self._endpoint(peer_id).tag_recv
+            op = self.endpoints.endpoint(peer_id).tag_recv
         requests = self._post_runs(op, base, template, tag0, peer_id)
-        handle = TransferHandle(self, direction=direction, kind="zero_copy",
+        handle = TransferHandle(self.owner, direction=direction, kind="zero_copy",
                                 peer_id=peer_id, generation=generation, src_rank=src_rank,
                                 nbytes=template.nbytes, messages=len(template.offsets),
                                 request_id=request_id, requests=requests)
-        self._outstanding[id(handle)] = handle
+        self.outstanding[id(handle)] = handle
         return handle
 
     def post_send_staged(self, peer_id: str, generation: int, src_rank: int, pack_runs: object,
@@ -113,18 +157,18 @@ class Posting:
         staging buffer and send it as ONE message (index :data:`STAGED_INDEX`). The staging
         size is ``max(staging offset + length)``."""
         pack_runs = as_runs(pack_runs, "pack_runs")
-        check_span(pack_runs, 0, self._data.numel(), "pack", "page buffer")
+        check_span(pack_runs, 0, self.page.numel(), "pack", "page buffer")
         nbytes = int((pack_runs[:, 1] + pack_runs[:, 2]).max()) if len(pack_runs) else 0
         check_span(pack_runs, 1, nbytes, "pack", "staging buffer")
         tag = make_tag(generation, src_rank, STAGED_INDEX)
-        staging = self._pool.acquire(nbytes)
+        staging = self.pool.acquire(nbytes)
         try:
-            self._staged_copy(self._data, pack_runs, staging, "pack")
-            endpoint = self._endpoint(peer_id)
-            requests = self._post_one(endpoint.tag_send, self._staging_view(staging, nbytes),
+            self._staged_copy(self.page, pack_runs, staging, "pack")
+            endpoint = self.endpoints.endpoint(peer_id)
+            requests = self.post_one(endpoint.tag_send, self._staging_view(staging, nbytes),
                                       tag, peer_id)
         except BaseException:
-            self._pool.release(staging)
+            self.pool.release(staging)
             raise
         return self._staged_handle("send", peer_id, generation, src_rank, nbytes, request_id,
                                    requests, staging, None)
@@ -139,19 +183,18 @@ class Posting:
         nbytes = int(nbytes)
         unpack_runs = as_runs(unpack_runs, "unpack_runs")
         check_span(unpack_runs, 0, nbytes, "unpack", "staging message")
-        check_span(unpack_runs, 1, self._data.numel(), "unpack", "page buffer")
+        check_span(unpack_runs, 1, self.page.numel(), "unpack", "page buffer")
         tag = make_tag(generation, src_rank, STAGED_INDEX)
-        staging = self._pool.acquire(nbytes)
+        staging = self.pool.acquire(nbytes)
         try:
-            if peer_id is None:
-                self._check_open()
-            target = self._worker if peer_id is None else self._endpoint(peer_id)
-            requests = self._post_one(target.tag_recv, self._staging_view(staging, nbytes),
+            target = self.owner.live_worker() if peer_id is None \
+                else self.endpoints.endpoint(peer_id)
+            requests = self.post_one(target.tag_recv, self._staging_view(staging, nbytes),
                                       tag, peer_id)
         except BaseException:
-            self._pool.release(staging)
+            self.pool.release(staging)
             raise
-        page = self._data
+        page = self.page
         return self._staged_handle("recv", peer_id, generation, src_rank, nbytes, request_id,
                                    requests, staging,
                                    lambda: self._staged_copy(staging, unpack_runs, page, "unpack"))
@@ -168,38 +211,38 @@ class Posting:
         if index != READY_INDEX:
             raise ConfigError(f"notice index must be READY_INDEX, got {index!r}")
         if type(offset) is not int or type(nbytes) is not int or offset < 0 or nbytes <= 0 \
-                or offset + nbytes > self._size:
+                or offset + nbytes > self.size:
             raise ConfigError(f"notice [{offset!r}, +{nbytes!r}) is outside the "
-                              f"{self._size}-byte buffer")
+                              f"{self.size}-byte buffer")
         tag = make_tag(generation, src_rank, index)
-        endpoint = self._endpoint(peer_id)
+        endpoint = self.endpoints.endpoint(peer_id)
         op = endpoint.tag_send if direction == "send" else endpoint.tag_recv
         # A notice slot is the same few bytes request after request: its view is cached.
-        requests = self._post_one(op, self._view(offset, nbytes), tag, peer_id)
-        handle = TransferHandle(self, direction=direction, kind="notice", peer_id=peer_id,
+        requests = self.post_one(op, self.view(offset, nbytes), tag, peer_id)
+        handle = TransferHandle(self.owner, direction=direction, kind="notice", peer_id=peer_id,
                                 generation=generation, src_rank=src_rank, nbytes=nbytes,
                                 messages=1, request_id=request_id, requests=requests)
-        self._outstanding[id(handle)] = handle
+        self.outstanding[id(handle)] = handle
         return handle
 
     def _staged_handle(self, direction: str, peer_id: str | None, generation: int,
                        src_rank: int, nbytes: int, request_id: str | None, requests: list,
                        staging: torch.Tensor, on_success) -> TransferHandle:
-        handle = TransferHandle(self, direction=direction, kind="staged", peer_id=peer_id,
+        handle = TransferHandle(self.owner, direction=direction, kind="staged", peer_id=peer_id,
                                 generation=generation, src_rank=src_rank, nbytes=nbytes,
                                 messages=1, request_id=request_id, requests=requests,
                                 staging=staging, on_success=on_success)
         c = self.counters.shard()
         c["staging_buffers_used"] += 1
         c["staging_bytes"] += nbytes
-        self._outstanding[id(handle)] = handle
+        self.outstanding[id(handle)] = handle
         return handle
 
     def _post_runs(self, op, base: int, template: RunTemplate, tag0: int,
                    peer_id: str | None) -> list:
         """One UCX request per run of the page buffer, straight from/into its memory (views
-        from :meth:`_view`)."""
-        Tag, view = self._Tag, self._view
+        from :meth:`view`)."""
+        Tag, view = self.tag_type, self.view
         requests: list = []
         try:
             tag = tag0
@@ -213,7 +256,7 @@ class Posting:
         ops.add("ucx_ops", len(requests))
         return requests
 
-    def _view(self, start: int, n: int):
+    def view(self, start: int, n: int):
         """The ucxx view of ``buffer[start:start + n]`` (costly to build), cached per (start,
         length): a rank posts the same few page slices and notice slots over and over. A
         device segment is handed to UCX as device memory."""
@@ -222,24 +265,24 @@ class Posting:
         if array is None:
             if len(arrays) > _MAX_CACHED_ARRAYS:
                 arrays.clear()
-            for s0, end, tensor, mv in self._segments:
+            for s0, end, tensor, mv in self.segments:
                 if s0 <= start and start + n <= end:
                     break
             else:
                 raise ConfigError(f"bytes [{start}, {start + n}) are not inside one segment of "
-                                  f"the buffer {[(a, b) for a, b, _, _ in self._segments]}")
+                                  f"the buffer {[(a, b) for a, b, _, _ in self.segments]}")
             if mv is not None:
-                array = self._Array(mv[start - s0:start - s0 + n])
+                array = self.array_type(mv[start - s0:start - s0 + n])
             else:
-                array = self._Array(cuda_array(tensor.data_ptr() + start - s0, n))
+                array = self.array_type(cuda_array(tensor.data_ptr() + start - s0, n))
             arrays[start, n] = array
         return array
 
     def _staging_view(self, staging: torch.Tensor, nbytes: int):
         """The ucxx view of the first ``nbytes`` of a staging buffer (host or device)."""
         if staging.device.type == "cpu":
-            return self._Array(staging.numpy()[:nbytes])
-        return self._Array(cuda_array(staging.data_ptr(), nbytes))
+            return self.array_type(staging.numpy()[:nbytes])
+        return self.array_type(cuda_array(staging.data_ptr(), nbytes))
 
     @staticmethod
     def _staged_copy(frm: torch.Tensor, runs: np.ndarray, to: torch.Tensor, what: str) -> None:
@@ -254,12 +297,12 @@ class Posting:
         pack(frm, runs, to)
         torch.cuda.current_stream(frm.device).synchronize()
 
-    def _post_one(self, op, array, tag: int, peer_id: str | None) -> list:
+    def post_one(self, op, array, tag: int, peer_id: str | None) -> list:
         """One UCX request on ``array``: a ucxx view of this rank's buffer or of a staging
         buffer (None: ``op`` needs no buffer)."""
         ops.add("ucx_ops")
         try:
-            return [op(array, self._Tag(tag))]
+            return [op(array, self.tag_type(tag))]
         except Exception as e:  # noqa: BLE001
             raise TransferError(f"{self.name}: posting to {peer_id!r} failed: {e}",
                                 peer=peer_id) from e

@@ -51,25 +51,22 @@ host (docs/measurements.md, "Transport choices"). UCX options are passed explici
 
 from __future__ import annotations
 
-import collections
 import logging
 import os
 import select
-from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import torch
 
 from statebridge.connector.data import ucxinfo
-from statebridge.connector.data.endpoints import Endpoints
+from statebridge.connector.data.endpoints import Endpoints, Peer
 from statebridge.connector.data.guard import UnexpectedGuard
 from statebridge.connector.data.handle import TransferHandle
 from statebridge.connector.data.posting import Posting
+from statebridge.connector.data.runs import RunTemplate
 from statebridge.connector.data.staging import StagingPool
 from statebridge.connector.stats import Counters
 from statebridge.errors import ClosedError, ConfigError, kind_of
-
-if TYPE_CHECKING:
-    from statebridge.connector.data.endpoints import _Peer
 
 log = logging.getLogger(__name__)
 
@@ -134,7 +131,7 @@ def _warn_once(text: str) -> None:
         log.warning("%s", text)
 
 
-class Transport(Endpoints, Posting):
+class Transport:
     """One rank's UCX worker over its page ``buffer``.
 
     Args:
@@ -150,9 +147,15 @@ class Transport(Endpoints, Posting):
         staging_pool_bytes: most bytes of free staging buffers kept for reuse.
         name: label used in logs and errors.
 
-    Its methods live in three files: this one (the worker, lifecycle, progress, unexpected
-    messages, counters), :mod:`~statebridge.connector.data.endpoints` (connecting, losing
-    peers, UCX errors) and :mod:`~statebridge.connector.data.posting` (every post).
+    It holds its parts, each with its own state: :attr:`endpoints`
+    (:class:`~statebridge.connector.data.endpoints.Endpoints`: connecting, losing peers, UCX
+    errors) and :attr:`posting` (:class:`~statebridge.connector.data.posting.Posting`: the page
+    buffer and every post), plus the guard of unexpected messages and the staging pool. This
+    class keeps the worker, lifecycle, progress and counters; its post and peer methods hand
+    over to the parts. The parts call back into it through small protocols
+    (:class:`~statebridge.connector.data.endpoints.WorkerOwner`,
+    :class:`~statebridge.connector.data.posting.PostingOwner`,
+    :class:`~statebridge.connector.data.handle.HandleOwner`).
 
     One thread owns a Transport: it posts, progresses (:meth:`progress`, :meth:`arm`, the
     handles' :meth:`~TransferHandle.done` / :meth:`~TransferHandle.wait`), fails peers and closes;
@@ -182,25 +185,14 @@ class Transport(Endpoints, Posting):
 
         self._ucx = ucx_api
         self._Array = Array
-        self._Tag = ucx_api.UCXXTag
         self.name = name
         self.error_handling = error_handling
-        #: (start, end, tensor, host memoryview or None) per segment, in address order.
-        self._segments = [(start, start + t.numel(), t,
-                           memoryview(t.numpy()) if t.device.type == "cpu" else None)
-                          for start, t in segments]
         first = segments[0][1]
-        #: The staged pairs' buffer: the first segment (the pool), numpy when on the host.
-        self._data = first
-        self._np = first.numpy() if first.device.type == "cpu" else None
-        self._mv = self._segments[0][3]
-        self._arrays: dict[tuple[int, int], Any] = {}     # see Posting._view
-        self._size = self._segments[-1][1]
         #: "cuda" when a segment is device memory, else "host".
         self.memory = "cuda" if any(t.device.type == "cuda" for _, t in segments) else "host"
 
         options = {str(k): str(v) for k, v in (ucx_options or {}).items()}
-        self._tls = options.get("TLS", os.environ.get("UCX_TLS", ""))
+        tls = options.get("TLS", os.environ.get("UCX_TLS", ""))
         self._context = ucx_api.UCXContext(
             options, feature_flags=(ucx_api.Feature.TAG, ucx_api.Feature.WAKEUP))
         self._worker: Any = None
@@ -209,21 +201,23 @@ class Transport(Endpoints, Posting):
         self._address = self._worker.address.tobytes()
 
         self._closed = False
-        self._peers: dict[str, _Peer] = {}
-        self._lost: dict[str, str] = {}              # peer id -> why it was declared lost
-        self._serial = 0
-        self._ep_events: collections.deque = collections.deque()   # from UCX callbacks
         self._outstanding: dict[int, TransferHandle] = {}
         self._pool = StagingPool(staging_pool_bytes, device=first.device)
         #: This transport's counters (:data:`TRANSPORT_COUNTERS`); any thread may read them.
         self.counters = Counters(TRANSPORT_COUNTERS)
-        self._abandoned: list[_Peer] = []     # endpoints of lost peers, closed without waiting
+        #: Its endpoints to its peers (connect, lost peers, UCX endpoint errors).
+        self.endpoints = Endpoints(self, ucx_api, error_handling=error_handling, tls=tls,
+                                   outstanding=self._outstanding, counters=self.counters,
+                                   name=name)
+        #: Its page buffer and every post.
+        self.posting = Posting(self, self.endpoints, buffer=segments, array_type=Array,
+                               tag_type=ucx_api.UCXXTag, pool=self._pool,
+                               outstanding=self._outstanding, counters=self.counters, name=name)
         self._guard = UnexpectedGuard(self._worker, ucx_api, Array, name, self.counters)
         #: The UCX context's transports (``tl/device``; [] when UCX could not be asked), the
         #: transports each peer's endpoint chose (:meth:`lanes`), and why device memory sent
         #: to another host would go through host memory ("" when it would not).
         self.resources: list[str] = ucxinfo.context_resources(self._context.handle)
-        self._lanes: dict[str, list[str]] = {}
         self.host_staging = ucxinfo.device_path(self.memory, self.resources)
         if self.host_staging and "cuda_copy" not in {r.split("/")[0] for r in self.resources}:
             self.close()
@@ -231,7 +225,7 @@ class Transport(Endpoints, Posting):
         if self.host_staging:
             _warn_once(f"{name}: {self.host_staging}")
         log.info("%s: UCX worker ready (%d-byte buffer in %s memory, error_handling=%s, "
-                 "transports %s)", name, self._size, self.memory, error_handling,
+                 "transports %s)", name, self.posting.size, self.memory, error_handling,
                  ",".join(self.resources) or "unknown")
 
     def _start_worker(self) -> None:
@@ -253,7 +247,14 @@ class Transport(Endpoints, Posting):
 
     @property
     def peers(self) -> tuple[str, ...]:
-        return tuple(self._peers)
+        return self.endpoints.peer_ids()
+
+    def live_worker(self) -> Any:
+        """The UCX worker; :class:`ClosedError` once closed (what the parts ask of their
+        transport)."""
+        if self._closed:
+            raise ClosedError(f"{self.name}: transport is closed")
+        return self._worker
 
     def close(self) -> None:
         """Cancel everything outstanding (handles raise :class:`ClosedError`), close every
@@ -261,8 +262,7 @@ class Transport(Endpoints, Posting):
         if self._closed:
             return
         self._closed = True
-        peers = list(self._peers.values())
-        self._peers.clear()
+        peers = self.endpoints.take_all()
         for h in list(self._outstanding.values()):
             h._fail(ClosedError(f"{self.name}: transport closed while {h._describe()} was in "
                                 f"flight"))
@@ -270,12 +270,12 @@ class Transport(Endpoints, Posting):
         self._pool.clear()
         log.info("%s: closed", self.name)
 
-    def _shutdown(self, peers: list[_Peer]) -> None:
+    def _shutdown(self, peers: list[Peer]) -> None:
         """Close the endpoints of ``peers``, then drop the worker and the context."""
         for peer in peers:
-            self._close_endpoint(peer)
+            self.endpoints.close_endpoint(peer)
         self._guard.close()
-        self._abandoned.clear()
+        self.endpoints.drop_abandoned()
         self._poller = None
         # Destroying the worker cancels what is left and drains unexpected messages.
         self._worker = None
@@ -288,7 +288,8 @@ class Transport(Endpoints, Posting):
         self.close()
 
     def __repr__(self) -> str:
-        return (f"Transport({self.name!r}, {self._size} B, peers={len(self._peers)}, "
+        return (f"Transport({self.name!r}, {self.posting.size} B, "
+                f"peers={self.endpoints.peer_count()}, "
                 f"outstanding={len(self._outstanding)}, error_handling={self.error_handling}"
                 f"{', closed' if self._closed else ''})")
 
@@ -302,22 +303,22 @@ class Transport(Endpoints, Posting):
     def fileno(self) -> int:
         """A file descriptor that becomes readable when UCX has work, for the owner's poller
         (the rank loop); call :meth:`arm` before sleeping on it."""
-        self._check_open()
-        return self._worker.epoll_file_descriptor
+        return self.live_worker().epoll_file_descriptor
 
     def arm(self) -> bool:
         """Progress, then arm the worker: True when nothing is pending and it is safe to sleep
         on :meth:`fileno`; False means progress again first."""
-        self._check_open()
-        self._worker.progress()
-        return bool(self._worker.arm())
+        worker = self.live_worker()
+        worker.progress()
+        return bool(worker.arm())
 
     def _drive(self, block_s: float, ready: Callable[[], bool] | None) -> None:
         """One progress round, sleeping up to ``block_s`` in ``poll()`` on the worker's epoll fd
         for UCX events. ``ready()`` (optional) says whether the caller's wait is over, so a
         round never sleeps past a completion."""
-        if self._ep_events:
-            self._process_endpoint_events()
+        endpoints = self.endpoints
+        if endpoints.events:
+            endpoints.process_events()
         if self._closed:
             return
         worker = self._worker
@@ -326,15 +327,15 @@ class Transport(Endpoints, Posting):
             if worker.arm():
                 self._poller.poll(max(1, int(block_s * 1000)))
             worker.progress()
-        if self._ep_events:
-            self._process_endpoint_events()
+        if endpoints.events:
+            endpoints.process_events()
 
     # -- messages nobody announced ---------------------------------------------------------------
     def discard_unexpected(self, generation: int, src_rank: int | None = None, *,
                            timeout: float = 1.0) -> int:
         """Receive and drop messages of ``generation`` (and ``src_rank``) that arrived with no
         matching receive, e.g. of an aborted attempt. Returns how many were dropped."""
-        self._check_open()
+        self.live_worker()                 # raises once closed
         return self._guard.discard(generation, src_rank, timeout=timeout, drive=self._drive)
 
     def reject_unannounced(self, may_arrive: Callable[[int, int], bool], *, grace: float,
@@ -377,7 +378,7 @@ class Transport(Endpoints, Posting):
     def lanes(self, peer_id: str) -> list[str]:
         """The transports (``tl/device``) UCX chose for ``peer_id``'s endpoint when it was
         connected ([] when unknown)."""
-        return list(self._lanes.get(peer_id, ()))
+        return self.endpoints.lanes(peer_id)
 
     def stats(self) -> dict[str, Any]:
         """:attr:`counters` (plain data; every name of :data:`TRANSPORT_COUNTERS`, failed
@@ -393,13 +394,90 @@ class Transport(Endpoints, Posting):
                 "staging_pool_bytes": pool.cached_bytes,
                 "staging_quarantined_bytes": pool.quarantined_bytes,
                 "handles_outstanding": len(self._outstanding),
-                "peers": len(self._peers),
-                "lanes": {peer: ",".join(lanes) for peer, lanes in self._lanes.items()}}
+                "peers": self.endpoints.peer_count(),
+                "lanes": self.endpoints.all_lanes()}
 
-    # -- internals ------------------------------------------------------------------------------
-    def _check_open(self) -> None:
-        if self._closed:
-            raise ClosedError(f"{self.name}: transport is closed")
+    # -- peers (:attr:`endpoints`) -------------------------------------------------------------
+    def connect(self, peer_id: str, address: bytes) -> None:
+        """Endpoint to the peer worker at ``address`` (:meth:`Endpoints.connect
+        <statebridge.connector.data.endpoints.Endpoints.connect>`)."""
+        self.endpoints.connect(peer_id, address)
+
+    def fail_peer(self, peer_id: str, reason: str) -> int:
+        """The control plane declared ``peer_id`` dead (:meth:`Endpoints.fail_peer
+        <statebridge.connector.data.endpoints.Endpoints.fail_peer>`): its handles fail with
+        :class:`PeerLostError`. Returns how many handles failed."""
+        return self.endpoints.fail_peer(peer_id, reason)
+
+    def sends_complete_unattended(self, same_host: bool) -> bool:
+        """Whether sends to a peer on this host move without this side's progress
+        (:meth:`Endpoints.sends_complete_unattended
+        <statebridge.connector.data.endpoints.Endpoints.sends_complete_unattended>`)."""
+        return self.endpoints.sends_complete_unattended(same_host)
+
+    # -- posts (:attr:`posting`) ---------------------------------------------------------------
+    # post_send / post_recv go through self.post_runs, so a subclass that hooks post_runs (the
+    # benchmark's ModeTransport) sees every zero-copy post.
+    def post_send(self, peer_id: str, generation: int, src_rank: int, runs: object, *,
+                  request_id: str | None = None) -> TransferHandle:
+        """Send every run zero-copy, one tagged message per run, straight from the buffer.
+
+        ``runs``: int ``[R, 3]`` (local src offset, dst offset, length), absolute offsets; run
+        ``i`` travels with tag ``make_tag(generation, src_rank, i)``.
+        """
+        return self.post_runs("send", peer_id, generation, src_rank, 0, RunTemplate(runs, 0),
+                              request_id=request_id)
+
+    def post_recv(self, peer_id: str | None, generation: int, src_rank: int, runs: object, *,
+                  request_id: str | None = None) -> TransferHandle:
+        """Receive every run zero-copy, straight into the buffer (``runs[:, 1]`` absolute dst
+        offsets). With ``peer_id`` the receives belong to that peer (:meth:`fail_peer` and UCX
+        errors fail them); with None they match the tags from any peer."""
+        return self.post_runs("recv", peer_id, generation, src_rank, 0, RunTemplate(runs, 1),
+                              request_id=request_id)
+
+    def template(self, runs: object, direction: str) -> RunTemplate:
+        """``runs`` as a checked :class:`RunTemplate` for :meth:`post_runs` in ``direction``
+        (:meth:`Posting.template <statebridge.connector.data.posting.Posting.template>`)."""
+        return self.posting.template(runs, direction)
+
+    def post_runs(self, direction: str, peer_id: str | None, generation: int, src_rank: int,
+                  base: int, template: RunTemplate, *,
+                  request_id: str | None = None, index0: int = 0) -> TransferHandle:
+        """A :class:`RunTemplate` at byte offset ``base`` of the buffer, zero-copy: the rank's
+        per-request post (:meth:`Posting.post_runs
+        <statebridge.connector.data.posting.Posting.post_runs>`)."""
+        return self.posting.post_runs(direction, peer_id, generation, src_rank, base, template,
+                                      request_id=request_id, index0=index0)
+
+    def post_send_staged(self, peer_id: str, generation: int, src_rank: int, pack_runs: object,
+                         *, request_id: str | None = None) -> TransferHandle:
+        """Gather ``pack_runs`` into a staging buffer and send it as ONE message
+        (:meth:`Posting.post_send_staged
+        <statebridge.connector.data.posting.Posting.post_send_staged>`)."""
+        return self.posting.post_send_staged(peer_id, generation, src_rank, pack_runs,
+                                             request_id=request_id)
+
+    def post_recv_staged(self, peer_id: str | None, generation: int, src_rank: int, nbytes: int,
+                         unpack_runs: object, *, request_id: str | None = None) -> TransferHandle:
+        """Receive one staged message and scatter ``unpack_runs`` into the page
+        (:meth:`Posting.post_recv_staged
+        <statebridge.connector.data.posting.Posting.post_recv_staged>`)."""
+        return self.posting.post_recv_staged(peer_id, generation, src_rank, nbytes, unpack_runs,
+                                             request_id=request_id)
+
+    def post_notice(self, direction: str, peer_id: str, generation: int, src_rank: int,
+                    index: int, offset: int, nbytes: int, *,
+                    request_id: str | None = None) -> TransferHandle:
+        """One small tagged message of a shared-map read (:meth:`Posting.post_notice
+        <statebridge.connector.data.posting.Posting.post_notice>`)."""
+        return self.posting.post_notice(direction, peer_id, generation, src_rank, index, offset,
+                                        nbytes, request_id=request_id)
+
+    # -- internals (what handles and parts call back into) -------------------------------------
+    def _classify(self, handle: TransferHandle, request) -> BaseException:
+        """The error of a request that completed with a non-OK status."""
+        return self.endpoints.classify(handle, request)
 
     def _finished(self, handle: TransferHandle, staging: torch.Tensor | None,
                   quiescent: bool) -> None:

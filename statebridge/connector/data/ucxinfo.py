@@ -22,6 +22,7 @@ import ctypes
 import logging
 import os
 import re
+from typing import Callable
 
 log = logging.getLogger(__name__)
 
@@ -110,22 +111,24 @@ def parse_lanes(text: str) -> list[str]:
     return lanes
 
 
+def _ask(printer: str, handle: int, parse: Callable[[str], list[str]], what: str) -> list[str]:
+    """``parse`` of what UCX's ``printer`` prints about ``handle``; [] (logged at DEBUG as
+    "cannot read ``what``") when UCX cannot be asked."""
+    try:
+        return parse(_capture(printer, handle))
+    except (OSError, AttributeError, ImportError) as e:
+        log.debug("cannot read %s: %s", what, e)
+        return []
+
+
 def context_resources(context_handle: int) -> list[str]:
     """The transports of a UCX context (``tl/device``); [] when UCX cannot be asked."""
-    try:
-        return parse_resources(_capture("ucp_context_print_info", context_handle))
-    except (OSError, AttributeError, ImportError) as e:
-        log.debug("cannot read UCX's resources: %s", e)
-        return []
+    return _ask("ucp_context_print_info", context_handle, parse_resources, "UCX's resources")
 
 
 def endpoint_lanes(endpoint_handle: int) -> list[str]:
     """The transports an endpoint's lanes use (``tl/device``); [] when UCX cannot be asked."""
-    try:
-        return parse_lanes(_capture("ucp_ep_print_info", endpoint_handle))
-    except (OSError, AttributeError, ImportError) as e:
-        log.debug("cannot read an endpoint's lanes: %s", e)
-        return []
+    return _ask("ucp_ep_print_info", endpoint_handle, parse_lanes, "an endpoint's lanes")
 
 
 def peermem_loaded(modules: str | None = None) -> bool:

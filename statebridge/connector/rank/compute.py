@@ -34,13 +34,13 @@ from typing import TYPE_CHECKING, Callable
 
 from statebridge.connector import messages as m
 from statebridge.connector.ledger import RequestKey
-from statebridge.connector.rank import PrefillChunk
+from statebridge.connector.rank.model import PrefillChunk
 from statebridge.errors import ConfigError, StatebridgeError
 from statebridge.state.kv import blocks_for
 
 if TYPE_CHECKING:
     from statebridge.connector.control import EventLoop
-    from statebridge.connector.rank import KVBlocks, RankModel
+    from statebridge.connector.rank.model import KVBlocks, RankModel
     from statebridge.connector.stats import Counters
 
 log = logging.getLogger(__name__)

@@ -13,7 +13,7 @@ notices), with the same tags.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 
@@ -27,10 +27,9 @@ if TYPE_CHECKING:
     from statebridge.connector import messages as m
     from statebridge.connector.data import Transport
     from statebridge.connector.rank.pending import Pending
-    from statebridge.connector.rank.shared_map import SharedMaps
     from statebridge.state.spec import StateSpec
 
-__all__ = ["Route", "KVRoute", "Routes", "pair_digest"]
+__all__ = ["Route", "KVRoute", "Routes", "MapNotices", "pair_digest"]
 
 #: Block counts whose KV templates a KV route keeps (cleared when full).
 _KV_TEMPLATES = 256
@@ -93,25 +92,37 @@ class KVRoute:
         return digest
 
 
+class MapNotices(Protocol):
+    """What :class:`Routes` needs of the rank's shared-map side
+    (:class:`~statebridge.connector.rank.shared_map.SharedMaps`)."""
+
+    #: This rank's pool is device memory (staged pairs read out of the map too).
+    device: bool
+
+    def post_notices(self, pending: "Pending", direction: str, base: int) -> None:
+        """Post the request's shared-map notices (after its routes)."""
+
+
+@dataclass(eq=False, repr=False)
 class Routes:
     """This rank's routes per peer node, and :meth:`post`. Loop thread only."""
 
-    def __init__(self, role: str, tp_rank: int, spec: "StateSpec", geometry: PageGeometry,
-                 kv_geometry: BlockGeometry | None, kv_base: int, transport: "Transport",
-                 maps: "SharedMaps") -> None:
-        self.role = role
-        self.tp_rank = tp_rank
-        self.spec = spec
-        self.geometry = geometry
-        self.kv_geometry = kv_geometry
-        self.kv_base = kv_base
-        self.transport = transport
-        self.maps = maps
-        self.recurrent: dict[str, list[Route]] = {}      # peer node -> this rank's pairs
-        self.kv: dict[str, list[KVRoute]] = {}           # peer node -> this rank's KV pairs
-        #: Peer nodes whose transfers this rank digests (transfer verification).
-        self.verified: set[str] = set()
-        self._peer_sizes: dict[str, int] = {}            # peer node -> its TP size
+    role: str
+    tp_rank: int
+    spec: "StateSpec"
+    geometry: PageGeometry
+    kv_geometry: BlockGeometry | None
+    kv_base: int
+    transport: "Transport"
+    maps: MapNotices
+    #: peer node -> this rank's pairs
+    recurrent: dict[str, list[Route]] = field(default_factory=dict, init=False)
+    #: peer node -> this rank's KV pairs
+    kv: dict[str, list[KVRoute]] = field(default_factory=dict, init=False)
+    #: Peer nodes whose transfers this rank digests (transfer verification).
+    verified: set[str] = field(default_factory=set, init=False)
+    #: peer node -> its TP size
+    _peer_sizes: dict[str, int] = field(default_factory=dict, init=False)
 
     def __contains__(self, node: str) -> bool:
         return node in self.recurrent

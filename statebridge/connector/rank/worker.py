@@ -20,10 +20,16 @@ from statebridge.connector.data import shared
 from statebridge.connector.data.env import quiet_unused_env_warnings, ucx_options
 from statebridge.connector.ledger import RequestKey
 from statebridge.connector.local import LocalDealer
-from statebridge.connector.rank import KVBlocks, RankModel, RankSetup, kv_checksum, load_callable
 from statebridge.connector.rank import digest
 from statebridge.connector.rank.compute import ComputeThread, check_blocks, key_of
 from statebridge.connector.rank.memory import RankMemory
+from statebridge.connector.rank.model import (
+    KVBlocks,
+    RankModel,
+    RankSetup,
+    kv_checksum,
+    load_callable,
+)
 from statebridge.connector.rank.pending import Pending, PendingTransfers, fail_pending
 from statebridge.connector.rank.routes import Routes
 from statebridge.connector.rank.shared_map import SharedMaps
