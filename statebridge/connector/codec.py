@@ -40,7 +40,7 @@ __all__ = [
 
 #: The version every envelope carries; a peer of another version is refused (see the history
 #: in :mod:`statebridge.connector.messages`).
-PROTOCOL_VERSION = 12
+PROTOCOL_VERSION = 13
 #: Default largest message accepted by :func:`decode` (a prompt of 1M tokens fits).
 MAX_MESSAGE_BYTES = 16 * 1024 * 1024
 

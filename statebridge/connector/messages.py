@@ -58,6 +58,14 @@ whether a group verifies (decode) or sends digests (prefill); a prefill rank rep
 digests of what it sends (:class:`RankDigest`), its server forwards their sums per decode rank
 (:class:`TransferDigest`), a decode rank reports the digest of what landed in ``RankDone``.
 
+Version 13: prefix caching (``connector/prefix_cache.py``). :class:`GroupInfo` says whether a
+prefill group keeps a prefix cache and the salt, block size and stride its keys are made with;
+:class:`TransferRequest` ``prefix_cache`` lets a decode node turn hits off per request;
+:class:`RankPrefill` names the cached state and blocks a request starts from and the pages its
+checkpoints go to; :class:`TransferTimes` ``cached_tokens``; :class:`PrefixAnnounce` tells the
+decode side which checkpoints a prefill node holds (its routing); :class:`RankHello`
+``chunked_prefill`` (a hit needs a model that prefills from a state).
+
 Layers above the connector (the decode node's stepping and front door) declare their own
 messages with :func:`message`; they travel through the same codec.
 """
@@ -148,6 +156,13 @@ class GroupInfo(Message):
     #: a prefill group that does not send digests); a prefill group sends digests to the
     #: decode groups that verify. Protocol 12.
     verify_transfers: bool = False
+    #: A prefill group's prefix cache (protocol 13): on, and what its checkpoint keys are made
+    #: of (:class:`~statebridge.state.prefix.PrefixHasher`: the salt's digest, the KV block
+    #: size above, ``prefix_stride`` tokens between checkpoints), so a decode node can hash a
+    #: prompt as that group does and route it where its prefix lives.
+    prefix_cache: bool = False
+    prefix_salt: bytes = b""
+    prefix_stride: int = 0
 
 
 @message
@@ -160,6 +175,9 @@ class TransferRequest(Message):
     #: The decode side's block table for the prompt's KV (``blocks_for(len(prompt),
     #: block_size)`` ids); empty for a spec without KV.
     kv_blocks: tuple[int, ...] = ()
+    #: False: the prefill node neither starts this request from its cache nor keeps its
+    #: checkpoints (the decode node's ``--no-enable-prefix-caching``). Protocol 13.
+    prefix_cache: bool = True
 
 
 @message
@@ -175,6 +193,26 @@ class TransferTimes(Message):
     computed_from: float
     state_final_at: float
     posted_at: float
+    #: Prompt tokens that came from the prefill node's prefix cache (not computed). Protocol 13.
+    cached_tokens: int = 0
+
+
+@message
+class PrefixAnnounce(Message):
+    """Prefill -> decode, with the heartbeat when something changed (and in full after the
+    handshake: ``reset``): the checkpoints the prefill node's cache holds, as keys (see
+    :class:`GroupInfo` ``prefix_*``) with their token counts, added and removed since the
+    last announcement of ``seq`` order; and what its cache pools hold. A decode node routes by
+    it; a stale entry costs one miss, never a wrong token (the prefill node looks up again)."""
+    node_id: str
+    seq: int
+    reset: bool
+    added_keys: tuple[bytes, ...] = ()
+    added_tokens: tuple[int, ...] = ()
+    removed_keys: tuple[bytes, ...] = ()
+    pages_cached: int = 0
+    blocks_cached: int = 0
+    evictions: int = 0
 
 
 @message
@@ -241,6 +279,9 @@ class RankHello(Message):
     #: tensors it holds) and resident bytes of checkpoint files it maps.
     weights_private: int = 0
     weights_mapped: int = 0
+    #: Its model prefills a prompt in chunks from a state (``RankModel.chunked_prefill``): what
+    #: a prefix cache hit needs. Protocol 13.
+    chunked_prefill: bool = False
 
 
 @message
@@ -258,6 +299,20 @@ class RankPrefill(Message):
     src_blocks: tuple[int, ...] = ()
     dst_blocks: tuple[int, ...] = ()
     kv_tokens: int = 0
+    #: Prefix cache (protocol 13). A hit: the first ``cached_tokens`` tokens are not computed;
+    #: their recurrent state is copied from page ``restore_page`` into ``src_page`` and their
+    #: KV from ``restore_blocks`` into ``src_blocks[:len(restore_blocks)]`` (the full blocks,
+    #: then the partial tail block) before the first step.
+    cached_tokens: int = 0
+    restore_page: int = -1
+    restore_blocks: tuple[int, ...] = ()
+    #: Checkpoints to keep: after the step that computed token ``checkpoint_at[i]``, the
+    #: request's page is copied to ``checkpoint_pages[i]`` and, where that count is not a
+    #: multiple of the block size, its partial block ``src_blocks[n // block_size]`` to
+    #: ``checkpoint_tails[i]`` (-1: none). Steps end at these counts.
+    checkpoint_at: tuple[int, ...] = ()
+    checkpoint_pages: tuple[int, ...] = ()
+    checkpoint_tails: tuple[int, ...] = ()
 
 
 @message
