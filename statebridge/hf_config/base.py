@@ -68,6 +68,8 @@ class ModelConfig:
     """
 
     model_type: ClassVar[str] = ""
+    #: the checkpoint's name of the token embedding
+    embedding_name: ClassVar[str] = "model.embed_tokens.weight"
 
     vocab_size: int
     hidden_size: int
@@ -116,10 +118,6 @@ class ModelConfig:
     @property
     def architecture(self) -> str:
         return ARCHITECTURES[self.model_type]
-
-    @property
-    def embedding_name(self) -> str:
-        return "model.embed_tokens.weight"
 
     def layer_prefix(self, layer: int) -> str:
         """Weight-name prefix of decoder layer ``layer``'s mixer."""

@@ -47,6 +47,7 @@ class Mamba2ModelConfig(ModelConfig):
     :attr:`mamba` is the mixer geometry in the names both Mamba2 families share."""
 
     model_type: ClassVar[str] = "mamba2"
+    embedding_name: ClassVar[str] = "backbone.embeddings.weight"
 
     expand: int | float
     num_heads: int
@@ -95,10 +96,6 @@ class Mamba2ModelConfig(ModelConfig):
     def conv_dim(self) -> int:
         """Channels of the depthwise conv: ``[x (I) | B (G*N) | C (G*N)]``."""
         return self.mamba.conv_dim
-
-    @property
-    def embedding_name(self) -> str:
-        return "backbone.embeddings.weight"
 
     def layer_prefix(self, layer: int) -> str:
         return f"backbone.layers.{layer}.mixer."
