@@ -7,8 +7,9 @@ B requests (or state slots), T tokens, L layers, D channels, K conv width, S sta
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import Literal
+import inspect
+from collections.abc import Callable, Sequence
+from typing import Literal, TypeVar
 
 import torch
 
@@ -18,6 +19,30 @@ Provider = Literal["auto", "ref", "triton"]
 PROVIDERS: tuple[str, ...] = ("auto", "ref", "triton")
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 ACTIVATIONS = (None, "silu", "swish")
+
+_Fn = TypeVar("_Fn", bound=Callable)
+
+
+def reference_of(op: Callable) -> Callable[[_Fn], _Fn]:
+    """Declare the decorated plain-torch function the reference of the Triton wrapper ``op``.
+
+    A reference takes ``op``'s arguments, makes the same checks and returns the same result (the
+    tests hold the two equal), so it takes ``op``'s docstring and annotations rather than
+    repeating them; its parameters (names, kinds, defaults) must be ``op``'s, checked here.
+    """
+
+    def parameters(fn: Callable) -> list[tuple]:
+        return [(p.name, p.kind, p.default) for p in inspect.signature(fn).parameters.values()]
+
+    def declare(ref: _Fn) -> _Fn:
+        if parameters(ref) != parameters(op):
+            raise TypeError(f"{ref.__qualname__} must take the parameters of {op.__qualname__}: "
+                            f"{inspect.signature(op)}")
+        ref.__doc__ = op.__doc__
+        ref.__annotations__ = dict(op.__annotations__)
+        return ref
+
+    return declare
 
 
 def check_provider(provider: str) -> str:

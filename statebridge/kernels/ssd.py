@@ -25,6 +25,7 @@ from statebridge.kernels._common import (
     check_int,
     check_same_device,
     check_shape,
+    reference_of,
 )
 from statebridge.kernels._jit import BLOCK_B, chunks_before, dot, find_chunk, softplus, varlen_programs
 from statebridge.kernels._launch import BOOLS, FLOATS, INDEX, Launcher
@@ -470,21 +471,9 @@ _SCAN_OUT = Launcher(
 
 
 def _check_scan_varlen_args(
-    x: torch.Tensor,
-    dt: torch.Tensor,
-    A: torch.Tensor,
-    B: torch.Tensor,
-    C: torch.Tensor,
-    ssm_state: torch.Tensor,
-    query_start_loc: torch.Tensor,
-    slots: torch.Tensor,
-    has_initial_state: torch.Tensor,
-    chunk_size: int,
-    D: torch.Tensor | None,
-    z: torch.Tensor | None,
-    dt_bias: torch.Tensor | None,
+    x, dt, A, B, C, ssm_state, query_start_loc, slots, has_initial_state, chunk_size, D, z, dt_bias
 ) -> tuple[int, int, int, int, int]:
-    """Validate; return ``(B, H, P, N, G)``."""
+    """Validate :func:`mamba_chunk_scan_varlen`'s arguments; return ``(B, H, P, N, G)``."""
     check_dims("x", x, 3)
     num_tokens, heads, head_dim = x.shape
     check_dims("B", B, 3)
@@ -662,25 +651,11 @@ def mamba_chunk_scan_varlen(
     return out
 
 
+@reference_of(mamba_chunk_scan_varlen)
 def mamba_chunk_scan_varlen_ref(
-    x: torch.Tensor,
-    dt: torch.Tensor,
-    A: torch.Tensor,
-    B: torch.Tensor,
-    C: torch.Tensor,
-    ssm_state: torch.Tensor,
-    query_start_loc: torch.Tensor,
-    slots: torch.Tensor,
-    has_initial_state: torch.Tensor,
-    *,
-    chunk_size: int,
-    D: torch.Tensor | None = None,
-    z: torch.Tensor | None = None,
-    dt_bias: torch.Tensor | None = None,
-    dt_softplus: bool = False,
-) -> torch.Tensor:
-    """Torch reference of :func:`mamba_chunk_scan_varlen`: the same arguments, checks and
-    result, with ``chunk_size`` the chunk length of its scan."""
+    x, dt, A, B, C, ssm_state, query_start_loc, slots, has_initial_state, *,
+    chunk_size, D=None, z=None, dt_bias=None, dt_softplus=False,
+):
     _check_scan_varlen_args(
         x, dt, A, B, C, ssm_state, query_start_loc, slots, has_initial_state, chunk_size, D, z, dt_bias
     )

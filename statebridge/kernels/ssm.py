@@ -33,6 +33,7 @@ from statebridge.kernels._common import (
     check_int,
     check_same_device,
     check_shape,
+    reference_of,
 )
 from statebridge.kernels._jit import softplus
 from statebridge.kernels._launch import BOOLS, FLOATS, INDEX, Launcher, placeholder
@@ -175,19 +176,8 @@ _SSU = Launcher(
 )
 
 
-def _check_ssu_args(
-    state: torch.Tensor,
-    x: torch.Tensor,
-    dt: torch.Tensor,
-    A: torch.Tensor,
-    B: torch.Tensor,
-    C: torch.Tensor,
-    D: torch.Tensor | None,
-    z: torch.Tensor | None,
-    dt_bias: torch.Tensor | None,
-    state_batch_indices: torch.Tensor | None,
-) -> tuple[int, int, int, int, int]:
-    """Validate; return ``(B, H, P, N, G)``."""
+def _check_ssu_args(state, x, dt, A, B, C, D, z, dt_bias, state_batch_indices) -> tuple[int, int, int, int, int]:
+    """Validate :func:`selective_state_update`'s tensors; return ``(B, H, P, N, G)``."""
     check_dims("state", state, 4)
     check_dims("x", x, 3)
     batch, heads, head_dim = x.shape
@@ -306,37 +296,10 @@ def selective_state_update(
     return out
 
 
+@reference_of(selective_state_update)
 def selective_state_update_ref(
-    state: torch.Tensor,
-    x: torch.Tensor,
-    dt: torch.Tensor,
-    A: torch.Tensor,
-    B: torch.Tensor,
-    C: torch.Tensor,
-    D: torch.Tensor | None = None,
-    z: torch.Tensor | None = None,
-    dt_bias: torch.Tensor | None = None,
-    dt_softplus: bool = False,
-    state_batch_indices: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """One Mamba2 decode step: advances each request's SSM state in place and returns its output.
-
-    Args:
-        state: ``[num_slots, H, P, N]`` strided view; updated in place (arithmetic in fp32).
-        x: ``[B, H, P]`` SSM input (the conv output's x part).
-        dt: ``[B, H, P]`` raw time step (Mamba2 passes ``[B, H]`` expanded over P).
-        A: ``[H, P, N]`` (Mamba2 passes ``-exp(A_log)`` of ``[H]`` expanded, zero strides).
-        B: ``[B, G, N]`` with ``H % G == 0``; head h uses group ``h // (H / G)``.
-        C: ``[B, G, N]``.
-        D: ``[H, P]`` skip weight, or None.
-        z: ``[B, H, P]`` gate (output times ``silu(z)``), or None.
-        dt_bias: ``[H, P]`` added to dt before the softplus, or None.
-        dt_softplus: apply softplus to ``dt (+ dt_bias)``.
-        state_batch_indices: ``[B]`` int32/int64 distinct slots, or None for slot b = request b.
-
-    Returns:
-        ``[B, H, P]`` output in ``x.dtype``.
-    """
+    state, x, dt, A, B, C, D=None, z=None, dt_bias=None, dt_softplus=False, state_batch_indices=None
+):
     batch, heads, _, _, groups = _check_ssu_args(state, x, dt, A, B, C, D, z, dt_bias, state_batch_indices)
     if state_batch_indices is None:
         slots = torch.arange(batch, device=x.device)
