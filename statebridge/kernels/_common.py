@@ -97,6 +97,40 @@ def check_int(name: str, t: torch.Tensor) -> None:
         raise ShapeError(f"{name} must be int32 or int64, got {t.dtype}")
 
 
+def check_slots(
+    state_name: str, state: torch.Tensor, indices_name: str, indices: torch.Tensor | None, batch: int
+) -> None:
+    """Raise :class:`ShapeError` unless ``indices`` names a slot of ``state`` per request (``[B]``
+    int32/int64), or is None and ``state`` has a slot for each request (request b uses slot b)."""
+    if indices is None:
+        if state.shape[0] < batch:
+            raise ShapeError(
+                f"without {indices_name} request b uses slot b, so {state_name} needs >= {batch} slots, "
+                f"got {list(state.shape)}"
+            )
+    else:
+        check_int(indices_name, indices)
+        check_shape(indices_name, indices, (batch,))
+
+
+def check_varlen(
+    query_start_loc: torch.Tensor, slots_name: str, slots: torch.Tensor, has_initial_state: torch.Tensor
+) -> int:
+    """Check the index tensors of packed sequences on state slots; return their number B.
+
+    ``query_start_loc`` ``[B + 1]`` and ``slots`` ``[B]`` int32/int64, ``has_initial_state``
+    ``[B]`` bool."""
+    check_dims(slots_name, slots, 1)
+    batch = slots.shape[0]
+    check_int("query_start_loc", query_start_loc)
+    check_shape("query_start_loc", query_start_loc, (batch + 1,))
+    check_int(slots_name, slots)
+    check_shape("has_initial_state", has_initial_state, (batch,))
+    if has_initial_state.dtype != torch.bool:
+        raise ShapeError(f"has_initial_state must be bool, got {has_initial_state.dtype}")
+    return batch
+
+
 def check_same_device(**tensors: torch.Tensor | None) -> torch.device:
     """Return the one device of the given tensors; raise :class:`ShapeError` if they differ."""
     devices = {name: t.device for name, t in tensors.items() if t is not None}

@@ -63,6 +63,23 @@ def chunks_before(p_qsl, i_b, BLOCK: tl.constexpr, BLOCK_B: tl.constexpr):
 
 
 @triton.jit
+def seq_span(p_qsl, i_b):
+    """``(bos, seqlen)`` of sequence ``i_b``: its first token and its length, as int64."""
+    bos = tl.load(p_qsl + i_b).to(tl.int64)
+    return bos, tl.load(p_qsl + i_b + 1).to(tl.int64) - bos
+
+
+@triton.jit
+def slot_of(p_slots, i_b, HAS_SLOTS: tl.constexpr):
+    """The state slot of request ``i_b``: ``p_slots[i_b]``, or ``i_b`` itself without slots."""
+    if HAS_SLOTS:
+        slot = tl.load(p_slots + i_b).to(tl.int64)
+    else:
+        slot = i_b.to(tl.int64)
+    return slot
+
+
+@triton.jit
 def dot(a, b):
     """``a @ b`` accumulated in fp32. Two 16-bit operands of one dtype use the tensor cores (their
     products are exact in fp32); anything else is multiplied in fp32 with IEEE precision, not

@@ -70,7 +70,7 @@ from statebridge.kernels._common import (
     check_shape,
     next_power_of_2,
 )
-from statebridge.kernels._jit import BLOCK_B, dot, find_chunk, varlen_programs
+from statebridge.kernels._jit import BLOCK_B, dot, find_chunk, seq_span, varlen_programs
 from statebridge.kernels._launch import FLOATS, INDEX, Launcher
 
 __all__ = [
@@ -501,8 +501,7 @@ def _varlen_attention_kernel(
         return
     i_h = tl.program_id(1).to(tl.int64)
     i_kv = i_h // group
-    bos = tl.load(p_qsl + i_b).to(tl.int64)
-    seqlen = tl.load(p_qsl + i_b + 1).to(tl.int64) - bos
+    bos, seqlen = seq_span(p_qsl, i_b)
     o_m = i_m * BLOCK_M + tl.arange(0, BLOCK_M)
     m_m = o_m < seqlen
     o_d = tl.arange(0, BLOCK_D)

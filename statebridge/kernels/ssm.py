@@ -28,14 +28,9 @@ import triton.language as tl
 
 from statebridge.errors import ShapeError
 from statebridge.kernels._common import (
-    check_dims,
-    check_float,
-    check_int,
-    check_same_device,
-    check_shape,
-    reference_of,
+    check_dims, check_float, check_same_device, check_shape, check_slots, reference_of,
 )
-from statebridge.kernels._jit import softplus
+from statebridge.kernels._jit import slot_of, softplus
 from statebridge.kernels._launch import BOOLS, FLOATS, INDEX, Launcher, placeholder
 
 __all__ = ["selective_state_update", "selective_state_update_ref"]
@@ -101,10 +96,7 @@ def _selective_state_update_kernel(
     i_h = tl.program_id(1).to(tl.int64)
     i_p = tl.program_id(2)
     i_g = i_h // heads_per_group
-    if HAS_SLOTS:
-        slot = tl.load(p_slots + i_b).to(tl.int64)
-    else:
-        slot = i_b
+    slot = slot_of(p_slots, i_b, HAS_SLOTS)
     o_p = i_p * BLOCK_P + tl.arange(0, BLOCK_P)
     m_p = o_p < head_dim
 
@@ -201,15 +193,7 @@ def _check_ssu_args(state, x, dt, A, B, C, D, z, dt_bias, state_batch_indices) -
             check_shape(name, t, shape)
     check_float("state", state)
     check_float("x", x)
-    if state_batch_indices is None:
-        if state.shape[0] < batch:
-            raise ShapeError(
-                f"without state_batch_indices request b uses slot b, so state needs >= {batch} slots, "
-                f"got {list(state.shape)}"
-            )
-    else:
-        check_int("state_batch_indices", state_batch_indices)
-        check_shape("state_batch_indices", state_batch_indices, (batch,))
+    check_slots("state", state, "state_batch_indices", state_batch_indices, batch)
     check_same_device(
         state=state, x=x, dt=dt, A=A, B=B, C=C, D=D, z=z, dt_bias=dt_bias, state_batch_indices=state_batch_indices
     )
@@ -296,6 +280,16 @@ def selective_state_update(
     return out
 
 
+def time_step_ref(dt: torch.Tensor, dt_bias: torch.Tensor | None, dt_softplus: bool) -> torch.Tensor:
+    """The step the recurrence takes, in fp32: ``dt (+ dt_bias)``, through softplus if asked."""
+    dtf = dt.float()
+    if dt_bias is not None:
+        dtf = dtf + dt_bias.float()
+    if dt_softplus:
+        dtf = F.softplus(dtf)
+    return dtf
+
+
 @reference_of(selective_state_update)
 def selective_state_update_ref(
     state, x, dt, A, B, C, D=None, z=None, dt_bias=None, dt_softplus=False, state_batch_indices=None
@@ -306,11 +300,7 @@ def selective_state_update_ref(
     else:
         slots = state_batch_indices.long()
     xf = x.float()
-    dtf = dt.float()
-    if dt_bias is not None:
-        dtf = dtf + dt_bias.float()
-    if dt_softplus:
-        dtf = F.softplus(dtf)
+    dtf = time_step_ref(dt, dt_bias, dt_softplus)
     per_group = heads // groups
     Bh = B.float().repeat_interleave(per_group, dim=1)  # [B, H, N]
     Ch = C.float().repeat_interleave(per_group, dim=1)
