@@ -391,18 +391,14 @@ _FWD_BLOCK_D = 64
 _FWD_BLOCK_T = 64  # >= K - 1: only a sequence's first chunk reaches back into the state
 _UPDATE_BLOCK_D = 128
 _BLOCK_S = 4  # state columns per step of the state write
+# The variants both kernels are built for: conv width, bias or none, SiLU or none.
+_CONV_FLAGS = dict(K=CONV_WIDTHS, HAS_BIAS=BOOLS, SILU=BOOLS)
 
 _FWD = Launcher(
     _causal_conv1d_fwd_kernel,
     name="causal_conv1d.fwd",
     constexprs=dict(
-        K=CONV_WIDTHS,
-        HAS_BIAS=BOOLS,
-        SILU=BOOLS,
-        BLOCK_D=(_FWD_BLOCK_D,),
-        BLOCK_T=(_FWD_BLOCK_T,),
-        BLOCK_S=(_BLOCK_S,),
-        BLOCK_B=(BLOCK_B,),
+        **_CONV_FLAGS, BLOCK_D=(_FWD_BLOCK_D,), BLOCK_T=(_FWD_BLOCK_T,), BLOCK_S=(_BLOCK_S,), BLOCK_B=(BLOCK_B,)
     ),
     dtypes={
         ("p_x", "p_out"): FLOATS,
@@ -414,14 +410,7 @@ _FWD = Launcher(
 _UPDATE = Launcher(
     _causal_conv1d_update_kernel,
     name="causal_conv1d.update",
-    constexprs=dict(
-        K=CONV_WIDTHS,
-        HAS_BIAS=BOOLS,
-        SILU=BOOLS,
-        HAS_SLOTS=BOOLS,
-        BLOCK_D=(_UPDATE_BLOCK_D,),
-        BLOCK_S=(_BLOCK_S,),
-    ),
+    constexprs=dict(**_CONV_FLAGS, HAS_SLOTS=BOOLS, BLOCK_D=(_UPDATE_BLOCK_D,), BLOCK_S=(_BLOCK_S,)),
     dtypes={("p_x", "p_out"): FLOATS, ("p_w", "p_bias"): FLOATS, "p_state": FLOATS, "p_slots": INDEX},
 )
 
