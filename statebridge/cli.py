@@ -28,7 +28,7 @@ import signal
 import sys
 import threading
 import time
-from typing import Sequence
+from typing import Any, Callable, Sequence
 
 from statebridge.devices import DEVICE_HELP
 from statebridge.errors import StatebridgeError
@@ -80,35 +80,28 @@ def _byte_size(text: str) -> int:
     return int(value * _SIZE_UNITS[unit])
 
 
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
-    return value
+def _number_type(name: str, parse: Callable[[str], Any], what: str,
+                 accept: Callable[[Any], bool]) -> Callable[[str], Any]:
+    """An argparse ``type``: ``parse(text)`` if it parses and ``accept`` takes it, else an
+    error "expected {what}, got {text!r}"."""
+    def convert(text: str) -> Any:
+        try:
+            value = parse(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}") from None
+        if not accept(value):
+            raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}")
+        return value
+
+    convert.__name__ = convert.__qualname__ = name
+    return convert
 
 
-def _positive_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}") from None
-    if not 0 < value < float("inf"):
-        raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}")
-    return value
-
-
-def _non_negative_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a non-negative integer, got {text!r}") \
-            from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"expected a non-negative integer, got {text!r}")
-    return value
+_positive_int = _number_type("_positive_int", int, "a positive integer", lambda v: v >= 1)
+_positive_float = _number_type("_positive_float", float, "a positive number",
+                               lambda v: 0 < v < float("inf"))
+_non_negative_int = _number_type("_non_negative_int", int, "a non-negative integer",
+                                 lambda v: v >= 0)
 
 
 def _add_plan(sub: argparse._SubParsersAction) -> None:
@@ -348,6 +341,15 @@ def _failed(args: argparse.Namespace, why: str) -> int:
     return EXIT_NODE_FAILED
 
 
+def _serve_until_stopped(args: argparse.Namespace, stop: threading.Event, node: Any) -> int:
+    """Wait until a signal or ``node.fatal``, close the node; the command's exit status."""
+    try:
+        why = _wait(stop, lambda: node.fatal)
+    finally:
+        node.close()
+    return _failed(args, why) if why else 0
+
+
 def _cmd_prefill(args: argparse.Namespace) -> int:
     from statebridge.node.prefill_node import start_prefill_node
 
@@ -359,11 +361,7 @@ def _cmd_prefill(args: argparse.Namespace) -> int:
     print(server.memory_line(), flush=True)
     print(f"prefill node ready on {server.address} (TP {args.tp}, {node.layout}): ready in "
           f"{time.monotonic() - started:.1f} s", flush=True)
-    try:
-        why = _wait(stop, lambda: server.fatal)
-    finally:
-        server.close()
-    return _failed(args, why) if why else 0
+    return _serve_until_stopped(args, stop, server)
 
 
 def _cmd_decode(args: argparse.Namespace) -> int:
@@ -385,11 +383,7 @@ def _cmd_decode(args: argparse.Namespace) -> int:
     when = f": ready in {node.ready_after:.1f} s" if ready else ""
     print(f"decode node {'ready' if ready else 'up'} on {door} (TP {args.tp}, "
           f"{node.node_config.layout}, {state}){when}", flush=True)
-    try:
-        why = _wait(stop, lambda: node.fatal)
-    finally:
-        node.close()
-    return _failed(args, why) if why else 0
+    return _serve_until_stopped(args, stop, node)
 
 
 def _token_list(text: str) -> list[int]:

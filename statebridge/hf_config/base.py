@@ -9,11 +9,16 @@ from typing import Any, Callable, ClassVar, Mapping
 
 from statebridge.dtypes import dtype_from_name
 from statebridge.errors import ConfigError, UnsupportedModelError
-from statebridge.hf_config.fields import _is_number, decode_special_floats, read_config_json
+from statebridge.hf_config.fields import (_bool, _dtype, _int, _is_number, _positive,
+                                         decode_special_floats, read_config_json)
 
 #: model_type -> the HF class whose weight names the runtime reads.
 ARCHITECTURES = {"lfm2": "Lfm2ForCausalLM", "mamba2": "Mamba2ForCausalLM",
                  "granitemoehybrid": "GraniteMoeHybridForCausalLM"}
+
+#: layer type -> the HF module name of its mixer in ``model.layers.{i}.{mixer}.`` (LFM2, Granite;
+#: Mamba2 names its weights ``backbone.layers.{i}.mixer.``).
+_MIXER_MODULES = {"conv": "conv", "mamba2": "mamba", "full_attention": "self_attn"}
 
 #: model_type -> the reader of that family's config (``cls._read``); the package's ``__init__``
 #: fills it with every family.
@@ -25,6 +30,29 @@ def _require_positive(config: "ModelConfig", *names: str) -> None:
         value = getattr(config, name)
         if not _is_number(value) or value <= 0:
             raise ConfigError(f"{config.model_type}: {name} must be > 0, got {value!r}")
+
+
+def _require_min_max(config: "ModelConfig", name: str) -> None:
+    value = getattr(config, name)
+    if len(value) != 2:
+        raise ConfigError(f"{config.model_type}: {name} must be (min, max), got {value!r}")
+
+
+def _base_fields(config: Mapping[str, Any], defaults: Mapping[str, Any], *, hidden_size: int,
+                 num_layers: int, layer_types: tuple[str, ...], norm_key: str) -> dict[str, Any]:
+    """The :class:`ModelConfig` fields read from a ``config.json`` dict the same way in every
+    family (``norm_key``: the family's key of the RMSNorm epsilon); ``defaults`` are the
+    family's, by key."""
+    return dict(
+        vocab_size=_int(config, "vocab_size", default=defaults["vocab_size"]),
+        hidden_size=hidden_size,
+        num_layers=num_layers,
+        layer_types=layer_types,
+        tie_word_embeddings=_bool(config, "tie_word_embeddings",
+                                  default=defaults["tie_word_embeddings"]),
+        dtype=_dtype(config),
+        norm_eps=float(_positive(config, norm_key, default=defaults[norm_key])),
+    )
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -40,6 +68,8 @@ class ModelConfig:
     """
 
     model_type: ClassVar[str] = ""
+    #: the checkpoint's name of the token embedding
+    embedding_name: ClassVar[str] = "model.embed_tokens.weight"
 
     vocab_size: int
     hidden_size: int
@@ -89,13 +119,9 @@ class ModelConfig:
     def architecture(self) -> str:
         return ARCHITECTURES[self.model_type]
 
-    @property
-    def embedding_name(self) -> str:
-        raise NotImplementedError
-
     def layer_prefix(self, layer: int) -> str:
         """Weight-name prefix of decoder layer ``layer``'s mixer."""
-        raise NotImplementedError
+        return f"model.layers.{layer}.{_MIXER_MODULES[self.layer_types[layer]]}."
 
     def weight_shapes(self) -> dict[str, tuple[int, ...]]:
         """Every weight of the ``*ForCausalLM`` checkpoint and its shape, in module order.

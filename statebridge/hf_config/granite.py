@@ -8,9 +8,10 @@ from dataclasses import dataclass
 from typing import Any, ClassVar, Mapping
 
 from statebridge.errors import ConfigError, UnsupportedModelError
-from statebridge.hf_config.base import ModelConfig, _require_positive
-from statebridge.hf_config.fields import (_bool, _count, _dtype, _int, _layer_type_list,
-                                          _positive, _rope_theta, _time_step_limit, _typed)
+from statebridge.hf_config.base import (ModelConfig, _base_fields, _require_min_max,
+                                        _require_positive)
+from statebridge.hf_config.fields import (_bool, _count, _int, _layer_type_list, _positive,
+                                          _rope_theta, _time_step_limit, _typed)
 from statebridge.hf_config.mixer import Mamba2Geometry, MixerKeys
 
 #: GraniteMoeHybrid layer types as written in config.json (transformers' names and the legacy
@@ -130,9 +131,7 @@ class GraniteHybridModelConfig(ModelConfig):
                 raise ConfigError(f"granitemoehybrid: num_attention_heads="
                                   f"{self.num_attention_heads} is not a multiple of "
                                   f"num_key_value_heads={self.num_key_value_heads}")
-        if len(self.time_step_limit) != 2:
-            raise ConfigError(f"granitemoehybrid: time_step_limit must be (min, max), got "
-                              f"{self.time_step_limit!r}")
+        _require_min_max(self, "time_step_limit")
 
     @classmethod
     def _read(cls, config: Mapping[str, Any]) -> "GraniteHybridModelConfig":
@@ -170,14 +169,8 @@ class GraniteHybridModelConfig(ModelConfig):
             raise ConfigError(f"config field 'position_embedding_type' must be a string or "
                               f"null, got {position!r}")
         return cls(
-            vocab_size=_int(config, "vocab_size", default=d["vocab_size"]),
-            hidden_size=hidden,
-            num_layers=num_layers,
-            layer_types=layer_types,
-            tie_word_embeddings=_bool(config, "tie_word_embeddings",
-                                      default=d["tie_word_embeddings"]),
-            dtype=_dtype(config),
-            norm_eps=number("rms_norm_eps"),
+            **_base_fields(config, d, hidden_size=hidden, num_layers=num_layers,
+                           layer_types=layer_types, norm_key="rms_norm_eps"),
             intermediate_size=_int(config, "intermediate_size", default=d["intermediate_size"]),
             shared_intermediate_size=_int(config, "shared_intermediate_size",
                                           default=d["shared_intermediate_size"]),
@@ -208,14 +201,6 @@ class GraniteHybridModelConfig(ModelConfig):
     def mamba(self) -> Mamba2Geometry:
         """The Mamba2 layers' mixer geometry, in the names both families share."""
         return GRANITE_KEYS.geometry(self)
-
-    @property
-    def embedding_name(self) -> str:
-        return "model.embed_tokens.weight"
-
-    def layer_prefix(self, layer: int) -> str:
-        mixer = "mamba" if self.layer_types[layer] == "mamba2" else "self_attn"
-        return f"model.layers.{layer}.{mixer}."
 
     @property
     def rotary(self) -> bool:

@@ -6,9 +6,9 @@ from dataclasses import dataclass
 from typing import Any, ClassVar, Mapping
 
 from statebridge.errors import ConfigError, UnsupportedModelError
-from statebridge.hf_config.base import ModelConfig, _require_positive
-from statebridge.hf_config.fields import (_bool, _dtype, _int, _int_list, _is_number,
-                                          _layer_type_list, _positive, _rope_theta)
+from statebridge.hf_config.base import ModelConfig, _base_fields, _require_positive
+from statebridge.hf_config.fields import (_bool, _int, _int_list, _is_number, _layer_type_list,
+                                          _rope_theta)
 
 #: LFM2 decoder layer types statebridge can describe (transformers' names).
 LFM2_LAYER_TYPES = ("conv", "full_attention")
@@ -105,14 +105,8 @@ class Lfm2ModelConfig(ModelConfig):
                 raise ConfigError(f"config field 'block_ffn_dim_multiplier' must be a positive "
                                   f"number or null, got {multiplier!r}")
         return cls(
-            vocab_size=_int(config, "vocab_size", default=d["vocab_size"]),
-            hidden_size=hidden,
-            num_layers=num_layers,
-            layer_types=layer_types,
-            tie_word_embeddings=_bool(config, "tie_word_embeddings",
-                                      default=d["tie_word_embeddings"]),
-            dtype=_dtype(config),
-            norm_eps=float(_positive(config, "norm_eps", default=d["norm_eps"])),
+            **_base_fields(config, d, hidden_size=hidden, num_layers=num_layers,
+                           layer_types=layer_types, norm_key="norm_eps"),
             intermediate_size=_int(config, "intermediate_size", default=d["intermediate_size"]),
             conv_L_cache=_int(config, "conv_L_cache", default=d["conv_L_cache"]),
             conv_bias=_bool(config, "conv_bias", default=d["conv_bias"]),
@@ -156,14 +150,6 @@ class Lfm2ModelConfig(ModelConfig):
                 multiple = self.block_multiple_of
                 ff = multiple * ((ff + multiple - 1) // multiple)
         return int(ff)
-
-    @property
-    def embedding_name(self) -> str:
-        return "model.embed_tokens.weight"
-
-    def layer_prefix(self, layer: int) -> str:
-        mixer = "conv" if self.layer_types[layer] == "conv" else "self_attn"
-        return f"model.layers.{layer}.{mixer}."
 
     def weight_shapes(self) -> dict[str, tuple[int, ...]]:
         V, Hd, K, F = self.vocab_size, self.hidden_size, self.conv_L_cache, self.ff_dim

@@ -6,10 +6,8 @@ import math
 from dataclasses import dataclass
 from typing import Any, ClassVar, Mapping
 
-from statebridge.errors import ConfigError
-from statebridge.hf_config.base import ModelConfig
-from statebridge.hf_config.fields import (_bool, _dtype, _int, _positive, _time_step_limit,
-                                          _typed)
+from statebridge.hf_config.base import ModelConfig, _base_fields, _require_min_max
+from statebridge.hf_config.fields import _bool, _int, _time_step_limit, _typed
 from statebridge.hf_config.mixer import Mamba2Geometry, MixerKeys
 
 #: ``Mamba2Config`` defaults (transformers 5) of every field the runtime reads. ``num_heads`` is
@@ -49,6 +47,7 @@ class Mamba2ModelConfig(ModelConfig):
     :attr:`mamba` is the mixer geometry in the names both Mamba2 families share."""
 
     model_type: ClassVar[str] = "mamba2"
+    embedding_name: ClassVar[str] = "backbone.embeddings.weight"
 
     expand: int | float
     num_heads: int
@@ -66,9 +65,7 @@ class Mamba2ModelConfig(ModelConfig):
     def __post_init__(self) -> None:
         ModelConfig.__post_init__(self)
         MAMBA2_KEYS.check(self.mamba)
-        if len(self.time_step_limit) != 2:
-            raise ConfigError(f"mamba2: time_step_limit must be (min, max), got "
-                              f"{self.time_step_limit!r}")
+        _require_min_max(self, "time_step_limit")
 
     @classmethod
     def _read(cls, config: Mapping[str, Any]) -> "Mamba2ModelConfig":
@@ -77,15 +74,8 @@ class Mamba2ModelConfig(ModelConfig):
         mixer = MAMBA2_KEYS.read(config, d, hidden_size=hidden)
         num_layers = _int(config, "num_hidden_layers", "n_layer", default=d["num_hidden_layers"])
         return cls(
-            vocab_size=_int(config, "vocab_size", default=d["vocab_size"]),
-            hidden_size=hidden,
-            num_layers=num_layers,
-            layer_types=("mamba2",) * num_layers,
-            tie_word_embeddings=_bool(config, "tie_word_embeddings",
-                                      default=d["tie_word_embeddings"]),
-            dtype=_dtype(config),
-            norm_eps=float(_positive(config, "layer_norm_epsilon",
-                                     default=d["layer_norm_epsilon"])),
+            **_base_fields(config, d, hidden_size=hidden, num_layers=num_layers,
+                           layer_types=("mamba2",) * num_layers, norm_key="layer_norm_epsilon"),
             **MAMBA2_KEYS.attributes(mixer),
             hidden_act=_typed(config, str, "a string", "hidden_act", default=d["hidden_act"]),
             residual_in_fp32=_bool(config, "residual_in_fp32", default=d["residual_in_fp32"]),
@@ -106,10 +96,6 @@ class Mamba2ModelConfig(ModelConfig):
     def conv_dim(self) -> int:
         """Channels of the depthwise conv: ``[x (I) | B (G*N) | C (G*N)]``."""
         return self.mamba.conv_dim
-
-    @property
-    def embedding_name(self) -> str:
-        return "backbone.embeddings.weight"
 
     def layer_prefix(self, layer: int) -> str:
         return f"backbone.layers.{layer}.mixer."

@@ -23,6 +23,17 @@ def varlen_programs(num_tokens: int, batch: int, block: int) -> int:
 
 
 @triton.jit
+def _chunk_counts(p_qsl, b0, end, BLOCK: tl.constexpr, BLOCK_B: tl.constexpr):
+    """``(b_n, m_b)``: chunks of ``BLOCK`` tokens of the sequences ``b0 .. b0 + BLOCK_B - 1``
+    (0 at and past ``end``), and the mask of those before ``end``."""
+    o_b = b0 + tl.arange(0, BLOCK_B)
+    m_b = o_b < end
+    b_lo = tl.load(p_qsl + o_b, mask=m_b, other=0).to(tl.int64)
+    b_hi = tl.load(p_qsl + o_b + 1, mask=m_b, other=0).to(tl.int64)
+    return (b_hi - b_lo + BLOCK - 1) // BLOCK, m_b
+
+
+@triton.jit
 def find_chunk(p_qsl, batch, i_c, BLOCK: tl.constexpr, BLOCK_B: tl.constexpr):
     """``(i_b, i_t)``: program ``i_c`` serves chunk ``i_t`` of sequence ``i_b``, counting the chunks
     of ``BLOCK`` tokens of every sequence in order (an empty sequence has none). ``i_b == batch``
@@ -31,11 +42,7 @@ def find_chunk(p_qsl, batch, i_c, BLOCK: tl.constexpr, BLOCK_B: tl.constexpr):
     start = tl.zeros([], dtype=tl.int64)
     total = tl.zeros([], dtype=tl.int64)
     for b0 in range(0, batch, BLOCK_B):
-        o_b = b0 + tl.arange(0, BLOCK_B)
-        m_b = o_b < batch
-        b_lo = tl.load(p_qsl + o_b, mask=m_b, other=0).to(tl.int64)
-        b_hi = tl.load(p_qsl + o_b + 1, mask=m_b, other=0).to(tl.int64)
-        b_n = (b_hi - b_lo + BLOCK - 1) // BLOCK
+        b_n, m_b = _chunk_counts(p_qsl, b0, batch, BLOCK, BLOCK_B)
         # the inclusive running count is monotonic: the sequences done before i_c are a prefix
         b_done = ((tl.cumsum(b_n, 0) + total) <= i_c) & m_b
         i_b += tl.sum(b_done.to(tl.int32), 0)
@@ -50,12 +57,26 @@ def chunks_before(p_qsl, i_b, BLOCK: tl.constexpr, BLOCK_B: tl.constexpr):
     in :func:`find_chunk`'s order)."""
     total = tl.zeros([], dtype=tl.int64)
     for b0 in range(0, i_b, BLOCK_B):
-        o_b = b0 + tl.arange(0, BLOCK_B)
-        m_b = o_b < i_b
-        b_lo = tl.load(p_qsl + o_b, mask=m_b, other=0).to(tl.int64)
-        b_hi = tl.load(p_qsl + o_b + 1, mask=m_b, other=0).to(tl.int64)
-        total += tl.sum((b_hi - b_lo + BLOCK - 1) // BLOCK, 0)
+        b_n, _ = _chunk_counts(p_qsl, b0, i_b, BLOCK, BLOCK_B)
+        total += tl.sum(b_n, 0)
     return total
+
+
+@triton.jit
+def seq_span(p_qsl, i_b):
+    """``(bos, seqlen)`` of sequence ``i_b``: its first token and its length, as int64."""
+    bos = tl.load(p_qsl + i_b).to(tl.int64)
+    return bos, tl.load(p_qsl + i_b + 1).to(tl.int64) - bos
+
+
+@triton.jit
+def slot_of(p_slots, i_b, HAS_SLOTS: tl.constexpr):
+    """The state slot of request ``i_b``: ``p_slots[i_b]``, or ``i_b`` itself without slots."""
+    if HAS_SLOTS:
+        slot = tl.load(p_slots + i_b).to(tl.int64)
+    else:
+        slot = i_b.to(tl.int64)
+    return slot
 
 
 @triton.jit

@@ -29,11 +29,14 @@ import torch
 
 from statebridge.errors import ConfigError
 
-__all__ = ["Launcher", "Variant", "launchers", "FLOATS", "INDEX", "BOOLS", "interpreted", "placeholder"]
+__all__ = ["Launcher", "Variant", "launchers", "FLOATS", "INDEX", "BOOLS", "VARLEN_SLOTS", "interpreted", "placeholder"]
 
 FLOATS: tuple[torch.dtype, ...] = (torch.float32, torch.bfloat16, torch.float16)
 INDEX: tuple[torch.dtype, ...] = (torch.int32, torch.int64)
 BOOLS: tuple[bool, ...] = (False, True)
+#: The index arguments of a kernel over packed sequences on state slots: ``query_start_loc``,
+#: the slot of each sequence and whether it has an initial state.
+VARLEN_SLOTS: dict[str, tuple[torch.dtype, ...]] = {"p_qsl": INDEX, "p_slots": INDEX, "p_has_init": (torch.bool,)}
 
 # torch dtype -> the element type Triton's signature strings use
 _SIG = {

@@ -69,8 +69,9 @@ from statebridge.kernels._common import (
     check_same_device,
     check_shape,
     next_power_of_2,
+    reference_of,
 )
-from statebridge.kernels._jit import BLOCK_B, dot, find_chunk, varlen_programs
+from statebridge.kernels._jit import BLOCK_B, dot, find_chunk, seq_span, varlen_programs
 from statebridge.kernels._launch import FLOATS, INDEX, Launcher
 
 __all__ = [
@@ -273,16 +274,11 @@ def check_paged_kv(block_tables: torch.Tensor, seq_lens: torch.Tensor, num_block
 
 
 def _check_args(
-    q: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    block_tables: torch.Tensor,
-    seq_lens: torch.Tensor,
-    scale: float,
-    out: torch.Tensor | None,
+    q, k_cache, v_cache, block_tables, seq_lens, scale, out
 ) -> tuple[int, int, int, int, int]:
-    """Validate; return ``(B, Hq, Hkv, BS, D)``. Reads ``seq_lens`` and the used block-table
-    entries only when they are on the CPU (see the module docstring)."""
+    """Validate :func:`paged_attention_decode`'s arguments; return ``(B, Hq, Hkv, BS, D)``.
+    Reads ``seq_lens`` and the used block-table entries only when they are on the CPU (see the
+    module docstring)."""
     check_dims("q", q, 3)
     check_dims("k_cache", k_cache, 4)
     check_float("q", q)
@@ -411,33 +407,8 @@ def paged_attention_decode(
     return out
 
 
-def paged_attention_decode_ref(
-    q: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    block_tables: torch.Tensor,
-    seq_lens: torch.Tensor,
-    scale: float,
-    *,
-    out: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """Decode attention of one new token per request over its paged KV.
-
-    Args:
-        q: ``[B, Hq, D]`` fp32/fp16/bf16 query of each request's new token, any strides.
-        k_cache: ``[NB, Hkv, BS, D]`` strided view of one layer's K (``BlockGeometry.view``),
-            already holding the new token; ``Hq % Hkv == 0``, query head h reads KV head
-            ``h // (Hq / Hkv)``.
-        v_cache: ``[NB, Hkv, BS, D]`` V, the same shape and dtype as ``k_cache``.
-        block_tables: ``[B, MB]`` int32/int64; request b's token t is in block
-            ``block_tables[b, t // BS]``. Entries past ``ceil(seq_lens[b] / BS)`` are not read.
-        seq_lens: ``[B]`` int32/int64 tokens each request attends to, in ``[1, MB * BS]``.
-        scale: softmax scale (e.g. ``D ** -0.5``).
-        out: optional ``[B, Hq, D]`` result in ``q.dtype`` (any strides), written and returned.
-
-    Returns:
-        ``[B, Hq, D]`` in ``q.dtype``: ``softmax(scale * q . k) @ v`` in fp32.
-    """
+@reference_of(paged_attention_decode)
+def paged_attention_decode_ref(q, k_cache, v_cache, block_tables, seq_lens, scale, *, out=None):
     batch, q_heads, kv_heads, block_size, head_dim = _check_args(
         q, k_cache, v_cache, block_tables, seq_lens, scale, out
     )
@@ -501,8 +472,7 @@ def _varlen_attention_kernel(
         return
     i_h = tl.program_id(1).to(tl.int64)
     i_kv = i_h // group
-    bos = tl.load(p_qsl + i_b).to(tl.int64)
-    seqlen = tl.load(p_qsl + i_b + 1).to(tl.int64) - bos
+    bos, seqlen = seq_span(p_qsl, i_b)
     o_m = i_m * BLOCK_M + tl.arange(0, BLOCK_M)
     m_m = o_m < seqlen
     o_d = tl.arange(0, BLOCK_D)
@@ -617,11 +587,9 @@ def varlen_attention_prefill(
     return out
 
 
-def varlen_attention_prefill_ref(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, query_start_loc: torch.Tensor, scale: float
-) -> torch.Tensor:
-    """Torch reference of :func:`varlen_attention_prefill` (the same arguments, checks and
-    result): ``F.scaled_dot_product_attention`` per sequence."""
+@reference_of(varlen_attention_prefill)
+def varlen_attention_prefill_ref(q, k, v, query_start_loc, scale):
+    # F.scaled_dot_product_attention per sequence.
     q_heads, kv_heads, _ = _check_prefill_args(q, k, v, query_start_loc, scale)
     group = q_heads // kv_heads
     out = torch.empty_like(q)
@@ -701,17 +669,9 @@ def paged_prefill_attention(
                                   seq_lens, scale)
 
 
-def paged_prefill_attention_ref(
-    q: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    block_tables: torch.Tensor,
-    query_start_loc: torch.Tensor,
-    starts: torch.Tensor,
-    scale: float,
-) -> torch.Tensor:
-    """Torch reference of :func:`paged_prefill_attention` (the same arguments, checks and
-    result): ``F.scaled_dot_product_attention`` per chunk."""
+@reference_of(paged_prefill_attention)
+def paged_prefill_attention_ref(q, k_cache, v_cache, block_tables, query_start_loc, starts, scale):
+    # F.scaled_dot_product_attention per chunk.
     batch = _check_paged_prefill(q, block_tables, query_start_loc, starts)
     seq, seq_lens = _token_rows(query_start_loc, starts, q.shape[0])
     _check_args(q, k_cache, v_cache, block_tables.index_select(0, seq), seq_lens, scale, None)

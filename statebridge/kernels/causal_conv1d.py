@@ -30,15 +30,10 @@ import triton.language as tl
 
 from statebridge.errors import ConfigError, ShapeError
 from statebridge.kernels._common import (
-    check_activation,
-    check_dims,
-    check_float,
-    check_int,
-    check_same_device,
-    check_shape,
+    check_activation, check_dims, check_float, check_same_device, check_shape, check_slots, check_varlen, reference_of,
 )
-from statebridge.kernels._jit import BLOCK_B, find_chunk, varlen_programs
-from statebridge.kernels._launch import BOOLS, FLOATS, INDEX, Launcher, placeholder
+from statebridge.kernels._jit import BLOCK_B, find_chunk, seq_span, slot_of, varlen_programs
+from statebridge.kernels._launch import BOOLS, FLOATS, INDEX, VARLEN_SLOTS, Launcher, placeholder
 
 __all__ = [
     "causal_conv1d_fn",
@@ -107,8 +102,7 @@ def _causal_conv1d_fwd_kernel(
     if i_b >= batch:
         return
     i_d = tl.program_id(1)
-    bos = tl.load(p_qsl + i_b).to(tl.int64)
-    seqlen = tl.load(p_qsl + i_b + 1).to(tl.int64) - bos
+    bos, seqlen = seq_span(p_qsl, i_b)
     slot = tl.load(p_slots + i_b).to(tl.int64)
     # How many old-state columns may be read (state_len or 0). Masks are built from vector comparisons
     # against this integer rather than from a scalar bool (which the interpreter rejects).
@@ -191,26 +185,13 @@ def _check_conv_args(
 
 
 def _check_fn_args(
-    x: torch.Tensor,
-    weight: torch.Tensor,
-    bias: torch.Tensor | None,
-    conv_states: torch.Tensor,
-    query_start_loc: torch.Tensor,
-    cache_indices: torch.Tensor,
-    has_initial_state: torch.Tensor,
-    activation: str | None,
+    x, weight, bias, conv_states, query_start_loc, cache_indices, has_initial_state, activation
 ) -> tuple[int, int, bool]:
+    """Validate :func:`causal_conv1d_fn`'s arguments; return K, S and whether to apply SiLU."""
     silu = check_activation(activation)
     check_dims("x", x, 2)
     width, state_len = _check_conv_args(x, weight, bias, conv_states, x.shape[0])
-    check_dims("cache_indices", cache_indices, 1)
-    batch = cache_indices.shape[0]
-    check_int("query_start_loc", query_start_loc)
-    check_shape("query_start_loc", query_start_loc, (batch + 1,))
-    check_int("cache_indices", cache_indices)
-    check_shape("has_initial_state", has_initial_state, (batch,))
-    if has_initial_state.dtype != torch.bool:
-        raise ShapeError(f"has_initial_state must be bool, got {has_initial_state.dtype}")
+    check_varlen(query_start_loc, "cache_indices", cache_indices, has_initial_state)
     check_same_device(
         x=x,
         weight=weight,
@@ -277,15 +258,10 @@ def causal_conv1d_fn(
         batch,
         dim,
         state_len,
-        x.stride(0),
-        x.stride(1),
-        weight.stride(0),
-        weight.stride(1),
-        conv_states.stride(0),
-        conv_states.stride(1),
-        conv_states.stride(2),
-        out.stride(0),
-        out.stride(1),
+        *x.stride(),
+        *weight.stride(),
+        *conv_states.stride(),
+        *out.stride(),
         K=width,
         HAS_BIAS=bias is not None,
         SILU=silu,
@@ -297,35 +273,10 @@ def causal_conv1d_fn(
     return out
 
 
+@reference_of(causal_conv1d_fn)
 def causal_conv1d_fn_ref(
-    x: torch.Tensor,
-    weight: torch.Tensor,
-    bias: torch.Tensor | None,
-    conv_states: torch.Tensor,
-    query_start_loc: torch.Tensor,
-    cache_indices: torch.Tensor,
-    has_initial_state: torch.Tensor,
-    activation: str | None = None,
-) -> torch.Tensor:
-    """Varlen causal depthwise conv over packed sequences; writes each final state in place.
-
-    Args:
-        x: ``[D, T]`` inputs of B sequences packed along T, any strides.
-        weight: ``[D, K]`` conv taps, oldest input first.
-        bias: ``[D]`` or None.
-        conv_states: ``[num_slots, D, S]`` strided view, ``S >= K - 1``; slot
-            ``cache_indices[b]`` holds sequence b's state (read if ``has_initial_state[b]``),
-            and is overwritten with its last S inputs, left-padded with the old state (or
-            zeros) when the sequence is shorter than S.
-        query_start_loc: ``[B + 1]`` int32/int64, sequence b is ``x[:, qsl[b]:qsl[b+1]]``.
-        cache_indices: ``[B]`` int32/int64 state slot per sequence (distinct).
-        has_initial_state: ``[B]`` bool.
-        activation: None, ``"silu"`` or ``"swish"`` (the same as silu).
-
-    Returns:
-        ``[D, T]`` output in ``x.dtype``. Tokens outside ``[qsl[0], qsl[B])`` are not written;
-        an empty sequence leaves its slot untouched.
-    """
+    x, weight, bias, conv_states, query_start_loc, cache_indices, has_initial_state, activation=None
+):
     width, state_len, silu = _check_fn_args(
         x, weight, bias, conv_states, query_start_loc, cache_indices, has_initial_state, activation
     )
@@ -389,10 +340,7 @@ def _causal_conv1d_update_kernel(
     # One program: one request x one block of BLOCK_D channels, all num_new new tokens.
     i_b = tl.program_id(0).to(tl.int64)
     i_d = tl.program_id(1)
-    if HAS_SLOTS:
-        slot = tl.load(p_slots + i_b).to(tl.int64)
-    else:
-        slot = i_b
+    slot = slot_of(p_slots, i_b, HAS_SLOTS)
     o_d = i_d * BLOCK_D + tl.arange(0, BLOCK_D)
     m_d = o_d < dim
     p_x_row = p_x + i_b * stride_x_b + o_d * stride_x_d
@@ -443,39 +391,26 @@ _FWD_BLOCK_D = 64
 _FWD_BLOCK_T = 64  # >= K - 1: only a sequence's first chunk reaches back into the state
 _UPDATE_BLOCK_D = 128
 _BLOCK_S = 4  # state columns per step of the state write
+# The variants both kernels are built for: conv width, bias or none, SiLU or none.
+_CONV_FLAGS = dict(K=CONV_WIDTHS, HAS_BIAS=BOOLS, SILU=BOOLS)
 
 _FWD = Launcher(
     _causal_conv1d_fwd_kernel,
     name="causal_conv1d.fwd",
     constexprs=dict(
-        K=CONV_WIDTHS,
-        HAS_BIAS=BOOLS,
-        SILU=BOOLS,
-        BLOCK_D=(_FWD_BLOCK_D,),
-        BLOCK_T=(_FWD_BLOCK_T,),
-        BLOCK_S=(_BLOCK_S,),
-        BLOCK_B=(BLOCK_B,),
+        **_CONV_FLAGS, BLOCK_D=(_FWD_BLOCK_D,), BLOCK_T=(_FWD_BLOCK_T,), BLOCK_S=(_BLOCK_S,), BLOCK_B=(BLOCK_B,)
     ),
     dtypes={
         ("p_x", "p_out"): FLOATS,
         ("p_w", "p_bias"): FLOATS,
         "p_states": FLOATS,
-        "p_qsl": INDEX,
-        "p_slots": INDEX,
-        "p_has_init": (torch.bool,),
+        **VARLEN_SLOTS,
     },
 )
 _UPDATE = Launcher(
     _causal_conv1d_update_kernel,
     name="causal_conv1d.update",
-    constexprs=dict(
-        K=CONV_WIDTHS,
-        HAS_BIAS=BOOLS,
-        SILU=BOOLS,
-        HAS_SLOTS=BOOLS,
-        BLOCK_D=(_UPDATE_BLOCK_D,),
-        BLOCK_S=(_BLOCK_S,),
-    ),
+    constexprs=dict(**_CONV_FLAGS, HAS_SLOTS=BOOLS, BLOCK_D=(_UPDATE_BLOCK_D,), BLOCK_S=(_BLOCK_S,)),
     dtypes={("p_x", "p_out"): FLOATS, ("p_w", "p_bias"): FLOATS, "p_state": FLOATS, "p_slots": INDEX},
 )
 
@@ -486,28 +421,16 @@ def _check_triton_width(width: int) -> None:
 
 
 def _check_update_args(
-    x: torch.Tensor,
-    conv_state: torch.Tensor,
-    weight: torch.Tensor,
-    bias: torch.Tensor | None,
-    activation: str | None,
-    conv_state_indices: torch.Tensor | None,
+    x, conv_state, weight, bias, activation, conv_state_indices
 ) -> tuple[torch.Tensor, int, int, bool]:
-    """Validate; return ``x`` as ``[B, D, T_new]``, K, S and whether to apply SiLU."""
+    """Validate :func:`causal_conv1d_update`'s arguments; return ``x`` as ``[B, D, T_new]``, K, S
+    and whether to apply SiLU."""
     silu = check_activation(activation)
     check_dims("x", x, (2, 3))
     x3 = x.unsqueeze(-1) if x.dim() == 2 else x
     batch, dim, _ = x3.shape
     width, state_len = _check_conv_args(x, weight, bias, conv_state, dim)
-    if conv_state_indices is None:
-        if conv_state.shape[0] < batch:
-            raise ShapeError(
-                f"without conv_state_indices request b uses slot b, so conv_state needs >= {batch} slots, "
-                f"got {list(conv_state.shape)}"
-            )
-    else:
-        check_int("conv_state_indices", conv_state_indices)
-        check_shape("conv_state_indices", conv_state_indices, (batch,))
+    check_slots("conv_state", conv_state, "conv_state_indices", conv_state_indices, batch)
     check_same_device(x=x, conv_state=conv_state, weight=weight, bias=bias, conv_state_indices=conv_state_indices)
     return x3, width, state_len, silu
 
@@ -552,17 +475,10 @@ def causal_conv1d_update(
             dim,
             state_len,
             num_new,
-            x3.stride(0),
-            x3.stride(1),
-            x3.stride(2),
-            weight.stride(0),
-            weight.stride(1),
-            conv_state.stride(0),
-            conv_state.stride(1),
-            conv_state.stride(2),
-            out3.stride(0),
-            out3.stride(1),
-            out3.stride(2),
+            *x3.stride(),
+            *weight.stride(),
+            *conv_state.stride(),
+            *out3.stride(),
             K=width,
             HAS_BIAS=bias is not None,
             SILU=silu,
@@ -573,28 +489,8 @@ def causal_conv1d_update(
     return out3.squeeze(-1) if x.dim() == 2 else out3
 
 
-def causal_conv1d_update_ref(
-    x: torch.Tensor,
-    conv_state: torch.Tensor,
-    weight: torch.Tensor,
-    bias: torch.Tensor | None = None,
-    activation: str | None = None,
-    conv_state_indices: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """Decode step of the causal depthwise conv: reads, shifts and appends the state in place.
-
-    Args:
-        x: ``[B, D]`` one new token per request, or ``[B, D, T]`` a few new tokens; any strides.
-        conv_state: ``[num_slots, D, S]`` strided view, ``S >= K - 1``; the slot of request b
-            becomes the last S columns of ``[old state | x[b]]``.
-        weight: ``[D, K]`` conv taps, oldest input first.
-        bias: ``[D]`` or None.
-        activation: None, ``"silu"`` or ``"swish"``.
-        conv_state_indices: ``[B]`` int32/int64 distinct slots, or None for slot b = request b.
-
-    Returns:
-        Output with the shape of ``x`` (``[B, D]`` or ``[B, D, T]``) in ``x.dtype``.
-    """
+@reference_of(causal_conv1d_update)
+def causal_conv1d_update_ref(x, conv_state, weight, bias=None, activation=None, conv_state_indices=None):
     x3, width, state_len, silu = _check_update_args(x, conv_state, weight, bias, activation, conv_state_indices)
     batch, dim, _ = x3.shape
     if conv_state_indices is None:

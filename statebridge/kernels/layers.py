@@ -73,6 +73,12 @@ def _check_decode_args(hidden: torch.Tensor, hidden_size: int, slots: torch.Tens
         )
 
 
+def _register_buffers(module: torch.nn.Module, **buffers: torch.Tensor | None) -> None:
+    """Register each tensor (or None) as a buffer of ``module``, in the order given."""
+    for name, t in buffers.items():
+        module.register_buffer(name, t)
+
+
 class ShortConvMixer(torch.nn.Module):
     """LFM2 ShortConv on one TP rank: ``in_proj -> B, C, x -> conv(B*x) -> C * . -> out_proj``.
 
@@ -104,12 +110,8 @@ class ShortConvMixer(torch.nn.Module):
         self.hidden_size = hidden
         self.dim_local = dim_local
         self.width = width
-        self.register_buffer("in_proj_weight", in_proj_weight)
-        self.register_buffer("in_proj_bias", in_proj_bias)
-        self.register_buffer("conv_weight", conv_weight)
-        self.register_buffer("conv_bias", conv_bias)
-        self.register_buffer("out_proj_weight", out_proj_weight)
-        self.register_buffer("out_proj_bias", out_proj_bias)
+        _register_buffers(self, in_proj_weight=in_proj_weight, in_proj_bias=in_proj_bias, conv_weight=conv_weight,
+                          conv_bias=conv_bias, out_proj_weight=out_proj_weight, out_proj_bias=out_proj_bias)
 
     @property
     def state_len(self) -> int:
@@ -223,16 +225,9 @@ class Mamba2Mixer(torch.nn.Module):
         self.norm_eps = norm_eps
         self.chunk_size = chunk_size
         self.all_reduce = all_reduce
-        self.register_buffer("in_proj_weight", in_proj_weight)
-        self.register_buffer("in_proj_bias", in_proj_bias)
-        self.register_buffer("conv_weight", conv_weight)
-        self.register_buffer("conv_bias", conv_bias)
-        self.register_buffer("dt_bias", dt_bias)
-        self.register_buffer("A", -torch.exp(A_log.float()))
-        self.register_buffer("D", D)
-        self.register_buffer("norm_weight", norm_weight)
-        self.register_buffer("out_proj_weight", out_proj_weight)
-        self.register_buffer("out_proj_bias", out_proj_bias)
+        _register_buffers(self, in_proj_weight=in_proj_weight, in_proj_bias=in_proj_bias, conv_weight=conv_weight,
+                          conv_bias=conv_bias, dt_bias=dt_bias, A=-torch.exp(A_log.float()), D=D,
+                          norm_weight=norm_weight, out_proj_weight=out_proj_weight, out_proj_bias=out_proj_bias)
 
     @property
     def state_len(self) -> int:
@@ -406,12 +401,11 @@ class AttentionMixer(torch.nn.Module):
         self.scale = float(scale)
         self.rope_theta = rope_theta
         self.norm_eps = norm_eps
-        for name, value in (("q_proj_weight", q_proj_weight), ("k_proj_weight", k_proj_weight),
-                            ("v_proj_weight", v_proj_weight), ("o_proj_weight", o_proj_weight),
-                            ("q_proj_bias", q_proj_bias), ("k_proj_bias", k_proj_bias),
-                            ("v_proj_bias", v_proj_bias), ("o_proj_bias", o_proj_bias),
-                            ("q_norm_weight", q_norm_weight), ("k_norm_weight", k_norm_weight)):
-            self.register_buffer(name, value)
+        _register_buffers(self, q_proj_weight=q_proj_weight, k_proj_weight=k_proj_weight,
+                          v_proj_weight=v_proj_weight, o_proj_weight=o_proj_weight,
+                          q_proj_bias=q_proj_bias, k_proj_bias=k_proj_bias,
+                          v_proj_bias=v_proj_bias, o_proj_bias=o_proj_bias,
+                          q_norm_weight=q_norm_weight, k_norm_weight=k_norm_weight)
 
     def _qkv(self, hidden: torch.Tensor, positions: torch.Tensor):
         """q ``[T, Hq_l, P]``, k and v ``[T, Hkv_l, P]`` (normed, rotated)."""

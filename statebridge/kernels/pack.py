@@ -33,7 +33,7 @@ import triton.language as tl
 from numpy.lib.stride_tricks import as_strided
 
 from statebridge.errors import ShapeError
-from statebridge.kernels._common import check_same_device
+from statebridge.kernels._common import check_same_device, reference_of
 from statebridge.kernels._launch import Launcher
 
 __all__ = ["RunTemplate", "GatherTemplate", "copy_runs_host", "gather", "gather_ref", "pack", "pack_ref",
@@ -73,8 +73,21 @@ _PACK = Launcher(
 )
 
 
+class _OnDevice:
+    """Runs held as a ``[R, 3]`` tensor ``runs`` on a device: ``len`` is R."""
+
+    runs: torch.Tensor
+
+    @property
+    def device(self) -> torch.device:
+        return self.runs.device
+
+    def __len__(self) -> int:
+        return self.runs.shape[0]
+
+
 @dataclass(frozen=True, eq=False)
-class RunTemplate:
+class RunTemplate(_OnDevice):
     """Runs checked once against two buffer sizes and held on a device.
 
     ::
@@ -93,13 +106,6 @@ class RunTemplate:
     word: int
     max_length: int
     total: int
-
-    @property
-    def device(self) -> torch.device:
-        return self.runs.device
-
-    def __len__(self) -> int:
-        return self.runs.shape[0]
 
 
 def _check_buffer(name: str, t: torch.Tensor) -> None:
@@ -189,21 +195,27 @@ def _word(template: RunTemplate, *bufs: torch.Tensor) -> int:
     return 1
 
 
-def _copy_runs(from_name: str, from_buf: torch.Tensor, runs: object, to_name: str, to_buf: torch.Tensor) -> None:
+def _copy_runs(
+    from_name: str, from_buf: torch.Tensor, runs: object, to_name: str, to_buf: torch.Tensor
+) -> torch.Tensor:
+    """Copy the runs from ``from_buf`` into ``to_buf``; return ``to_buf``."""
     template = _template(runs, from_name, from_buf, to_name, to_buf)
     _PACK.check_runnable(from_buf)
-    if len(template) == 0:
-        return
-    word = _word(template, from_buf, to_buf)
-    dtype = _WORD_DTYPE[word]
-    grid = (len(template), min(triton.cdiv(template.max_length // word, _BLOCK), _MAX_PROGRAMS_PER_RUN))
-    _PACK(grid, from_buf.view(dtype), to_buf.view(dtype), template.runs, WORD=word, BLOCK=_BLOCK)
+    if len(template) > 0:
+        word = _word(template, from_buf, to_buf)
+        dtype = _WORD_DTYPE[word]
+        grid = (len(template), min(triton.cdiv(template.max_length // word, _BLOCK), _MAX_PROGRAMS_PER_RUN))
+        _PACK(grid, from_buf.view(dtype), to_buf.view(dtype), template.runs, WORD=word, BLOCK=_BLOCK)
+    return to_buf
 
 
-def _copy_runs_ref(from_name: str, from_buf: torch.Tensor, runs: object, to_name: str, to_buf: torch.Tensor) -> None:
+def _copy_runs_ref(
+    from_name: str, from_buf: torch.Tensor, runs: object, to_name: str, to_buf: torch.Tensor
+) -> torch.Tensor:
+    """:func:`_copy_runs` in plain torch."""
     template = _template(runs, from_name, from_buf, to_name, to_buf)
     if len(template) == 0:
-        return
+        return to_buf
     word = _word(template, from_buf, to_buf)
     frm, to = from_buf.view(_WORD_DTYPE[word]), to_buf.view(_WORD_DTYPE[word])
     w = template.runs // word
@@ -213,6 +225,7 @@ def _copy_runs_ref(from_name: str, from_buf: torch.Tensor, runs: object, to_name
     run_start = torch.cumsum(lengths, 0) - lengths
     within = torch.arange(total, device=w.device) - run_start[run_of]
     to[w[run_of, 1] + within] = frm[w[run_of, 0] + within]
+    return to_buf
 
 
 def pack(src: torch.Tensor, runs: object, staging: torch.Tensor) -> torch.Tensor:
@@ -228,59 +241,24 @@ def pack(src: torch.Tensor, runs: object, staging: torch.Tensor) -> torch.Tensor
     Returns:
         ``staging``.
     """
-    _copy_runs("src", src, runs, "staging", staging)
-    return staging
+    return _copy_runs("src", src, runs, "staging", staging)
 
 
-def pack_ref(src: torch.Tensor, runs: object, staging: torch.Tensor) -> torch.Tensor:
-    """Gather byte runs of ``src`` into ``staging``.
-
-    Args:
-        src: ``[bytes]`` contiguous uint8 (e.g. a page buffer viewed as bytes).
-        runs: a :class:`RunTemplate` (checked once by :func:`prepare_runs`, on src's device),
-            or ``[R, 3]`` int64 numpy array or tensor of ``(src_offset, staging_offset, length)``
-            (checked and copied to the device on every call).
-        staging: ``[bytes]`` contiguous uint8; bytes outside the runs are left as they were.
-
-    Returns:
-        ``staging``.
-    """
-    _copy_runs_ref("src", src, runs, "staging", staging)
-    return staging
+@reference_of(pack)
+def pack_ref(src, runs, staging):
+    return _copy_runs_ref("src", src, runs, "staging", staging)
 
 
 def unpack(staging: torch.Tensor, runs: object, dst: torch.Tensor) -> torch.Tensor:
-    """Scatter byte runs of ``staging`` into ``dst``.
-
-    Args:
-        staging: ``[bytes]`` contiguous uint8.
-        runs: a :class:`RunTemplate` (checked once by :func:`prepare_runs`, on the buffers'
-            device), or ``[R, 3]`` int64 numpy array or tensor of
-            ``(staging_offset, dst_offset, length)`` (checked and copied on every call).
-        dst: ``[bytes]`` contiguous uint8; bytes outside the runs are left as they were.
-
-    Returns:
-        ``dst``.
-    """
-    _copy_runs("staging", staging, runs, "dst", dst)
-    return dst
+    """Scatter byte runs of ``staging`` into ``dst``, the inverse of :func:`pack`: the same
+    arguments, with the runs ``(staging_offset, dst_offset, length)`` and ``dst`` (contiguous
+    uint8, bytes outside the runs left as they were) returned."""
+    return _copy_runs("staging", staging, runs, "dst", dst)
 
 
-def unpack_ref(staging: torch.Tensor, runs: object, dst: torch.Tensor) -> torch.Tensor:
-    """Scatter byte runs of ``staging`` into ``dst``.
-
-    Args:
-        staging: ``[bytes]`` contiguous uint8.
-        runs: a :class:`RunTemplate` (checked once by :func:`prepare_runs`, on the buffers'
-            device), or ``[R, 3]`` int64 numpy array or tensor of
-            ``(staging_offset, dst_offset, length)`` (checked and copied on every call).
-        dst: ``[bytes]`` contiguous uint8; bytes outside the runs are left as they were.
-
-    Returns:
-        ``dst``.
-    """
-    _copy_runs_ref("staging", staging, runs, "dst", dst)
-    return dst
+@reference_of(unpack)
+def unpack_ref(staging, runs, dst):
+    return _copy_runs_ref("staging", staging, runs, "dst", dst)
 
 
 # -- the gather of one request: every run of two groups in one launch --------------------------------
@@ -340,7 +318,7 @@ _GATHER = Launcher(
 
 
 @dataclass(frozen=True, eq=False)
-class GatherTemplate:
+class GatherTemplate(_OnDevice):
     """The runs of one request's gather, in ONE or TWO groups, checked once and held on a
     device (:func:`prepare_gather`); a request adds one ``(src base, dst base)`` per group
     (:func:`gather`).
@@ -369,13 +347,6 @@ class GatherTemplate:
     dst_start: tuple[int, int]
     dst_end: tuple[int, int]
     total: int
-
-    @property
-    def device(self) -> torch.device:
-        return self.runs.device
-
-    def __len__(self) -> int:
-        return self.runs.shape[0]
 
 
 def _group_runs(i: int, runs: object) -> np.ndarray:

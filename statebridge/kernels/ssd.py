@@ -20,14 +20,11 @@ import triton.language as tl
 
 from statebridge.errors import ShapeError
 from statebridge.kernels._common import (
-    check_dims,
-    check_float,
-    check_int,
-    check_same_device,
-    check_shape,
+    check_dims, check_float, check_int, check_same_device, check_shape, check_varlen, reference_of,
 )
-from statebridge.kernels._jit import BLOCK_B, chunks_before, dot, find_chunk, softplus, varlen_programs
-from statebridge.kernels._launch import BOOLS, FLOATS, INDEX, Launcher
+from statebridge.kernels._jit import BLOCK_B, chunks_before, dot, find_chunk, seq_span, softplus, varlen_programs
+from statebridge.kernels._launch import BOOLS, FLOATS, INDEX, VARLEN_SLOTS, Launcher
+from statebridge.kernels.ssm import time_step_ref
 
 __all__ = ["SCAN_CHUNK", "mamba_chunk_scan_ref", "mamba_chunk_scan_varlen",
            "mamba_chunk_scan_varlen_ref"]
@@ -142,11 +139,7 @@ def mamba_chunk_scan_ref(
         check_shape("initial_states", initial_states, (batch, heads, head_dim, n_state))
     check_same_device(x=x, dt=dt, A=A, B=B, C=C, D=D, z=z, dt_bias=dt_bias, initial_states=initial_states)
 
-    dtf = dt.float()
-    if dt_bias is not None:
-        dtf = dtf + dt_bias.float()
-    if dt_softplus:
-        dtf = F.softplus(dtf)
+    dtf = time_step_ref(dt, dt_bias, dt_softplus)
     per_group = heads // groups
     Bh = B.float().repeat_interleave(per_group, dim=-2)
     Ch = C.float().repeat_interleave(per_group, dim=-2)
@@ -250,8 +243,7 @@ def _ssd_chunk_state_kernel(
     n_pblocks = tl.cdiv(head_dim, BLOCK_P)
     i_p = tl.program_id(2) % n_pblocks
     i_n = tl.program_id(2) // n_pblocks
-    bos = tl.load(p_qsl + i_b).to(tl.int64)
-    seqlen = tl.load(p_qsl + i_b + 1).to(tl.int64) - bos
+    bos, seqlen = seq_span(p_qsl, i_b)
     o_q = tl.arange(0, CHUNK)
     m_q = i_t * CHUNK + o_q < seqlen
     o_tok = bos + i_t * CHUNK + o_q
@@ -314,8 +306,7 @@ def _ssd_state_passing_kernel(
     n_pblocks = tl.cdiv(head_dim, BLOCK_P)
     i_p = tl.program_id(2) % n_pblocks
     i_n = tl.program_id(2) // n_pblocks
-    bos = tl.load(p_qsl + i_b).to(tl.int64)
-    seqlen = tl.load(p_qsl + i_b + 1).to(tl.int64) - bos
+    bos, seqlen = seq_span(p_qsl, i_b)
     c0 = chunks_before(p_qsl, i_b, CHUNK, BLOCK_B)
     slot = tl.load(p_slots + i_b).to(tl.int64)
     o_p = i_p * BLOCK_P + tl.arange(0, BLOCK_P)
@@ -384,8 +375,7 @@ def _ssd_chunk_scan_kernel(
     i_h = tl.program_id(1).to(tl.int64)
     i_g = i_h // heads_per_group
     i_p = tl.program_id(2)
-    bos = tl.load(p_qsl + i_b).to(tl.int64)
-    seqlen = tl.load(p_qsl + i_b + 1).to(tl.int64) - bos
+    bos, seqlen = seq_span(p_qsl, i_b)
     o_q = tl.arange(0, CHUNK)
     m_q = i_t * CHUNK + o_q < seqlen
     o_tok = bos + i_t * CHUNK + o_q
@@ -450,9 +440,7 @@ _SCAN_PASS = Launcher(
     dtypes={
         ("p_states", "p_decay"): (torch.float32,),
         "p_ssm": FLOATS,
-        "p_qsl": INDEX,
-        "p_slots": INDEX,
-        "p_has_init": (torch.bool,),
+        **VARLEN_SLOTS,
     },
 )
 _SCAN_OUT = Launcher(
@@ -470,21 +458,9 @@ _SCAN_OUT = Launcher(
 
 
 def _check_scan_varlen_args(
-    x: torch.Tensor,
-    dt: torch.Tensor,
-    A: torch.Tensor,
-    B: torch.Tensor,
-    C: torch.Tensor,
-    ssm_state: torch.Tensor,
-    query_start_loc: torch.Tensor,
-    slots: torch.Tensor,
-    has_initial_state: torch.Tensor,
-    chunk_size: int,
-    D: torch.Tensor | None,
-    z: torch.Tensor | None,
-    dt_bias: torch.Tensor | None,
+    x, dt, A, B, C, ssm_state, query_start_loc, slots, has_initial_state, chunk_size, D, z, dt_bias
 ) -> tuple[int, int, int, int, int]:
-    """Validate; return ``(B, H, P, N, G)``."""
+    """Validate :func:`mamba_chunk_scan_varlen`'s arguments; return ``(B, H, P, N, G)``."""
     check_dims("x", x, 3)
     num_tokens, heads, head_dim = x.shape
     check_dims("B", B, 3)
@@ -515,14 +491,7 @@ def _check_scan_varlen_args(
             raise ShapeError(f"D must be [H={heads}] or [H, P={head_dim}], got {list(D.shape)}")
     if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size <= 0:
         raise ShapeError(f"chunk_size must be a positive integer, got {chunk_size!r}")
-    check_dims("slots", slots, 1)
-    batch = slots.shape[0]
-    check_int("query_start_loc", query_start_loc)
-    check_shape("query_start_loc", query_start_loc, (batch + 1,))
-    check_int("slots", slots)
-    check_shape("has_initial_state", has_initial_state, (batch,))
-    if has_initial_state.dtype != torch.bool:
-        raise ShapeError(f"has_initial_state must be bool, got {has_initial_state.dtype}")
+    batch = check_varlen(query_start_loc, "slots", slots, has_initial_state)
     check_same_device(
         x=x, dt=dt, A=A, B=B, C=C, ssm_state=ssm_state, query_start_loc=query_start_loc, slots=slots,
         has_initial_state=has_initial_state, D=D, z=z, dt_bias=dt_bias,
@@ -662,25 +631,11 @@ def mamba_chunk_scan_varlen(
     return out
 
 
+@reference_of(mamba_chunk_scan_varlen)
 def mamba_chunk_scan_varlen_ref(
-    x: torch.Tensor,
-    dt: torch.Tensor,
-    A: torch.Tensor,
-    B: torch.Tensor,
-    C: torch.Tensor,
-    ssm_state: torch.Tensor,
-    query_start_loc: torch.Tensor,
-    slots: torch.Tensor,
-    has_initial_state: torch.Tensor,
-    *,
-    chunk_size: int,
-    D: torch.Tensor | None = None,
-    z: torch.Tensor | None = None,
-    dt_bias: torch.Tensor | None = None,
-    dt_softplus: bool = False,
-) -> torch.Tensor:
-    """Torch reference of :func:`mamba_chunk_scan_varlen`: the same arguments, checks and
-    result, with ``chunk_size`` the chunk length of its scan."""
+    x, dt, A, B, C, ssm_state, query_start_loc, slots, has_initial_state, *,
+    chunk_size, D=None, z=None, dt_bias=None, dt_softplus=False,
+):
     _check_scan_varlen_args(
         x, dt, A, B, C, ssm_state, query_start_loc, slots, has_initial_state, chunk_size, D, z, dt_bias
     )

@@ -28,13 +28,9 @@ import triton.language as tl
 
 from statebridge.errors import ShapeError
 from statebridge.kernels._common import (
-    check_dims,
-    check_float,
-    check_int,
-    check_same_device,
-    check_shape,
+    check_dims, check_float, check_same_device, check_shape, check_slots, reference_of,
 )
-from statebridge.kernels._jit import softplus
+from statebridge.kernels._jit import slot_of, softplus
 from statebridge.kernels._launch import BOOLS, FLOATS, INDEX, Launcher, placeholder
 
 __all__ = ["selective_state_update", "selective_state_update_ref"]
@@ -100,10 +96,7 @@ def _selective_state_update_kernel(
     i_h = tl.program_id(1).to(tl.int64)
     i_p = tl.program_id(2)
     i_g = i_h // heads_per_group
-    if HAS_SLOTS:
-        slot = tl.load(p_slots + i_b).to(tl.int64)
-    else:
-        slot = i_b
+    slot = slot_of(p_slots, i_b, HAS_SLOTS)
     o_p = i_p * BLOCK_P + tl.arange(0, BLOCK_P)
     m_p = o_p < head_dim
 
@@ -175,19 +168,8 @@ _SSU = Launcher(
 )
 
 
-def _check_ssu_args(
-    state: torch.Tensor,
-    x: torch.Tensor,
-    dt: torch.Tensor,
-    A: torch.Tensor,
-    B: torch.Tensor,
-    C: torch.Tensor,
-    D: torch.Tensor | None,
-    z: torch.Tensor | None,
-    dt_bias: torch.Tensor | None,
-    state_batch_indices: torch.Tensor | None,
-) -> tuple[int, int, int, int, int]:
-    """Validate; return ``(B, H, P, N, G)``."""
+def _check_ssu_args(state, x, dt, A, B, C, D, z, dt_bias, state_batch_indices) -> tuple[int, int, int, int, int]:
+    """Validate :func:`selective_state_update`'s tensors; return ``(B, H, P, N, G)``."""
     check_dims("state", state, 4)
     check_dims("x", x, 3)
     batch, heads, head_dim = x.shape
@@ -211,15 +193,7 @@ def _check_ssu_args(
             check_shape(name, t, shape)
     check_float("state", state)
     check_float("x", x)
-    if state_batch_indices is None:
-        if state.shape[0] < batch:
-            raise ShapeError(
-                f"without state_batch_indices request b uses slot b, so state needs >= {batch} slots, "
-                f"got {list(state.shape)}"
-            )
-    else:
-        check_int("state_batch_indices", state_batch_indices)
-        check_shape("state_batch_indices", state_batch_indices, (batch,))
+    check_slots("state", state, "state_batch_indices", state_batch_indices, batch)
     check_same_device(
         state=state, x=x, dt=dt, A=A, B=B, C=C, D=D, z=z, dt_bias=dt_bias, state_batch_indices=state_batch_indices
     )
@@ -306,48 +280,27 @@ def selective_state_update(
     return out
 
 
+def time_step_ref(dt: torch.Tensor, dt_bias: torch.Tensor | None, dt_softplus: bool) -> torch.Tensor:
+    """The step the recurrence takes, in fp32: ``dt (+ dt_bias)``, through softplus if asked."""
+    dtf = dt.float()
+    if dt_bias is not None:
+        dtf = dtf + dt_bias.float()
+    if dt_softplus:
+        dtf = F.softplus(dtf)
+    return dtf
+
+
+@reference_of(selective_state_update)
 def selective_state_update_ref(
-    state: torch.Tensor,
-    x: torch.Tensor,
-    dt: torch.Tensor,
-    A: torch.Tensor,
-    B: torch.Tensor,
-    C: torch.Tensor,
-    D: torch.Tensor | None = None,
-    z: torch.Tensor | None = None,
-    dt_bias: torch.Tensor | None = None,
-    dt_softplus: bool = False,
-    state_batch_indices: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """One Mamba2 decode step: advances each request's SSM state in place and returns its output.
-
-    Args:
-        state: ``[num_slots, H, P, N]`` strided view; updated in place (arithmetic in fp32).
-        x: ``[B, H, P]`` SSM input (the conv output's x part).
-        dt: ``[B, H, P]`` raw time step (Mamba2 passes ``[B, H]`` expanded over P).
-        A: ``[H, P, N]`` (Mamba2 passes ``-exp(A_log)`` of ``[H]`` expanded, zero strides).
-        B: ``[B, G, N]`` with ``H % G == 0``; head h uses group ``h // (H / G)``.
-        C: ``[B, G, N]``.
-        D: ``[H, P]`` skip weight, or None.
-        z: ``[B, H, P]`` gate (output times ``silu(z)``), or None.
-        dt_bias: ``[H, P]`` added to dt before the softplus, or None.
-        dt_softplus: apply softplus to ``dt (+ dt_bias)``.
-        state_batch_indices: ``[B]`` int32/int64 distinct slots, or None for slot b = request b.
-
-    Returns:
-        ``[B, H, P]`` output in ``x.dtype``.
-    """
+    state, x, dt, A, B, C, D=None, z=None, dt_bias=None, dt_softplus=False, state_batch_indices=None
+):
     batch, heads, _, _, groups = _check_ssu_args(state, x, dt, A, B, C, D, z, dt_bias, state_batch_indices)
     if state_batch_indices is None:
         slots = torch.arange(batch, device=x.device)
     else:
         slots = state_batch_indices.long()
     xf = x.float()
-    dtf = dt.float()
-    if dt_bias is not None:
-        dtf = dtf + dt_bias.float()
-    if dt_softplus:
-        dtf = F.softplus(dtf)
+    dtf = time_step_ref(dt, dt_bias, dt_softplus)
     per_group = heads // groups
     Bh = B.float().repeat_interleave(per_group, dim=1)  # [B, H, N]
     Ch = C.float().repeat_interleave(per_group, dim=1)

@@ -39,6 +39,7 @@ bits.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import ipaddress
 import os
@@ -73,7 +74,7 @@ def make_all_reduce(process_group: Any) -> AllReduce:
 
 
 @dataclass
-class TPGroup:
+class TPGroup(contextlib.AbstractContextManager):
     """One rank's membership in a TP group. ``all_reduce`` and ``process_group`` are None at
     TP = 1."""
 
@@ -90,10 +91,7 @@ class TPGroup:
         self.process_group = None
         self.all_reduce = None
 
-    def __enter__(self) -> "TPGroup":
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
+    def __exit__(self, *exc: Any) -> None:  # __enter__ (the base's) gives the group itself
         self.close()
 
 

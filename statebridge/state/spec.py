@@ -88,8 +88,23 @@ class Segment:
                 f"segment {self.name!r}: size {self.size} is not a multiple of groups {self.groups}")
 
 
+class _OfDtype:
+    """A spec whose elements are of the dtype named by its ``dtype`` field."""
+
+    __slots__ = ()
+    dtype: str
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return DTYPES[self.dtype]
+
+    @property
+    def itemsize(self) -> int:
+        return self.torch_dtype.itemsize
+
+
 @dataclass(frozen=True, slots=True)
-class StateTensorSpec:
+class StateTensorSpec(_OfDtype):
     """One state tensor of a layer: a channel axis of segments and fixed inner axes.
 
     Canonical (logical) axis order of one layer's tensor is ``(channel, *inner)``; the letters
@@ -117,14 +132,6 @@ class StateTensorSpec:
     def channels(self) -> int:
         """Global size of the channel axis."""
         return sum(s.size for s in self.segments)
-
-    @property
-    def torch_dtype(self) -> torch.dtype:
-        return DTYPES[self.dtype]
-
-    @property
-    def itemsize(self) -> int:
-        return self.torch_dtype.itemsize
 
     @property
     def inner_numel(self) -> int:
@@ -155,7 +162,7 @@ class LayerGroup:
 
 
 @dataclass(frozen=True, slots=True)
-class KVSpec:
+class KVSpec(_OfDtype):
     """The attention KV of a model: for every layer of ``layer_ids`` and every token, K and V of
     ``num_kv_heads x head_dim`` elements of ``dtype`` (global sizes)."""
 
@@ -179,14 +186,6 @@ class KVSpec:
     @property
     def num_layers(self) -> int:
         return len(self.layer_ids)
-
-    @property
-    def torch_dtype(self) -> torch.dtype:
-        return DTYPES[self.dtype]
-
-    @property
-    def itemsize(self) -> int:
-        return self.torch_dtype.itemsize
 
     def bytes_per_token(self) -> int:
         """Global (TP=1) K and V bytes of one token over every attention layer."""
