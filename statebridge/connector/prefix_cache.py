@@ -80,14 +80,11 @@ class Unit:
     final: bool = False
     tick: int = 0                                   # last use (LRU; window cost)
     hashes: tuple[bytes, ...] = ()                  # pending only: chain hashes of its blocks
+    key: bytes = field(init=False)                  # the checkpoint's key and token count
+    tokens: int = field(init=False)
 
-    @property
-    def key(self) -> bytes:
-        return self.checkpoint.key
-
-    @property
-    def tokens(self) -> int:
-        return self.checkpoint.tokens
+    def __post_init__(self) -> None:
+        self.key, self.tokens = self.checkpoint.key, self.checkpoint.tokens
 
 
 @dataclass(frozen=True, slots=True)
@@ -310,36 +307,27 @@ class PrefixCache:
         ticks = 0
         prev = None
 
-        def enter(b: int) -> None:
+        def move(b: int, step: int) -> None:
+            """Block ``b`` enters (+1) or leaves (-1) the window: count its units."""
             nonlocal ticks
             block = self._blocks.get(b)
-            if block is None:
-                return
-            for k in block.units:
-                if counts.get(k, 0) == 0:
-                    ticks += self.index.get(k).tick
-                counts[k] = counts.get(k, 0) + 1
-
-        def leave(b: int) -> None:
-            nonlocal ticks
-            block = self._blocks.get(b)
-            if block is None:
-                return
-            for k in block.units:
-                counts[k] -= 1
+            for k in block.units if block is not None else ():
+                was = counts.get(k, 0)
+                counts[k] = was + step
+                if not was or not counts[k]:   # the unit entered or left the window
+                    ticks += step * self.index.get(k).tick
                 if not counts[k]:
                     del counts[k]
-                    ticks -= self.index.get(k).tick
 
         for s in starts.tolist():
             if prev is not None and s == prev + 1:
-                leave(prev)
-                enter(s + count - 1)
+                move(prev, -1)
+                move(s + count - 1, +1)
             else:
                 counts.clear()
                 ticks = 0
                 for b in range(s, s + count):
-                    enter(b)
+                    move(b, +1)
             prev = s
             cost = (len(counts), ticks, s)
             if best is None or cost < best:
