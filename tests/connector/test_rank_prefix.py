@@ -45,10 +45,17 @@ def _raw(t: torch.Tensor) -> torch.Tensor:
 
 # -- the copies ------------------------------------------------------------------------------
 
+DEVICES = pytest.mark.parametrize("device", ["cpu", pytest.param("cuda:0", marks=[
+    pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(),
+                                         reason="needs a CUDA GPU and none is visible; run "
+                                                "`pytest -m cuda` on a GPU machine")])])
+
+
+@DEVICES
 @pytest.mark.parametrize("spec", ["shortconv", "mamba2-g1"])
 @pytest.mark.parametrize("layout", ["LSD", "LDS", "DLS"])
-def test_a_page_copy_moves_every_segment_and_nothing_else(spec, layout):
-    cache = StateCache(PageGeometry(SPECS[spec], 2, layout), 5)
+def test_a_page_copy_moves_every_segment_and_nothing_else(spec, layout, device):
+    cache = StateCache(PageGeometry(SPECS[spec], 2, layout), 5, device=device)
     cache.buffer.copy_(_random(cache.nbytes, 1))
     before = cache.buffer.clone()
     copy_page(cache, 1, 3)
@@ -61,10 +68,12 @@ def test_a_page_copy_moves_every_segment_and_nothing_else(spec, layout):
         assert torch.equal(_raw(view[3]), _raw(view[1]))
 
 
+@DEVICES
 @pytest.mark.parametrize("layout", sorted(KV_LAYOUT_PRESETS) + ["LTBHCE"])
-def test_a_block_copy_moves_every_layer_k_and_v_in_any_layout(layout):
+def test_a_block_copy_moves_every_layer_k_and_v_in_any_layout(layout, device):
     geo = BlockGeometry(HYBRID.kv, 1, layout, 4, 8)
-    kv = KVBlocks(geo, _random(geo.nbytes + 64, 2)[32:32 + geo.nbytes], 0)   # not at offset 0
+    pool = _random(geo.nbytes + 64, 2).to(device)
+    kv = KVBlocks(geo, pool[32:32 + geo.nbytes], 0)                 # not at offset 0
 
     def blocks() -> list[torch.Tensor]:
         return [t.clone() for layer in range(geo.kv.num_layers) for t in kv.view(layer)]
