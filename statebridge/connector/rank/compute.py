@@ -12,6 +12,12 @@ ranks of a group, so before each step the ranks agree (:meth:`RankModel.agree_ma
 many new prefills it takes and which queued ones were cancelled: every rank runs the same
 steps, and collective ops line up.
 
+Prefix cache (:mod:`statebridge.connector.rank.prefix`). A request that hits
+(``RankPrefill.cached_tokens``) has its cached state and KV copied into its page and blocks when
+it is taken into the batcher, and begins at that token; a step ends at each of its
+``checkpoint_at`` counts, and after such a step the rank copies the request's page (and partial
+block) to the checkpoint -- before the request's result goes to the loop.
+
 The thread rule: :class:`ComputeThread`'s bookkeeping of the requests queued or computing --
 which one is, and why it was cancelled -- belongs to the loop thread. Only one thread (the
 first that uses it: the loop's) reads it for decisions or changes it: :meth:`~ComputeThread.submit`,
@@ -35,6 +41,7 @@ from typing import TYPE_CHECKING, Callable
 from statebridge.connector import messages as m
 from statebridge.connector.ledger import RequestKey
 from statebridge.connector.rank.model import PrefillChunk
+from statebridge.connector.rank.prefix import PrefixPlan, prefix_plan, settle
 from statebridge.errors import ConfigError, StatebridgeError
 from statebridge.state.kv import blocks_for
 
@@ -73,7 +80,11 @@ def check_blocks(kv: "KVBlocks | None", blocks, tokens: int) -> None:
 
 @dataclass(eq=False)
 class PrefillJob:
-    """A queued prefill: ``tokens`` of the request ``msg``, ``done`` of them run so far."""
+    """A queued prefill: ``tokens`` of the request ``msg``, ``done`` of them run so far.
+
+    ``start``: tokens it does not compute (a prefix cache hit restored them; ``done`` begins
+    there); ``stops``: token counts, increasing, a step of it must end at (its checkpoints);
+    ``prefix``: the copies those ask for (None: none)."""
 
     msg: "m.RankPrefill | m.RankLocalPrefill"
     key: RequestKey
@@ -82,10 +93,29 @@ class PrefillJob:
     blocks: tuple[int, ...] = ()
     done: int = 0
     started_at: float = 0.0            # time.monotonic() when its first step began
+    start: int = 0
+    stops: tuple[int, ...] = ()
+    prefix: PrefixPlan | None = None
+
+    def __post_init__(self) -> None:
+        self.done = max(self.done, self.start)
 
     @property
     def left(self) -> int:
         return len(self.tokens) - self.done
+
+    @property
+    def begun(self) -> bool:
+        """Whether a step ran some of it (a restored job that has not run is new)."""
+        return self.done > self.start
+
+    def stop(self, at: int) -> int:
+        """Where a step that runs it from token ``at`` ends at the latest: its first stop
+        after ``at``, else the end of the prompt."""
+        for n in self.stops:
+            if n > at:
+                return n
+        return len(self.tokens)
 
 
 class PrefillBatcher:
@@ -94,7 +124,8 @@ class PrefillBatcher:
     Jobs keep their arrival order. A step fills ``budget`` tokens: first the jobs already
     begun (chunked), then new ones in order; with ``chunked`` the job that does not fit is cut
     at the budget (the next step continues it), without it a step takes whole prompts only (a
-    prompt over the budget runs alone). So that a long prompt does not hold back the ones
+    prompt over the budget runs alone). A step of a job ends at each of its ``stops`` (a job
+    begins at its ``start``). So that a long prompt does not hold back the ones
     behind it, begun jobs take at most half the budget while new jobs wait: a waiting job
     gets at least ``budget // 2`` tokens of the next step, and a short prompt at the head of
     the queue finishes in the step after the one it arrived in.
@@ -125,39 +156,42 @@ class PrefillBatcher:
             return []
         if self.budget is None:
             job = self.jobs[0]
-            return [(job, job.done, len(job.tokens))]
-        begun = [j for j in self.jobs if j.done]
-        fresh = [j for j in self.jobs if not j.done]
+            return [(job, job.done, job.stop(job.done))]
+        begun = [j for j in self.jobs if j.begun]
+        fresh = [j for j in self.jobs if not j.begun]
         room = self.budget
         begun_room = max(1, self.budget // 2) if fresh else self.budget
         step: list[tuple[PrefillJob, int, int]] = []
         for job in begun:
-            take = min(job.left, begun_room, room)
+            take = min(job.stop(job.done) - job.done, begun_room, room)
             if take <= 0:
                 break
             step.append((job, job.done, job.done + take))
             room -= take
             begun_room -= take
+        n_begun = len(step)
         for job in fresh:
             if len(step) >= MAX_STEP_REQUESTS:
                 break
-            if job.left <= room:
-                step.append((job, 0, len(job.tokens)))
-                room -= job.left
+            first, end = job.done, job.stop(job.done)
+            if end - first <= room:
+                step.append((job, first, end))
+                room -= end - first
             elif self.chunked and room > 0:
-                step.append((job, 0, room))
+                step.append((job, first, first + room))
                 room = 0
             elif not step:                      # whole prompts only: a long one runs alone
-                step.append((job, 0, len(job.tokens)))
+                step.append((job, first, end))
                 room = 0
             else:
                 break
             if room <= 0:
                 break
-        for i, (job, start, end) in enumerate(step):   # room the new jobs left: begun ones
-            if room <= 0 or start == 0:
+        for i in range(n_begun):                # room the new jobs left: begun ones
+            if room <= 0:
                 break
-            more = min(len(job.tokens) - end, room)
+            job, start, end = step[i]
+            more = min(job.stop(start) - end, room)
             step[i] = (job, start, end + more)
             room -= more
         return step
@@ -191,8 +225,8 @@ class ComputeThread:
                  *, on_computed: Callable, on_reply: Callable[[m.Message], None],
                  max_prefill_tokens: int | None = 2048) -> None:
         self.name = name
-        self.batcher = PrefillBatcher(max_prefill_tokens,
-                                      chunked=bool(getattr(model, "chunked_prefill", False)))
+        self.chunked = bool(getattr(model, "chunked_prefill", False))
+        self.batcher = PrefillBatcher(max_prefill_tokens, chunked=self.chunked)
         self.model = model
         self.loop = loop
         self.counters = counters
@@ -341,14 +375,23 @@ class ComputeThread:
             page, blocks, kv_tokens = msg.src_page, msg.src_blocks, msg.kv_tokens
         else:
             page, blocks, kv_tokens = msg.page, msg.blocks, m.token_count(msg.prompt)
+        plan = None
         try:
             if blocks:
                 check_blocks(self.model.kv, blocks, kv_tokens)
             tokens = tuple(m.unpack_tokens(msg.prompt))
+            if isinstance(msg, m.RankPrefill):
+                plan = prefix_plan(msg, len(tokens), getattr(self.model, "cache", None),
+                                   self.model.kv, chunked=self.chunked)
+                if plan is not None:
+                    plan.restore(self.model.cache, self.model.kv, page)
         except Exception as e:  # noqa: BLE001 -- a bad request fails alone
             log.warning("%s: %s cannot be computed: %s", self.name, msg.request_id, e)
             return f"prefill failed: {type(e).__name__}: {e}"
-        return PrefillJob(msg, key_of(msg), page, tokens, tuple(blocks))
+        if plan is None:
+            return PrefillJob(msg, key_of(msg), page, tokens, tuple(blocks))
+        return PrefillJob(msg, key_of(msg), page, tokens, tuple(blocks), start=plan.cached,
+                          stops=plan.stops, prefix=plan)
 
     def _prefill_step(self, buffer: collections.deque) -> list[tuple]:
         """Take the prefills the group agrees on off ``buffer``, run one step; the
@@ -421,6 +464,8 @@ class ComputeThread:
         self.counters.add("prefill_step_tokens", sum(len(c.tokens) for c in chunks))
         ran = []
         for (job, start, end), error in zip(plan, errors):
+            if error is None and job.prefix is not None:
+                error = self._checkpoint(job, end)
             if error is None:
                 ran.append((job, start, end))
             else:
@@ -429,6 +474,18 @@ class ComputeThread:
         for job in batcher.ran(ran):
             out.append((job.msg, None, final_at, job.started_at))
         return out
+
+    def _checkpoint(self, job: PrefillJob, tokens: int) -> str | None:
+        """After a step of ``job`` that ended at ``tokens``: its checkpoint there, if it asked
+        for one, complete before this returns; None, or why it failed (its request fails)."""
+        try:
+            if job.prefix.checkpoint(self.model.cache, self.model.kv, job.page, tokens):
+                settle(self.model.cache.buffer)
+        except Exception as e:  # noqa: BLE001 -- this request fails alone
+            log.exception("%s: the checkpoint of %s at %d tokens failed", self.name,
+                          job.msg.request_id, tokens)
+            return f"prefill failed: checkpoint at {tokens} tokens: {type(e).__name__}: {e}"
+        return None
 
 
 _NOTHING = object()

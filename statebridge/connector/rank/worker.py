@@ -142,7 +142,8 @@ class RankWorker:
         self._send(m.RankHello(tp_rank=setup.tp_rank, address=self.transport.address,
                                pid=self.memory.pid, shm_fd=self.memory.peer_fd,
                                weights_private=weights_private,
-                               weights_mapped=weights_mapped))
+                               weights_mapped=weights_mapped,
+                               chunked_prefill=self.compute.chunked))
 
     def stats(self) -> dict:
         """The rank's transfer counters (:meth:`Transport.stats
