@@ -26,9 +26,14 @@ Two ways in: :meth:`DecodeCoordinator.start` / :meth:`~DecodeCoordinator.free` /
 :meth:`~DecodeCoordinator.cancel` run ON the coordinator's loop thread and report through a
 callback (the decode node, whose front door and scheduler live on this loop, uses them: no thread
 hand-off per request or token); :meth:`~DecodeCoordinator.submit`, :meth:`release` and friends
-are the thread-safe wrappers (one hand-off each) that return futures. Requests live in
-``self.ledger`` keyed by ``RequestKey(prefill node id, request id, generation)`` (``""`` for a
-local recompute).
+are the thread-safe wrappers (one hand-off each) that return futures. Requests live in the
+group's ledger (``coordinator.group.ledger``) keyed by ``RequestKey(prefill node id, request
+id, generation)`` (``""`` for a local recompute).
+
+The coordinator *has* its parts: ``group`` (its :class:`~statebridge.connector.group.RankGroup`:
+the ranks, their loop thread, pools and ledger), ``links`` (its
+:class:`~statebridge.connector.prefill_links.PrefillLinks` to prefill servers) and ``timing``
+(its :class:`~statebridge.connector.request_timing.TimingJoin`).
 
 Failures become typed errors (``PeerLostError``, ``NotReadyError``, ``TransferTimeoutError``,
 ``AbortedError``, ``TransferError``) as soon as they are known; the page is freed only after
@@ -46,32 +51,22 @@ new requests carry new generations, hence new tags.
 
 from __future__ import annotations
 
+import concurrent.futures
 import itertools
 import logging
 import time
 from dataclasses import dataclass
-from typing import Callable, Sequence
-
-import zmq
+from typing import Any, Callable, Sequence
 
 from statebridge.connector import control as c
 from statebridge.connector import messages as m
 from statebridge.connector.group import RankGroup
 from statebridge.connector.ledger import Phase, Record, RequestKey
-from statebridge.connector.prefill_links import (
-    REDIAL_MIN_S,
-    PeerState,
-    PrefillLinks,
-    _Dial,
-    _Prefill,
-)
-from statebridge.connector.request_timing import RequestTiming, TimingJoin
-from statebridge.connector.decode_api import ThreadSafeRequests, _packed
+from statebridge.connector.prefill_links import PeerState, PrefillLinks, _Prefill
+from statebridge.connector.request_timing import RequestTiming, TimingJoin, TransferResult
 from statebridge.errors import (
     ClosedError,
-    ConfigError,
     FailureKind,
-    IncompatiblePeerError,
     InvalidRequestError,
     NotReadyError,
     PeerLostError,
@@ -79,26 +74,11 @@ from statebridge.errors import (
     error_for,
 )
 from statebridge.state.kv import blocks_for
-from statebridge.state.plan import TransferPlan
 
 log = logging.getLogger(__name__)
 
 __all__ = ["DecodeCoordinator", "DecodeGauges", "PeerState", "TransferResult", "RequestTiming",
            "OnDone"]
-
-@dataclass(frozen=True)
-class TransferResult:
-    """A request whose state every decode rank holds in ``page``."""
-
-    request_id: str
-    generation: int
-    page: int
-    prefill_node: str
-    seconds: float                  # submit -> every decode rank holds the state
-    nbytes: int                     # payload bytes received by all decode ranks
-    blocks: tuple[int, ...] = ()    # the request's KV block table (spec with KV)
-    landed_at: float = 0.0          # wall clock: the last decode rank held all of it
-
 
 #: ``on_done(result, error)`` of :meth:`DecodeCoordinator.start`: exactly one is not None.
 OnDone = Callable[["TransferResult | None", "TransferError | None"], None]
@@ -120,92 +100,110 @@ class DecodeGauges:
     transfer_mismatches: int = 0
 
 
-class DecodeCoordinator(PrefillLinks, TimingJoin, ThreadSafeRequests, RankGroup):
-    """The decode group's coordinator: the N-1 transfer of each request into its ranks."""
+class DecodeCoordinator:
+    """The decode group's coordinator: the N-1 transfer of each request into its ranks.
+
+    It *has* ``group`` (its :class:`~statebridge.connector.group.RankGroup`; it is that
+    group's :class:`~statebridge.connector.group.GroupEvents`), ``links`` (to the prefill
+    servers; it is their :class:`~statebridge.connector.prefill_links.LinkOwner`) and
+    ``timing`` (:class:`~statebridge.connector.request_timing.TimingJoin`). The constructor
+    takes the group's arguments (``spec, tp_size, layout, num_pages`` and the keywords of
+    :class:`~statebridge.connector.group.RankGroup`: ``config``, ``node_id``, ``port``,
+    ``launcher``, ``model``, ``probes``, the KV pool, ``device``, ...), builds the group, then
+    its own parts, then starts the group.
+    """
 
     role = "decode"
 
-    def _init_state(self) -> None:
-        self.prefills: dict[str, _Prefill] = {}      # node id (or address before Hello) -> peer
-        self._by_sock: dict[zmq.Socket, _Prefill] = {}
+    def __init__(self, spec, tp_size: int, layout, num_pages: int, **group_options: Any) -> None:
+        self.group = group = RankGroup(self, self.role, spec, tp_size, layout, num_pages,
+                                       **group_options)
+        self.links = PrefillLinks(group, self)
+        self.timing = TimingJoin(group.node_id,
+                                 group.config.transfer_timeout + group.config.peer_timeout)
         #: request id -> its live attempt (ACTIVE, FAILED until its page is free, or DONE until
         #: released): a request id is in use exactly while it is here.
         self.current: dict[str, RequestKey] = {}
         self._callbacks: dict[RequestKey, OnDone] = {}
         self._last_generation = 0
         self._rr = itertools.count()
-        self.prefill_watch = c.PeerWatch(self.config.peer_timeout, self.loop)
-        self._dials: dict[str, _Dial] = {}           # address -> kept connection
-        self._prefill_handlers: list[Callable[[m.GroupInfo], None]] = []
-        #: on_timing's callback, and the halves of request timings waiting for the other:
-        #: key -> (monotonic when kept, the prefill side's TransferTimes) or (monotonic,
-        #: arrived_at, the TransferResult)
-        self._on_timing: Callable | None = None
-        self._halves: dict[RequestKey, tuple] = {}
         #: Transfer verification: request -> the prefill node's digests by decode rank
         #: (TransferDigest), until the request is DONE and compared, or freed.
         self._expected: dict[RequestKey, tuple[int, ...]] = {}
+        group.start()
+
+    # -- the group's and the parts' public faces ------------------------------------------------
+    @property
+    def node_id(self) -> str:
+        return self.group.node_id
+
+    @property
+    def address(self) -> str:
+        return self.group.address
+
+    @property
+    def fatal(self) -> str:
+        """Why the decode group failed for good ("" while it serves or heals)."""
+        return self.group.fatal
+
+    def wait_ready(self, timeout: float | None = None) -> None:
+        """Block until every decode rank announced itself (:meth:`RankGroup.wait_ready
+        <statebridge.connector.group.RankGroup.wait_ready>`)."""
+        self.group.wait_ready(timeout)
+
+    def whole(self) -> tuple[bool, str]:
+        """Loop thread: whether the decode group is whole, else why
+        (:meth:`RankGroup.whole <statebridge.connector.group.RankGroup.whole>`)."""
+        return self.group.whole()
+
+    def connect(self, address: str, timeout: float | None = None, *,
+                redial: bool = True, wait: bool = True) -> str | None:
+        """Handshake with the prefill server at ``host:port`` (:meth:`PrefillLinks.connect
+        <statebridge.connector.prefill_links.PrefillLinks.connect>`)."""
+        return self.links.connect(address, timeout, redial=redial, wait=wait)
+
+    def status(self) -> tuple[bool, str]:
+        """Loop thread: (ready, why not) (:meth:`PrefillLinks.status
+        <statebridge.connector.prefill_links.PrefillLinks.status>`)."""
+        return self.links.status()
+
+    def dialled(self) -> bool:
+        """Loop thread: whether every kept prefill address has answered at least once."""
+        return self.links.dialled()
+
+    def on_prefill_connected(self, handler: "Callable[[m.GroupInfo], None]") -> None:
+        """Call ``handler(info)`` on the loop thread after each handshake with a prefill node
+        succeeded, with that node's group (its TP size, pages, KV pool)."""
+        self.links.on_prefill_connected(handler)
+
+    def prefill_nodes(self) -> list[str]:
+        """The node ids of the prefill servers serving us (any thread)."""
+        return self.links.prefill_nodes()
+
+    def ready_prefills(self) -> list[str]:
+        """Loop thread: the node ids of the prefill servers serving us, sorted."""
+        return self.links.ready_prefills()
+
+    def on_timing(self, callback: "Callable[[RequestTiming], None] | None") -> None:
+        """Call ``callback`` with the :class:`RequestTiming` of every request whose state
+        every decode rank holds (:meth:`TimingJoin.on_timing
+        <statebridge.connector.request_timing.TimingJoin.on_timing>`)."""
+        self.timing.on_timing(callback)
 
     @property
     def pending_callbacks(self) -> int:
         """Requests whose ``on_done`` has not run yet (loop thread)."""
         return len(self._callbacks)
 
-    def _on_prefill_message(self, peer: _Prefill, msg: m.Message) -> None:
-        if isinstance(msg, m.Reject):
-            self.counters.add("rejected_handshakes")
-            if msg.code == "not_ready":          # its group is not whole: dial again later
-                self.counters.add("prefill_not_ready")
-                peer.state = PeerState.FAILED
-                peer.error = NotReadyError(f"prefill server {peer.address} is not ready: "
-                                           f"{msg.reason}", peer=peer.address)
-                self._drop_prefill(peer, f"not ready: {msg.reason}")
-                peer.event.set()
-                return
-            self._handshake_failed(peer, IncompatiblePeerError(
-                f"prefill server {peer.address} rejected us: {msg.reason}"))
-        elif isinstance(msg, m.Hello) and peer.state is PeerState.HELLO:
-            if msg.compat_hash != m.compat_hash(self.spec.to_json()) or msg.role != "prefill":
-                self._handshake_failed(peer, IncompatiblePeerError(
-                    f"prefill server {peer.address} is incompatible: hash {msg.compat_hash!r}, "
-                    f"role {msg.role!r}"))
-                return
-            peer.state = PeerState.INFO
-            c.send_dealer(peer.sock, self.group_info())
-        elif isinstance(msg, m.GroupInfo) and peer.state is PeerState.INFO:
-            try:
-                peer.geometry = self.check_peer_info(msg)
-                peer.plan = TransferPlan(peer.geometry, self.geometry)
-            except (IncompatiblePeerError, ConfigError) as e:
-                self._handshake_failed(peer, e)
-                return
-            if msg.node_id in self.prefills:
-                self._handshake_failed(peer, IncompatiblePeerError(
-                    f"prefill node id {msg.node_id!r} is already connected"))
-                return
-            peer.node_id = msg.node_id
-            self.prefills[msg.node_id] = peer
-            self.prefill_watch.heard(msg.node_id)
-            self.to_ranks(self.rank_connect(msg))
-            peer.state = PeerState.READY
-            peer.info = msg
-            log.info("%s: handshake with prefill group %s done in %.1f s (TP %d, %s): %d "
-                     "messages, %d bytes per request", self.node_id, msg.node_id,
-                     time.monotonic() - peer.opened_at, msg.tp_size, msg.layout,
-                     peer.plan.messages_per_request, peer.plan.bytes_per_request)
-            self._redialed(peer)
-            peer.event.set()
-            for handler in self._prefill_handlers:
-                try:
-                    handler(msg)
-                except Exception:  # noqa: BLE001 -- a report must not break the handshake
-                    log.exception("%s: prefill-connected handler failed", self.node_id)
-        elif isinstance(msg, m.TransferTimes):
-            self._on_times(peer, msg)
+    # -- the requests' messages from prefill servers (links.LinkOwner) ---------------------------
+    def prefill_message(self, peer: _Prefill, msg: m.Message) -> None:
+        if isinstance(msg, m.TransferTimes):
+            self.timing.prefill_half(peer.node_id, msg)
         elif isinstance(msg, m.TransferFailed):
-            record = self.ledger.get(RequestKey(peer.node_id, msg.request_id, msg.generation))
+            record = self.group.ledger.get(RequestKey(peer.node_id, msg.request_id,
+                                                      msg.generation))
             if record is None:
-                self.counters.add("stale_messages")
+                self.group.counters.add("stale_messages")
                 return
             # Only this request: the server still talks to us, so its endpoints stay. (Failing
             # them here -- lost_node -- would leave every later request of this connection
@@ -214,35 +212,34 @@ class DecodeCoordinator(PrefillLinks, TimingJoin, ThreadSafeRequests, RankGroup)
                        f"prefill {peer.node_id}: {msg.message}", notify=False)
         elif isinstance(msg, m.TransferDigest):
             self._on_transfer_digest(peer, msg)
-        elif isinstance(msg, m.Goodbye):
-            self._prefill_lost(peer, "said goodbye")
-        elif isinstance(msg, m.Error):
-            self.counters.add("peer_errors")
-            log.warning("%s: prefill %s reported: %s %s", self.node_id, peer.address, msg.kind,
-                        msg.message)
-        elif isinstance(msg, m.Heartbeat):
-            pass
         else:
-            self.counters.add("unexpected_messages")
+            self.group.counters.add("unexpected_messages")
+
+    def prefill_lost(self, peer: _Prefill, why: str) -> None:
+        for record in self.group.ledger.of_peer(peer.node_id):
+            self._fail(record, FailureKind.PEER_LOST, f"prefill {peer.node_id} lost ({why})",
+                       notify=False, lost_node=peer.node_id)
 
     def gauges(self) -> DecodeGauges:
         """Loop thread: pages, KV blocks and prefill peers now."""
+        group = self.group
         return DecodeGauges(
-            pages_used=self.pool.num_used, pages_free=self.pool.num_free,
-            blocks_used=self.blocks.num_used if self.blocks else 0,
-            blocks_free=self.blocks.num_free if self.blocks else 0,
+            pages_used=group.pool.num_used, pages_free=group.pool.num_free,
+            blocks_used=group.blocks.num_used if group.blocks else 0,
+            blocks_free=group.blocks.num_free if group.blocks else 0,
             prefill_nodes=tuple(self.ready_prefills()),
-            refused_peers=int(self.counters.get("refused_peers")),
-            transfers_verified=int(self.counters.get("transfer_digests_checked")),
-            transfer_mismatches=int(self.counters.get("transfer_digest_mismatches")))
+            refused_peers=int(group.counters.get("refused_peers")),
+            transfers_verified=int(group.counters.get("transfer_digests_checked")),
+            transfer_mismatches=int(group.counters.get("transfer_digest_mismatches")))
 
     def blocks_for(self, tokens: int) -> int:
         """KV blocks a request of ``tokens`` tokens holds (0 for a spec without attention)."""
-        return blocks_for(tokens, self.block_size) if self.spec.kv is not None else 0
+        group = self.group
+        return blocks_for(tokens, group.block_size) if group.spec.kv is not None else 0
 
     def free_blocks(self) -> int:
         """Loop thread: KV blocks free now (0 for a spec without attention)."""
-        return self.blocks.num_free if self.blocks is not None else 0
+        return self.group.blocks.num_free if self.group.blocks is not None else 0
 
     # -- requests: on the loop thread ---------------------------------------------------------
     def start(self, request_id: str, prompt: Sequence[int], on_done: OnDone, *,
@@ -270,25 +267,26 @@ class DecodeCoordinator(PrefillLinks, TimingJoin, ThreadSafeRequests, RankGroup)
                arrived_at: float = 0.0) -> RequestKey:
         """:meth:`start` for a prompt already packed as token bytes (:func:`_packed`; the
         submit methods do that on the caller's thread, once; it travels as is)."""
+        group = self.group
         if not isinstance(request_id, str) or not request_id:
             raise InvalidRequestError(f"request_id must be a non-empty string, got "
                                       f"{request_id!r}")
-        if self._closed:
-            raise ClosedError(f"{self.node_id} is closed")
-        whole, why = self.whole()
+        if group.closed:
+            raise ClosedError(f"{group.node_id} is closed")
+        whole, why = group.whole()
         if not whole:
-            if self.restarting or not (self.fatal or not self.healthy):
+            if group.restarting or not (group.fatal or not group.healthy):
                 raise NotReadyError(why, request_id=request_id)    # starting, restarting
             raise PeerLostError(why, request_id=request_id)
         live = self.current.get(request_id)
-        if live is not None and self.ledger.get(live).phase is not Phase.FAILED:
+        if live is not None and group.ledger.get(live).phase is not Phase.FAILED:
             # (A FAILED attempt only waits for its page: a retry -- the recompute policy --
             # is a new attempt of the same id under a new generation.)
             raise InvalidRequestError(f"request id {request_id!r} is already in flight",
                                       request_id=request_id)
         peer = None
         if not local:
-            ready = [p for p in self.prefills.values() if p.state is PeerState.READY]
+            ready = [p for p in self.links.prefills.values() if p.state is PeerState.READY]
             if prefill is not None:
                 ready = [p for p in ready if p.node_id == prefill]
             if not ready:
@@ -301,22 +299,22 @@ class DecodeCoordinator(PrefillLinks, TimingJoin, ThreadSafeRequests, RankGroup)
         key = RequestKey(peer.node_id if peer else "", request_id,
                          (self._last_generation + 1) & 0xFFFFFFFF)
         # (CacheFullError for the page or the KV blocks: nothing is held, no generation used.)
-        record = self.ledger.open(key, time.monotonic() + self.config.transfer_timeout, peer,
-                                  num_blocks=num_blocks)
+        record = group.ledger.open(key, time.monotonic() + group.config.transfer_timeout, peer,
+                                   num_blocks=num_blocks)
         generation = self._last_generation = key.generation
         record.arrived_at = arrived_at or time.time()
         blocks = tuple(record.blocks)
         self.current[request_id] = key
         self._callbacks[key] = on_done
         if peer is None:
-            self.counters.add("local_prefills")
-            self.to_ranks(m.RankLocalPrefill(request_id=request_id, generation=generation,
-                                             prompt=prompt, page=record.page, blocks=blocks))
+            group.counters.add("local_prefills")
+            group.to_ranks(m.RankLocalPrefill(request_id=request_id, generation=generation,
+                                              prompt=prompt, page=record.page, blocks=blocks))
         else:
-            self.counters.add("requests")
-            self.to_ranks(m.RankRecv(request_id=request_id, generation=generation,
-                                     page=record.page, peer_node=peer.node_id, blocks=blocks,
-                                     kv_tokens=tokens if blocks else 0))
+            group.counters.add("requests")
+            group.to_ranks(m.RankRecv(request_id=request_id, generation=generation,
+                                      page=record.page, peer_node=peer.node_id, blocks=blocks,
+                                      kv_tokens=tokens if blocks else 0))
             c.send_dealer(peer.sock, m.TransferRequest(request_id=request_id,
                                                        generation=generation, prompt=prompt,
                                                        kv_blocks=blocks))
@@ -327,25 +325,26 @@ class DecodeCoordinator(PrefillLinks, TimingJoin, ThreadSafeRequests, RankGroup)
         appends tokens); new blocks come right after its last one where free. Returns the
         whole table. :class:`CacheFullError` naming wanted / free / total blocks when short
         (nothing taken); InvalidRequestError for an id that is not a DONE request."""
+        group = self.group
         key = self.current.get(request_id)
-        record = self.ledger.get(key) if key is not None else None
+        record = group.ledger.get(key) if key is not None else None
         if record is None or record.phase is not Phase.DONE:
             raise InvalidRequestError(f"no completed request {request_id!r} to grow",
                                       request_id=request_id)
-        if self.spec.kv is None:
-            raise InvalidRequestError(f"{self.node_id} serves a spec without attention KV",
+        if group.spec.kv is None:
+            raise InvalidRequestError(f"{group.node_id} serves a spec without attention KV",
                                       request_id=request_id)
-        self.ledger.grow(record, blocks_for(tokens, self.block_size))
+        group.ledger.grow(record, blocks_for(tokens, group.block_size))
         return tuple(record.blocks)
 
     def free(self, request_id: str) -> bool:
         """Loop thread: the caller is done with a DONE request's page (its id may be reused);
         False if ``request_id`` is not a DONE request."""
         key = self.current.get(request_id)
-        record = self.ledger.get(key) if key is not None else None
+        record = self.group.ledger.get(key) if key is not None else None
         if record is None or record.phase is not Phase.DONE:
             return False
-        self.ledger.free(record)
+        self.group.ledger.free(record)
         del self.current[request_id]
         return True
 
@@ -353,7 +352,7 @@ class DecodeCoordinator(PrefillLinks, TimingJoin, ThreadSafeRequests, RankGroup)
         """Loop thread: abort a request in flight (its callback gets AbortedError); False if it
         is not in flight."""
         key = self.current.get(request_id)
-        record = self.ledger.get(key) if key is not None else None
+        record = self.group.ledger.get(key) if key is not None else None
         # (In flight: ACTIVE, or DONE while its transfer digests are still to come.)
         if record is None or record.phase is Phase.FAILED or record.result is not None:
             return False
@@ -363,29 +362,72 @@ class DecodeCoordinator(PrefillLinks, TimingJoin, ThreadSafeRequests, RankGroup)
     def result(self, request_id: str) -> "TransferResult | None":
         """Loop thread: the result of a DONE request not yet freed."""
         key = self.current.get(request_id)
-        record = self.ledger.get(key) if key is not None else None
+        record = self.group.ledger.get(key) if key is not None else None
         return record.result if record is not None and record.phase is Phase.DONE else None
 
+    # -- requests: from any thread (one hand-off to the loop thread each) ----------------------
+    def submit(self, request_id: str, prompt: Sequence[int], *,
+               prefill: str | None = None) -> concurrent.futures.Future:
+        """:meth:`start` from any thread; the future resolves to a :class:`TransferResult` or
+        a typed error. Refusals raise here (one thread hand-off)."""
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        prompt = _packed(request_id, prompt)
+        self.group.loop.call(lambda: self._start(request_id, prompt, _resolver(future),
+                                                 prefill=prefill))
+        return future
+
+    def submit_local(self, request_id: str, prompt: Sequence[int]) -> concurrent.futures.Future:
+        """Compute the state of ``prompt`` on the decode ranks themselves (the ``recompute``
+        policy when a transfer failed); resolves like :meth:`submit`."""
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        prompt = _packed(request_id, prompt)
+        self.group.loop.call(lambda: self._start(request_id, prompt, _resolver(future),
+                                                 local=True))
+        return future
+
+    def abort(self, request_id: str, reason: str = "aborted by caller") -> None:
+        """Abort a request in flight: its future fails with AbortedError."""
+        self.group.loop.call(self.cancel, request_id, reason)
+
+    def release(self, result: "TransferResult | str") -> None:
+        """The caller is done with a completed request's page."""
+        self.release_many([result])
+
+    def release_many(self, results: Sequence["TransferResult | str"]) -> None:
+        """:meth:`release` for many completed requests in one hop to the loop thread; raises
+        InvalidRequestError naming the ids that were not completed requests (the others are
+        freed)."""
+        ids = [r if isinstance(r, str) else r.request_id for r in results]
+
+        def run() -> None:
+            unknown = [rid for rid in ids if not self.free(rid)]
+            if unknown:
+                raise InvalidRequestError(
+                    f"no completed request {unknown[:5]!r}"
+                    f"{f' (+{len(unknown) - 5} more)' if len(unknown) > 5 else ''} to release")
+        if ids:
+            self.group.loop.call(run)
+
     # -- request lifecycle --------------------------------------------------------------------
-    def _on_rank_done(self, rank: int, msg: m.RankDone) -> None:
-        record = self.ledger.answer(rank, msg)
-        if record is None:
-            self.counters.add("stale_rank_done")
+    def rank_done(self, rank: int, msg: m.RankDone) -> None:
+        answered = self.group.rank_answered(rank, msg)
+        if answered is None:
             return
-        if msg.kind and record.failure is None:
-            self._fail(record, FailureKind.parse(msg.kind), f"decode rank {rank}: {msg.message}",
-                       notify=True)
+        record, failed = answered
+        if failed is not None:
+            self._fail(record, failed, f"decode rank {rank}: {msg.message}", notify=True)
         self._settle(record)
 
     def _on_transfer_digest(self, peer: _Prefill, msg: m.TransferDigest) -> None:
-        record = self.ledger.get(RequestKey(peer.node_id, msg.request_id, msg.generation))
-        if record is None or record.failure is not None or not self.config.verify_transfers:
-            self.counters.add("stale_messages")
+        group = self.group
+        record = group.ledger.get(RequestKey(peer.node_id, msg.request_id, msg.generation))
+        if record is None or record.failure is not None or not group.config.verify_transfers:
+            group.counters.add("stale_messages")
             return
-        if len(msg.digests) != self.tp_size:
+        if len(msg.digests) != group.tp_size:
             self._fail(record, FailureKind.TRANSFER_ERROR,
                        f"prefill {peer.node_id} sent {len(msg.digests)} transfer digests for "
-                       f"{self.tp_size} decode ranks", notify=True)
+                       f"{group.tp_size} decode ranks", notify=True)
             return
         self._expected[record.key] = msg.digests
         self._settle(record)
@@ -395,23 +437,24 @@ class DecodeCoordinator(PrefillLinks, TimingJoin, ThreadSafeRequests, RankGroup)
         matches what the prefill node sent (else the request fails with ``transfer_error``
         naming the request, the rank and both digests, and the mismatch is counted). False
         also while the prefill node's digests are still to come."""
+        group = self.group
         expected = self._expected.get(record.key)
         if expected is None:
             return False
         del self._expected[record.key]
-        bad = [(r, expected[r], record.done[r].digest) for r in range(self.tp_size)
+        bad = [(r, expected[r], record.done[r].digest) for r in range(group.tp_size)
                if record.done[r].digest != expected[r]]
-        self.counters.add("transfer_digests_checked", self.tp_size)
+        group.counters.add("transfer_digests_checked", group.tp_size)
         if not bad:
             return True
-        self.counters.add("transfer_digest_mismatches", len(bad))
+        group.counters.add("transfer_digest_mismatches", len(bad))
         what = "; ".join(f"decode rank {r}: expected {e:#018x}, got "
                          f"{g:#018x}" if g >= 0 else f"decode rank {r}: expected {e:#018x}, "
                          f"got none" for r, e, g in bad)
         message = (f"transfer checksum mismatch of request {record.request_id!r} from "
                    f"prefill {record.peer_node}: {what}")
-        log.error("%s: %s", self.node_id, message)
-        self.fail_on_ranks(record, FailureKind.TRANSFER_ERROR, message)   # (none to cancel)
+        log.error("%s: %s", group.node_id, message)
+        group.fail_on_ranks(record, FailureKind.TRANSFER_ERROR, message)   # (none to cancel)
         self._report(record, None, error_for(FailureKind.TRANSFER_ERROR, message,
                                              request_id=record.request_id,
                                              peer=record.peer_node or None))
@@ -422,7 +465,7 @@ class DecodeCoordinator(PrefillLinks, TimingJoin, ThreadSafeRequests, RankGroup)
               lost_node: str = "") -> None:
         # (A DONE request whose digests are still to come is not reported yet: it fails.)
         if record.phase is Phase.DONE and record.result is not None \
-                or not self.fail_on_ranks(record, kind, message, lost_node):
+                or not self.group.fail_on_ranks(record, kind, message, lost_node):
             return
         peer = record.peer
         if notify and peer is not None and peer.state is PeerState.READY:
@@ -435,28 +478,29 @@ class DecodeCoordinator(PrefillLinks, TimingJoin, ThreadSafeRequests, RankGroup)
     def _settle(self, record: Record) -> None:
         """A failed request's page is freed once no decode rank can still write into it; a
         request every rank received becomes DONE (its page is the caller's until freed)."""
-        if not self.ledger.quiet(record) or record.result is not None:
+        group = self.group
+        if not group.ledger.quiet(record) or record.result is not None:
             return
         if record.phase is Phase.FAILED:
             self._expected.pop(record.key, None)
-            if self.ledger.free(record) and self.current.get(record.request_id) == record.key:
+            if group.ledger.free(record) and self.current.get(record.request_id) == record.key:
                 del self.current[record.request_id]
             return
         if record.phase is not Phase.DONE:
             return
-        if record.peer is not None and self.config.verify_transfers \
+        if record.peer is not None and group.config.verify_transfers \
                 and not self._verified(record):
             return              # digests still to come (or it failed: reported and freed)
-        done = [record.done[r] for r in range(self.tp_size)]
+        done = [record.done[r] for r in range(group.tp_size)]
         result = record.result = TransferResult(
             request_id=record.request_id, generation=record.generation, page=record.page,
             prefill_node=record.peer_node, seconds=time.perf_counter() - record.started,
             nbytes=sum(d.nbytes for d in done), blocks=tuple(record.blocks),
             landed_at=max(d.landed_at for d in done))
-        self.counters.add("transfers_ok")
-        self.counters.add("bytes", result.nbytes)
-        if self._on_timing is not None:
-            self._timing_half(record, done, result)
+        group.counters.add("transfers_ok")
+        group.counters.add("bytes", result.nbytes)
+        if self.timing.wanted:
+            self.timing.decode_half(record, done, result)
         self._report(record, result, None)
 
     def _report(self, record: Record, result: "TransferResult | None",
@@ -467,84 +511,104 @@ class DecodeCoordinator(PrefillLinks, TimingJoin, ThreadSafeRequests, RankGroup)
         try:
             on_done(result, error)
         except Exception:  # noqa: BLE001 -- the caller's callback must not break the ledger
-            log.exception("%s: on_done of %s failed", self.node_id, record.key)
+            log.exception("%s: on_done of %s failed", self.group.node_id, record.key)
 
     def _in_flight(self) -> int:
-        return sum(1 for r in self.ledger if r.phase is not Phase.DONE)
+        return sum(1 for r in self.group.ledger if r.phase is not Phase.DONE)
 
-    # -- liveness ------------------------------------------------------------------------------
-    def _on_tick(self) -> None:
-        hb = m.Heartbeat(node_id=self.node_id, seq=self._heartbeats)
-        for peer in list(self.prefills.values()):
-            if peer.state is PeerState.READY:
-                c.send_dealer(peer.sock, hb)
-        for node in self.prefill_watch.expired():
-            peer = self.prefills.get(node)
-            if peer is not None:
-                self._prefill_lost(peer, f"silent for {self.config.peer_timeout} s")
-        self._redial()
+    # -- what the group tells us (group.GroupEvents) ---------------------------------------------
+    def peer_message(self, identity: bytes, msg: m.Message) -> None:
+        """Nobody but our ranks talks to our ROUTER: counted."""
+        self.group.counters.add("unexpected_messages")
+
+    def tick(self) -> None:
+        self.links.tick()
         now = time.monotonic()
-        if self._halves:
-            self._expire_halves(now)
-        for record in self.ledger:
+        self.timing.expire(now)
+        config = self.group.config
+        for record in self.group.ledger:
             if record.phase is Phase.DONE and record.result is None \
-                    and now > record.deadline + self.config.peer_timeout:
+                    and now > record.deadline + config.peer_timeout:
                 # Every decode rank holds the state; the prefill node's digests never came.
                 self._fail(record, FailureKind.TIMEOUT,
                            f"no transfer digests from prefill {record.peer_node} within "
-                           f"{self.config.transfer_timeout} s", notify=True)
-            elif record.phase is Phase.ACTIVE and now > record.deadline + self.config.peer_timeout:
+                           f"{config.transfer_timeout} s", notify=True)
+            elif record.phase is Phase.ACTIVE and now > record.deadline + config.peer_timeout:
                 # The ranks enforce transfer_timeout themselves; this catches a rank that never
                 # answers at all.
                 self._fail(record, FailureKind.TIMEOUT,
-                           f"no answer within {self.config.transfer_timeout} s", notify=True)
+                           f"no answer within {config.transfer_timeout} s", notify=True)
 
-    def _on_rank_lost(self, rank: int) -> None:
-        for record in self.ledger:
+    def rank_lost(self, rank: int) -> None:
+        for record in self.group.ledger:
             self._fail(record, FailureKind.PEER_LOST,
-                       f"decode rank {rank} of {self.node_id} died", notify=True)
+                       f"decode rank {rank} of {self.group.node_id} died", notify=True)
             self._settle(record)
 
-    def _on_group_down(self, why: str) -> None:
+    def group_down(self, why: str) -> None:
         """Every request has failed (and its prefill server heard Abort): the prefill
         connections end with a Goodbye; the kept addresses are re-dialed once the group is
         whole again."""
-        for peer in list(self.prefills.values()):
-            if peer.state is PeerState.READY:
-                c.send_dealer(peer.sock, m.Goodbye(node_id=self.node_id))
-        for peer in list(self._by_sock.values()):
-            peer.state = PeerState.LOST
-            self._drop_prefill(peer, why)
+        self.links.hang_up(why, lost=True)
 
-    def _on_group_reset(self) -> None:
+    def group_reset(self) -> None:
         self._expected.clear()                 # of the old ledger's requests
         for key in list(self._callbacks):          # (none: every request failed already)
             on_done = self._callbacks.pop(key)
-            on_done(None, PeerLostError(f"decode group {self.node_id} restarted",
+            on_done(None, PeerLostError(f"decode group {self.group.node_id} restarted",
                                         request_id=key.request_id))
         self.current.clear()
 
-    def _on_group_restarted(self) -> None:
-        for dial in self._dials.values():
-            if dial.peer is None:
-                dial.next_at, dial.wait = 0.0, REDIAL_MIN_S
+    def group_restarted(self) -> None:
+        self.links.redial_now()
 
-    def _on_close(self) -> None:
-        for record in self.ledger:
-            self._fail(record, FailureKind.ABORTED, f"{self.node_id} closing", notify=True)
-        for peer in list(self.prefills.values()):
-            if peer.state is PeerState.READY:
-                c.send_dealer(peer.sock, m.Goodbye(node_id=self.node_id))
-        for peer in list(self._by_sock.values()):
-            self._drop_prefill(peer, "closing")
-        self._dials.clear()
+    def closing(self) -> None:
+        for record in self.group.ledger:
+            self._fail(record, FailureKind.ABORTED, f"{self.group.node_id} closing",
+                       notify=True)
+        self.links.close()
 
+    # -- introspection, shutdown -----------------------------------------------------------------
     def stats(self) -> dict:
+        group = self.group
+
         def collect():
-            return {**self._page_stats(),
-                    "completed_unreleased": sum(1 for r in self.ledger
+            return {**group.page_stats(self._in_flight()),
+                    "completed_unreleased": sum(1 for r in group.ledger
                                                 if r.phase is Phase.DONE),
                     "prefills": self.ready_prefills(),
-                    "healthy": self.healthy, "generation": self.generation,
-                    **self.counters.snapshot()}
-        return self.loop.call(collect)
+                    "healthy": group.healthy, "generation": group.generation,
+                    **group.counters.snapshot()}
+        return group.loop.call(collect)
+
+    def close(self, timeout: float = 10.0) -> None:
+        """Stop the ranks and the loop (idempotent; :meth:`RankGroup.close
+        <statebridge.connector.group.RankGroup.close>`)."""
+        self.group.close(timeout)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def _resolver(future: concurrent.futures.Future) -> OnDone:
+    def on_done(result: "TransferResult | None", error: "TransferError | None") -> None:
+        if future.done():
+            return
+        if error is not None:
+            future.set_exception(error)
+        else:
+            future.set_result(result)
+    return on_done
+
+
+def _packed(request_id: str, prompt: Sequence[int]) -> bytes:
+    """A caller's prompt as token bytes (:func:`~statebridge.connector.messages.pack_tokens`),
+    or InvalidRequestError naming the request and the first bad id."""
+    try:
+        return m.pack_tokens(prompt)
+    except ValueError as e:
+        raise InvalidRequestError(f"prompt of {request_id!r}: {e}",
+                                  request_id=str(request_id)) from None

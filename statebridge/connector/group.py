@@ -11,8 +11,13 @@ live rank confirmed) is written here once. A rank that cannot start says so (``R
 or exits; either fails :meth:`RankGroup.wait_ready` at once with that rank's error, and so does
 ``rank_start_timeout`` running out.
 
-Supervision (a group that loses a rank restarts or fails for good) is
-:mod:`~statebridge.connector.supervision`.
+A group *has* its parts: the handshake record (:class:`~statebridge.connector.handshake.
+GroupHandshake`), the memory report (:class:`~statebridge.connector.group_memory.GroupMemory`)
+and a supervisor (:class:`~statebridge.connector.supervision.Supervisor`: a group that loses a
+rank restarts or fails for good). What the group must tell the coordinator that owns it (a
+rank's answer, a rank lost, peers' messages, the group stopped serving, restarted, closing)
+goes to that owner's :class:`GroupEvents`, given to the constructor. The owner builds the
+group, then its own parts, then calls :meth:`RankGroup.start` (the loop thread, the ranks).
 """
 
 from __future__ import annotations
@@ -23,20 +28,20 @@ import os
 import threading
 import time
 import uuid
-from dataclasses import dataclass
-from typing import Any, Callable
+from dataclasses import dataclass, field
+from typing import Any, Callable, Protocol
 
 from statebridge.config import ConnectorConfig
 from statebridge.connector import control as c
 from statebridge.connector import messages as m
 from statebridge.connector.data.env import ucx_net_devices
 from statebridge.connector.local import LocalRouter
-from statebridge.connector.handshake import GroupHandshake
+from statebridge.connector.handshake import GroupHandshake, RankAnnouncement
 from statebridge.connector.group_memory import GroupMemory
 from statebridge.connector.launch import Launcher, RankHandle, rank_log_level, spawn_launcher
 from statebridge.connector.rank import RankSetup
 from statebridge.connector.stats import Counters
-from statebridge.connector.supervision import Supervision
+from statebridge.connector.supervision import Supervisor
 from statebridge.connector.ledger import Ledger, Record
 from statebridge.connector.data.device import memory_of
 from statebridge.devices import DeviceSpec, rank_device
@@ -57,39 +62,63 @@ from statebridge.state.spec import StateSpec
 log = logging.getLogger(__name__)
 
 # Launching lives in connector/launch.py; its names stay importable from here.
-__all__ = ["RankGroup", "Launcher", "spawn_launcher", "RankHandle"]
+__all__ = ["RankGroup", "GroupEvents", "Launcher", "spawn_launcher", "RankHandle"]
 
 
 @dataclass
 class _RankState:
     identity: bytes | None = None
-    address: bytes = b""
-    pid: int = 0
-    shm_fd: int = -1
-    lost: bool = False
     sock: object = None              # where its hello came from: the local channel (or router)
-    weights_private: int = 0         # what its model's weights cost its process (RankHello)
-    weights_mapped: int = 0
+    lost: bool = False
+    #: What it said when it announced itself (its RankHello; the defaults before).
+    announced: RankAnnouncement = field(default_factory=RankAnnouncement)
 
 
-class RankGroup(GroupHandshake, GroupMemory, Supervision):
+class GroupEvents(Protocol):
+    """What a rank group tells the coordinator that owns it (the owner implements these and
+    gives itself to :class:`RankGroup`); each runs on the group's loop thread."""
+
+    def rank_done(self, rank: int, msg: m.RankDone) -> None:
+        """A rank answered a request (:meth:`RankGroup.rank_answered` notes it)."""
+
+    def rank_lost(self, rank: int) -> None:
+        """A rank was declared lost: fail the requests in flight."""
+
+    def peer_message(self, identity: bytes, msg: m.Message) -> None:
+        """A message on the ROUTER from a peer: not one of the group's ranks."""
+
+    def tick(self) -> None:
+        """Every heartbeat interval, after the ranks' heartbeat and liveness checks."""
+
+    def group_down(self, why: str) -> None:
+        """The group stopped serving (restarting or failed): requests in flight have failed;
+        drop the peers."""
+
+    def group_reset(self) -> None:
+        """A restart's fresh state: the old ranks are gone, the ledger is new."""
+
+    def group_restarted(self) -> None:
+        """The new generation is whole."""
+
+    def closing(self) -> None:
+        """The group closes: its ranks were told to stop; fail what is left, say goodbye."""
+
+
+class RankGroup:
     """A coordinator's view of its TP group: the rank processes, their sockets and liveness.
 
+    ``events``: the owner (:class:`GroupEvents`). ``role``: ``"prefill"`` or ``"decode"``.
     ``model``: ``module:Class`` of the :class:`~statebridge.connector.rank.RankModel` every rank
     runs (None: none -- the ranks move state and compute nothing; the nodes name the real
     model, tests their stand-in). ``probes``: the instrumentation switch of the ranks, for
     benchmarks and tests (:class:`~statebridge.connector.messages.RankProbe`; "" off).
 
-    Subclasses get :meth:`_on_rank_done`, :meth:`_on_rank_lost`, :meth:`_on_peer_message`
-    and the supervision hooks :meth:`_on_group_down` (the group stopped serving: drop peers)
-    and :meth:`_on_group_reset` (a restart's fresh state, old ranks gone).
+    The sockets are bound and the pools made here; :meth:`start` starts the loop thread and
+    the ranks once the owner's parts are built.
     """
 
-    role = "?"
-    #: Seconds an old rank gets to exit after RankShutdown before a restart terminates it.
-    RANK_STOP_S = 2.0
-
-    def __init__(self, spec: StateSpec, tp_size: int, layout: "Layout | str", num_pages: int, *,
+    def __init__(self, events: GroupEvents, role: str, spec: StateSpec, tp_size: int,
+                 layout: "Layout | str", num_pages: int, *,
                  config: ConnectorConfig | None = None, node_id: str | None = None,
                  port: int = 0, launcher: Launcher | None = spawn_launcher,
                  region_align: int = 16, model: str | None = None, model_dir: str = "",
@@ -100,6 +129,8 @@ class RankGroup(GroupHandshake, GroupMemory, Supervision):
         # ``dist_init`` as a callable: called once this group's sockets are bound, it returns
         # (init_method, store) -- the node's rendezvous store (models.Rendezvous), kept while
         # the ranks live and closed after they stopped.
+        self.events = events
+        self.role = role
         self.dist_store: Any = None
         if probes not in m.PROBES:
             raise ConfigError(f"probes must be one of {m.PROBES} (see messages.RankProbe), "
@@ -132,10 +163,20 @@ class RankGroup(GroupHandshake, GroupMemory, Supervision):
             self.blocks = BlockPool(num_blocks)
         self.kv_layout = self.kv_geometry.layout.name if self.kv_geometry else str(kv_layout)
         self.num_blocks = self.kv_geometry.num_blocks if self.kv_geometry else 0
-        self.node_id = node_id or f"{self.role}-{uuid.uuid4().hex[:8]}"
+        self.node_id = node_id or f"{role}-{uuid.uuid4().hex[:8]}"
         #: When the group started (monotonic): "ready in N s" counts from here.
         self.started_at = time.monotonic()
-        log.info("%s", self.memory_line())
+        #: The group's half of the handshake with a peer group.
+        self.handshake = GroupHandshake(
+            node_id=self.node_id, role=role, spec=spec, tp_size=tp_size, layout=self.layout,
+            geometry=self.geometry, region_align=region_align, num_pages=num_pages,
+            kv_layout=self.kv_layout, block_size=block_size, num_blocks=self.num_blocks,
+            memory=self.memory, config=self.config)
+        #: What the ranks hold in memory (:meth:`memory_line`, :meth:`rank_memory`).
+        self.memory_report = GroupMemory(
+            node_id=self.node_id, tp_size=tp_size, geometry=self.geometry, num_pages=num_pages,
+            kv_geometry=self.kv_geometry, num_blocks=self.num_blocks, block_size=block_size)
+        log.info("%s", self.memory_report.memory_line())
         self.counters = Counters()
         keys = CurveKeys.from_config(self.config, listen=True)   # bad keys: nothing to clean up
         # The ranks' UCX workers listen on the interface of the bind address only (an operator's
@@ -173,36 +214,35 @@ class RankGroup(GroupHandshake, GroupMemory, Supervision):
         self.healthy = True
         #: Rank groups started so far: 1, then + 1 per restart.
         self.generation = 1
-        #: Why the group is restarting ("" when it is not).
-        self.restarting = ""
-        #: Why the group failed for good ("" while it serves or heals); see the module doc.
-        self.fatal = ""
         self._lost_why: dict[int, str] = {}
-        self._restarts: list[float] = []          # monotonic times of recent restarts
-        self._restarter: threading.Thread | None = None
-        self._fatal_handlers: list[Callable[[str], None]] = []
         self._closed = False
-        self._heartbeats = 0
+        #: Heartbeats sent to the ranks so far (the owner's heartbeats to its peers too).
+        self.heartbeats = 0
         #: Handlers of rank messages the group does not know itself (a layer above the
         #: connector, e.g. the decode node's step results), by type: ``fn(rank, msg)`` on the
         #: loop thread. See :meth:`on_rank_message`.
         self._rank_handlers: dict[type, Callable[[int, m.Message], None]] = {}
         self._rank_lost_handlers: list[Callable[[int], None]] = []
         self.on_rank_message(m.RankTransports, self._on_rank_transports)
-        self._init_state()
-        self.loop.call_every(self.config.heartbeat_interval, self._tick)
-        self.loop.start()
+        #: Restarts or fails the group when it loses a rank (connector/supervision.py).
+        self.supervisor = Supervisor(self, self.config, self.counters)
         self.handles: list[RankHandle] = []
         self._launcher = launcher
         self._dist_init = dist_init
         self._rank_args = dict(region_align=region_align, probes=probes, model_dir=model_dir,
                                block_size=block_size, model=model or "")
-        if launcher is not None:
-            self.handles = self._launch()
-        elif callable(dist_init):
-            _, self.dist_store = dist_init()
 
-    def _launch(self) -> list[RankHandle]:
+    def start(self) -> None:
+        """Start the loop thread and the rank processes (the owner calls it once, after it
+        built its own parts: nothing runs on the loop before)."""
+        self.loop.call_every(self.config.heartbeat_interval, self._tick)
+        self.loop.start()
+        if self._launcher is not None:
+            self.handles = self.launch_ranks()
+        elif callable(self._dist_init):
+            _, self.dist_store = self._dist_init()
+
+    def launch_ranks(self) -> list[RankHandle]:
         """Start this generation's rank processes, with a rendezvous store of their own when
         ``dist_init`` is a callable (one store per group: a restarted group gets a new one)."""
         dist_init = self._dist_init
@@ -227,12 +267,53 @@ class RankGroup(GroupHandshake, GroupMemory, Supervision):
                  time.monotonic() - started, self.config.rank_start_timeout)
         return handles
 
-    def _init_state(self) -> None:
-        """Subclass state, set up before the loop thread starts."""
-
     @property
     def address(self) -> str:
         return f"{self.config.bind_host}:{self.port}"
+
+    @property
+    def closed(self) -> bool:
+        """:meth:`close` was called."""
+        return self._closed
+
+    @property
+    def fatal(self) -> str:
+        """Why the group failed for good ("" while it serves or heals; its supervisor's)."""
+        return self.supervisor.fatal
+
+    @property
+    def restarting(self) -> str:
+        """Why the group is restarting ("" when it is not; its supervisor's)."""
+        return self.supervisor.restarting
+
+    # -- what the ranks said -----------------------------------------------------------------
+    def announcements(self) -> list[RankAnnouncement]:
+        """What each rank said when it announced itself (the defaults for one that did not)."""
+        return [s.announced for s in self.ranks]
+
+    @property
+    def rank_addresses(self) -> tuple[bytes, ...]:
+        return tuple(s.announced.address for s in self.ranks)
+
+    def group_info(self) -> m.GroupInfo:
+        """The group's handshake record (:class:`~statebridge.connector.handshake.
+        GroupHandshake`) with what its ranks announced."""
+        return self.handshake.group_info(self.announcements())
+
+    @property
+    def kv_tokens(self) -> int:
+        """Tokens of KV one rank's pool holds (0 without attention KV)."""
+        return self.memory_report.kv_tokens
+
+    def rank_memory(self) -> list[dict[str, int]]:
+        """Per rank, the bytes it holds (:meth:`GroupMemory.rank_memory
+        <statebridge.connector.group_memory.GroupMemory.rank_memory>`)."""
+        return self.memory_report.rank_memory(self.announcements())
+
+    def memory_line(self) -> str:
+        """What this node's ranks hold, in one line (:meth:`GroupMemory.memory_line
+        <statebridge.connector.group_memory.GroupMemory.memory_line>`)."""
+        return self.memory_report.memory_line(self.announcements())
 
     # -- readiness ---------------------------------------------------------------------------
     def wait_ready(self, timeout: float | None = None) -> None:
@@ -279,7 +360,7 @@ class RankGroup(GroupHandshake, GroupMemory, Supervision):
 
     def on_fatal(self, handler: Callable[[str], None]) -> None:
         """Call ``handler(why)`` on the loop thread when the group fails for good."""
-        self._fatal_handlers.append(handler)
+        self.supervisor.on_fatal(handler)
 
     # -- messages --------------------------------------------------------------------------
     def _on_router(self, sock=None) -> None:
@@ -306,7 +387,7 @@ class RankGroup(GroupHandshake, GroupMemory, Supervision):
                 if not self.ranks[rank].lost:
                     self.rank_watch.heard(rank)
                 if isinstance(msg, m.RankDone):
-                    self._on_rank_done(rank, msg)
+                    self.events.rank_done(rank, msg)
                 elif not isinstance(msg, m.Heartbeat):
                     handler = self._rank_handlers.get(type(msg))
                     if handler is None:
@@ -314,7 +395,7 @@ class RankGroup(GroupHandshake, GroupMemory, Supervision):
                     else:
                         handler(rank, msg)
             else:
-                self._on_peer_message(identity, msg)
+                self.events.peer_message(identity, msg)
 
     def _from_network(self, sock, identity: bytes, what: str) -> bool:
         """Whether a rank's message ``what`` came over the network while this group's ranks
@@ -338,9 +419,9 @@ class RankGroup(GroupHandshake, GroupMemory, Supervision):
             c.send_router(sock, identity, m.Error(
                 kind="ProtocolError", message=f"rank {r} is not a free rank of TP {self.tp_size}"))
             return
-        self.ranks[r] = _RankState(identity, msg.address, msg.pid, msg.shm_fd, sock=sock,
-                                   weights_private=msg.weights_private,
-                                   weights_mapped=msg.weights_mapped)
+        self.ranks[r] = _RankState(identity, sock=sock, announced=RankAnnouncement(
+            address=msg.address, pid=msg.pid, shm_fd=msg.shm_fd,
+            weights_private=msg.weights_private, weights_mapped=msg.weights_mapped))
         self._by_identity[identity] = r
         self.rank_watch.heard(r)
         if all(s.identity is not None for s in self.ranks) and not self._start_errors:
@@ -348,7 +429,6 @@ class RankGroup(GroupHandshake, GroupMemory, Supervision):
                      time.monotonic() - self.started_at)
             self._ready.set()
             self._started.set()
-            self._on_group_ready()
 
     def _on_rank_failed(self, identity: bytes, msg: m.RankFailed, sock=None) -> None:
         """A rank could not start. Taken only from where this group's ranks connect (its
@@ -367,9 +447,6 @@ class RankGroup(GroupHandshake, GroupMemory, Supervision):
         self._rank_lost(r, f"failed to start: {msg.message}")
         self._started.set()
 
-    def _on_group_ready(self) -> None:
-        pass
-
     def to_rank(self, rank: int, msg: m.Message) -> None:
         state = self.ranks[rank]
         if state.identity is not None and not state.lost:
@@ -382,6 +459,20 @@ class RankGroup(GroupHandshake, GroupMemory, Supervision):
             return
         for s in live:                  # ranks on both channels (a hand-made setup)
             c.send_router(s.sock, s.identity, msg)
+
+    def rank_answered(self, rank: int, msg: m.RankDone) \
+            -> "tuple[Record, FailureKind | None] | None":
+        """Loop thread: note a rank's RankDone in the ledger. None for a stale one (counted:
+        no request of this generation waits for it); else its record, and the failure the
+        rank reports when it is the record's first (None: it reports success, or the record
+        failed already)."""
+        record = self.ledger.answer(rank, msg)
+        if record is None:
+            self.counters.add("stale_rank_done")
+            return None
+        if msg.kind and record.failure is None:
+            return record, FailureKind.parse(msg.kind)
+        return record, None
 
     def fail_on_ranks(self, record: Record, kind: FailureKind, message: str,
                       lost_node: str = "") -> bool:
@@ -400,8 +491,8 @@ class RankGroup(GroupHandshake, GroupMemory, Supervision):
         return True
 
     def _tick(self) -> None:
-        self._heartbeats += 1
-        self.to_ranks(m.Heartbeat(node_id=self.node_id, seq=self._heartbeats))
+        self.heartbeats += 1
+        self.to_ranks(m.Heartbeat(node_id=self.node_id, seq=self.heartbeats))
         if self._closed:
             return
         lost = {r: f"silent for {self.config.peer_timeout:g} s"
@@ -417,7 +508,7 @@ class RankGroup(GroupHandshake, GroupMemory, Supervision):
             self._rank_lost(r, lost[r])
         if self._start_errors:
             self._started.set()
-        self._on_tick()
+        self.events.tick()
 
     def _rank_lost(self, r: int, why: str = "") -> None:
         if self.ranks[r].lost:
@@ -428,11 +519,11 @@ class RankGroup(GroupHandshake, GroupMemory, Supervision):
         self._lost_why[r] = why or "lost"
         self.counters.add("ranks_lost")
         log.error("%s: rank %d lost (%s)", self.node_id, r, why or "lost")
-        self._on_rank_lost(r)
+        self.events.rank_lost(r)
         for handler in self._rank_lost_handlers:
             handler(r)
         if self._ready.is_set():          # (a rank lost while the group starts fails the start)
-            self._supervise(f"rank {r} lost ({why or 'lost'})")
+            self.supervisor.supervise(f"rank {r} lost ({why or 'lost'})")
 
     def on_rank_message(self, msg_type: type, handler: Callable[[int, m.Message], None]) -> None:
         """Route rank messages of ``msg_type`` to ``handler(rank, msg)`` on the loop thread
@@ -452,17 +543,62 @@ class RankGroup(GroupHandshake, GroupMemory, Supervision):
         """Call ``handler(rank)`` on the loop thread after a rank was declared lost."""
         self._rank_lost_handlers.append(handler)
 
-    def _on_tick(self) -> None:
-        pass
+    # -- for the supervisor (supervision.Supervised) -------------------------------------------
+    @property
+    def can_restart(self) -> bool:
+        return self._launcher is not None
 
-    def _on_rank_done(self, rank: int, msg: m.RankDone) -> None:
-        raise NotImplementedError
+    def stop_serving(self, why: str, shutdown: str) -> None:
+        """Loop thread: the group stops serving: the owner drops its peers (``why``), every
+        rank is told to stop (``shutdown``)."""
+        self.healthy = False
+        self.events.group_down(why)
+        self.to_ranks(m.RankShutdown(reason=shutdown))
 
-    def _on_rank_lost(self, rank: int) -> None:
-        raise NotImplementedError
+    def retire_ranks(self) -> list[RankHandle]:
+        """Loop thread: the old ranks are the restarter's now: nothing here watches or counts
+        them again. Returns their handles."""
+        old, self.handles = self.handles, []
+        for r, st in enumerate(self.ranks):
+            st.lost = True
+            self.rank_watch.forget(r)
+        return old
 
-    def _on_peer_message(self, identity: bytes, msg: m.Message) -> None:
-        self.counters.add("unexpected_messages")
+    def close_dist_store(self) -> None:
+        store, self.dist_store = self.dist_store, None
+        if store is not None:
+            store.close()
+
+    def reset_generation(self) -> None:
+        """Loop thread, once no old rank process is left that could write into a page or a
+        block: fresh pools, ledger and rank slots for the next generation."""
+        self.pool = PagePool(self.num_pages)
+        if self.blocks is not None:
+            self.blocks = BlockPool(self.num_blocks)
+        self.ledger = Ledger(self.tp_size, self.pool, self.blocks)
+        self.ranks = [_RankState() for _ in range(self.tp_size)]
+        self._by_identity.clear()
+        for r in range(self.tp_size):
+            self.rank_watch.forget(r)
+        self._ready.clear()
+        self._started.clear()
+        self._start_errors.clear()
+        self._lost_why.clear()
+        self.healthy = True
+        self.handles = []
+        self.generation += 1
+        self.events.group_reset()
+
+    def adopt_ranks(self, handles: list[RankHandle]) -> None:
+        if self._closed:
+            raise ClosedError(f"{self.node_id} closed while its ranks restarted")
+        self.handles = handles
+
+    def lost_ranks(self) -> dict[int, str]:
+        return dict(self._lost_why)
+
+    def group_restarted(self) -> None:
+        self.events.group_restarted()
 
     # -- shutdown ----------------------------------------------------------------------------
     def close(self, timeout: float = 10.0) -> None:
@@ -470,8 +606,7 @@ class RankGroup(GroupHandshake, GroupMemory, Supervision):
         if self._closed:
             return
         self._closed = True
-        if self._restarter is not None:
-            self._restarter.join(timeout)      # it sees _closed; bounded by its steps
+        self.supervisor.join(timeout)      # a restart sees _closed; bounded by its steps
         told = False
         if self.loop.running:
             try:
@@ -487,35 +622,27 @@ class RankGroup(GroupHandshake, GroupMemory, Supervision):
         self.loop.stop()
         self.router.close(0)
         self.local.close()
-        if self.dist_store is not None:
-            self.dist_store.close()
-            self.dist_store = None
+        self.close_dist_store()
 
     def _shutdown_ranks(self) -> None:
         self.to_ranks(m.RankShutdown(reason="coordinator closing"))
-        self._on_close()
+        self.events.closing()
 
-    def _on_close(self) -> None:
-        pass
-
-    def _page_stats(self) -> dict:
+    def page_stats(self, in_flight: int | None = None) -> dict:
         """Page accounting shared by both sides' stats() (loop thread): the pool, and per rank
-        the pages it may still touch (requests without its RankDone)."""
+        the pages it may still touch (requests without its RankDone). ``in_flight``: the
+        owner's count of requests in flight (default: every request that holds a page)."""
         return {"pages_used": self.pool.num_used, "pages_free": self.pool.num_free,
                 "pages_total": self.num_pages,
                 "blocks_used": self.blocks.num_used if self.blocks else 0,
                 "blocks_free": self.blocks.num_free if self.blocks else 0,
                 "blocks_total": self.num_blocks,
                 "rank_pages_busy": self.ledger.busy_pages(),
-                "requests_in_flight": self._in_flight(),
+                "requests_in_flight": len(self.ledger) if in_flight is None else in_flight,
                 # where the pools are, and per rank and peer node the transports UCX chose
                 "memory": self.memory, "device": self.device,
                 "transports": {r: dict(peers) for r, peers in self.rank_transports.items()},
                 "host_staging": self.host_staging}
-
-    def _in_flight(self) -> int:
-        """Requests that still hold a page for the transfer (both sides: until freed)."""
-        return len(self.ledger)
 
     def __enter__(self):
         return self

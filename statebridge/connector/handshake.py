@@ -4,40 +4,72 @@ same-host rule allows) and the checks of the peer's record, each refusal an
 :class:`~statebridge.errors.IncompatiblePeerError` naming the value. The record is forwarded to
 the ranks as it came (one handshake record between the groups and inside them).
 
-:class:`GroupHandshake` is a part of :class:`~statebridge.connector.group.RankGroup` (its base
-class): it reads the group's spec, geometry, config, node id and rank slots.
+:class:`GroupHandshake` holds the facts of a rank group that do not change while it lives (its
+spec, geometry, pools, config, node id); what its ranks said when they announced themselves
+(:class:`RankAnnouncement`, one per rank) is given to :meth:`GroupHandshake.group_info` as it
+stands then.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Sequence
+
+from statebridge.config import ConnectorConfig
 from statebridge.connector import messages as m
 from statebridge.errors import ConfigError, IncompatiblePeerError, StatebridgeError
 from statebridge.net import host_id
 from statebridge.state.kv import BlockGeometry
-from statebridge.state.layout import PageGeometry
+from statebridge.state.layout import Layout, PageGeometry
 from statebridge.state.spec import StateSpec
 
-__all__ = ["GroupHandshake"]
+__all__ = ["GroupHandshake", "RankAnnouncement"]
 
 
+@dataclass(frozen=True)
+class RankAnnouncement:
+    """What a rank said when it announced itself (:class:`~statebridge.connector.messages.
+    RankHello`): its UCX worker address, its process and shared-map fd, and what its model's
+    weights cost its process. A rank that did not announce itself yet: the defaults."""
+
+    address: bytes = b""
+    pid: int = 0
+    shm_fd: int = -1
+    weights_private: int = 0
+    weights_mapped: int = 0
+
+
+@dataclass(frozen=True)
 class GroupHandshake:
     """The handshake record of a rank group and the checks of its peer's (module docstring)."""
 
-    @property
-    def rank_addresses(self) -> tuple[bytes, ...]:
-        return tuple(s.address for s in self.ranks)
+    node_id: str
+    role: str
+    spec: StateSpec
+    tp_size: int
+    layout: Layout
+    geometry: PageGeometry
+    region_align: int
+    num_pages: int
+    kv_layout: str
+    block_size: int
+    num_blocks: int
+    memory: str
+    config: ConnectorConfig
 
-    def group_info(self) -> m.GroupInfo:
+    def group_info(self, ranks: Sequence[RankAnnouncement]) -> m.GroupInfo:
+        """The group's record, with what its ``ranks`` announced (one per rank)."""
         return m.GroupInfo(node_id=self.node_id, role=self.role, tp_size=self.tp_size,
                            layout=self.layout.name, page_size=self.geometry.page_size,
                            region_align=self.region_align, num_pages=self.num_pages,
-                           spec_json=self.spec.to_json(), rank_addresses=self.rank_addresses,
+                           spec_json=self.spec.to_json(),
+                           rank_addresses=tuple(r.address for r in ranks),
                            kv_layout=self.kv_layout, block_size=self.block_size,
                            num_blocks=self.num_blocks, host_id=host_id(),
                            memory=self.memory, verify_transfers=self.config.verify_transfers,
-                           **self._shared_map_info())
+                           **self._shared_map_info(ranks))
 
-    def _shared_map_info(self) -> dict:
+    def _shared_map_info(self, ranks: Sequence[RankAnnouncement]) -> dict:
         """GroupInfo's shared-map fields: a decode group reads shared maps when its config
         says so; a prefill group serves them when the shared-map rule lets it serve some decode
         group (its ranks chose memfd buffers by the same rule) and every rank listed one."""
@@ -48,10 +80,10 @@ class GroupHandshake:
                                        has_kv=self.num_blocks > 0, memory=self.memory)
         if self.role != "prefill":
             return {"shared_map": True} if own.takes_part else {}
-        fds = tuple(s.shm_fd for s in self.ranks)
+        fds = tuple(r.shm_fd for r in ranks)
         if shared.map_threshold(own) is None or any(fd < 0 for fd in fds):
             return {}
-        return {"shared_map": True, "rank_pids": tuple(s.pid for s in self.ranks),
+        return {"shared_map": True, "rank_pids": tuple(r.pid for r in ranks),
                 "rank_shm_fds": fds, "shared_map_min_bytes": self.config.shared_map_min_bytes}
 
     def rank_connect(self, info: m.GroupInfo) -> m.GroupInfo:

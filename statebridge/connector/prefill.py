@@ -38,7 +38,7 @@ from __future__ import annotations
 import collections
 import math
 import logging
-from typing import Callable
+from typing import Any, Callable
 
 from statebridge.connector import control as c
 from statebridge.connector import messages as m
@@ -64,24 +64,57 @@ class _Peer:
         self.heartbeats = 0
 
 
-class PrefillServer(RankGroup):
+class PrefillServer:
     """The prefill group's coordinator: handshake, requests, leases, liveness.
 
-    Requests live in ``self.ledger`` keyed by ``RequestKey(decode node id, request id,
-    generation)``; a record's ``peer`` is the :class:`_Peer` connection it came from.
+    It *has* ``group``, its :class:`~statebridge.connector.group.RankGroup` (it is that
+    group's :class:`~statebridge.connector.group.GroupEvents`); the constructor takes the
+    group's arguments (``spec, tp_size, layout, num_pages`` and the keywords of
+    :class:`~statebridge.connector.group.RankGroup`), builds the group, then its own state,
+    then starts the group. Requests live in the group's ledger (``server.group.ledger``) keyed
+    by ``RequestKey(decode node id, request id, generation)``; a record's ``peer`` is the
+    :class:`_Peer` connection it came from.
     """
 
     role = "prefill"
 
-    def _init_state(self) -> None:
+    def __init__(self, spec, tp_size: int, layout, num_pages: int, **group_options: Any) -> None:
+        self.group = group = RankGroup(self, self.role, spec, tp_size, layout, num_pages,
+                                       **group_options)
         self.peers: dict[bytes, _Peer] = {}
         self.waiting: collections.deque[tuple[_Peer, m.TransferRequest]] = collections.deque()
-        self.peer_watch = c.PeerWatch(self.config.peer_timeout, self.loop)
+        self.peer_watch = c.PeerWatch(group.config.peer_timeout, group.loop)
         self._queries: dict[type, Callable[[m.Message], m.Message]] = {}
         #: Transfer verification: request -> rank -> the digests it sends each decode rank
         #: (until every rank reported; then their sums go to the decode node).
         self._digests: dict[RequestKey, dict[int, tuple[int, ...]]] = {}
-        self.on_rank_message(m.RankDigest, self._on_rank_digest)
+        group.on_rank_message(m.RankDigest, self._on_rank_digest)
+        group.start()
+
+    # -- the group's public face ------------------------------------------------------------------
+    @property
+    def node_id(self) -> str:
+        return self.group.node_id
+
+    @property
+    def address(self) -> str:
+        """Where decode nodes connect: ``host:port`` of the server's ROUTER."""
+        return self.group.address
+
+    @property
+    def fatal(self) -> str:
+        """Why the prefill group failed for good ("" while it serves or heals)."""
+        return self.group.fatal
+
+    def wait_ready(self, timeout: float | None = None) -> None:
+        """Block until every prefill rank announced itself (:meth:`RankGroup.wait_ready
+        <statebridge.connector.group.RankGroup.wait_ready>`)."""
+        self.group.wait_ready(timeout)
+
+    def whole(self) -> tuple[bool, str]:
+        """Loop thread: whether the prefill group is whole, else why
+        (:meth:`RankGroup.whole <statebridge.connector.group.RankGroup.whole>`)."""
+        return self.group.whole()
 
     def on_query(self, msg_type: type, handler: "Callable[[m.Message], m.Message]") -> None:
         """Answer ``msg_type`` from any connection (no handshake needed) with
@@ -89,36 +122,36 @@ class PrefillServer(RankGroup):
         answers its status and stats queries this way. Call before the server is used."""
         self._queries[msg_type] = handler
 
-    # -- decode peers ----------------------------------------------------------------------------
-    def _on_peer_message(self, identity: bytes, msg: m.Message) -> None:
+    # -- decode peers (on the group's ROUTER: group.GroupEvents) ---------------------------------
+    def peer_message(self, identity: bytes, msg: m.Message) -> None:
         peer = self.peers.get(identity)
-        if self._closed and isinstance(msg, (m.Hello, m.GroupInfo)):
+        if self.group.closed and isinstance(msg, (m.Hello, m.GroupInfo)):
             # Goodbye is sent: a decode node re-dialing now must not be connected anew.
-            c.send_router(self.router, identity, m.Reject(
-                code="closing", reason=f"prefill server {self.node_id} is closing"))
+            c.send_router(self.group.router, identity, m.Reject(
+                code="closing", reason=f"prefill server {self.group.node_id} is closing"))
             return
         if isinstance(msg, (m.Hello, m.GroupInfo)):
             whole, why = self.whole()
             if not whole:
                 # Not whole (starting, restarting, failed): the decode node re-dials.
-                self.counters.add("refused_not_ready")
-                c.send_router(self.router, identity, m.Reject(code="not_ready", reason=why))
+                self.group.counters.add("refused_not_ready")
+                c.send_router(self.group.router, identity, m.Reject(code="not_ready", reason=why))
                 return
         if isinstance(msg, m.Hello):
             self._on_hello(identity, msg)
             return
         query = self._queries.get(type(msg))
         if query is not None:
-            c.send_router(self.router, identity, query(msg))
+            c.send_router(self.group.router, identity, query(msg))
             return
         if peer is None and isinstance(msg, m.Heartbeat):
             # A connection we dropped (or never knew) still heartbeats: tell it to handshake.
-            self.counters.add("unknown_peers")
-            c.send_router(self.router, identity, m.Goodbye(node_id=self.node_id))
+            self.group.counters.add("unknown_peers")
+            c.send_router(self.group.router, identity, m.Goodbye(node_id=self.group.node_id))
             return
         if peer is None or not peer.hello:
-            self.counters.add("protocol_errors")
-            c.send_router(self.router, identity, m.Error(
+            self.group.counters.add("protocol_errors")
+            c.send_router(self.group.router, identity, m.Error(
                 kind="ProtocolError", message=f"{type(msg).__name__} before Hello"))
             return
         self.peer_watch.heard(identity)
@@ -129,40 +162,40 @@ class PrefillServer(RankGroup):
         elif isinstance(msg, m.Abort):
             record = self._record(peer, msg.request_id, msg.generation)
             if record is not None:
-                self.counters.add("aborted_by_peer")
+                self.group.counters.add("aborted_by_peer")
                 self._fail(record, FailureKind.ABORTED, f"aborted by decode: {msg.reason}",
                            notify=False)
             elif not self._drop_waiting(peer, msg.request_id, msg.generation):
-                self.counters.add("stale_aborts")        # finished (or failed) already
+                self.group.counters.add("stale_aborts")        # finished (or failed) already
         elif isinstance(msg, m.Goodbye):
             self._peer_lost(identity, "said goodbye")
         elif isinstance(msg, m.Heartbeat):
             pass
         else:
-            self.counters.add("unexpected_messages")
+            self.group.counters.add("unexpected_messages")
 
     def _on_hello(self, identity: bytes, msg: m.Hello) -> None:
-        expected = m.compat_hash(self.spec.to_json())
+        expected = m.compat_hash(self.group.spec.to_json())
         if msg.compat_hash != expected or msg.role != "decode":
-            self.counters.add("incompatible_peers")
+            self.group.counters.add("incompatible_peers")
             reason = (f"compat hash {msg.compat_hash!r} != {expected!r}"
                       if msg.compat_hash != expected else f"role {msg.role!r} is not 'decode'")
-            log.warning("%s: rejected %s: %s", self.node_id, msg.node_id, reason)
-            c.send_router(self.router, identity, m.Reject(code="incompatible", reason=reason))
+            log.warning("%s: rejected %s: %s", self.group.node_id, msg.node_id, reason)
+            c.send_router(self.group.router, identity, m.Reject(code="incompatible", reason=reason))
             return
         peer = self.peers.get(identity) or _Peer(identity, msg.node_id)
         peer.hello = True
         self.peers[identity] = peer
         self.peer_watch.heard(identity)
-        c.send_router(self.router, identity, m.Hello(compat_hash=expected, node_id=self.node_id,
+        c.send_router(self.group.router, identity, m.Hello(compat_hash=expected, node_id=self.group.node_id,
                                                      role=self.role))
 
     def _on_group_info(self, identity: bytes, info: m.GroupInfo) -> None:
         try:
-            self.check_peer_info(info)
+            self.group.handshake.check_peer_info(info)
         except IncompatiblePeerError as e:
-            self.counters.add("incompatible_peers")
-            c.send_router(self.router, identity, m.Reject(code="incompatible", reason=str(e)))
+            self.group.counters.add("incompatible_peers")
+            c.send_router(self.group.router, identity, m.Reject(code="incompatible", reason=str(e)))
             return
         self._connect_peer(identity, info)
 
@@ -175,46 +208,46 @@ class PrefillServer(RankGroup):
                     if i != identity and p.node_id == info.node_id]:
             self._peer_lost(old.identity, "superseded by a new connection")
         peer.node_id = info.node_id
-        self.to_ranks(self.rank_connect(info))
+        self.group.to_ranks(self.group.handshake.rank_connect(info))
         peer.connected = True
-        log.info("%s: decode group %s connected (TP %d, %s)", self.node_id, info.node_id,
+        log.info("%s: decode group %s connected (TP %d, %s)", self.group.node_id, info.node_id,
                  info.tp_size, info.layout)
-        c.send_router(self.router, identity, self.group_info())
+        c.send_router(self.group.router, identity, self.group.group_info())
 
     # -- requests ----------------------------------------------------------------------------------
     def _record(self, peer: _Peer, request_id: str, generation: int) -> Record | None:
-        record = self.ledger.get(RequestKey(peer.node_id, request_id, generation))
+        record = self.group.ledger.get(RequestKey(peer.node_id, request_id, generation))
         return record if record is not None and record.peer is peer else None
 
     def _on_transfer_request(self, peer: _Peer, msg: m.TransferRequest) -> None:
         if not peer.connected:
             self._reject(peer, msg, FailureKind.TRANSFER_ERROR, "TransferRequest before GroupInfo")
             return
-        whole, why = self.whole()
+        whole, why = self.group.whole()
         if not whole:
             self._reject(peer, msg, FailureKind.PEER_LOST, why)
             return
-        if RequestKey(peer.node_id, msg.request_id, msg.generation) in self.ledger:
-            self.counters.add("duplicate_requests")
+        if RequestKey(peer.node_id, msg.request_id, msg.generation) in self.group.ledger:
+            self.group.counters.add("duplicate_requests")
             return
-        if self.spec.kv is None and msg.kv_blocks:
+        if self.group.spec.kv is None and msg.kv_blocks:
             self._reject(peer, msg, FailureKind.INVALID_REQUEST,
                          f"{len(msg.kv_blocks)} KV blocks for a spec without attention KV")
             return
-        if self.spec.kv is not None:
+        if self.group.spec.kv is not None:
             tokens = m.token_count(msg.prompt)
-            need = blocks_for(tokens, self.block_size)
+            need = blocks_for(tokens, self.group.block_size)
             if len(msg.kv_blocks) != need:
                 self._reject(peer, msg, FailureKind.INVALID_REQUEST,
                              f"{len(msg.kv_blocks)} KV blocks for a prompt of {tokens} tokens "
-                             f"(needs {need} of {self.block_size})")
+                             f"(needs {need} of {self.group.block_size})")
                 return
-            if need > self.num_blocks:
+            if need > self.group.num_blocks:
                 self._reject(peer, msg, FailureKind.BUSY,
-                             f"{need} KV blocks wanted, {self.blocks.num_free} free of "
-                             f"{self.num_blocks}: the prompt never fits")
+                             f"{need} KV blocks wanted, {self.group.blocks.num_free} free of "
+                             f"{self.group.num_blocks}: the prompt never fits")
                 return
-        limit = self.config.max_inflight_per_peer
+        limit = self.group.config.max_inflight_per_peer
         if peer.inflight >= limit:
             self._reject(peer, msg, FailureKind.BUSY, f"{peer.inflight} requests in flight from "
                                                       f"{peer.node_id} (limit {limit})")
@@ -229,7 +262,7 @@ class PrefillServer(RankGroup):
                              f"{peer.inflight} requests in flight and {queued} queued from "
                              f"{peer.node_id} (limit {limit})")
                 return
-            self.counters.add("waiting_for_pages" if not self.pool.num_free
+            self.group.counters.add("waiting_for_pages" if not self.group.pool.num_free
                               else "waiting_for_blocks")
             self.waiting.append((peer, msg))               # back-pressure, not a failure
             return
@@ -238,29 +271,29 @@ class PrefillServer(RankGroup):
     def _start(self, peer: _Peer, msg: m.TransferRequest) -> None:
         key = RequestKey(peer.node_id, msg.request_id, msg.generation)
         try:
-            record = self.ledger.open(key, math.inf, peer,        # the ranks hold the lease
+            record = self.group.ledger.open(key, math.inf, peer,        # the ranks hold the lease
                                       num_blocks=len(msg.kv_blocks), contiguous=True)
         except CacheFullError:                    # callers checked; never lose the request
             self.waiting.appendleft((peer, msg))
             return
         peer.inflight += 1
-        self.counters.add("requests")
+        self.group.counters.add("requests")
         src_blocks = tuple(record.blocks)
-        self.to_ranks(m.RankPrefill(request_id=msg.request_id, generation=msg.generation,
+        self.group.to_ranks(m.RankPrefill(request_id=msg.request_id, generation=msg.generation,
                                     prompt=msg.prompt, src_page=record.page,
                                     peer_node=peer.node_id, src_blocks=src_blocks,
                                     dst_blocks=msg.kv_blocks, kv_tokens=m.token_count(msg.prompt)
-                                    if self.spec.kv is not None else 0))
+                                    if self.group.spec.kv is not None else 0))
 
     def _fits(self, msg: m.TransferRequest) -> bool:
         """Whether a page and the request's KV blocks (one range) are free now."""
-        return bool(self.pool.num_free) and (
-            not msg.kv_blocks or len(msg.kv_blocks) <= self.blocks.largest_free_range())
+        return bool(self.group.pool.num_free) and (
+            not msg.kv_blocks or len(msg.kv_blocks) <= self.group.blocks.largest_free_range())
 
     def _reject(self, peer: _Peer, msg: m.TransferRequest, kind: FailureKind,
                 reason: str) -> None:
-        self.counters.add(f"rejected_{kind}")
-        c.send_router(self.router, peer.identity, m.TransferFailed(
+        self.group.counters.add(f"rejected_{kind}")
+        c.send_router(self.group.router, peer.identity, m.TransferFailed(
             request_id=msg.request_id, generation=msg.generation, kind=kind.value,
             message=reason))
 
@@ -272,30 +305,29 @@ class PrefillServer(RankGroup):
             if not (p is peer and w.request_id == request_id and w.generation == generation))
         return len(self.waiting) < before
 
-    def _on_rank_done(self, rank: int, msg: m.RankDone) -> None:
-        record = self.ledger.answer(rank, msg)
-        if record is None:
-            self.counters.add("stale_rank_done")
+    def rank_done(self, rank: int, msg: m.RankDone) -> None:
+        answered = self.group.rank_answered(rank, msg)
+        if answered is None:
             return
-        if msg.kind and record.failure is None:
-            if msg.kind == FailureKind.TIMEOUT.value:     # a rank's lease on its sends ended
-                self.counters.add("leases_expired")
-            self._fail(record, FailureKind.parse(msg.kind),
-                       f"prefill rank {rank}: {msg.message}", notify=True)
+        record, failed = answered
+        if failed is not None:
+            if failed is FailureKind.TIMEOUT:     # a rank's lease on its sends ended
+                self.group.counters.add("leases_expired")
+            self._fail(record, failed, f"prefill rank {rank}: {msg.message}", notify=True)
         self._maybe_free(record)
 
     def _on_rank_digest(self, rank: int, msg: m.RankDigest) -> None:
         """A rank's digests of what it sends for a request (a decode group that verifies):
         once every rank's are in, their sums by decode rank go to the decode node."""
         key = RequestKey(msg.peer_node, msg.request_id, msg.generation)
-        record = self.ledger.get(key)
+        record = self.group.ledger.get(key)
         if record is None or record.failure is not None:
-            self.counters.add("stale_digests")
+            self.group.counters.add("stale_digests")
             return
-        self.counters.add("transfer_digests")
+        self.group.counters.add("transfer_digests")
         by_rank = self._digests.setdefault(key, {})
         by_rank[rank] = msg.digests
-        if len(by_rank) < self.tp_size:
+        if len(by_rank) < self.group.tp_size:
             return
         del self._digests[key]
         sizes = {len(d) for d in by_rank.values()}
@@ -307,17 +339,17 @@ class PrefillServer(RankGroup):
         sums = tuple(sum(col) & ((1 << 64) - 1) for col in zip(*by_rank.values()))
         peer = record.peer
         if self.peers.get(peer.identity) is peer:
-            c.send_router(self.router, peer.identity, m.TransferDigest(
+            c.send_router(self.group.router, peer.identity, m.TransferDigest(
                 request_id=msg.request_id, generation=msg.generation, digests=sums))
 
     def _fail(self, record: Record, kind: FailureKind, message: str, *, notify: bool,
               lost_node: str = "") -> None:
         """Cancel ``record`` on every rank still working on it; tell the decode peer."""
-        if not self.fail_on_ranks(record, kind, message, lost_node):
+        if not self.group.fail_on_ranks(record, kind, message, lost_node):
             return
         peer = record.peer
         if notify and self.peers.get(peer.identity) is peer:
-            c.send_router(self.router, peer.identity, m.TransferFailed(
+            c.send_router(self.group.router, peer.identity, m.TransferFailed(
                 request_id=record.request_id, generation=record.generation, kind=kind.value,
                 message=message))
         self._maybe_free(record)
@@ -325,9 +357,9 @@ class PrefillServer(RankGroup):
     def _maybe_free(self, record: Record) -> None:
         """Free the page once no rank can still send from it: every rank's sends completed
         (the request is DONE) or the request failed and every live rank confirmed."""
-        if not self.ledger.quiet(record) or record.phase is Phase.ACTIVE:
+        if not self.group.ledger.quiet(record) or record.phase is Phase.ACTIVE:
             return
-        if not self.ledger.free(record):
+        if not self.group.ledger.free(record):
             return                                   # freed already (callers may re-check)
         self._digests.pop(record.key, None)
         record.peer.inflight -= 1
@@ -339,37 +371,37 @@ class PrefillServer(RankGroup):
         """Tell the decode peer when its request's events happened on our ranks (its
         metrics; one row per request, coalesced with the others of this loop iteration)."""
         done = record.done.values()
-        c.send_router(self.router, record.peer.identity, m.TransferTimes(
+        c.send_router(self.group.router, record.peer.identity, m.TransferTimes(
             request_id=record.request_id, generation=record.generation,
             computed_from=min((d.computed_from for d in done if d.computed_from), default=0.0),
             state_final_at=max((d.state_final_at for d in done), default=0.0),
             posted_at=min((d.posted_at for d in done if d.posted_at), default=0.0)))
 
     def _start_waiting(self) -> None:
-        while self.healthy and self.waiting and self._fits(self.waiting[0][1]):
+        while self.group.healthy and self.waiting and self._fits(self.waiting[0][1]):
             peer, msg = self.waiting.popleft()                  # broken: rejected instead
             if self.peers.get(peer.identity) is peer:
                 self._start(peer, msg)
 
-    # -- liveness ----------------------------------------------------------------------------------
-    def _on_tick(self) -> None:
+    # -- liveness (group.GroupEvents) ---------------------------------------------------------------
+    def tick(self) -> None:
         for identity, peer in list(self.peers.items()):
             if peer.hello:
                 peer.heartbeats += 1
-                c.send_router(self.router, identity,
-                              m.Heartbeat(node_id=self.node_id, seq=peer.heartbeats))
+                c.send_router(self.group.router, identity,
+                              m.Heartbeat(node_id=self.group.node_id, seq=peer.heartbeats))
         for identity in self.peer_watch.expired():
-            self._peer_lost(identity, f"silent for {self.config.peer_timeout} s")
+            self._peer_lost(identity, f"silent for {self.group.config.peer_timeout} s")
 
     def _peer_lost(self, identity: bytes, why: str) -> None:
         peer = self.peers.pop(identity, None)
         self.peer_watch.forget(identity)
         if peer is None:
             return
-        self.counters.add("peers_lost")
-        log.warning("%s: decode peer %s lost (%s)", self.node_id, peer.node_id, why)
+        self.group.counters.add("peers_lost")
+        log.warning("%s: decode peer %s lost (%s)", self.group.node_id, peer.node_id, why)
         self.waiting = collections.deque((p, w) for p, w in self.waiting if p is not peer)
-        for record in self.ledger:
+        for record in self.group.ledger:
             if record.peer is peer:
                 self._fail(record, FailureKind.PEER_LOST,
                            f"decode peer {peer.node_id} lost ({why})", notify=False,
@@ -377,37 +409,53 @@ class PrefillServer(RankGroup):
                 # The peer cannot complete it any more; free once the ranks confirmed.
                 self._maybe_free(record)
 
-    def _on_rank_lost(self, rank: int) -> None:
-        for record in self.ledger:
+    def rank_lost(self, rank: int) -> None:
+        for record in self.group.ledger:
             self._fail(record, FailureKind.PEER_LOST,
-                       f"prefill rank {rank} of {self.node_id} died", notify=True)
+                       f"prefill rank {rank} of {self.group.node_id} died", notify=True)
             self._maybe_free(record)
         for peer, msg in list(self.waiting):
             if self.peers.get(peer.identity) is peer:
                 self._reject(peer, msg, FailureKind.PEER_LOST,
-                             f"prefill group {self.node_id} lost a rank")
+                             f"prefill group {self.group.node_id} lost a rank")
         self.waiting.clear()
 
-    def _on_group_down(self, why: str) -> None:
+    def group_down(self, why: str) -> None:
         """Every request has failed; the decode peers hear Goodbye and re-dial (refused while
         the group is not whole)."""
         for identity in list(self.peers):
-            c.send_router(self.router, identity, m.Goodbye(node_id=self.node_id))
+            c.send_router(self.group.router, identity, m.Goodbye(node_id=self.group.node_id))
             self._peer_lost(identity, why)
 
-    def _on_group_reset(self) -> None:
+    def group_reset(self) -> None:
         self._digests.clear()                  # of the old ledger's requests
 
-    def _on_close(self) -> None:
+    def group_restarted(self) -> None:
+        """Nothing to do: decode nodes re-dial us (refused while the group was not whole)."""
+
+    def closing(self) -> None:
         for identity in list(self.peers):
-            c.send_router(self.router, identity, m.Goodbye(node_id=self.node_id))
+            c.send_router(self.group.router, identity, m.Goodbye(node_id=self.group.node_id))
 
     # -- introspection (thread-safe) -----------------------------------------------------------
     def stats(self) -> dict:
+        group = self.group
+
         def collect():
-            return {**self._page_stats(),
+            return {**group.page_stats(),
                     "waiting": len(self.waiting), "peers": len(self.peers),
-                    "healthy": self.healthy, "generation": self.generation,
-                    "ready": self.whole()[0], "reason": self.whole()[1],
-                    **self.counters.snapshot()}
-        return self.loop.call(collect)
+                    "healthy": group.healthy, "generation": group.generation,
+                    "ready": group.whole()[0], "reason": group.whole()[1],
+                    **group.counters.snapshot()}
+        return group.loop.call(collect)
+
+    def close(self, timeout: float = 10.0) -> None:
+        """Stop the ranks and the loop (idempotent; :meth:`RankGroup.close
+        <statebridge.connector.group.RankGroup.close>`)."""
+        self.group.close(timeout)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

@@ -1,10 +1,11 @@
 """The decode coordinator's links to prefill servers: dialing, the handshake's connection
 states, keeping an address and re-dialing it with backoff, and dropping a lost one.
 
-:class:`PrefillLinks` is a part of :class:`~statebridge.connector.decode.DecodeCoordinator`
-(its base class), split out so the request lifecycle and the links each have a room: it uses
-the coordinator's loop, config, counters and ledger, and calls its ``_on_prefill_message``
-(the protocol's dispatcher) and ``_fail``.
+:class:`PrefillLinks` is a part the decode coordinator *has* (``coordinator.links``), so the
+request lifecycle and the links each have a room: it uses the coordinator's rank group (its
+loop, config, counters, handshake record) and runs the handshake with each prefill server
+itself; what a link needs of the coordinator -- the requests' messages, failing a lost server's
+requests -- is :class:`LinkOwner`.
 
 Reconnect: an address given to :meth:`PrefillLinks.connect` (after its first handshake
 succeeded, or at once with ``wait=False``: a node started before its prefill nodes) is kept and
@@ -20,14 +21,15 @@ import enum
 import logging
 import threading
 import time
-from typing import Callable
+from typing import Callable, Protocol
 
 import zmq
 
 from statebridge.connector import control as c
 from statebridge.connector import messages as m
+from statebridge.connector.group import RankGroup
 from statebridge.errors import (
-    FailureKind,
+    ConfigError,
     IncompatiblePeerError,
     NotReadyError,
     ProtocolError,
@@ -39,7 +41,7 @@ from statebridge.state.plan import TransferPlan
 
 log = logging.getLogger("statebridge.connector.decode")   # one logger for the coordinator
 
-__all__ = ["PrefillLinks", "PeerState", "REDIAL_MIN_S", "REDIAL_MAX_S"]
+__all__ = ["PrefillLinks", "LinkOwner", "PeerState", "REDIAL_MIN_S", "REDIAL_MAX_S"]
 
 REDIAL_MIN_S = 0.5     # first re-dial of a lost prefill server, after this many seconds
 REDIAL_MAX_S = 2.0     # the wait doubles per failed attempt, up to this
@@ -88,8 +90,28 @@ class _Dial:
         self.last_why = ""                           # logged once per change
 
 
+class LinkOwner(Protocol):
+    """What the links call on the coordinator that owns them (loop thread)."""
+
+    def prefill_message(self, peer: _Prefill, msg: m.Message) -> None:
+        """A message of a prefill server that the links do not take themselves (they take
+        the handshake's and liveness's): the requests' messages."""
+
+    def prefill_lost(self, peer: _Prefill, why: str) -> None:
+        """A prefill server was lost: fail every request it touched."""
+
+
 class PrefillLinks:
     """The prefill-server side of the decode coordinator (see the module docstring)."""
+
+    def __init__(self, group: RankGroup, owner: LinkOwner) -> None:
+        self.group = group
+        self.owner = owner
+        self.prefills: dict[str, _Prefill] = {}      # node id (or address before Hello) -> peer
+        self._by_sock: dict[zmq.Socket, _Prefill] = {}
+        self.prefill_watch = c.PeerWatch(group.config.peer_timeout, group.loop)
+        self._dials: dict[str, _Dial] = {}           # address -> kept connection
+        self._prefill_handlers: list[Callable[[m.GroupInfo], None]] = []
 
     def connect(self, address: str, timeout: float | None = None, *,
                 redial: bool = True, wait: bool = True) -> str | None:
@@ -103,16 +125,17 @@ class PrefillLinks:
         the same backoff until its server answers (a node started before its prefill nodes);
         returns None. Meanwhile requests fail with :class:`NotReadyError`; see :meth:`status`.
         """
-        self.wait_ready()
+        group = self.group
+        group.wait_ready()
         if not wait:
-            self.loop.call(self._dial_later, address)
+            group.loop.call(self._dial_later, address)
             return None
-        timeout = self.config.handshake_timeout if timeout is None else timeout
+        timeout = group.config.handshake_timeout if timeout is None else timeout
         deadline = time.monotonic() + timeout
         while True:
-            peer = self.loop.call(self._open, address)
+            peer = group.loop.call(self._open, address)
             if not peer.event.wait(max(0.0, deadline - time.monotonic())):
-                self.loop.call(self._drop_prefill, peer, "handshake timed out")
+                group.loop.call(self._drop_prefill, peer, "handshake timed out")
                 raise TransferTimeoutError(f"handshake with prefill server {address} did not "
                                            f"finish within {timeout} s: no answer (the server "
                                            f"may be down or unreachable, or refusing us because "
@@ -124,19 +147,19 @@ class PrefillLinks:
                 raise peer.error or IncompatiblePeerError(f"handshake with {address} failed")
             time.sleep(min(REDIAL_MIN_S, max(0.0, deadline - time.monotonic())))
         if redial:
-            self.loop.call(self._keep, address, peer)
+            group.loop.call(self._keep, address, peer)
         return peer.node_id
 
     def _dial_later(self, address: str) -> None:
-        if self._closed or address in self._dials:
+        if self.group.closed or address in self._dials:
             return
         dial = self._dials[address] = _Dial(address, None)
         dial.lost_at = time.monotonic()
-        log.info("%s: dialling prefill %s (every %.1f-%.1f s until it answers)", self.node_id,
-                 address, REDIAL_MIN_S, REDIAL_MAX_S)
+        log.info("%s: dialling prefill %s (every %.1f-%.1f s until it answers)",
+                 self.group.node_id, address, REDIAL_MIN_S, REDIAL_MAX_S)
         dial.attempts = 1
         dial.peer = self._open(address)
-        dial.peer.deadline = dial.lost_at + self.config.handshake_timeout
+        dial.peer.deadline = dial.lost_at + self.group.config.handshake_timeout
 
     def dialled(self) -> bool:
         """Loop thread: whether every kept prefill address has answered at least once."""
@@ -147,12 +170,11 @@ class PrefillLinks:
         succeeded, with that node's group (its TP size, pages, KV pool)."""
         self._prefill_handlers.append(handler)
 
-
     def status(self) -> tuple[bool, str]:
-        """(ready, why not) on the loop thread: ready once the group is whole (:meth:`whole`)
-        and a prefill server is connected; else the reason: the missing ranks, or the
-        addresses still being dialled."""
-        whole, why = self.whole()
+        """(ready, why not) on the loop thread: ready once the group is whole
+        (:meth:`RankGroup.whole`) and a prefill server is connected; else the reason: the
+        missing ranks, or the addresses still being dialled."""
+        whole, why = self.group.whole()
         if not whole:
             return False, why
         if any(p.state is PeerState.READY for p in self.prefills.values()):
@@ -164,7 +186,7 @@ class PrefillLinks:
                        (f"; dialling {', '.join(dialling)}" if dialling else ""))
 
     def _keep(self, address: str, peer: _Prefill) -> None:
-        if self._closed:
+        if self.group.closed:
             return
         dial = self._dials.get(address)
         if dial is None:
@@ -183,15 +205,16 @@ class PrefillLinks:
 
     def _schedule_redial(self, dial: _Dial, why: str) -> None:
         now = time.monotonic()
+        node_id = self.group.node_id
         if dial.attempts == 0 and not dial.lost_at:
             dial.lost_at = now
             log.info("%s: prefill %s at %s lost (%s); re-dialing every %.1f-%.1f s",
-                     self.node_id, dial.node_id, dial.address, why, REDIAL_MIN_S, REDIAL_MAX_S)
+                     node_id, dial.node_id, dial.address, why, REDIAL_MIN_S, REDIAL_MAX_S)
         elif why != dial.last_why:
-            log.warning("%s: re-dial %d of %s failed: %s", self.node_id, dial.attempts,
+            log.warning("%s: re-dial %d of %s failed: %s", node_id, dial.attempts,
                         dial.address, why)
         else:
-            log.debug("%s: re-dial %d of %s failed: %s", self.node_id, dial.attempts,
+            log.debug("%s: re-dial %d of %s failed: %s", node_id, dial.attempts,
                       dial.address, why)
         dial.last_why = why
         dial.next_at = now + dial.wait
@@ -200,7 +223,8 @@ class PrefillLinks:
     def _redial(self) -> None:
         """On every tick: start due re-dials, time out attempts that hang (none while the
         group is not whole: it re-dials once it is)."""
-        if self.restarting or self.fatal or self._closed:
+        group = self.group
+        if group.restarting or group.fatal or group.closed:
             return
         now = time.monotonic()
         for dial in self._dials.values():
@@ -208,14 +232,15 @@ class PrefillLinks:
             if peer is None:
                 if now >= dial.next_at:
                     dial.attempts += 1
-                    log.debug("%s: re-dial %d of %s", self.node_id, dial.attempts, dial.address)
+                    log.debug("%s: re-dial %d of %s", group.node_id, dial.attempts,
+                              dial.address)
                     dial.peer = self._open(dial.address)
-                    dial.peer.deadline = now + self.config.handshake_timeout
+                    dial.peer.deadline = now + group.config.handshake_timeout
             elif peer.state in (PeerState.HELLO, PeerState.INFO) and peer.deadline and \
                     now > peer.deadline:
                 peer.state = PeerState.FAILED
                 self._drop_prefill(peer, f"handshake did not finish within "
-                                         f"{self.config.handshake_timeout} s")
+                                         f"{group.config.handshake_timeout} s")
 
     def _redialed(self, peer: _Prefill) -> None:
         """A handshake finished: if it was a re-dial, the kept address is connected again."""
@@ -224,52 +249,120 @@ class PrefillLinks:
             return
         if dial.lost_at and not dial.connected:
             log.info("%s: prefill %s at %s connected after %d attempts (%.1f s)",
-                     self.node_id, peer.node_id, dial.address, dial.attempts,
+                     self.group.node_id, peer.node_id, dial.address, dial.attempts,
                      time.monotonic() - dial.lost_at)
         elif dial.lost_at:
             log.info("%s: prefill %s at %s connected again after %d attempts (%.1f s); was %s",
-                     self.node_id, peer.node_id, dial.address, dial.attempts,
+                     self.group.node_id, peer.node_id, dial.address, dial.attempts,
                      time.monotonic() - dial.lost_at, dial.node_id)
-            self.counters.add("prefills_reconnected")
+            self.group.counters.add("prefills_reconnected")
         dial.connected = True
         dial.node_id = peer.node_id
         dial.wait, dial.attempts, dial.lost_at, dial.last_why = REDIAL_MIN_S, 0, 0.0, ""
         peer.deadline = 0.0
 
     def _open(self, address: str) -> _Prefill:
-        keys = CurveKeys.from_config(self.config)
-        sock, watch = c.dial_dealer(self.loop.context, address, keys=keys)
+        group = self.group
+        keys = CurveKeys.from_config(group.config)
+        sock, watch = c.dial_dealer(group.loop.context, address, keys=keys)
         peer = _Prefill(address, sock)
-        c.watch_handshake(self.loop, watch, lambda e: peer.state is PeerState.HELLO
+        c.watch_handshake(group.loop, watch, lambda e: peer.state is PeerState.HELLO
                           and self._handshake_failed(peer, e))
         self._by_sock[sock] = peer
-        self.loop.add_reader(sock, lambda: self._on_prefill_socket(peer))
-        c.send_dealer(sock, m.Hello(compat_hash=m.compat_hash(self.spec.to_json()),
-                                    node_id=self.node_id, role=self.role))
+        group.loop.add_reader(sock, lambda: self._on_prefill_socket(peer))
+        c.send_dealer(sock, m.Hello(compat_hash=m.compat_hash(group.spec.to_json()),
+                                    node_id=group.node_id, role=group.role))
         return peer
 
     def _on_prefill_socket(self, peer: _Prefill) -> None:
         while not peer.sock.closed:                  # a Goodbye below drops (closes) it
-            msg = c.recv_dealer(peer.sock, self.config.max_message_bytes)
+            msg = c.recv_dealer(peer.sock, self.group.config.max_message_bytes)
             if msg is None:
                 return
             if isinstance(msg, ProtocolError):
-                self.counters.add("protocol_errors")
-                log.warning("%s: bad message from %s: %s", self.node_id, peer.address, msg)
+                self.group.counters.add("protocol_errors")
+                log.warning("%s: bad message from %s: %s", self.group.node_id, peer.address,
+                            msg)
                 continue
             if peer.node_id:
                 self.prefill_watch.heard(peer.node_id)
             self._on_prefill_message(peer, msg)
 
+    def _on_prefill_message(self, peer: _Prefill, msg: m.Message) -> None:
+        """The handshake's and liveness's messages; the rest is the owner's."""
+        group = self.group
+        if isinstance(msg, m.Reject):
+            group.counters.add("rejected_handshakes")
+            if msg.code == "not_ready":          # its group is not whole: dial again later
+                group.counters.add("prefill_not_ready")
+                peer.state = PeerState.FAILED
+                peer.error = NotReadyError(f"prefill server {peer.address} is not ready: "
+                                           f"{msg.reason}", peer=peer.address)
+                self._drop_prefill(peer, f"not ready: {msg.reason}")
+                peer.event.set()
+                return
+            self._handshake_failed(peer, IncompatiblePeerError(
+                f"prefill server {peer.address} rejected us: {msg.reason}"))
+        elif isinstance(msg, m.Hello) and peer.state is PeerState.HELLO:
+            if msg.compat_hash != m.compat_hash(group.spec.to_json()) or msg.role != "prefill":
+                self._handshake_failed(peer, IncompatiblePeerError(
+                    f"prefill server {peer.address} is incompatible: hash {msg.compat_hash!r}, "
+                    f"role {msg.role!r}"))
+                return
+            peer.state = PeerState.INFO
+            c.send_dealer(peer.sock, group.group_info())
+        elif isinstance(msg, m.GroupInfo) and peer.state is PeerState.INFO:
+            self._on_group_info(peer, msg)
+        elif isinstance(msg, m.Goodbye):
+            self._prefill_lost(peer, "said goodbye")
+        elif isinstance(msg, m.Error):
+            group.counters.add("peer_errors")
+            log.warning("%s: prefill %s reported: %s %s", group.node_id, peer.address,
+                        msg.kind, msg.message)
+        elif isinstance(msg, m.Heartbeat):
+            pass
+        else:
+            self.owner.prefill_message(peer, msg)
+
+    def _on_group_info(self, peer: _Prefill, msg: m.GroupInfo) -> None:
+        group = self.group
+        try:
+            peer.geometry = group.handshake.check_peer_info(msg)
+            peer.plan = TransferPlan(peer.geometry, group.geometry)
+        except (IncompatiblePeerError, ConfigError) as e:
+            self._handshake_failed(peer, e)
+            return
+        if msg.node_id in self.prefills:
+            self._handshake_failed(peer, IncompatiblePeerError(
+                f"prefill node id {msg.node_id!r} is already connected"))
+            return
+        peer.node_id = msg.node_id
+        self.prefills[msg.node_id] = peer
+        self.prefill_watch.heard(msg.node_id)
+        group.to_ranks(group.handshake.rank_connect(msg))
+        peer.state = PeerState.READY
+        peer.info = msg
+        log.info("%s: handshake with prefill group %s done in %.1f s (TP %d, %s): %d "
+                 "messages, %d bytes per request", group.node_id, msg.node_id,
+                 time.monotonic() - peer.opened_at, msg.tp_size, msg.layout,
+                 peer.plan.messages_per_request, peer.plan.bytes_per_request)
+        self._redialed(peer)
+        peer.event.set()
+        for handler in self._prefill_handlers:
+            try:
+                handler(msg)
+            except Exception:  # noqa: BLE001 -- a report must not break the handshake
+                log.exception("%s: prefill-connected handler failed", group.node_id)
+
     def _handshake_failed(self, peer: _Prefill, error: Exception) -> None:
-        self.counters.add("refused_peers")
+        self.group.counters.add("refused_peers")
         peer.state = PeerState.FAILED
         peer.error = error
         self._drop_prefill(peer, str(error))
         peer.event.set()
 
     def _drop_prefill(self, peer: _Prefill, why: str) -> None:
-        self.loop.remove_reader(peer.sock)
+        self.group.loop.remove_reader(peer.sock)
         self._by_sock.pop(peer.sock, None)
         c.flush(peer.sock)          # e.g. a queued Goodbye
         peer.sock.close(0)
@@ -279,23 +372,59 @@ class PrefillLinks:
         dial = self._dials.get(peer.address)
         if dial is not None and dial.peer is peer:
             dial.peer = None
-            if not self._closed:
+            if not self.group.closed:
                 self._schedule_redial(dial, why)
 
     def _prefill_lost(self, peer: _Prefill, why: str) -> None:
         if peer.state is PeerState.LOST:
             return
         peer.state = PeerState.LOST
-        self.counters.add("prefills_lost")
-        log.warning("%s: prefill %s lost (%s)", self.node_id, peer.node_id, why)
-        for record in self.ledger.of_peer(peer.node_id):
-            self._fail(record, FailureKind.PEER_LOST, f"prefill {peer.node_id} lost ({why})",
-                       notify=False, lost_node=peer.node_id)
+        self.group.counters.add("prefills_lost")
+        log.warning("%s: prefill %s lost (%s)", self.group.node_id, peer.node_id, why)
+        self.owner.prefill_lost(peer, why)
         self._drop_prefill(peer, why)
+
+    # -- the coordinator's ticks and its group's turns ------------------------------------------
+    def tick(self) -> None:
+        """Loop thread, every heartbeat interval: heartbeat the servers serving us, lose the
+        silent ones, re-dial."""
+        group = self.group
+        hb = m.Heartbeat(node_id=group.node_id, seq=group.heartbeats)
+        for peer in list(self.prefills.values()):
+            if peer.state is PeerState.READY:
+                c.send_dealer(peer.sock, hb)
+        for node in self.prefill_watch.expired():
+            peer = self.prefills.get(node)
+            if peer is not None:
+                self._prefill_lost(peer, f"silent for {group.config.peer_timeout} s")
+        self._redial()
+
+    def hang_up(self, why: str, *, lost: bool) -> None:
+        """Loop thread: every connection ends -- a Goodbye to each server serving us, then
+        each socket dropped (``lost``: marked lost first); kept addresses stay kept."""
+        for peer in list(self.prefills.values()):
+            if peer.state is PeerState.READY:
+                c.send_dealer(peer.sock, m.Goodbye(node_id=self.group.node_id))
+        for peer in list(self._by_sock.values()):
+            if lost:
+                peer.state = PeerState.LOST
+            self._drop_prefill(peer, why)
+
+    def redial_now(self) -> None:
+        """Loop thread: the group is whole again: every kept address that has no connection
+        is re-dialed at the next tick, its backoff from the start."""
+        for dial in self._dials.values():
+            if dial.peer is None:
+                dial.next_at, dial.wait = 0.0, REDIAL_MIN_S
+
+    def close(self) -> None:
+        """Loop thread, closing: every connection ends; no address is kept."""
+        self.hang_up("closing", lost=False)
+        self._dials.clear()
 
     def prefill_nodes(self) -> list[str]:
         """The node ids of the prefill servers serving us (any thread)."""
-        return self.loop.call(self.ready_prefills)
+        return self.group.loop.call(self.ready_prefills)
 
     def ready_prefills(self) -> list[str]:
         """Loop thread: the node ids of the prefill servers serving us, sorted."""

@@ -4,9 +4,10 @@ byte posted) with its own (arrival, every decode rank landed) into one
 :class:`RequestTiming` per request and hands it to the ``on_timing`` callback (the decode
 node's histograms).
 
-:class:`TimingJoin` is a part of :class:`~statebridge.connector.decode.DecodeCoordinator` (its
-base class): it uses the coordinator's config and node id, and holds ``_on_timing`` and
-``_halves``, which the coordinator sets up.
+:class:`TimingJoin` is a part the decode coordinator *has* (``coordinator.timing``): it holds
+the callback and the halves waiting for the other; the coordinator gives it each half.
+:class:`TransferResult` (what a request's transfer produced on the decode side) is here too,
+the lower of the two modules that use it; :mod:`~statebridge.connector.decode` exports it.
 """
 
 from __future__ import annotations
@@ -14,18 +15,28 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable
+from typing import Callable
 
 from statebridge.connector import messages as m
 from statebridge.connector.ledger import Record, RequestKey
 
-if TYPE_CHECKING:
-    from statebridge.connector.decode import TransferResult
-    from statebridge.connector.prefill_links import _Prefill
-
 log = logging.getLogger("statebridge.connector.decode")   # one logger for the coordinator
 
-__all__ = ["RequestTiming", "TimingJoin"]
+__all__ = ["RequestTiming", "TimingJoin", "TransferResult"]
+
+
+@dataclass(frozen=True)
+class TransferResult:
+    """A request whose state every decode rank holds in ``page``."""
+
+    request_id: str
+    generation: int
+    page: int
+    prefill_node: str
+    seconds: float                  # submit -> every decode rank holds the state
+    nbytes: int                     # payload bytes received by all decode ranks
+    blocks: tuple[int, ...] = ()    # the request's KV block table (spec with KV)
+    landed_at: float = 0.0          # wall clock: the last decode rank held all of it
 
 
 @dataclass(frozen=True)
@@ -60,7 +71,23 @@ class RequestTiming:
 
 
 class TimingJoin:
-    """The timing half of the decode coordinator (see the module docstring)."""
+    """The timing half of the decode coordinator (see the module docstring): ``node_id`` names
+    it in the log; a half waits ``limit`` seconds for the other (transfer_timeout +
+    peer_timeout)."""
+
+    def __init__(self, node_id: str, limit: float) -> None:
+        self.node_id = node_id
+        self.limit = limit
+        #: on_timing's callback, and the halves of request timings waiting for the other:
+        #: key -> (monotonic when kept, the prefill side's TransferTimes) or (monotonic,
+        #: arrived_at, the TransferResult)
+        self._on_timing: Callable[[RequestTiming], None] | None = None
+        self._halves: dict[RequestKey, tuple] = {}
+
+    @property
+    def wanted(self) -> bool:
+        """Whether anybody takes timings (a callback is set)."""
+        return self._on_timing is not None
 
     def on_timing(self, callback: "Callable[[RequestTiming], None] | None") -> None:
         """Call ``callback`` (loop thread) with the :class:`RequestTiming` of every request
@@ -71,7 +98,7 @@ class TimingJoin:
         if callback is None:
             self._halves.clear()
 
-    def _timing_half(self, record: Record, done: list, result: TransferResult) -> None:
+    def decode_half(self, record: Record, done: list, result: TransferResult) -> None:
         """The decode side's half of a request's timing: complete at once for a local
         prefill (the decode ranks computed it), else joined with the prefill side's."""
         if record.peer is None:
@@ -88,10 +115,11 @@ class TimingJoin:
         else:
             self._join(times[1], record.arrived_at, result)
 
-    def _on_times(self, peer: _Prefill, msg: m.TransferTimes) -> None:
+    def prefill_half(self, prefill_node: str, msg: m.TransferTimes) -> None:
+        """The prefill side's half (its node's TransferTimes)."""
         if self._on_timing is None:
             return
-        key = RequestKey(peer.node_id, msg.request_id, msg.generation)
+        key = RequestKey(prefill_node, msg.request_id, msg.generation)
         half = self._halves.pop(key, None)
         if half is None:
             self._halves[key] = (time.monotonic(), msg)
@@ -111,8 +139,9 @@ class TimingJoin:
         except Exception:  # noqa: BLE001 -- the caller's callback must not break the loop
             log.exception("%s: on_timing of %s failed", self.node_id, timing.request_id)
 
-    def _expire_halves(self, now: float) -> None:
+    def expire(self, now: float) -> None:
         """Halves whose other half never comes (the request failed on one side only)."""
-        limit = self.config.transfer_timeout + self.config.peer_timeout
-        for key in [k for k, half in self._halves.items() if now - half[0] > limit]:
+        if not self._halves:
+            return
+        for key in [k for k, half in self._halves.items() if now - half[0] > self.limit]:
             del self._halves[key]

@@ -7,13 +7,17 @@ fails, it never lingers (``ConnectorConfig.on_rank_loss``)::
                -> new rendezvous store, new rank processes, all RankHello within
                   rank_start_timeout -> ready again; peers re-handshake
       exit, a failed restart, or too many restarts in rank_restart_window:
-               -> fatal: the group stays broken, says why (:attr:`RankGroup.fatal`),
+               -> fatal: the group stays broken, says why (:attr:`Supervisor.fatal`, also
+                  :attr:`RankGroup.fatal <statebridge.connector.group.RankGroup.fatal>`),
                   and the node's command exits non-zero for its supervisor
 
-While a group is not whole, :meth:`RankGroup.whole` says which ranks are missing and why.
+While a group is not whole, :meth:`RankGroup.whole
+<statebridge.connector.group.RankGroup.whole>` says which ranks are missing and why.
 
-:class:`Supervision` is a part of :class:`~statebridge.connector.group.RankGroup` (its base
-class): it uses the group's loop, config, ledger, handles and launcher.
+A :class:`Supervisor` holds the restart policy and its state (the cause of a restart under
+way, the fatal reason, recent restarts, the restarter thread); the group it supervises is a
+:class:`Supervised` (the :class:`~statebridge.connector.group.RankGroup`), which it calls for
+everything that touches the ranks, the pools and the group's owner.
 """
 
 from __future__ import annotations
@@ -21,58 +25,132 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from typing import TYPE_CHECKING, Callable, Protocol
 
-from statebridge.connector import messages as m
+from statebridge.config import ConnectorConfig
 from statebridge.connector.launch import RankHandle
-from statebridge.connector.ledger import Ledger
+from statebridge.connector.stats import Counters
 from statebridge.errors import ClosedError, StartupError, StatebridgeError
-from statebridge.state.cache import PagePool
-from statebridge.state.kv import BlockPool
+
+if TYPE_CHECKING:
+    from statebridge.connector.control import EventLoop
 
 log = logging.getLogger("statebridge.connector.group")   # one logger for the group
 
-__all__ = ["Supervision"]
+__all__ = ["Supervisor", "Supervised"]
 
 
-class Supervision:
+class Supervised(Protocol):
+    """What a :class:`Supervisor` needs of the group it supervises. The loop-thread calls run
+    on ``loop``; :meth:`launch_ranks` and :meth:`wait_ready` on the restarter thread."""
+
+    node_id: str
+    role: str
+    loop: EventLoop
+    #: Rank groups started so far (1, then + 1 per restart: :meth:`reset_generation`).
+    generation: int
+    #: No rank of this generation was lost.
+    healthy: bool
+
+    @property
+    def closed(self) -> bool:
+        """The group was closed: nothing is restarted or failed any more."""
+
+    @property
+    def can_restart(self) -> bool:
+        """Whether the group has a launcher to start new ranks with."""
+
+    def stop_serving(self, why: str, shutdown: str) -> None:
+        """Loop thread: the group stops serving (``why``: its owner drops its peers); every
+        rank is told to stop with ``shutdown`` as the reason."""
+
+    def retire_ranks(self) -> list[RankHandle]:
+        """Loop thread: the current ranks are the restarter's: none is watched or counted
+        again; returns their handles."""
+
+    def close_dist_store(self) -> None:
+        """The old generation's rendezvous store closes (none left to use it)."""
+
+    def reset_generation(self) -> None:
+        """Loop thread, once no old rank process is left: fresh state, generation + 1."""
+
+    def launch_ranks(self) -> list[RankHandle]:
+        """Start a new generation's rank processes."""
+
+    def adopt_ranks(self, handles: list[RankHandle]) -> None:
+        """Loop thread: the new ranks are the group's (ClosedError when it closed)."""
+
+    def wait_ready(self, timeout: float | None = None) -> None:
+        """Block until every rank announced itself (StartupError or ClosedError if not)."""
+
+    def lost_ranks(self) -> dict[int, str]:
+        """Loop thread: the ranks of this generation lost so far, and why."""
+
+    def group_restarted(self) -> None:
+        """Loop thread: the new generation is whole (the owner re-dials its peers)."""
+
+
+class Supervisor:
     """How a group that was whole heals or fails when it loses a rank (module docstring)."""
 
-    def _supervise(self, cause: str) -> None:
+    #: Seconds an old rank gets to exit after RankShutdown before a restart terminates it.
+    RANK_STOP_S = 2.0
+
+    def __init__(self, group: Supervised, config: ConnectorConfig, counters: Counters) -> None:
+        self.group = group
+        self.config = config
+        self.counters = counters
+        #: Why the group is restarting ("" when it is not).
+        self.restarting = ""
+        #: Why the group failed for good ("" while it serves or heals); see the module doc.
+        self.fatal = ""
+        self._restarts: list[float] = []          # monotonic times of recent restarts
+        self._restarter: threading.Thread | None = None
+        self._fatal_handlers: list[Callable[[str], None]] = []
+
+    def on_fatal(self, handler: Callable[[str], None]) -> None:
+        """Call ``handler(why)`` on the loop thread when the group fails for good."""
+        self._fatal_handlers.append(handler)
+
+    def join(self, timeout: float) -> None:
+        """Wait for a restart under way (it sees the group closed; bounded by its steps)."""
+        if self._restarter is not None:
+            self._restarter.join(timeout)
+
+    def supervise(self, cause: str) -> None:
         """Loop thread: the group was whole and lost a rank: restart it or fail it."""
-        if self._closed or self.fatal or self.restarting:
+        group = self.group
+        if group.closed or self.fatal or self.restarting:
             return
         if self.config.on_rank_loss == "exit":
-            self._fail_group(f"{cause}; on_rank_loss is exit")
+            self.fail(f"{cause}; on_rank_loss is exit")
             return
-        if self._launcher is None:
-            self._fail_group(f"{cause}; no launcher to restart the ranks with")
+        if not group.can_restart:
+            self.fail(f"{cause}; no launcher to restart the ranks with")
             return
         now = time.monotonic()
         window, limit = self.config.rank_restart_window, self.config.max_rank_restarts
         self._restarts = [t for t in self._restarts if now - t < window]
         if len(self._restarts) >= limit:
-            self._fail_group(f"{cause}; {len(self._restarts)} restarts within the last "
-                             f"{window:g} s already (max_rank_restarts {limit})")
+            self.fail(f"{cause}; {len(self._restarts)} restarts within the last "
+                      f"{window:g} s already (max_rank_restarts {limit})")
             return
         self._restarts.append(now)
         self.restarting = cause
         self.counters.add("rank_restarts")
-        log.error("%s: %s; restarting the rank group (generation %d -> %d)", self.node_id,
-                  cause, self.generation, self.generation + 1)
-        self._on_group_down(f"{self.role} group {self.node_id} restarting after {cause}")
-        self.to_ranks(m.RankShutdown(reason=f"group restarting after {cause}"))
-        # The old ranks are the restarter's now: nothing here watches or counts them again.
-        old, self.handles = self.handles, []
-        for r, st in enumerate(self.ranks):
-            st.lost = True
-            self.rank_watch.forget(r)
+        log.error("%s: %s; restarting the rank group (generation %d -> %d)", group.node_id,
+                  cause, group.generation, group.generation + 1)
+        group.stop_serving(f"{group.role} group {group.node_id} restarting after {cause}",
+                           f"group restarting after {cause}")
+        old = group.retire_ranks()
         self._restarter = threading.Thread(target=self._restart, args=(cause, old),
-                                           name=f"statebridge-{self.node_id}-restart",
+                                           name=f"statebridge-{group.node_id}-restart",
                                            daemon=True)
         self._restarter.start()
 
     def _restart(self, cause: str, old: list[RankHandle]) -> None:
         """The restarter thread: stop the old ranks, reset, start a new group, wait for it."""
+        group = self.group
         started = time.monotonic()
         try:
             for h in old:
@@ -80,95 +158,58 @@ class Supervision:
             alive = [getattr(h, "pid", r) for r, h in enumerate(old) if h.is_alive()]
             if alive:
                 raise StartupError(f"old rank processes {alive} did not exit")
-            if self._closed:
+            if group.closed:
                 return
-            store, self.dist_store = self.dist_store, None
-            if store is not None:
-                store.close()
-            self.loop.call(self._reset_group)
-            handles = self._launch()
+            group.close_dist_store()
+            group.loop.call(group.reset_generation)
+            handles = group.launch_ranks()
             try:
-                self.loop.call(self._adopt, handles)
+                group.loop.call(group.adopt_ranks, handles)
             except StatebridgeError:
                 for h in handles:
                     h.stop(0.5)
                 raise
-            self.wait_ready(self.config.rank_start_timeout)
-            self.loop.call(self._restarted, time.monotonic() - started)
+            group.wait_ready(self.config.rank_start_timeout)
+            group.loop.call(self._restarted, time.monotonic() - started)
         except Exception as e:  # noqa: BLE001 -- any failure of a restart fails the group
-            if self._closed:
+            if group.closed:
                 return
-            log.exception("%s: restarting the rank group failed", self.node_id)
+            log.exception("%s: restarting the rank group failed", group.node_id)
             try:
-                self.loop.call_soon(self._fail_group,
-                                    f"{cause}; restarting the rank group failed: "
-                                    f"{type(e).__name__}: {e}")
+                group.loop.call_soon(self.fail,
+                                     f"{cause}; restarting the rank group failed: "
+                                     f"{type(e).__name__}: {e}")
             except ClosedError:
                 pass
 
-    def _reset_group(self) -> None:
-        """Loop thread, once no old rank process is left that could write into a page or a
-        block: fresh pools, ledger and rank slots for the next generation."""
-        from statebridge.connector.group import _RankState   # (group imports this module)
-
-        self.pool = PagePool(self.num_pages)
-        if self.blocks is not None:
-            self.blocks = BlockPool(self.num_blocks)
-        self.ledger = Ledger(self.tp_size, self.pool, self.blocks)
-        self.ranks = [_RankState() for _ in range(self.tp_size)]
-        self._by_identity.clear()
-        for r in range(self.tp_size):
-            self.rank_watch.forget(r)
-        self._ready.clear()
-        self._started.clear()
-        self._start_errors.clear()
-        self._lost_why.clear()
-        self.healthy = True
-        self.handles = []
-        self.generation += 1
-        self._on_group_reset()
-
-    def _adopt(self, handles: list[RankHandle]) -> None:
-        if self._closed:
-            raise ClosedError(f"{self.node_id} closed while its ranks restarted")
-        self.handles = handles
-
     def _restarted(self, seconds: float) -> None:
-        if self.fatal or self._closed:
+        group = self.group
+        if self.fatal or group.closed:
             return
         cause, self.restarting = self.restarting, ""
-        if not self.healthy:               # lost a rank of the new generation meanwhile
-            lost = "; ".join(f"rank {r} lost ({why})" for r, why in sorted(self._lost_why.items()))
-            self._supervise(lost)
+        if not group.healthy:               # lost a rank of the new generation meanwhile
+            lost = "; ".join(f"rank {r} lost ({why})"
+                             for r, why in sorted(group.lost_ranks().items()))
+            self.supervise(lost)
             return
         log.warning("%s: rank group restarted in %.1f s (generation %d) after %s",
-                    self.node_id, seconds, self.generation, cause)
-        self._on_group_restarted()
+                    group.node_id, seconds, group.generation, cause)
+        group.group_restarted()
 
-    def _fail_group(self, why: str) -> None:
+    def fail(self, why: str) -> None:
         """Loop thread: the group cannot serve any more: say why, drop peers, stop the ranks
         (the node's command exits non-zero on :attr:`fatal`)."""
-        if self.fatal or self._closed:
+        group = self.group
+        if self.fatal or group.closed:
             return
         self.fatal = why
-        self.healthy = False
         self.restarting = ""
         self.counters.add("group_failures")
-        log.critical("%s: rank group failed: %s", self.node_id, why)
-        self._on_group_down(f"{self.role} group {self.node_id} failed: {why}")
-        self.to_ranks(m.RankShutdown(reason=f"group failed: {why}"))
+        log.critical("%s: rank group failed: %s", group.node_id, why)
+        group.stop_serving(f"{group.role} group {group.node_id} failed: {why}",
+                           f"group failed: {why}")
         for handler in self._fatal_handlers:
             try:
                 handler(why)
             except Exception:  # noqa: BLE001
-                log.exception("%s: fatal handler failed", self.node_id)
-
-    def _on_group_down(self, why: str) -> None:
-        """The group stopped serving (restarting or failed): requests in flight have failed;
-        drop the peers (subclasses)."""
-
-    def _on_group_reset(self) -> None:
-        """Fresh state for a new generation (subclasses; loop thread)."""
-
-    def _on_group_restarted(self) -> None:
-        """The new generation is whole (subclasses; loop thread)."""
+                log.exception("%s: fatal handler failed", group.node_id)
