@@ -397,12 +397,12 @@ class Soak:
         server = PrefillServer(self.spec, self.a.src_tp, self.a.layout, num_pages=self.num_pages,
                                config=self.config, node_id=_node(generation),
                                launcher=launcher, model=MODEL)
-        self.reports.install(server)
+        self.reports.install(server.group)
         server.wait_ready(timeout=120)
-        for r, s in enumerate(server.ranks):
+        for r, s in enumerate(server.group.ranks):
             name = (f"prefill-g{generation} rank {r}" if spawned
                     else f"prefill host {r}")
-            self.rss.add(name, s.pid, self.ended)
+            self.rss.add(name, s.announced.pid, self.ended)
         return server
 
     def start(self) -> None:
@@ -412,14 +412,14 @@ class Soak:
         self.decode = instrumented(DecodeCoordinator(
             self.spec, self.a.dst_tp, self.a.layout, num_pages=self.num_pages,
             config=self.config, node_id="decode", model=MODEL, probes="checksums"))
-        self.reports.install(self.decode)
+        self.reports.install(self.decode.group)
         self.server = self._start_server(0)
         self.decode.wait_ready(timeout=120)
         self.decode.connect(self.server.address)
         self.rss.add("coordinator (this process)", os.getpid(), 0)
-        for r, s in enumerate(self.decode.ranks):
-            self.rss.add(f"decode rank {r}", s.pid, 0)
-        self._oracle_cache = StateCache(self.decode.geometry, 1)
+        for r, s in enumerate(self.decode.group.ranks):
+            self.rss.add(f"decode rank {r}", s.announced.pid, 0)
+        self._oracle_cache = StateCache(self.decode.group.geometry, 1)
 
     def restart(self, how: str) -> None:
         old, t = self.server, time.monotonic()
@@ -429,7 +429,7 @@ class Soak:
                                   "old_node": old.node_id}
         if how == "kill":
             victim = self.a.src_tp - 1
-            pid = old.ranks[victim].pid
+            pid = old.group.ranks[victim].announced.pid
             os.kill(pid, signal.SIGKILL)
             record["killed_pid"] = pid
             deadline = time.monotonic() + self.config.peer_timeout + 10
@@ -532,7 +532,7 @@ class Soak:
                 self.faults["abort_after_done"] += 1
             if req.check:
                 self.checked += 1
-                want = expected_checksums(self.decode.geometry, req.rid, self._oracle_cache)
+                want = expected_checksums(self.decode.group.geometry, req.rid, self._oracle_cache)
                 probes = probes_of(self.decode)
                 if probes.checksums(result) != want:
                     self.mismatches.append(req.rid)
@@ -614,9 +614,9 @@ class Soak:
             if quiet or time.monotonic() > deadline:
                 break
             time.sleep(0.05)
-        ranks = {"decode": self.reports.query(self.decode, 10.0),
-                 "prefill": self.reports.query(self.server, 10.0)}
-        futures_left = self.decode.loop.call(lambda: self.decode.pending_callbacks)
+        ranks = {"decode": self.reports.query(self.decode.group, 10.0),
+                 "prefill": self.reports.query(self.server.group, 10.0)}
+        futures_left = self.decode.group.loop.call(lambda: self.decode.pending_callbacks)
         self.rss.sample(self.ended)
         return {"decode": d, "prefill": s, "ranks": ranks, "decode_futures_left": futures_left}
 

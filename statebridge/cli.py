@@ -358,7 +358,7 @@ def _cmd_prefill(args: argparse.Namespace) -> int:
     node = _node_config(args)
     server = start_prefill_node(args.model, args.tp, port=args.port, node=node,
                                 config=_config(args))
-    print(server.memory_line(), flush=True)
+    print(server.group.memory_line(), flush=True)
     print(f"prefill node ready on {server.address} (TP {args.tp}, {node.layout}): ready in "
           f"{time.monotonic() - started:.1f} s", flush=True)
     return _serve_until_stopped(args, stop, server)
@@ -372,7 +372,7 @@ def _cmd_decode(args: argparse.Namespace) -> int:
                       node=_node_config(args), config=_config(args), http=_http_config(args))
     # Up now; it serves once a prefill node answers (it keeps dialling them meanwhile, and
     # clients asking get not_ready with the reason).
-    print(node.coordinator.memory_line(), flush=True)
+    print(node.coordinator.group.memory_line(), flush=True)
     ready, why = node.status()
     state = f"prefill {', '.join(args.prefill)}" if ready else f"not serving yet: {why}"
     if node.http is not None:

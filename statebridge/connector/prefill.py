@@ -187,8 +187,8 @@ class PrefillServer:
         peer.hello = True
         self.peers[identity] = peer
         self.peer_watch.heard(identity)
-        c.send_router(self.group.router, identity, m.Hello(compat_hash=expected, node_id=self.group.node_id,
-                                                     role=self.role))
+        c.send_router(self.group.router, identity,
+                      m.Hello(compat_hash=expected, node_id=self.group.node_id, role=self.role))
 
     def _on_group_info(self, identity: bytes, info: m.GroupInfo) -> None:
         try:
@@ -383,7 +383,7 @@ class PrefillServer:
             if self.peers.get(peer.identity) is peer:
                 self._start(peer, msg)
 
-    # -- liveness (group.GroupEvents) ---------------------------------------------------------------
+    # -- liveness (group.GroupEvents) ------------------------------------------------------------
     def tick(self) -> None:
         for identity, peer in list(self.peers.items()):
             if peer.hello:

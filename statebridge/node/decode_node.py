@@ -163,14 +163,15 @@ class DecodeNode:
         self.kv = spec.kv is not None
         #: The longest request (prompt + new tokens) served: the limits', capped at the tokens
         #: one decode rank's KV pool holds (a longer one could never get its blocks).
-        self.max_model_len = capacity.max_model_len(nc.max_model_len, self.coordinator.kv_tokens)
+        self.max_model_len = capacity.max_model_len(nc.max_model_len,
+                                                    self.coordinator.group.kv_tokens)
         if self.max_model_len < nc.max_model_len:
             log.warning("%s: the KV pool holds %d tokens per rank, fewer than max_prompt_len + "
                         "max_new_tokens = %d: requests are limited to %d tokens "
                         "(max_model_len); more with --kv-tokens or --kv-gib",
-                        self.coordinator.node_id, self.coordinator.kv_tokens,
+                        self.coordinator.node_id, self.coordinator.group.kv_tokens,
                         nc.max_model_len, self.max_model_len)
-        self.loop = self.coordinator.loop
+        self.loop = self.coordinator.group.loop
         self.counters = Counters()
         #: Each request from its transfer to its last token (on the loop thread).
         self.scheduler = DecodeScheduler(self.coordinator, nc, self.config, kv=self.kv,
@@ -192,8 +193,8 @@ class DecodeNode:
         #: Where each request's time went before decoding (the node's /metrics histograms).
         self.histograms = NodeHistograms()
         self.coordinator.on_timing(self.histograms.observe)
-        self.coordinator.on_rank_message(nm.RankStepResult, self.scheduler.on_step_result)
-        self.coordinator.on_rank_lost(self.scheduler.on_rank_lost)
+        self.coordinator.group.on_rank_message(nm.RankStepResult, self.scheduler.on_step_result)
+        self.coordinator.group.on_rank_lost(self.scheduler.on_rank_lost)
         self.coordinator.on_prefill_connected(self._on_prefill_connected)
 
         def attach() -> None:
@@ -244,10 +245,10 @@ class DecodeNode:
         binding pool; the first one that makes the node serve logs "ready in N s"."""
         co, nc = self.coordinator, self.node_config
         bounds = capacity.pair_bounds(
-            decode_id=co.node_id, decode_tp=co.tp_size, decode_pages=co.num_pages,
-            decode_blocks=co.num_blocks, prefill_id=info.node_id, prefill_tp=info.tp_size,
+            decode_id=co.node_id, decode_tp=co.group.tp_size, decode_pages=co.group.num_pages,
+            decode_blocks=co.group.num_blocks, prefill_id=info.node_id, prefill_tp=info.tp_size,
             prefill_pages=info.num_pages, prefill_blocks=info.num_blocks,
-            block_size=co.block_size, max_prompt_len=nc.max_prompt_len,
+            block_size=co.group.block_size, max_prompt_len=nc.max_prompt_len,
             max_model_len=self.max_model_len)
         warn, line = capacity.capacity_message(bounds)
         log.log(logging.WARNING if warn else logging.INFO, "%s + prefill %s: %s", co.node_id,
@@ -363,7 +364,7 @@ class DecodeNode:
             refused_peers=g.refused_peers, aborted=int(self.counters.get("finished_aborted")),
             refused_clients=int(self.counters.get("auth_refused")),
             transfers_verified=g.transfers_verified, transfer_mismatches=g.transfer_mismatches,
-            **capacity.memory_fields(self.coordinator), **self.histograms.fields())
+            **capacity.memory_fields(self.coordinator.group), **self.histograms.fields())
 
     def _on_abort(self, client: FrontDoorClient, msg: nm.AbortRequest) -> None:
         """Drop a client's request wherever it is (:meth:`DecodeScheduler.abort`); only the
@@ -405,10 +406,10 @@ class DecodeNode:
         if self.kv:
             co = self.coordinator
             need = co.blocks_for(len(msg.prompt) + msg.max_new_tokens)
-            if need > co.num_blocks:
+            if need > co.group.num_blocks:
                 return (f"prompt of {len(msg.prompt)} + {msg.max_new_tokens} new tokens needs "
-                        f"{need} KV blocks of {co.block_size} tokens; the pool has "
-                        f"{co.num_blocks}")
+                        f"{need} KV blocks of {co.group.block_size} tokens; the pool has "
+                        f"{co.group.num_blocks}")
         return None
 
     def _on_generate(self, client: FrontDoorClient, msg: nm.GenerateRequest) -> None:

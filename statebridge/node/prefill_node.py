@@ -66,14 +66,15 @@ def answer_queries(server: PrefillServer) -> None:
 
     def stats(msg: nm.StatsQuery) -> nm.NodeStats:
         ready, why = server.whole()
-        blocks = server.blocks
+        blocks = server.group.blocks
         return nm.NodeStats(
             node_id=server.node_id, ready=ready, reason=why, prefill_nodes=(),
-            pages_used=server.pool.num_used, pages_free=server.pool.num_free,
+            pages_used=server.group.pool.num_used, pages_free=server.group.pool.num_free,
             blocks_used=blocks.num_used if blocks else 0,
             blocks_free=blocks.num_free if blocks else 0,
-            running=len(server.ledger), waiting=len(server.waiting),
-            refused_peers=int(server.counters.get("incompatible_peers")),
-            aborted=int(server.counters.get("aborted_by_peer")), **memory_fields(server))
+            running=len(server.group.ledger), waiting=len(server.waiting),
+            refused_peers=int(server.group.counters.get("incompatible_peers")),
+            aborted=int(server.group.counters.get("aborted_by_peer")),
+            **memory_fields(server.group))
     server.on_query(nm.StatusQuery, status)
     server.on_query(nm.StatsQuery, stats)

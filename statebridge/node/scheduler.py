@@ -158,7 +158,7 @@ class DecodeScheduler:
         step = next(self._steps)
         self.step_in_flight = (step, batch)
         self._step_started = time.monotonic()
-        self.coordinator.to_ranks(nm.RankStep(
+        self.coordinator.group.to_ranks(nm.RankStep(
             step=step, request_ids=tuple(g.request_id for g in batch),
             pages=tuple(g.page for g in batch), tokens=tuple(g.next_token for g in batch),
             positions=tuple(len(g.prompt) + len(g.generated) - 1 for g in batch),
@@ -172,7 +172,7 @@ class DecodeScheduler:
     def _grow_blocks(self, batch: list[_Gen]) -> None:
         """Give each request of the next step's batch a block for its next token's K/V; one
         that cannot get one follows the policy (see the module docstring)."""
-        size = self.coordinator.block_size
+        size = self.coordinator.group.block_size
         for gen in batch:
             tokens = len(gen.prompt) + len(gen.generated)      # after this step's token
             if len(gen.blocks) * size >= tokens:

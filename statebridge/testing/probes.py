@@ -29,7 +29,8 @@ G = TypeVar("G")
 
 
 class Probes:
-    """The ``RankProbe`` messages of ``groups`` (coordinators started with ``probes`` on):
+    """The ``RankProbe`` messages of ``groups`` (rank groups started with ``probes`` on, or
+    the coordinators that hold them):
     attached through :meth:`RankGroup.on_rank_message
     <statebridge.connector.group.RankGroup.on_rank_message>`, so create it before the groups
     serve requests. Any thread may read it.
@@ -41,6 +42,7 @@ class Probes:
     """
 
     def __init__(self, *groups: "RankGroup", keep: int = 1 << 16) -> None:
+        groups = tuple(_group_of(g) for g in groups)
         if not groups:
             raise ConfigError("Probes needs at least one group to listen to")
         if isinstance(keep, bool) or not isinstance(keep, int) or keep < 1:
@@ -142,6 +144,11 @@ class Probes:
         return node
 
 
+def _group_of(holder):
+    """The rank group of a coordinator (its ``group``), or ``holder`` itself."""
+    return getattr(holder, "group", holder)
+
+
 def instrumented(group: G) -> G:
     """``group`` with a :class:`Probes` attached (:func:`probes_of` returns it)."""
     Probes(group)
@@ -151,6 +158,6 @@ def instrumented(group: G) -> G:
 def probes_of(group: "RankGroup") -> Probes:
     """The :class:`Probes` attached to ``group`` last; ConfigError when none is."""
     try:
-        return _attached[group]
+        return _attached[_group_of(group)]
     except KeyError:
         raise ConfigError(f"no Probes attached to {group.node_id}") from None

@@ -66,7 +66,7 @@ def transfer_round(pools, spec_name, src_tp, dst_tp, src_layout, dst_layout, con
         probes = Probes(decode, server)
         server.wait_ready()
         decode.connect(server.address)
-        for group in (server, decode):           # the ranks' channel is the one configured
+        for group in (server.group, decode.group):   # the ranks' channel: the configured one
             channel = group.local if config.local_ranks else group.router
             assert all(r.sock is channel for r in group.ranks)
         sleeps = unattended_sleeps(prefill_hosts, src_tp)
@@ -98,7 +98,7 @@ def _wave(server, decode, probes, rng, dst_tp):
         assert submitted < final < held < now, (submitted, final, held, now)
     for rid, result in zip(ids, results):
         assert result.request_id == rid
-        expected = tuple(expected_checksum(decode.geometry, rid, r) for r in range(dst_tp))
+        expected = tuple(expected_checksum(decode.group.geometry, rid, r) for r in range(dst_tp))
         assert probes.checksums(result, decode) == expected, \
             f"{rid}: decode pages differ from the oracle"
     pages = {r.page for r in results}

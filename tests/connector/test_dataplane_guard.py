@@ -260,9 +260,10 @@ def test_decode_rank_processes_sweep_rogue_messages_and_keep_serving():
         decode.connect(server.address)
         rid = f"guard-{uuid.uuid4().hex[:6]}"
         result = decode.submit(rid, [1, 2, 3]).result(timeout=30)
-        assert probes_of(decode).checksums(result) == (expected_checksum(decode.geometry, rid, 0),)
+        assert probes_of(decode).checksums(result) == (
+            expected_checksum(decode.group.geometry, rid, 0),)
         decode.release(result)
-        rogue.connect("dec", decode.rank_addresses[0])
+        rogue.connect("dec", decode.group.rank_addresses[0])
         runs = np.array([[0, 0, 200_000]], np.int64)     # rendezvous: needs the receiver
         stale = rogue.post_send("dec", result.generation, 0, runs)
         future = rogue.post_send("dec", result.generation + 1000, 0, runs)
@@ -272,7 +273,8 @@ def test_decode_rank_processes_sweep_rogue_messages_and_keep_serving():
         future.wait(0)
         rid = f"guard-{uuid.uuid4().hex[:6]}"
         result = decode.submit(rid, [4, 5]).result(timeout=30)
-        assert probes_of(decode).checksums(result) == (expected_checksum(decode.geometry, rid, 0),)
+        assert probes_of(decode).checksums(result) == (
+            expected_checksum(decode.group.geometry, rid, 0),)
         decode.release(result)
 
 

@@ -54,7 +54,7 @@ def ids(n):
 def check_ok(decode, future, rid, timeout=30):
     result = future.result(timeout=timeout)
     assert probes_of(decode).checksums(result) == tuple(
-        expected_checksum(decode.geometry, rid, r) for r in range(decode.tp_size))
+        expected_checksum(decode.group.geometry, rid, r) for r in range(decode.group.tp_size))
     decode.release(result)
 
 
@@ -76,7 +76,7 @@ def test_sigkill_prefill_rank_fails_its_requests_then_fresh_group_serves(decode_
         futures = [decode.submit(rid, [4, 5]) for rid in rids]
         time.sleep(0.1)
         killed_at = time.monotonic()
-        os.kill(server.handles[1].pid, signal.SIGKILL)
+        os.kill(server.group.handles[1].pid, signal.SIGKILL)
         failed = 0
         for f in futures:
             try:
@@ -105,7 +105,7 @@ def test_sigkill_prefill_rank_fails_its_requests_then_fresh_group_serves(decode_
     finally:
         fresh.close()
         decode.close()
-    for h in server.handles + fresh.handles:
+    for h in server.group.handles + fresh.group.handles:
         assert not h.is_alive()
 
 
@@ -127,7 +127,7 @@ def test_sigkill_decode_rank_fails_its_requests_and_frees_prefill_pages(prefill_
         check_ok(decode, decode.submit(first, [1, 2]), first)
         futures = [decode.submit(rid, [3]) for rid in ids(4)]
         killed_at = time.monotonic()
-        os.kill(decode.handles[0].pid, signal.SIGKILL)
+        os.kill(decode.group.handles[0].pid, signal.SIGKILL)
         for f in futures:
             with pytest.raises(PeerLostError, match="decode rank 0"):
                 f.result(timeout=FAST.peer_timeout + 5)
@@ -155,7 +155,7 @@ def test_prefill_pages_free_when_the_sends_complete_even_if_decode_vanishes(pref
         decode.connect(server.address)
         for rid in ids(3):
             decode.submit(rid, [1, 2])
-        decode.loop.request_stop()                   # gone without a word
+        decode.group.loop.request_stop()             # gone without a word
         wait_until(lambda: server.stats()["pages_used"] == 3, 5, "prefill pages held")
         took = wait_until(lambda: server.stats()["pages_used"] == 0, 15, "sends complete")
         assert took < 10 and server.stats().get("leases_expired", 0) == 0
@@ -180,7 +180,7 @@ def test_lease_expiry_frees_prefill_pages_when_the_decode_ranks_freeze(prefill_h
     server = PrefillServer(BIG, 2, "DLS", num_pages=8, config=config, model=SLOW,
                            launcher=prefill_hosts.launcher())
     decode = DecodeCoordinator(BIG, 2, "DLS", num_pages=8, config=config)   # spawned ranks
-    frozen = [h.pid for h in decode.handles]
+    frozen = [h.pid for h in decode.group.handles]
     try:
         server.wait_ready()
         decode.wait_ready()
@@ -345,14 +345,15 @@ def test_stale_generation_messages_are_ignored(prefill_hosts, decode_hosts, monk
         first = decode.submit(rid, [1])
         check_ok(decode, first, rid)
         future = decode.submit(rid, [2])                      # same id, new generation
-        generation = decode.loop.call(lambda: decode.current[rid].generation)
-        peer = decode.loop.call(lambda: decode.prefills[node])
+        generation = decode.group.loop.call(lambda: decode.current[rid].generation)
+        peer = decode.group.loop.call(lambda: decode.links.prefills[node])
         # An abort and a failure for the OLD generation arrive while the new one runs.
-        decode.loop.call(lambda: c.send_dealer(peer.sock, m.Abort(
+        decode.group.loop.call(lambda: c.send_dealer(peer.sock, m.Abort(
             request_id=rid, generation=generation - 1, reason="stale")))
-        identity = server.loop.call(lambda: next(iter(server.peers)))
-        server.loop.call(lambda: c.send_router(server.router, identity, m.TransferFailed(
-            request_id=rid, generation=generation - 1, kind="peer_lost", message="stale")))
+        identity = server.group.loop.call(lambda: next(iter(server.peers)))
+        server.group.loop.call(lambda: c.send_router(
+            server.group.router, identity, m.TransferFailed(
+                request_id=rid, generation=generation - 1, kind="peer_lost", message="stale")))
         check_ok(decode, future, rid)
         wait_until(lambda: server.stats().get("stale_aborts", 0) == 1, 5,
                    "stale abort counted")
@@ -384,7 +385,8 @@ def test_bad_shared_map_fields_in_group_info_are_refused(prefill_hosts, decode_h
         compat = m.compat_hash(SPEC.to_json())
         sock.send(m.encode(m.Hello(compat_hash=compat, node_id="odd", role="decode")))
         assert isinstance(reply_to(sock), m.Hello)
-        info = dataclasses.replace(decode.loop.call(decode.group_info), node_id="odd", **fields)
+        info = dataclasses.replace(decode.group.loop.call(decode.group.group_info),
+                                   node_id="odd", **fields)
         sock.send(m.encode(info))
         reply = reply_to(sock)
         assert isinstance(reply, m.Reject) and needle in reply.reason, reply

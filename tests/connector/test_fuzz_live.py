@@ -262,7 +262,8 @@ def test_every_node_still_serves_after_the_fuzzing(nodes):
     for _ in range(2):
         rid = f"after-fuzz-{uuid.uuid4().hex[:6]}"
         result = decode.submit(rid, [3, 1, 4]).result(timeout=30)
-        assert probes_of(decode).checksums(result) == (expected_checksum(decode.geometry, rid, 0),)
+        assert probes_of(decode).checksums(result) == (
+            expected_checksum(decode.group.geometry, rid, 0),)
         decode.release(result)
     # The decode node's own path through the prefill server: a transfer then a decode step
     # (the synthetic rank model cannot decode: a typed failure, not a hang).

@@ -87,11 +87,12 @@ def check_result(decode, spec, result, rid, tokens):
     assert result.request_id == rid
     assert len(result.blocks) == blocks_for(tokens, BS)
     assert probes_of(decode).checksums(result) == tuple(
-        expected_checksum(decode.geometry, rid, r) for r in range(decode.tp_size)), \
+        expected_checksum(decode.group.geometry, rid, r) for r in range(decode.group.tp_size)), \
         f"{rid}: pages differ"
     assert probes_of(decode).kv_checksums(result) == tuple(
-        expected_kv_checksum(spec, rid, tokens, decode.tp_size, r)
-        for r in range(decode.tp_size)), f"{rid} ({tokens} tokens): KV differs from the oracle"
+        expected_kv_checksum(spec, rid, tokens, decode.group.tp_size, r)
+        for r in range(decode.group.tp_size)), \
+        f"{rid} ({tokens} tokens): KV differs from the oracle"
 
 
 def serve_one(decode, spec, rid, tokens, timeout=30):
@@ -263,10 +264,10 @@ def test_decode_block_exhaustion_is_cache_full_with_numbers_and_leaks_nothing(po
         stats = decode.stats()
         assert (stats["pages_used"], stats["blocks_used"]) == (1, 6)      # nothing held
         # Decoding grows the table right after its last block, then runs out.
-        grown = decode.loop.call(decode.grow, big, 7 * BS)
+        grown = decode.group.loop.call(decode.grow, big, 7 * BS)
         assert grown == (*first.blocks, first.blocks[-1] + 1)
         with pytest.raises(CacheFullError, match="2 KV blocks wanted, 1 free of 8"):
-            decode.loop.call(decode.grow, big, 9 * BS)
+            decode.group.loop.call(decode.grow, big, 9 * BS)
         assert decode.stats()["blocks_used"] == 7
         decode.release(first)
         stats = decode.stats()
@@ -341,10 +342,10 @@ def test_sigkill_decode_rank_during_shared_map_reads_frees_prefill_pages_and_blo
         lengths = [BS + 1, 4 * BS, 1, 2 * BS + 3, 5 * BS, BS]
         futures = [decode.submit(rid, prompt_of(t)) for rid, t in zip(ids(6), lengths)]
         time.sleep(0.1)
-        os.kill(decode.handles[0].pid, signal.SIGSTOP)   # reads nothing, answers nothing
+        os.kill(decode.group.handles[0].pid, signal.SIGSTOP)  # reads nothing, answers nothing
         time.sleep(0.8)                 # the first prefills are done: their pages wait for it
         killed_at = time.monotonic()
-        os.kill(decode.handles[0].pid, signal.SIGKILL)
+        os.kill(decode.group.handles[0].pid, signal.SIGKILL)
         for f in futures:
             with pytest.raises(PeerLostError, match="decode rank 0"):
                 f.result(timeout=config.peer_timeout + 5)
@@ -374,7 +375,7 @@ def test_frozen_decode_ranks_hold_prefill_pages_until_the_lease_and_late_answers
     decode = instrumented(DecodeCoordinator(spec, 2, "DLS", num_pages=4, config=config,
                                             block_size=BS,
                                             probes="checksums"))  # spawned: stoppable
-    frozen = [h.pid for h in decode.handles]
+    frozen = [h.pid for h in decode.group.handles]
     try:
         server.wait_ready()
         decode.wait_ready()
@@ -427,7 +428,7 @@ def test_sigkill_prefill_rank_during_kv_fails_its_requests_and_leaks_no_block(po
         assert decode.stats()["blocks_used"] == sum(blocks_for(t, BS) for t in lengths)
         time.sleep(0.1)
         killed_at = time.monotonic()
-        os.kill(server.handles[1].pid, signal.SIGKILL)
+        os.kill(server.group.handles[1].pid, signal.SIGKILL)
         failed = 0
         for rid, t, f in zip(rids, lengths, futures):
             try:
@@ -447,7 +448,7 @@ def test_sigkill_prefill_rank_during_kv_fails_its_requests_and_leaks_no_block(po
     finally:
         server.close()
         decode.close()
-    for h in server.handles:
+    for h in server.group.handles:
         assert not h.is_alive()
 
 
@@ -557,9 +558,9 @@ def test_frozen_prefill_rank_resumed_cannot_write_into_a_reused_page_or_blocks(p
                                             probes="checksums",
                                             model="tests.connector._helpers:QueryModel"))
     reports: dict[int, list] = {}
-    decode.on_rank_message(PageReport, lambda rank, msg: reports.setdefault(
+    decode.group.on_rank_message(PageReport, lambda rank, msg: reports.setdefault(
         msg.query, []).append(msg))
-    frozen = server.handles[1].pid
+    frozen = server.group.handles[1].pid
     try:
         server.wait_ready()
         decode.wait_ready()
@@ -576,12 +577,12 @@ def test_frozen_prefill_rank_resumed_cannot_write_into_a_reused_page_or_blocks(p
         # decode ranks themselves: the frozen group cannot serve).
         result = decode.submit_local(other, prompt_of(tokens)).result(timeout=30)
         assert result.page == 0 and sorted(result.blocks) == [0, 1, 2, 3]
-        want = [(expected_checksum(decode.geometry, other, r),
-                 expected_kv_checksum(spec, other, tokens, decode.tp_size, r))
-                for r in range(decode.tp_size)]
+        want = [(expected_checksum(decode.group.geometry, other, r),
+                 expected_kv_checksum(spec, other, tokens, decode.group.tp_size, r))
+                for r in range(decode.group.tp_size)]
 
         def held(query: int) -> list[tuple[str, str]]:
-            decode.loop.call(lambda: decode.to_ranks(PageQuery(
+            decode.group.loop.call(lambda: decode.group.to_ranks(PageQuery(
                 query=query, page=result.page, blocks=result.blocks, tokens=tokens)))
             wait_until(lambda: len(reports.get(query, [])) == 2, 10, "decode ranks report")
             return [(r.checksum, r.kv_checksum)

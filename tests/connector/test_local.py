@@ -183,15 +183,16 @@ def test_a_group_gives_rank_slots_only_over_its_local_channel():
             assert isinstance(reply, m.Error) and "over the network" in reply.message
         finally:
             tcp.close(0)
-        assert server.ranks[0].identity is None
-        local = LocalDealer(server.local.address, max_frame=CAP)
+        assert server.group.ranks[0].identity is None
+        local = LocalDealer(server.group.local.address, max_frame=CAP)
         try:
             local.send_frames([m.encode(hello)])
             deadline = time.monotonic() + 5
-            while server.ranks[0].identity is None:
+            while server.group.ranks[0].identity is None:
                 assert time.monotonic() < deadline, "the local RankHello was not taken"
                 time.sleep(0.01)
-            assert server.ranks[0].sock is server.local and server.ranks[0].pid == os.getpid()
+            rank = server.group.ranks[0]
+            assert rank.sock is server.group.local and rank.announced.pid == os.getpid()
         finally:
             local.close()
 
@@ -218,16 +219,16 @@ def test_a_group_takes_rank_failed_only_from_its_own_ranks():
         finally:
             tcp.close(0)
         assert server.stats()["protocol_errors"] == 1
-        assert server.healthy and not server.ranks[1].lost
+        assert server.group.healthy and not server.group.ranks[1].lost
         with pytest.raises(StartupError, match="did not start within"):
             server.wait_ready(timeout=0.5)                   # not failed: still starting
 
-        local = LocalDealer(server.local.address, max_frame=CAP)
+        local = LocalDealer(server.group.local.address, max_frame=CAP)
         try:
             local.send_frames([m.encode(m.RankFailed(tp_rank=1, message="no such file"))])
             with pytest.raises(StartupError, match="rank 1 failed to start: no such file"):
                 server.wait_ready(timeout=5)
         finally:
             local.close()
-        assert server.ranks[1].lost and not server.healthy
+        assert server.group.ranks[1].lost and not server.group.healthy
         assert server.stats()["protocol_errors"] == 1

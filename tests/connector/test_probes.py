@@ -129,7 +129,7 @@ def test_ranks_send_probes_only_when_instrumented(hosts, level):
             for rid, result in zip(ids, results):
                 got = probes.of(result)                     # in already: before the RankDone
                 assert all(p.held_at > 0 and p.seconds > 0 and p.messages > 0 for p in got)
-                want = tuple(expected_checksum(decode.geometry, rid, r) for r in range(2)) \
+                want = tuple(expected_checksum(decode.group.geometry, rid, r) for r in range(2)) \
                     if level == "checksums" else ("", "")
                 assert probes.checksums(result) == want
         for result in results:

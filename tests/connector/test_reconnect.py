@@ -49,7 +49,8 @@ def transfer_ok(decode: DecodeCoordinator, timeout: float = 30) -> None:
     request_id = rid()
     result = decode.submit(request_id, [3, 1, 4]).result(timeout=timeout)
     assert probes_of(decode).checksums(result) == tuple(
-        expected_checksum(decode.geometry, request_id, r) for r in range(decode.tp_size))
+        expected_checksum(decode.group.geometry, request_id, r)
+        for r in range(decode.group.tp_size))
     decode.release(result)
 
 
@@ -76,7 +77,7 @@ def test_frozen_prefill_coordinator_is_lost_then_redialed(hosts):
         futures = [decode.submit(rid(), [5, 6, 7]) for _ in range(3)]
         # Freeze the prefill coordinator's event loop (as SIGSTOP would): no heartbeats, no
         # answers. Its ranks keep working (their own timeout is 4 s).
-        server.loop.call_soon(time.sleep, 2.5)
+        server.group.loop.call_soon(time.sleep, 2.5)
         frozen_at = time.monotonic()
         elapsed = fail_all_peer_lost(futures, frozen_at)
         assert elapsed < BOUND, f"requests failed {elapsed:.1f} s after the freeze"
@@ -120,7 +121,7 @@ def test_prefill_restarted_on_the_same_port_past_a_silent_listener(hosts, caplog
             first.wait_ready()
             old = decode.connect(first.address)
             transfer_ok(decode)
-            port = first.port
+            port = first.group.port
             first.close()                                  # says Goodbye: lost at once
             wait_until(lambda: not decode.prefill_nodes(), 5, "prefill lost")
             with pytest.raises(PeerLostError, match="no prefill server connected"):
@@ -182,10 +183,10 @@ def test_close_stops_redialing(hosts):
         server.wait_ready()
         decode.connect(server.address)
         server.close()
-        wait_until(lambda: decode.loop.call(lambda: decode._dials[server.address].attempts) >= 1,
-                   10, "re-dialing started")
+        wait_until(lambda: decode.group.loop.call(
+            lambda: decode.links._dials[server.address].attempts) >= 1, 10, "re-dialing started")
     finally:
         server.close()
         decode.close()
-    assert decode._dials == {}
-    assert decode._by_sock == {}                    # the attempt's socket was closed too
+    assert decode.links._dials == {}
+    assert decode.links._by_sock == {}              # the attempt's socket was closed too

@@ -58,7 +58,7 @@ def test_decode_started_before_its_prefill_server_dials_until_it_is_up(pools):
                                         launcher=decode_hosts.launcher(),
                                         probes="checksums")) as decode:
         assert decode.connect(address, wait=False) is None          # returns at once
-        ready, why = decode.loop.call(decode.status)
+        ready, why = decode.group.loop.call(decode.status)
         assert not ready and address in why and "no prefill server connected" in why
         with pytest.raises(NotReadyError, match="no prefill server connected") as info:
             decode.submit("early", [1, 2, 3])
@@ -68,11 +68,11 @@ def test_decode_started_before_its_prefill_server_dials_until_it_is_up(pools):
         with PrefillServer(SPEC, 2, "DLS", num_pages=4, config=FAST, port=port,
                            launcher=prefill_hosts.launcher(), model=SYNTHETIC) as server:
             server.wait_ready()
-            wait_until(lambda: decode.loop.call(decode.status)[0], 30, "prefill dialled")
+            wait_until(lambda: decode.group.loop.call(decode.status)[0], 30, "prefill dialled")
             assert decode.prefill_nodes() == [server.node_id]
             result = decode.submit("late", [1, 2, 3]).result(timeout=30)
             assert probes_of(decode).checksums(result) == tuple(
-                expected_checksum(decode.geometry, "late", r) for r in range(2))
+                expected_checksum(decode.group.geometry, "late", r) for r in range(2))
             decode.release(result)
 
 
@@ -98,7 +98,7 @@ def test_two_decode_nodes_may_use_the_same_request_id(pools):
             assert ra.generation == rb.generation == round_ + 1
             for node, result in ((a, ra), (b, rb)):
                 assert probes_of(node).checksums(result) == tuple(
-                    expected_checksum(node.geometry, "same-id", r) for r in range(2))
+                    expected_checksum(node.group.geometry, "same-id", r) for r in range(2))
                 node.release(result)
         wait_until(lambda: server.stats()["pages_used"] == 0, 10, "prefill pages freed")
         assert server.stats()["requests"] == 6
@@ -137,19 +137,19 @@ def test_a_rank_failing_at_start_fails_the_group_at_once_with_its_error(model, n
     """The failing rank reports over the channel its group's ranks use (the local channel,
     or the network when ranks are not local), and the group takes it from there."""
     started = time.monotonic()
-    group = PrefillServer(SPEC, 2, "DLS", num_pages=2,
-                          config=with_switches(FAST, local_ranks=local_ranks),
-                          launcher=spawn_launcher, model=model)
+    server = PrefillServer(SPEC, 2, "DLS", num_pages=2,
+                           config=with_switches(FAST, local_ranks=local_ranks),
+                           launcher=spawn_launcher, model=model)
     try:
         with pytest.raises(StartupError) as info:
-            group.wait_ready(timeout=300)
+            server.wait_ready(timeout=300)
         assert needle in str(info.value)
         assert "rank 0" not in str(info.value)
         # At once: not after wait_ready's timeout (the spawn itself takes seconds here).
         assert time.monotonic() - started < 120
     finally:
-        group.close()
-    assert all(not h.is_alive() for h in group.handles)
+        server.close()
+    assert all(not h.is_alive() for h in server.group.handles)
 
 
 def test_loop_call_timeout_is_a_typed_statebridge_error():

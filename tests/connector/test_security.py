@@ -235,7 +235,7 @@ def _transfer(decode, server_stats_fn, n: int) -> None:
     results = [f.result(timeout=60) for f in [decode.submit(rid, (1, 2, 3)) for rid in ids]]
     for rid, result in zip(ids, results):
         assert probes_of(decode).checksums(result) == tuple(
-            expected_checksum(decode.geometry, rid, r) for r in range(decode.tp_size))
+            expected_checksum(decode.group.geometry, rid, r) for r in range(decode.group.tp_size))
         decode.release(result)
     wait_until(lambda: server_stats_fn()["pages_used"] == 0, 20, "prefill pages freed")
 

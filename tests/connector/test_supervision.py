@@ -87,7 +87,8 @@ def transfer_ok(decode: DecodeCoordinator, timeout: float = 30.0) -> None:
                 raise
             time.sleep(0.2)
     assert probes_of(decode).checksums(result) == tuple(
-        expected_checksum(decode.geometry, request_id, r) for r in range(decode.tp_size))
+        expected_checksum(decode.group.geometry, request_id, r)
+        for r in range(decode.group.tp_size))
     decode.release(result)
 
 
@@ -131,14 +132,14 @@ def test_ranks_wait_for_a_frozen_coordinator_and_it_keeps_them(prefill, decode):
     (no restart: same processes, generation 1). The prefill server dropped it meanwhile; it
     learns so from the Goodbye to its first heartbeat and connects again."""
     transfer_ok(decode)
-    pids = [h.pid for h in decode.handles]
-    decode.loop.call_soon(time.sleep, 3 * FAST.peer_timeout)
+    pids = [h.pid for h in decode.group.handles]
+    decode.group.loop.call_soon(time.sleep, 3 * FAST.peer_timeout)
     time.sleep(3 * FAST.peer_timeout + 0.5)
     transfer_ok(decode)
     assert all(alive(pid) for pid in pids)
     stats = decode.stats()
     assert stats["generation"] == 1 and stats.get("ranks_lost", 0) == 0, stats
-    assert [h.pid for h in decode.handles] == pids
+    assert [h.pid for h in decode.group.handles] == pids
     no_leaks(prefill, decode)
 
 
@@ -150,7 +151,7 @@ def test_a_killed_decode_rank_restarts_the_group(prefill, decode):
     every old rank is gone before the new generation starts; the prefill server is dialled
     again and the next requests are byte-exact; nothing leaks on either side."""
     transfer_ok(decode)
-    old = [h.pid for h in decode.handles]
+    old = [h.pid for h in decode.group.handles]
     futures = [decode.submit(rid(), [5, 6, 7]) for _ in range(3)]
     time.sleep(0.2)
     killed = time.monotonic()
@@ -159,11 +160,11 @@ def test_a_killed_decode_rank_restarts_the_group(prefill, decode):
         with pytest.raises(PeerLostError, match="decode rank 1"):
             f.result(timeout=10)
     assert time.monotonic() - killed < 3
-    ready, why = decode.loop.call(decode.status)
+    ready, why = decode.group.loop.call(decode.status)
     assert not ready and "restarting after rank 1 lost (its process exited with code -9)" in why
     with pytest.raises(NotReadyError, match="restarting"):
         decode.submit(rid(), [1])
-    wait_until(lambda: decode.loop.call(decode.status)[0], 60, "restarted and reconnected")
+    wait_until(lambda: decode.group.loop.call(decode.status)[0], 60, "restarted and reconnected")
     assert not any(alive(pid) for pid in old)
     assert decode.stats()["generation"] == 2 and decode.stats()["rank_restarts"] == 1
     assert decode.prefill_nodes() == [prefill.node_id]
@@ -186,7 +187,7 @@ def test_a_killed_prefill_rank_restarts_the_server_which_refuses_handshakes_mean
         server.wait_ready()
         decode.connect(server.address)
         transfer_ok(decode)
-        old = [h.pid for h in server.handles]
+        old = [h.pid for h in server.group.handles]
         futures = [decode.submit(rid(), [2, 7]) for _ in range(3)]
         time.sleep(0.2)
         os.kill(old[0], signal.SIGKILL)
@@ -204,7 +205,7 @@ def test_a_killed_prefill_rank_restarts_the_server_which_refuses_handshakes_mean
         assert isinstance(reply, m.Reject) and reply.code == "not_ready", reply
         assert "restarting after rank 0 lost" in reply.reason and "waiting for ranks [" in \
             reply.reason, reply.reason
-        wait_until(lambda: decode.loop.call(decode.status)[0], 60, "prefill re-dialled")
+        wait_until(lambda: decode.group.loop.call(decode.status)[0], 60, "prefill re-dialled")
         assert not any(alive(pid) for pid in old)
         assert server.stats()["generation"] == 2
         transfer_ok(decode)
@@ -221,17 +222,17 @@ def test_too_many_restarts_fail_the_group_for_good():
     with DecodeCoordinator(SPEC, 1, "DLS", num_pages=4, config=config) as decode:
         decode.wait_ready()
         failed: list[str] = []
-        decode.loop.call(decode.on_fatal, failed.append)
-        os.kill(decode.handles[0].pid, signal.SIGKILL)
+        decode.group.loop.call(decode.group.on_fatal, failed.append)
+        os.kill(decode.group.handles[0].pid, signal.SIGKILL)
         wait_until(lambda: decode.stats()["generation"] == 2 and
-                   decode.loop.call(decode.whole)[0], 60, "restarted once")
-        second = decode.handles[0].pid
+                   decode.group.loop.call(decode.whole)[0], 60, "restarted once")
+        second = decode.group.handles[0].pid
         os.kill(second, signal.SIGKILL)
         wait_until(lambda: decode.fatal, 10, "the group failed")
         assert "rank 0 lost (its process exited with code -9)" in decode.fatal
         assert "1 restarts within the last 600 s already" in decode.fatal
         assert failed == [decode.fatal]
-        ready, why = decode.loop.call(decode.status)
+        ready, why = decode.group.loop.call(decode.status)
         assert not ready and why.startswith(f"decode group {decode.node_id} failed: ")
         with pytest.raises(PeerLostError, match="failed"):
             decode.submit_local(rid(), [1, 2])
@@ -248,7 +249,7 @@ def test_a_restart_that_cannot_start_fails_the_group(tmp_path, monkeypatch):
                        model="tests.connector._helpers:FailsOnceFlaggedModel") as server:
         server.wait_ready()
         flag.touch()
-        os.kill(server.handles[0].pid, signal.SIGKILL)
+        os.kill(server.group.handles[0].pid, signal.SIGKILL)
         wait_until(lambda: server.fatal, 60, "the group failed")
         assert "restarting the rank group failed" in server.fatal
         assert "rank 0 failed to start" in server.fatal and "says so" in server.fatal
@@ -269,4 +270,4 @@ def test_rank_start_timeout_bounds_the_start_and_names_the_ranks():
         assert time.monotonic() - start < 3.0 + 1.0
     finally:
         server.close()
-    assert not any(h.is_alive() for h in server.handles)
+    assert not any(h.is_alive() for h in server.group.handles)

@@ -150,13 +150,13 @@ class _DigestSpy:
     def __init__(self, server: PrefillServer) -> None:
         self.seen: dict[tuple[str, int], tuple[int, ...]] = {}
         self._lock = threading.Lock()
-        forward = server._rank_handlers[m.RankDigest]
+        forward = server.group._rank_handlers[m.RankDigest]
 
         def spy(rank: int, msg: m.RankDigest) -> None:
             with self._lock:
                 self.seen[(msg.request_id, rank)] = msg.digests
             forward(rank, msg)
-        server.on_rank_message(m.RankDigest, spy)
+        server.group.on_rank_message(m.RankDigest, spy)
 
 
 @pytest.fixture(scope="module")
@@ -211,7 +211,7 @@ def test_digests_match_an_independent_computation(pools, spec_name, src_tp, dst_
         results = [f.result(timeout=60) for f in futures]
         for rid, n, result in zip(rids, lengths, results):
             assert probes.checksums(result) == tuple(
-                expected_checksum(decode.geometry, rid, r) for r in range(dst_tp))
+                expected_checksum(decode.group.geometry, rid, r) for r in range(dst_tp))
             want = expected_digests(spec, src_tp, src_layout, dst_tp, dst_layout, rid,
                                     tokens=n if kv else 0, dst_blocks=result.blocks)
             got = [spy.seen[(rid, s)] for s in range(src_tp)]
@@ -271,13 +271,13 @@ def test_a_corrupted_landing_fails_that_request_only(pools, spec_name):
                 continue
             assert not isinstance(result, Exception), (rid, result)
             assert probes.checksums(result) == tuple(
-                expected_checksum(decode.geometry, rid, r) for r in range(2))
+                expected_checksum(decode.group.geometry, rid, r) for r in range(2))
             decode.release(result)
         stats = decode.stats()
         assert stats["transfer_digest_mismatches"] == 1
         assert stats["failed_transfer_error"] == 1
         assert stats["pages_used"] == 0 and stats.get("blocks_used", 0) == 0
-        gauges = decode.loop.call(decode.gauges)
+        gauges = decode.group.loop.call(decode.gauges)
         assert gauges.transfer_mismatches == 1 and gauges.transfers_verified == 2 * n
         # The same id again, not corrupted now: served (nothing of the failure is held).
         again = decode.submit(f"ok-again-{tag}", _prompt(3)).result(timeout=30)
@@ -297,7 +297,8 @@ def test_off_by_default_computes_nothing(pools):
                        launcher=prefill_hosts.launcher()) as server, \
             DecodeCoordinator(spec, 2, "DLS", num_pages=4, config=FAST, block_size=BS,
                               num_blocks=KV_BLOCKS, launcher=decode_hosts.launcher()) as decode:
-        assert not server.config.verify_transfers and not server.group_info().verify_transfers
+        assert not server.group.config.verify_transfers
+        assert not server.group.group_info().verify_transfers
         server.wait_ready()
         decode.connect(server.address)
         results = [f.result(timeout=30) for f in

@@ -5,7 +5,7 @@ server -- every request ends, only with the expected kinds, and nothing is leake
 Also the bugs the soak found, each pinned without processes (a coordinator with no ranks and
 the rank messages fed in by hand):
 
-- a prefill rank lost with requests in flight freed their pages twice (``_on_rank_lost`` ran
+- a prefill rank lost with requests in flight freed their pages twice (``rank_lost`` ran
   ``_maybe_free`` after ``_fail`` had freed) -- the DoubleFreeError stopped the loop over the
   requests, so the rest hung until the server was closed -- and a freed page restarted a
   waiting request on the broken group;
@@ -139,7 +139,7 @@ def _server_with_requests(started: int, waiting: int) -> tuple[PrefillServer, _P
     server = PrefillServer(SPEC, 1, "DLS", num_pages=started, config=FAST, launcher=None)
 
     def setup() -> _Peer:
-        server._ready.set()              # its (absent) rank counts as up: the server serves
+        server.group._ready.set()        # its (absent) rank counts as up: the server serves
         peer = _Peer(b"decode-peer", "decode-x")
         peer.hello = peer.connected = True
         server.peers[peer.identity] = peer
@@ -147,11 +147,11 @@ def _server_with_requests(started: int, waiting: int) -> tuple[PrefillServer, _P
             server._on_transfer_request(peer, m.TransferRequest(
                 request_id=f"r{i}", generation=i + 1, prompt=m.pack_tokens((1, 2))))
         return peer
-    return server, server.loop.call(setup)
+    return server, server.group.loop.call(setup)
 
 
 def _lose_rank(server: PrefillServer, rank: int) -> None:
-    server._rank_lost(rank)              # what a silent or exited rank process leads to
+    server.group._rank_lost(rank)        # what a silent or exited rank process leads to
 
 
 @pytest.mark.timeout(60)
@@ -160,13 +160,13 @@ def test_lost_prefill_rank_fails_every_request_once_and_starts_no_waiting_one():
     try:
         before = server.stats()
         assert (before["requests_in_flight"], before["waiting"], before["pages_free"]) == (2, 2, 0)
-        server.loop.call(_lose_rank, server, 0)               # raised DoubleFreeError before
+        server.group.loop.call(_lose_rank, server, 0)         # raised DoubleFreeError before
         stats = server.stats()
         assert stats["pages_free"] == stats["pages_total"] == 2
         assert stats["requests_in_flight"] == 0 and stats["waiting"] == 0
         assert stats["failed_peer_lost"] == 2 and stats["rejected_peer_lost"] == 2
         assert stats.get("requests") == 2                     # no waiting one was started
-        assert server.loop.call(lambda: peer.inflight) == 0
+        assert server.group.loop.call(lambda: peer.inflight) == 0
     finally:
         server.close()
 
@@ -174,18 +174,18 @@ def test_lost_prefill_rank_fails_every_request_once_and_starts_no_waiting_one():
 @pytest.mark.timeout(60)
 def test_decode_rank_failure_settles_the_request_once():
     decode = DecodeCoordinator(SPEC, 1, "DLS", num_pages=2, config=FAST, launcher=None)
-    decode._ready.set()                  # its (absent) rank counts as up: the group serves
+    decode.group._ready.set()            # its (absent) rank counts as up: the group serves
     try:
         future = decode.submit_local("r0", [1, 2])
-        generation = decode.loop.call(lambda: decode.current["r0"].generation)
+        generation = decode.group.loop.call(lambda: decode.current["r0"].generation)
         done = m.RankDone(tp_rank=0, peer_node="", request_id="r0", generation=generation,
                           kind="timeout", message="transfer not done after 1 s")
-        decode.loop.call(decode._on_rank_done, 0, done)      # raised DoubleFreeError before
+        decode.group.loop.call(decode.rank_done, 0, done)    # raised DoubleFreeError before
         with pytest.raises(TransferTimeoutError, match="decode rank 0"):
             future.result(timeout=5)
         stats = decode.stats()
         assert stats["pages_free"] == 2 and stats["requests_in_flight"] == 0
-        assert decode.loop.call(lambda: dict(decode.current)) == {}
+        assert decode.group.loop.call(lambda: dict(decode.current)) == {}
         again = decode.submit_local("r0", [1, 2])            # the id is free again
         assert not again.done()
     finally:

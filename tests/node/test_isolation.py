@@ -64,7 +64,8 @@ def _stub_node(**config) -> DecodeNode:
     node.vocab_size = VOCAB
     node.counters = Counters()
     node.coordinator = SimpleNamespace(
-        steps=[], freed=[], to_ranks=lambda msg: node.coordinator.steps.append(msg),
+        steps=[], freed=[],
+        group=SimpleNamespace(to_ranks=lambda msg: node.coordinator.steps.append(msg)),
         free=lambda rid: node.coordinator.freed.append(rid) or True,
         status=lambda: (True, ""), start=lambda *a, **k: None)
     node.scheduler = DecodeScheduler(node.coordinator, node.node_config, node.config,

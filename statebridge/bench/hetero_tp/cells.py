@@ -116,7 +116,7 @@ def _run_requests(decode, count: int, concurrency: int, prefix: str,
             finished.set()
 
     if count:
-        decode.loop.call(start_more)
+        decode.group.loop.call(start_more)
         if not finished.wait(timeout):
             raise TimeoutError(f"{count - len(results)} of {count} requests not done after "
                                f"{timeout} s")
@@ -196,11 +196,11 @@ def _statebridge_cell(spec: StateSpec, src_tp: int, dst_tp: int, layout: str,
                 results = _run_requests(check, a.check_requests, a.check_requests,
                                         CHECK_PREFIX, a.timeout, tokens)
                 for r in results:
-                    if probes.checksums(r) != _expected_checksums(check.geometry, r.request_id):
+                    if probes.checksums(r) != _expected_checksums(check.group.geometry, r.request_id):
                         raise AssertionError(f"{r.request_id}: decode pages differ from the "
                                              f"synthetic-state oracle")
                     if spec.kv is not None and probes.kv_checksums(r) != _expected_kv_checksums(
-                            check.kv_geometry, r.request_id, tokens):
+                            check.group.kv_geometry, r.request_id, tokens):
                         raise AssertionError(f"{r.request_id}: decode KV blocks differ from "
                                              f"the synthetic-KV oracle")
             out["checked_requests"] = len(results)
@@ -210,11 +210,11 @@ def _statebridge_cell(spec: StateSpec, src_tp: int, dst_tp: int, layout: str,
                                device=a.device, **kv(c)) as decode:
             probes = Probes(decode, server)
             decode.connect(server.address)
-            plan = TransferPlan(server.geometry, decode.geometry)
+            plan = TransferPlan(server.group.geometry, decode.group.geometry)
             if spec.kv is not None:
                 from statebridge.state.kv import KVPlan
 
-                kv_plan = KVPlan(server.kv_geometry, decode.kv_geometry).summary(tokens)
+                kv_plan = KVPlan(server.group.kv_geometry, decode.group.kv_geometry).summary(tokens)
                 out["plan_kv_runs_per_request"] = kv_plan["kv_runs"]
                 out["plan_kv_bytes_per_request"] = kv_plan["kv_bytes"]
             warm = _run_requests(decode, c + 2 + c, c, "warm-", a.timeout, tokens)
