@@ -143,10 +143,10 @@ class Supervisor:
         group.stop_serving(f"{group.role} group {group.node_id} restarting after {cause}",
                            f"group restarting after {cause}")
         old = group.retire_ranks()
-        self._restarter = threading.Thread(target=self._restart, args=(cause, old),
-                                           name=f"statebridge-{group.node_id}-restart",
-                                           daemon=True)
-        self._restarter.start()
+        restarter = threading.Thread(target=self._restart, args=(cause, old),
+                                     name=f"statebridge-{group.node_id}-restart", daemon=True)
+        restarter.start()
+        self._restarter = restarter        # (close() on another thread joins a started one)
 
     def _restart(self, cause: str, old: list[RankHandle]) -> None:
         """The restarter thread: stop the old ranks, reset, start a new group, wait for it."""
