@@ -60,7 +60,7 @@ from typing import Any, Callable, Sequence
 
 from statebridge.connector import control as c
 from statebridge.connector import messages as m
-from statebridge.connector.group import RankGroup
+from statebridge.connector.group import RankGroup, delegate_to_group
 from statebridge.connector.ledger import Phase, Record, RequestKey
 from statebridge.connector.prefill_links import PeerState, PrefillLinks, _Prefill
 from statebridge.connector.request_timing import RequestTiming, TimingJoin, TransferResult
@@ -100,6 +100,7 @@ class DecodeGauges:
     transfer_mismatches: int = 0
 
 
+@delegate_to_group("node_id", "address", "fatal", "wait_ready", "whole", "close")
 class DecodeCoordinator:
     """The decode group's coordinator: the N-1 transfer of each request into its ranks.
 
@@ -110,7 +111,8 @@ class DecodeCoordinator:
     takes the group's arguments (``spec, tp_size, layout, num_pages`` and the keywords of
     :class:`~statebridge.connector.group.RankGroup`: ``config``, ``node_id``, ``port``,
     ``launcher``, ``model``, ``probes``, the KV pool, ``device``, ...), builds the group, then
-    its own parts, then starts the group.
+    its own parts, then starts the group. ``node_id``, ``address``, ``fatal``, ``wait_ready``,
+    ``whole`` and ``close`` are the group's.
     """
 
     role = "decode"
@@ -132,30 +134,7 @@ class DecodeCoordinator:
         self._expected: dict[RequestKey, tuple[int, ...]] = {}
         group.start()
 
-    # -- the group's and the parts' public faces ------------------------------------------------
-    @property
-    def node_id(self) -> str:
-        return self.group.node_id
-
-    @property
-    def address(self) -> str:
-        return self.group.address
-
-    @property
-    def fatal(self) -> str:
-        """Why the decode group failed for good ("" while it serves or heals)."""
-        return self.group.fatal
-
-    def wait_ready(self, timeout: float | None = None) -> None:
-        """Block until every decode rank announced itself (:meth:`RankGroup.wait_ready
-        <statebridge.connector.group.RankGroup.wait_ready>`)."""
-        self.group.wait_ready(timeout)
-
-    def whole(self) -> tuple[bool, str]:
-        """Loop thread: whether the decode group is whole, else why
-        (:meth:`RankGroup.whole <statebridge.connector.group.RankGroup.whole>`)."""
-        return self.group.whole()
-
+    # -- the parts' public faces (the group's: delegate_to_group above) -------------------------
     def connect(self, address: str, timeout: float | None = None, *,
                 redial: bool = True, wait: bool = True) -> str | None:
         """Handshake with the prefill server at ``host:port`` (:meth:`PrefillLinks.connect
@@ -409,13 +388,10 @@ class DecodeCoordinator:
             self.group.loop.call(run)
 
     # -- request lifecycle --------------------------------------------------------------------
-    def rank_done(self, rank: int, msg: m.RankDone) -> None:
-        answered = self.group.rank_answered(rank, msg)
-        if answered is None:
-            return
-        record, failed = answered
-        if failed is not None:
-            self._fail(record, failed, f"decode rank {rank}: {msg.message}", notify=True)
+    def rank_done(self, rank: int, msg: m.RankDone, record: Record,
+                  failure: FailureKind | None) -> None:
+        if failure is not None:
+            self._fail(record, failure, f"decode rank {rank}: {msg.message}", notify=True)
         self._settle(record)
 
     def _on_transfer_digest(self, peer: _Prefill, msg: m.TransferDigest) -> None:
@@ -580,11 +556,6 @@ class DecodeCoordinator:
                     "healthy": group.healthy, "generation": group.generation,
                     **group.counters.snapshot()}
         return group.loop.call(collect)
-
-    def close(self, timeout: float = 10.0) -> None:
-        """Stop the ranks and the loop (idempotent; :meth:`RankGroup.close
-        <statebridge.connector.group.RankGroup.close>`)."""
-        self.group.close(timeout)
 
     def __enter__(self):
         return self

@@ -62,7 +62,8 @@ from statebridge.state.spec import StateSpec
 log = logging.getLogger(__name__)
 
 # Launching lives in connector/launch.py; its names stay importable from here.
-__all__ = ["RankGroup", "GroupEvents", "Launcher", "spawn_launcher", "RankHandle"]
+__all__ = ["RankGroup", "GroupEvents", "delegate_to_group", "Launcher", "spawn_launcher",
+           "RankHandle"]
 
 
 @dataclass
@@ -78,8 +79,11 @@ class GroupEvents(Protocol):
     """What a rank group tells the coordinator that owns it (the owner implements these and
     gives itself to :class:`RankGroup`); each runs on the group's loop thread."""
 
-    def rank_done(self, rank: int, msg: m.RankDone) -> None:
-        """A rank answered a request (:meth:`RankGroup.rank_answered` notes it)."""
+    def rank_done(self, rank: int, msg: m.RankDone, record: Record,
+                  failure: FailureKind | None) -> None:
+        """A rank answered ``record``'s request (noted in the ledger already); ``failure``:
+        what the rank reports when it is the record's first failure (None: it reports
+        success, or the record failed already)."""
 
     def rank_lost(self, rank: int) -> None:
         """A rank was declared lost: fail the requests in flight."""
@@ -102,6 +106,20 @@ class GroupEvents(Protocol):
 
     def closing(self) -> None:
         """The group closes: its ranks were told to stop; fail what is left, say goodbye."""
+
+
+def delegate_to_group(*names: str):
+    """Class decorator for a coordinator that has a rank group (``self.group``): each of
+    ``names`` (an attribute or a method of :class:`RankGroup`) reads as the coordinator's own,
+    ``coordinator.<name>`` being ``coordinator.group.<name>`` -- the group's face its users
+    reach (its node id, address, readiness, failure, close), written once for both sides."""
+    def decorate(cls):
+        for name in names:
+            setattr(cls, name, property(lambda self, name=name: getattr(self.group, name),
+                                        doc=f"The rank group's ``{name}`` "
+                                            f"(:class:`~statebridge.connector.group.RankGroup`)."))
+        return cls
+    return decorate
 
 
 class RankGroup:
@@ -387,7 +405,7 @@ class RankGroup:
                 if not self.ranks[rank].lost:
                     self.rank_watch.heard(rank)
                 if isinstance(msg, m.RankDone):
-                    self.events.rank_done(rank, msg)
+                    self._on_rank_done(rank, msg)
                 elif not isinstance(msg, m.Heartbeat):
                     handler = self._rank_handlers.get(type(msg))
                     if handler is None:
@@ -460,19 +478,15 @@ class RankGroup:
         for s in live:                  # ranks on both channels (a hand-made setup)
             c.send_router(s.sock, s.identity, msg)
 
-    def rank_answered(self, rank: int, msg: m.RankDone) \
-            -> "tuple[Record, FailureKind | None] | None":
-        """Loop thread: note a rank's RankDone in the ledger. None for a stale one (counted:
-        no request of this generation waits for it); else its record, and the failure the
-        rank reports when it is the record's first (None: it reports success, or the record
-        failed already)."""
+    def _on_rank_done(self, rank: int, msg: m.RankDone) -> None:
+        """A rank answered a request: noted in the ledger. A stale answer (no request of this
+        generation waits for it) is counted; else the owner hears of it."""
         record = self.ledger.answer(rank, msg)
         if record is None:
             self.counters.add("stale_rank_done")
-            return None
-        if msg.kind and record.failure is None:
-            return record, FailureKind.parse(msg.kind)
-        return record, None
+            return
+        failure = FailureKind.parse(msg.kind) if msg.kind and record.failure is None else None
+        self.events.rank_done(rank, msg, record, failure)
 
     def fail_on_ranks(self, record: Record, kind: FailureKind, message: str,
                       lost_node: str = "") -> bool:

@@ -42,7 +42,7 @@ from typing import Any, Callable
 
 from statebridge.connector import control as c
 from statebridge.connector import messages as m
-from statebridge.connector.group import RankGroup
+from statebridge.connector.group import RankGroup, delegate_to_group
 from statebridge.connector.ledger import Phase, Record, RequestKey
 from statebridge.errors import CacheFullError, FailureKind, IncompatiblePeerError
 from statebridge.state.kv import blocks_for
@@ -64,6 +64,7 @@ class _Peer:
         self.heartbeats = 0
 
 
+@delegate_to_group("node_id", "address", "fatal", "wait_ready", "whole", "close")
 class PrefillServer:
     """The prefill group's coordinator: handshake, requests, leases, liveness.
 
@@ -73,7 +74,8 @@ class PrefillServer:
     :class:`~statebridge.connector.group.RankGroup`), builds the group, then its own state,
     then starts the group. Requests live in the group's ledger (``server.group.ledger``) keyed
     by ``RequestKey(decode node id, request id, generation)``; a record's ``peer`` is the
-    :class:`_Peer` connection it came from.
+    :class:`_Peer` connection it came from. ``node_id``, ``address`` (where decode nodes
+    connect), ``fatal``, ``wait_ready``, ``whole`` and ``close`` are the group's.
     """
 
     role = "prefill"
@@ -90,31 +92,6 @@ class PrefillServer:
         self._digests: dict[RequestKey, dict[int, tuple[int, ...]]] = {}
         group.on_rank_message(m.RankDigest, self._on_rank_digest)
         group.start()
-
-    # -- the group's public face ------------------------------------------------------------------
-    @property
-    def node_id(self) -> str:
-        return self.group.node_id
-
-    @property
-    def address(self) -> str:
-        """Where decode nodes connect: ``host:port`` of the server's ROUTER."""
-        return self.group.address
-
-    @property
-    def fatal(self) -> str:
-        """Why the prefill group failed for good ("" while it serves or heals)."""
-        return self.group.fatal
-
-    def wait_ready(self, timeout: float | None = None) -> None:
-        """Block until every prefill rank announced itself (:meth:`RankGroup.wait_ready
-        <statebridge.connector.group.RankGroup.wait_ready>`)."""
-        self.group.wait_ready(timeout)
-
-    def whole(self) -> tuple[bool, str]:
-        """Loop thread: whether the prefill group is whole, else why
-        (:meth:`RankGroup.whole <statebridge.connector.group.RankGroup.whole>`)."""
-        return self.group.whole()
 
     def on_query(self, msg_type: type, handler: "Callable[[m.Message], m.Message]") -> None:
         """Answer ``msg_type`` from any connection (no handshake needed) with
@@ -305,15 +282,12 @@ class PrefillServer:
             if not (p is peer and w.request_id == request_id and w.generation == generation))
         return len(self.waiting) < before
 
-    def rank_done(self, rank: int, msg: m.RankDone) -> None:
-        answered = self.group.rank_answered(rank, msg)
-        if answered is None:
-            return
-        record, failed = answered
-        if failed is not None:
-            if failed is FailureKind.TIMEOUT:     # a rank's lease on its sends ended
+    def rank_done(self, rank: int, msg: m.RankDone, record: Record,
+                  failure: FailureKind | None) -> None:
+        if failure is not None:
+            if failure is FailureKind.TIMEOUT:    # a rank's lease on its sends ended
                 self.group.counters.add("leases_expired")
-            self._fail(record, failed, f"prefill rank {rank}: {msg.message}", notify=True)
+            self._fail(record, failure, f"prefill rank {rank}: {msg.message}", notify=True)
         self._maybe_free(record)
 
     def _on_rank_digest(self, rank: int, msg: m.RankDigest) -> None:
@@ -448,11 +422,6 @@ class PrefillServer:
                     "ready": group.whole()[0], "reason": group.whole()[1],
                     **group.counters.snapshot()}
         return group.loop.call(collect)
-
-    def close(self, timeout: float = 10.0) -> None:
-        """Stop the ranks and the loop (idempotent; :meth:`RankGroup.close
-        <statebridge.connector.group.RankGroup.close>`)."""
-        self.group.close(timeout)
 
     def __enter__(self):
         return self

@@ -180,7 +180,7 @@ def test_decode_rank_failure_settles_the_request_once():
         generation = decode.group.loop.call(lambda: decode.current["r0"].generation)
         done = m.RankDone(tp_rank=0, peer_node="", request_id="r0", generation=generation,
                           kind="timeout", message="transfer not done after 1 s")
-        decode.group.loop.call(decode.rank_done, 0, done)    # raised DoubleFreeError before
+        decode.group.loop.call(decode.group._on_rank_done, 0, done)  # raised DoubleFreeError before
         with pytest.raises(TransferTimeoutError, match="decode rank 0"):
             future.result(timeout=5)
         stats = decode.stats()
