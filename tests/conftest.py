@@ -10,6 +10,11 @@
    output element a kernel forgets to write fails the comparison instead of passing by luck.
 3. ``assert_close``: the ONE comparison helper, with tolerances paired with dtypes. It raises
    (never warns) when any element is outside tolerance or not finite.
+4. Markers (pyproject.toml): ``exhaustive`` tests -- the full real-process matrices, whose
+   cases are covered by default in process against the byte oracle and by a covering subset
+   through real processes -- are deselected unless the ``-m`` expression names them
+   (``python -m pytest -m exhaustive``); ``slow`` marks what ``-m "not slow"`` (the developer
+   loop) leaves out.
 """
 
 from __future__ import annotations
@@ -22,6 +27,19 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import pytest  # noqa: E402
+
+
+def pytest_collection_modifyitems(config, items):
+    """Deselect ``exhaustive`` tests unless ``-m`` mentions that marker."""
+    if "exhaustive" in (config.option.markexpr or ""):
+        return
+    keep, drop = [], []
+    for item in items:
+        (drop if item.get_closest_marker("exhaustive") else keep).append(item)
+    if drop:
+        config.hook.pytest_deselected(items=drop)
+        items[:] = keep
+
 
 # (atol, rtol) per dtype of the compared computation. Integers and bytes compare exactly.
 TOLERANCES: dict[torch.dtype, tuple[float, float]] = {
