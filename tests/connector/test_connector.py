@@ -13,12 +13,9 @@ import pytest
 from statebridge.bench.ab import with_switches
 from statebridge.connector.decode import DecodeCoordinator
 from statebridge.connector.prefill import PrefillServer
-from statebridge.state.cache import StateCache, page_checksum
-from statebridge.state.layout import PageGeometry
 from statebridge.state.plan import TransferPlan
 from statebridge.state.spec import StateSpec
 from statebridge.testing import stable_seed
-from statebridge.testing.synthetic import fill_page, global_state, request_seed
 from statebridge.testing.hosts import RankHostPool
 from statebridge.errors import ConfigError
 from statebridge.testing.probes import Probes
@@ -32,7 +29,7 @@ from ._helpers import (
     random_prompt,
     wait_until,
 )
-from tests.state._oracle import copy_runs
+from ._inprocess import check_pages
 
 pytestmark = [pytest.mark.ucx, pytest.mark.multiprocess]
 
@@ -167,36 +164,12 @@ def test_matrix_moves_the_oracle_bytes_in_process(spec_name, src_tp, dst_tp, src
     pairs through a staging buffer), and each decode rank's page checksum equal to what the
     oracle says it must receive (the checksum the real test compares); zero-copy exactly where
     the real test asserts it."""
-    spec = {**SPECS, "mamba2-wide": WIDE}[spec_name]
-    plan = TransferPlan(PageGeometry(spec, src_tp, src_layout),
-                        PageGeometry(spec, dst_tp, dst_layout))
+    plan = check_pages(SPECS[spec_name], src_tp, dst_tp, src_layout, dst_layout)
     staged = src_layout != dst_layout
     if src_layout in ("LDS", "DLS") and not staged:
         assert not any(p.staged for p in plan)
     if staged:
         assert any(p.staged for p in plan)
-    for rid in (f"req-{i}-{spec_name}" for i in range(3)):
-        state = global_state(spec, request_seed(rid))
-        src_pages = []
-        for s in range(src_tp):
-            cache = StateCache(plan.src, 1)
-            fill_page(cache, 0, state, s)
-            src_pages.append(cache.buffer.numpy())
-        dst_pages = [np.full(plan.dst.page_size, 0xEE, dtype=np.uint8) for _ in range(dst_tp)]
-        writes = [np.zeros(plan.dst.page_size, dtype=np.int64) for _ in range(dst_tp)]
-        for pair in plan:
-            src, dst = src_pages[pair.src_rank], dst_pages[pair.dst_rank]
-            if pair.staged:
-                staging = np.zeros(int(pair.pack[:, 2].sum()), dtype=np.uint8)
-                copy_runs(src, staging, pair.pack)
-                copy_runs(staging, dst, pair.unpack, writes[pair.dst_rank])
-            else:
-                copy_runs(src, dst, pair.runs, writes[pair.dst_rank])
-        for d in range(dst_tp):
-            assert page_checksum(plan.dst, dst_pages[d]) == expected_checksum(plan.dst, rid, d), \
-                f"{rid}: decode rank {d} page differs from the oracle"
-            written = np.concatenate([writes[d][r.offset:r.end] for r in plan.dst.regions])
-            assert (written == 1).all(), f"decode rank {d}: a state byte not written once"
 
 
 @pytest.mark.timeout(180)
