@@ -30,15 +30,38 @@ import pytest  # noqa: E402
 
 
 def pytest_collection_modifyitems(config, items):
-    """Deselect ``exhaustive`` tests unless ``-m`` mentions that marker."""
-    if "exhaustive" in (config.option.markexpr or ""):
-        return
-    keep, drop = [], []
-    for item in items:
-        (drop if item.get_closest_marker("exhaustive") else keep).append(item)
-    if drop:
-        config.hook.pytest_deselected(items=drop)
-        items[:] = keep
+    """Deselect ``exhaustive`` tests unless ``-m`` mentions that marker; the GPU compile check
+    (tests/kernels/_background_compile.py) runs last."""
+    if "exhaustive" not in (config.option.markexpr or ""):
+        keep, drop = [], []
+        for item in items:
+            (drop if item.get_closest_marker("exhaustive") else keep).append(item)
+        if drop:
+            config.hook.pytest_deselected(items=drop)
+            items[:] = keep
+    items.sort(key=lambda item: item.nodeid.endswith(_COMPILE_CHECK))   # stable: last
+
+
+#: The node id suffix of the compile check's test (tests/kernels/_background_compile.py).
+_COMPILE_CHECK = "test_compile.py::test_every_variant_compiles_for_sm90_and_every_kernel_for_sm80"
+
+
+def pytest_collection_finish(session):
+    """Start the GPU compile check in the background, at idle priority, when its test runs in
+    this session (minutes of CPU that need nothing from the other tests)."""
+    if any(item.nodeid.endswith(_COMPILE_CHECK) for item in session.items) \
+            and not session.config.option.collectonly:
+        from tests.kernels import _background_compile
+
+        _background_compile.start()
+
+
+def pytest_sessionfinish(session):
+    import sys
+
+    background = sys.modules.get("tests.kernels._background_compile")
+    if background is not None:
+        background.stop()
 
 
 # (atol, rtol) per dtype of the compared computation. Integers and bytes compare exactly.
