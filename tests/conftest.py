@@ -101,6 +101,20 @@ def _assert_close(actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dty
 
 
 @pytest.fixture(scope="session")
+def shared_pools():
+    """One set of rank hosts for the session: ``(prefill hosts, decode hosts)``, 4 and 8,
+    each host started when a group first needs it (``RankHostPool(lazy=True)``). For the
+    modules whose groups only need some ranks; a test that kills or stops a host process
+    (SIGKILL, SIGSTOP) takes its own pool instead."""
+    from statebridge.testing.hosts import RankHostPool
+    from tests.connector._helpers import log_to_stderr
+
+    with RankHostPool(4, initializer=log_to_stderr, lazy=True) as prefill_hosts, \
+            RankHostPool(8, initializer=log_to_stderr, lazy=True) as decode_hosts:
+        yield prefill_hosts, decode_hosts
+
+
+@pytest.fixture(scope="session")
 def assert_close():
     """The one comparison helper: ``assert_close(actual, expected, dtype)``."""
     return _assert_close

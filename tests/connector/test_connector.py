@@ -16,7 +16,6 @@ from statebridge.connector.prefill import PrefillServer
 from statebridge.state.plan import TransferPlan
 from statebridge.state.spec import StateSpec
 from statebridge.testing import stable_seed
-from statebridge.testing.hosts import RankHostPool
 from statebridge.errors import ConfigError
 from statebridge.testing.probes import Probes
 
@@ -25,7 +24,6 @@ from ._helpers import (
     SPECS,
     SYNTHETIC,
     expected_checksum,
-    log_to_stderr,
     random_prompt,
     wait_until,
 )
@@ -45,10 +43,9 @@ REQUESTS = 16
 
 
 @pytest.fixture(scope="module")
-def pools():
-    with RankHostPool(4, initializer=log_to_stderr) as prefill_hosts, \
-            RankHostPool(8, initializer=log_to_stderr) as decode_hosts:
-        yield prefill_hosts, decode_hosts
+def pools(shared_pools):
+    """The session's rank hosts (tests/conftest.py)."""
+    return shared_pools
 
 
 def transfer_round(pools, spec_name, src_tp, dst_tp, src_layout, dst_layout, config=FAST,

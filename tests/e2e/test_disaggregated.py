@@ -18,11 +18,10 @@ from statebridge.node.decode_node import DecodeNode
 from statebridge.node.demo import NodeProcess
 from statebridge.node.prefill_node import start_prefill_node
 from statebridge.state.spec import StateSpec
-from statebridge.testing.hosts import RankHostPool
 
 from tests.models._helpers import KV_BLOCK, KV_PROMPTS, NEW_TOKENS, PROMPTS
 
-from tests.connector._helpers import log_to_stderr, wait_until
+from tests.connector._helpers import wait_until
 from tests.connector._inprocess import check_kv, check_pages
 from tests.models import test_transfer
 
@@ -32,10 +31,9 @@ pytestmark = [pytest.mark.ucx, pytest.mark.multiprocess]
 
 
 @pytest.fixture(scope="module")
-def pools():
-    with RankHostPool(4, initializer=log_to_stderr) as prefill_hosts, \
-            RankHostPool(4, initializer=log_to_stderr) as decode_hosts:
-        yield prefill_hosts, decode_hosts
+def pools(shared_pools):
+    """The session's rank hosts (tests/conftest.py)."""
+    return shared_pools
 
 
 def run_all(address: str, prompts, **kwargs):
