@@ -29,9 +29,36 @@ if not torch.cuda.is_available():
 import pytest  # noqa: E402
 
 
+#: Marked ``slow`` here (node id prefixes; ``-m "not slow"`` is the developer loop): each starts
+#: rank processes or nodes, or measures, for ~10 s or more on two cores. A test whose name
+#: ends in ``_in_process`` is never slow (the in-process side of a real-process matrix).
+SLOW = (
+    "tests/bench/test_bench.py",                # benchmark runs: groups of rank processes
+    "tests/bench/test_bench_transport.py",
+    "tests/bench/test_nixl.py",
+    "tests/bench/test_copylimit.py::test_the_limit_is_the_best_candidate_and_names_it",
+    "tests/bench/test_copylimit.py::test_only_the_candidates_asked_for_are_measured",
+    "tests/connector/test_connector.py",        # the real-process matrices and their subsets
+    "tests/connector/test_kv_connector.py",
+    "tests/connector/test_faults.py",           # killed, frozen and restarted ranks
+    "tests/connector/test_supervision.py",
+    "tests/connector/test_reconnect.py",
+    "tests/connector/test_runtime.py",
+    "tests/connector/test_verify.py",
+    "tests/connector/test_device_memory.py",
+    "tests/connector/test_probes.py",
+    "tests/connector/test_security.py::test_keyed_groups_transfer_and_refuse_intruders",
+    "tests/e2e/",                               # nodes: pairs, fault matrix, soak, HTTP
+)
+
+
+@pytest.hookimpl(tryfirst=True)     # before -m deselects by marker
 def pytest_collection_modifyitems(config, items):
-    """Deselect ``exhaustive`` tests unless ``-m`` mentions that marker; the GPU compile check
-    (tests/kernels/_background_compile.py) runs last."""
+    """Mark SLOW; deselect ``exhaustive`` tests unless ``-m`` mentions that marker; the GPU
+    compile check (tests/kernels/_background_compile.py) runs last."""
+    for item in items:
+        if item.nodeid.startswith(SLOW) and not item.name.split("[")[0].endswith("_in_process"):
+            item.add_marker(pytest.mark.slow)
     if "exhaustive" not in (config.option.markexpr or ""):
         keep, drop = [], []
         for item in items:
