@@ -49,6 +49,13 @@ SLOW = (
     "tests/connector/test_probes.py",
     "tests/connector/test_security.py::test_keyed_groups_transfer_and_refuse_intruders",
     "tests/e2e/",                               # nodes: pairs, fault matrix, soak, HTTP
+    "tests/models/test_runner.py::test_tp_processes_match_transformers",     # gloo processes
+    "tests/models/test_distributed.py::test_a_gloo_groups_ranks_listen_only_on_the_rendezvous_host",
+    "tests/models/test_distributed.py::test_a_rank_that_never_comes_fails_the_others_within_the_timeout_naming_it",
+    "tests/models/test_runner_chunked.py::test_batched_chunked_prefill_equals_one_at_a_time",
+    "tests/models/test_runner_paths.py::test_triton_path_matches_transformers",  # interpreted
+    "tests/kernels/test_attention_chunked.py::test_chunks_equal_the_tail_of_whole_sequence_attention[long-context",
+    "tests/kernels/test_gather.py::test_gather_matches_a_per_run_copy[triton-many-small-runs]",
 )
 
 
