@@ -79,8 +79,10 @@ def ids(n: int) -> list[str]:
 
 @pytest.fixture(scope="module")
 def pools():
-    with RankHostPool(4, initializer=log_to_stderr) as prefill_hosts, \
-            RankHostPool(8, initializer=log_to_stderr) as decode_hosts:
+    # Own hosts (tests here SIGKILL and SIGSTOP them), started as groups first need them: the
+    # first test's ops() then does not wait on twelve hosts still importing.
+    with RankHostPool(4, initializer=log_to_stderr, lazy=True) as prefill_hosts, \
+            RankHostPool(8, initializer=log_to_stderr, lazy=True) as decode_hosts:
         yield prefill_hosts, decode_hosts
 
 
