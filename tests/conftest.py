@@ -10,6 +10,11 @@
    output element a kernel forgets to write fails the comparison instead of passing by luck.
 3. ``assert_close``: the ONE comparison helper, with tolerances paired with dtypes. It raises
    (never warns) when any element is outside tolerance or not finite.
+4. Markers (pyproject.toml): ``exhaustive`` tests -- the full real-process matrices, whose
+   cases are covered by default in process against the byte oracle and by a covering subset
+   through real processes -- are deselected unless the ``-m`` expression names them
+   (``python -m pytest -m exhaustive``); ``slow`` marks what ``-m "not slow"`` (the developer
+   loop) leaves out.
 """
 
 from __future__ import annotations
@@ -22,6 +27,76 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import pytest  # noqa: E402
+
+
+#: Marked ``slow`` here (node id prefixes; ``-m "not slow"`` is the developer loop): each starts
+#: rank processes or nodes, or measures, for ~10 s or more on two cores. A test whose name
+#: ends in ``_in_process`` is never slow (the in-process side of a real-process matrix).
+SLOW = (
+    "tests/bench/test_bench.py",                # benchmark runs: groups of rank processes
+    "tests/bench/test_bench_transport.py",
+    "tests/bench/test_nixl.py",
+    "tests/bench/test_copylimit.py::test_the_limit_is_the_best_candidate_and_names_it",
+    "tests/bench/test_copylimit.py::test_only_the_candidates_asked_for_are_measured",
+    "tests/connector/test_connector.py",        # the real-process matrices and their subsets
+    "tests/connector/test_kv_connector.py",
+    "tests/connector/test_faults.py",           # killed, frozen and restarted ranks
+    "tests/connector/test_supervision.py",
+    "tests/connector/test_reconnect.py",
+    "tests/connector/test_runtime.py",
+    "tests/connector/test_verify.py",
+    "tests/connector/test_device_memory.py",
+    "tests/connector/test_probes.py",
+    "tests/connector/test_security.py::test_keyed_groups_transfer_and_refuse_intruders",
+    "tests/e2e/",                               # nodes: pairs, fault matrix, soak, HTTP
+    "tests/models/test_runner.py::test_tp_processes_match_transformers",     # gloo processes
+    "tests/models/test_distributed.py::test_a_gloo_groups_ranks_listen_only_on_the_rendezvous_host",
+    "tests/models/test_distributed.py::test_a_rank_that_never_comes_fails_the_others_within_the_timeout_naming_it",
+    "tests/models/test_runner_chunked.py::test_batched_chunked_prefill_equals_one_at_a_time",
+    "tests/models/test_runner_paths.py::test_triton_path_matches_transformers",  # interpreted
+    "tests/kernels/test_attention_chunked.py::test_chunks_equal_the_tail_of_whole_sequence_attention[long-context",
+    "tests/kernels/test_gather.py::test_gather_matches_a_per_run_copy[triton-many-small-runs]",
+)
+
+
+@pytest.hookimpl(tryfirst=True)     # before -m deselects by marker
+def pytest_collection_modifyitems(config, items):
+    """Mark SLOW; deselect ``exhaustive`` tests unless ``-m`` mentions that marker; the GPU
+    compile check (tests/kernels/_background_compile.py) runs last."""
+    for item in items:
+        if item.nodeid.startswith(SLOW) and not item.name.split("[")[0].endswith("_in_process"):
+            item.add_marker(pytest.mark.slow)
+    if "exhaustive" not in (config.option.markexpr or ""):
+        keep, drop = [], []
+        for item in items:
+            (drop if item.get_closest_marker("exhaustive") else keep).append(item)
+        if drop:
+            config.hook.pytest_deselected(items=drop)
+            items[:] = keep
+    items.sort(key=lambda item: item.nodeid.endswith(_COMPILE_CHECK))   # stable: last
+
+
+#: The node id suffix of the compile check's test (tests/kernels/_background_compile.py).
+_COMPILE_CHECK = "test_compile.py::test_every_variant_compiles_for_sm90_and_every_kernel_for_sm80"
+
+
+def pytest_collection_finish(session):
+    """Start the GPU compile check in the background, at idle priority, when its test runs in
+    this session (minutes of CPU that need nothing from the other tests)."""
+    if any(item.nodeid.endswith(_COMPILE_CHECK) for item in session.items) \
+            and not session.config.option.collectonly:
+        from tests.kernels import _background_compile
+
+        _background_compile.start()
+
+
+def pytest_sessionfinish(session):
+    import sys
+
+    background = sys.modules.get("tests.kernels._background_compile")
+    if background is not None:
+        background.stop()
+
 
 # (atol, rtol) per dtype of the compared computation. Integers and bytes compare exactly.
 TOLERANCES: dict[torch.dtype, tuple[float, float]] = {
@@ -57,6 +132,20 @@ def _assert_close(actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dty
         if not torch.equal(actual.detach().cpu(), expected.detach().cpu()):
             diff = (actual.detach().cpu() != expected.detach().cpu()).nonzero()
             raise AssertionError(f"{diff.shape[0]} elements differ exactly, first at {diff[0].tolist()}")
+
+
+@pytest.fixture(scope="session")
+def shared_pools():
+    """One set of rank hosts for the session: ``(prefill hosts, decode hosts)``, 4 and 8,
+    each host started when a group first needs it (``RankHostPool(lazy=True)``). For the
+    modules whose groups only need some ranks; a test that kills or stops a host process
+    (SIGKILL, SIGSTOP) takes its own pool instead."""
+    from statebridge.testing.hosts import RankHostPool
+    from tests.connector._helpers import log_to_stderr
+
+    with RankHostPool(4, initializer=log_to_stderr, lazy=True) as prefill_hosts, \
+            RankHostPool(8, initializer=log_to_stderr, lazy=True) as decode_hosts:
+        yield prefill_hosts, decode_hosts
 
 
 @pytest.fixture(scope="session")

@@ -82,6 +82,8 @@ class _HostHandle(_ProcessHandle):
 
 class RankHostPool:
     """``size`` spawned host processes; :meth:`launcher` places rank r of a group on host r.
+    With ``lazy=True`` host r starts with the first group that has a rank r (a pool shared by
+    tests that need different group sizes starts only the hosts they use).
 
     ``initializer(*initargs)`` runs first in every host process, as in
     :class:`multiprocessing.pool.Pool`: the place for the caller to configure logging there (the
@@ -90,27 +92,39 @@ class RankHostPool:
     """
 
     def __init__(self, size: int, *, initializer: Callable[..., Any] | None = None,
-                 initargs: tuple = ()) -> None:
+                 initargs: tuple = (), lazy: bool = False) -> None:
         if size < 1:
             raise ConfigError(f"pool size must be >= 1, got {size}")
-        ctx = multiprocessing.get_context("spawn")
+        self._ctx = multiprocessing.get_context("spawn")
+        self._initializer = initializer
+        self._initargs = tuple(initargs)
         self._lock = threading.Lock()
         self._seq = itertools.count(1)
         #: Seconds a host may take to start a rank (model load, TP rendezvous) before the
         #: launch fails; a late answer is then dropped, never taken for the next launch's.
         self.start_timeout = 120.0
-        self.hosts = []
-        for i in range(size):
-            parent, child = ctx.Pipe()
-            proc = ctx.Process(target=_host_main, args=(child, initializer, tuple(initargs)),
-                               daemon=True, name=f"statebridge-host{i}")
+        #: (process, pipe) of host r at index r; ``None`` for a host of a ``lazy`` pool that no
+        #: group has needed yet (it starts with the first group that has a rank r).
+        self.hosts: list[tuple[Any, Any] | None] = [None] * size
+        if not lazy:
+            for i in range(size):
+                self._host(i)
+
+    def _host(self, i: int) -> tuple[Any, Any]:
+        """Host ``i``, started now if it was not."""
+        if self.hosts[i] is None:
+            parent, child = self._ctx.Pipe()
+            proc = self._ctx.Process(target=_host_main,
+                                     args=(child, self._initializer, self._initargs),
+                                     daemon=True, name=f"statebridge-host{i}")
             proc.start()
-            self.hosts.append((proc, parent))
+            self.hosts[i] = (proc, parent)
+        return self.hosts[i]
 
     @property
-    def pids(self) -> list[int]:
-        """Process ids of the hosts, host r first for rank r."""
-        return [proc.pid for proc, _ in self.hosts]
+    def pids(self) -> list[int | None]:
+        """Process ids of the hosts, host r first for rank r (``None``: not started yet)."""
+        return [h[0].pid if h is not None else None for h in self.hosts]
 
     def launcher(self) -> Launcher:
         def launch(setups: Sequence[RankSetup]) -> list[RankHandle]:
@@ -121,7 +135,7 @@ class RankHostPool:
             with self._lock:
                 seqs = {}
                 for setup in setups:
-                    proc, conn = self.hosts[setup.tp_rank]
+                    proc, conn = self._host(setup.tp_rank)
                     seqs[setup.tp_rank] = next(self._seq)
                     conn.send((seqs[setup.tp_rank], setup))
                 for setup in setups:
@@ -137,10 +151,14 @@ class RankHostPool:
     def ops(self, hosts: int | None = None) -> list[dict[str, int]]:
         """Each host's operation counts (:data:`statebridge.connector.stats.ops`: control
         messages, UCX operations, ... of every rank it ran, since it started), for the first
-        ``hosts``."""
+        ``hosts`` (a host not started yet has counted nothing: ``{}``)."""
         out = []
         with self._lock:
-            for i, (proc, conn) in enumerate(self.hosts[:hosts]):
+            for i, host in enumerate(self.hosts[:hosts]):
+                if host is None:
+                    out.append({})
+                    continue
+                proc, conn = host
                 seq = next(self._seq)
                 conn.send((seq, "ops"))
                 status, value = _answer(conn, seq, 30.0, f"host {i} ops")
@@ -150,12 +168,13 @@ class RankHostPool:
         return out
 
     def close(self) -> None:
-        for proc, conn in self.hosts:
+        started = [h for h in self.hosts if h is not None]
+        for proc, conn in started:
             try:
                 conn.send((0, None))
             except (BrokenPipeError, OSError):
                 pass
-        for proc, conn in self.hosts:
+        for proc, conn in started:
             proc.join(5)
             if proc.is_alive():
                 proc.kill()

@@ -16,7 +16,6 @@ from statebridge.connector.prefill import PrefillServer
 from statebridge.state.plan import TransferPlan
 from statebridge.state.spec import StateSpec
 from statebridge.testing import stable_seed
-from statebridge.testing.hosts import RankHostPool
 from statebridge.errors import ConfigError
 from statebridge.testing.probes import Probes
 
@@ -25,10 +24,10 @@ from ._helpers import (
     SPECS,
     SYNTHETIC,
     expected_checksum,
-    log_to_stderr,
     random_prompt,
     wait_until,
 )
+from ._inprocess import check_pages
 
 pytestmark = [pytest.mark.ucx, pytest.mark.multiprocess]
 
@@ -44,10 +43,9 @@ REQUESTS = 16
 
 
 @pytest.fixture(scope="module")
-def pools():
-    with RankHostPool(4, initializer=log_to_stderr) as prefill_hosts, \
-            RankHostPool(8, initializer=log_to_stderr) as decode_hosts:
-        yield prefill_hosts, decode_hosts
+def pools(shared_pools):
+    """The session's rank hosts (tests/conftest.py)."""
+    return shared_pools
 
 
 def transfer_round(pools, spec_name, src_tp, dst_tp, src_layout, dst_layout, config=FAST,
@@ -135,10 +133,40 @@ SHM_CASES = [pytest.param(spec, p, d, sl, dl, id=f"{spec}-{p}x{d}-{sl}-{dl}")
                  ("shortconv", 4, 2, "LSD", "LSD"), ("shortconv", 1, 8, "DLS", "DLS")]]
 
 
-CASES = [pytest.param(spec, p, d, layout, layout, id=f"{spec}-{p}x{d}-{layout}")
-         for spec in SPECS for (p, d) in TP_PAIRS for layout in LAYOUTS]
-CASES += [pytest.param("mamba2-g1", 2, 4, "LSD", "DLS", id="mamba2-g1-2x4-LSD-to-DLS"),
-          pytest.param("shortconv", 4, 1, "DLS", "LDS", id="shortconv-4x1-DLS-to-LDS")]
+#: Every spec x TP pair x layout (and two layout changes): all of them in process against the
+#: byte oracle (test_matrix_moves_the_oracle_bytes_in_process), through real rank processes
+#: a covering subset (REAL: each TP ratio kind, each layout, each spec, both layout changes)
+#: by default and all of them under ``-m exhaustive``.
+MATRIX = [(spec, p, d, layout, layout, f"{spec}-{p}x{d}-{layout}")
+          for spec in SPECS for (p, d) in TP_PAIRS for layout in LAYOUTS]
+MATRIX += [("mamba2-g1", 2, 4, "LSD", "DLS", "mamba2-g1-2x4-LSD-to-DLS"),
+           ("shortconv", 4, 1, "DLS", "LDS", "shortconv-4x1-DLS-to-LDS")]
+REAL = {"mamba2-g8-1x1-LDS",            # equal TP, zero-copy
+        "shortconv-2x4-DLS",            # fan-out, zero-copy
+        "mamba2-g1-4x1-LSD",            # fan-in, LSD
+        "mamba2-g8-2x8-DLS",            # fan-out over all 8 decode hosts
+        "mamba2-g1-2x4-LSD-to-DLS",     # layout changes: staged
+        "shortconv-4x1-DLS-to-LDS"}
+CASES = [pytest.param(*c[:5], id=c[5],
+                      marks=() if c[5] in REAL else pytest.mark.exhaustive) for c in MATRIX]
+assert REAL <= {c[5] for c in MATRIX}
+
+
+@pytest.mark.parametrize("spec_name,src_tp,dst_tp,src_layout,dst_layout",
+                         [pytest.param(*c[:5], id=c[5]) for c in MATRIX])
+def test_matrix_moves_the_oracle_bytes_in_process(spec_name, src_tp, dst_tp, src_layout,
+                                                  dst_layout):
+    """The matrix of test_transfers_are_byte_exact without processes: each prefill rank's page
+    filled as SyntheticModel fills it, the groups' plan executed with plain copies (staged
+    pairs through a staging buffer), and each decode rank's page checksum equal to what the
+    oracle says it must receive (the checksum the real test compares); zero-copy exactly where
+    the real test asserts it."""
+    plan = check_pages(SPECS[spec_name], src_tp, dst_tp, src_layout, dst_layout)
+    staged = src_layout != dst_layout
+    if src_layout in ("LDS", "DLS") and not staged:
+        assert not any(p.staged for p in plan)
+    if staged:
+        assert any(p.staged for p in plan)
 
 
 @pytest.mark.timeout(180)

@@ -30,6 +30,7 @@ from statebridge.testing.hosts import RankHostPool
 from statebridge.testing.synthetic import global_kv, request_seed
 from statebridge.testing.probes import Probes, instrumented, probes_of
 
+from ._inprocess import check_kv, check_pages
 from ._helpers import FAST, SYNTHETIC, expected_checksum, log_to_stderr, thaw, wait_until
 
 pytestmark = [pytest.mark.ucx, pytest.mark.multiprocess]
@@ -78,8 +79,10 @@ def ids(n: int) -> list[str]:
 
 @pytest.fixture(scope="module")
 def pools():
-    with RankHostPool(4, initializer=log_to_stderr) as prefill_hosts, \
-            RankHostPool(8, initializer=log_to_stderr) as decode_hosts:
+    # Own hosts (tests here SIGKILL and SIGSTOP them), started as groups first need them: the
+    # first test's ops() then does not wait on twelve hosts still importing.
+    with RankHostPool(4, initializer=log_to_stderr, lazy=True) as prefill_hosts, \
+            RankHostPool(8, initializer=log_to_stderr, lazy=True) as decode_hosts:
         yield prefill_hosts, decode_hosts
 
 
@@ -153,6 +156,26 @@ CASES += [pytest.param("hybrid-kv4", 4, 1, "HB", "HB", UCX, id="kv4-4x1-ucx"),
           pytest.param("hybrid-kv4", 4, 1, "BH", "HB", UCX, id="kv4-4x1-BH-to-HB-ucx")]
 
 
+#: Through real rank processes by default (the rest under ``-m exhaustive``): equal TP, fan-out,
+#: fan-in, each KV layout (HB, LH, BH), both specs, the shared map and UCX. Every case runs in
+#: process against the byte oracles (test_kv_matrix_moves_the_oracle_bytes_in_process).
+REAL = {"kv2-2x2", "kv2-2x4", "kv4-4x2", "kv2-2x4-HB-to-LH", "kv4-4x1-BH-to-HB",
+        "kv2-1x8-ucx", "kv4-4x1-ucx"}
+assert REAL <= {c.id for c in CASES}
+
+
+@pytest.mark.parametrize("spec_name,src_tp,dst_tp,src_kv,dst_kv",
+                         [pytest.param(*c.values[:5], id=c.id) for c in CASES
+                          if not c.id.endswith("-ucx")])
+def test_kv_matrix_moves_the_oracle_bytes_in_process(spec_name, src_tp, dst_tp, src_kv, dst_kv):
+    """The matrix of test_kv_moves_byte_exact_and_blocks_are_freed without processes: the
+    pages (DLS both sides: zero-copy) and the KV blocks each decode rank must receive, byte for
+    byte (the ``-ucx`` cases move the same bytes by another transport)."""
+    plan = check_pages(KV_SPECS[spec_name], src_tp, dst_tp, "DLS", "DLS")
+    assert not any(p.staged for p in plan)
+    check_kv(KV_SPECS[spec_name], src_tp, dst_tp, src_kv, dst_kv)
+
+
 def rank_pairs(spec_name: str, src_tp: int, dst_tp: int) -> int:
     """(prefill rank, decode rank) pairs that move recurrent state or KV: one shared-map read
     each per request."""
@@ -165,7 +188,8 @@ def rank_pairs(spec_name: str, src_tp: int, dst_tp: int) -> int:
 
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("spec_name,src_tp,dst_tp,src_kv,dst_kv,config",
-                         [c if len(c.values) == 6 else pytest.param(*c.values, FAST, id=c.id)
+                         [pytest.param(*c.values, *([FAST] if len(c.values) == 5 else []),
+                                       id=c.id, marks=() if c.id in REAL else pytest.mark.exhaustive)
                           for c in CASES])
 def test_kv_moves_byte_exact_and_blocks_are_freed(pools, spec_name, src_tp, dst_tp, src_kv,
                                                    dst_kv, config):

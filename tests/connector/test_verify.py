@@ -28,7 +28,7 @@ from statebridge.testing.probes import Probes
 from statebridge.testing.synthetic import fill_kv, fill_page, global_kv, global_state, \
     request_seed
 
-from ._helpers import FAST, SPECS, SYNTHETIC, expected_checksum, log_to_stderr, wait_until
+from ._helpers import FAST, SPECS, SYNTHETIC, expected_checksum, wait_until
 
 VERIFY = FAST.replace(verify_transfers=True)
 CORRUPTING = "tests.connector._helpers:CorruptingModel"
@@ -160,10 +160,9 @@ class _DigestSpy:
 
 
 @pytest.fixture(scope="module")
-def pools():
-    with RankHostPool(4, initializer=log_to_stderr) as prefill_hosts, \
-            RankHostPool(4, initializer=log_to_stderr) as decode_hosts:
-        yield prefill_hosts, decode_hosts
+def pools(shared_pools):
+    """The session's rank hosts (tests/conftest.py)."""
+    return shared_pools
 
 
 def _digest_passes(*pools_: RankHostPool) -> int:

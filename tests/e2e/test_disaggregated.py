@@ -17,11 +17,13 @@ from statebridge.net import free_port
 from statebridge.node.decode_node import DecodeNode
 from statebridge.node.demo import NodeProcess
 from statebridge.node.prefill_node import start_prefill_node
-from statebridge.testing.hosts import RankHostPool
+from statebridge.state.spec import StateSpec
 
 from tests.models._helpers import KV_BLOCK, KV_PROMPTS, NEW_TOKENS, PROMPTS
 
-from tests.connector._helpers import log_to_stderr, wait_until
+from tests.connector._helpers import wait_until
+from tests.connector._inprocess import check_kv, check_pages
+from tests.models import test_transfer
 
 from ._helpers import FAST
 
@@ -29,10 +31,9 @@ pytestmark = [pytest.mark.ucx, pytest.mark.multiprocess]
 
 
 @pytest.fixture(scope="module")
-def pools():
-    with RankHostPool(4, initializer=log_to_stderr) as prefill_hosts, \
-            RankHostPool(4, initializer=log_to_stderr) as decode_hosts:
-        yield prefill_hosts, decode_hosts
+def pools(shared_pools):
+    """The session's rank hosts (tests/conftest.py)."""
+    return shared_pools
 
 
 def run_all(address: str, prompts, **kwargs):
@@ -44,10 +45,27 @@ def run_all(address: str, prompts, **kwargs):
         return list(pool.map(one, prompts))
 
 
-CASES = [pytest.param(model, p, d, layout, id=f"{model}-{p}x{d}-{layout}")
-         for model in ("lfm2", "mamba2-g1", "mamba2-g4")
-         for (p, d) in [(1, 2), (2, 1), (2, 4), (4, 2)]
-         for layout in ("LDS", "DLS")]
+MATRIX = [(model, p, d, layout, f"{model}-{p}x{d}-{layout}")
+          for model in ("lfm2", "mamba2-g1", "mamba2-g4")
+          for (p, d) in [(1, 2), (2, 1), (2, 4), (4, 2)]
+          for layout in ("LDS", "DLS")]
+#: Through real nodes by default (the rest under ``-m exhaustive``): each family, fan-out and
+#: fan-in, each layout. Every case runs in process (test_greedy_tokens_in_process: thread
+#: groups, the page moved by the plan's copies, transformers' tokens).
+REAL = {"lfm2-1x2-LDS", "mamba2-g1-4x2-DLS", "mamba2-g4-2x4-DLS", "mamba2-g4-2x1-LDS"}
+CASES = [pytest.param(*c[:4], id=c[4], marks=() if c[4] in REAL else pytest.mark.exhaustive)
+         for c in MATRIX]
+assert REAL <= {c[4] for c in MATRIX}
+
+
+@pytest.mark.parametrize("model,prefill_tp,decode_tp,layout",
+                         [pytest.param(*c[:4], id=c[4]) for c in MATRIX])
+def test_greedy_tokens_in_process(hf_models, model, prefill_tp, decode_tp, layout):
+    """test_greedy_tokens_equal_transformers's matrix without processes: prefill on a thread
+    group, the page moved by the transfer plan's copies into garbage-filled pages of the other
+    TP degree, decode there; the tokens are transformers' (tests/models/test_transfer.py)."""
+    test_transfer.test_prefill_here_decode_there(hf_models, model, prefill_tp, layout,
+                                                 decode_tp, layout)
 
 
 @pytest.mark.timeout(300)
@@ -74,10 +92,32 @@ def test_greedy_tokens_equal_transformers(pools, hf_models, model, prefill_tp, d
         server.close()
 
 
-HYBRID_CASES = [pytest.param(model, p, d, src, dst, id=f"{model}-{p}x{d}-{src}-{dst}")
-                for model in ("lfm2-hybrid", "granite-hybrid")
-                for (p, d) in [(1, 2), (2, 1), (2, 4), (4, 2), (1, 4), (4, 1)]
-                for src, dst in (("HB", "HB"), ("LH", "BH"))]
+HYBRID_MATRIX = [(model, p, d, src, dst, f"{model}-{p}x{d}-{src}-{dst}")
+                 for model in ("lfm2-hybrid", "granite-hybrid")
+                 for (p, d) in [(1, 2), (2, 1), (2, 4), (4, 2), (1, 4), (4, 1)]
+                 for src, dst in (("HB", "HB"), ("LH", "BH"))]
+#: Through real nodes by default (the rest under ``-m exhaustive``): both families, fan-out
+#: and fan-in, both KV layout pairs, Granite's KV heads replicated at TP 4. Every case's page
+#: and KV bytes are checked in process against the byte oracles
+#: (test_hybrid_transfer_bytes_in_process).
+HYBRID_REAL = {"lfm2-hybrid-2x4-HB-HB", "lfm2-hybrid-4x1-LH-BH", "granite-hybrid-1x4-HB-HB",
+               "granite-hybrid-2x1-LH-BH"}
+HYBRID_CASES = [pytest.param(*c[:5], id=c[5],
+                             marks=() if c[5] in HYBRID_REAL else pytest.mark.exhaustive)
+                for c in HYBRID_MATRIX]
+assert HYBRID_REAL <= {c[5] for c in HYBRID_MATRIX}
+
+
+@pytest.mark.parametrize("model,prefill_tp,decode_tp,src_layout,dst_layout",
+                         [pytest.param(*c[:5], id=c[5]) for c in HYBRID_MATRIX])
+def test_hybrid_transfer_bytes_in_process(hf_models, model, prefill_tp, decode_tp, src_layout,
+                                          dst_layout):
+    """The hybrid matrix's transfers without processes: each decode rank's page and KV blocks
+    (KV layouts as the case names them) byte-exact against the oracles."""
+    spec = StateSpec.from_pretrained(hf_models[model].path)
+    plan = check_pages(spec, prefill_tp, decode_tp, "DLS", "DLS")
+    assert not any(p.staged for p in plan)
+    check_kv(spec, prefill_tp, decode_tp, src_layout, dst_layout)
 
 
 @pytest.mark.timeout(300)

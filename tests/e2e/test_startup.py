@@ -11,7 +11,6 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from statebridge.testing.hosts import RankHostPool
 from statebridge.errors import ConfigError, NotReadyError, ShapeError
 from statebridge.node.client import Client
 from statebridge.node.decode_node import DecodeNode
@@ -19,7 +18,6 @@ from statebridge.node.prefill_node import start_prefill_node
 
 from tests.models._helpers import NEW_TOKENS, PROMPTS
 
-from tests.connector._helpers import log_to_stderr
 
 from ._helpers import FAST
 
@@ -27,10 +25,9 @@ pytestmark = [pytest.mark.ucx, pytest.mark.multiprocess]
 
 
 @pytest.fixture(scope="module")
-def pools():
-    with RankHostPool(2, initializer=log_to_stderr) as prefill_hosts, \
-            RankHostPool(2, initializer=log_to_stderr) as decode_hosts:
-        yield prefill_hosts, decode_hosts
+def pools(shared_pools):
+    """The session's rank hosts (tests/conftest.py)."""
+    return shared_pools
 
 
 @pytest.mark.timeout(300)

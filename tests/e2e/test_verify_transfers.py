@@ -13,9 +13,8 @@ from statebridge.models.checkpoint import make_checkpoint
 from statebridge.node.client import Client
 from statebridge.node.decode_node import DecodeNode
 from statebridge.node.prefill_node import start_prefill_node
-from statebridge.testing.hosts import RankHostPool
 
-from tests.connector._helpers import log_to_stderr, wait_until
+from tests.connector._helpers import wait_until
 
 from ._helpers import FAST
 
@@ -30,10 +29,9 @@ PROMPT = [5, 17, 42, 9, 100, 3, 77, 21, 64, 8, 13, 250, 31, 7, 90, 11, 2, 19]
 
 
 @pytest.fixture(scope="module")
-def pools():
-    with RankHostPool(1, initializer=log_to_stderr) as prefill_hosts, \
-            RankHostPool(2, initializer=log_to_stderr) as decode_hosts:
-        yield prefill_hosts, decode_hosts
+def pools(shared_pools):
+    """The session's rank hosts (tests/conftest.py)."""
+    return shared_pools
 
 
 @pytest.fixture(scope="module")

@@ -132,8 +132,21 @@ def transformers_module():
     return pytest.importorskip("transformers")
 
 
+#: The one build of the session (see hf_models).
+_BUILT: dict[str, dict[str, HFModel]] = {}
+
+
 @pytest.fixture(scope="session")
 def hf_models(tmp_path_factory, transformers_module) -> dict[str, HFModel]:
+    """The checkpoints and reference tokens, built once per session: tests/e2e/conftest.py
+    registers this same fixture again (pytest keeps one cache per registration), so the build
+    is kept here and both registrations return it."""
+    if "models" not in _BUILT:
+        _BUILT["models"] = _build_hf_models(tmp_path_factory, transformers_module)
+    return _BUILT["models"]
+
+
+def _build_hf_models(tmp_path_factory, transformers_module) -> dict[str, HFModel]:
     tf = transformers_module
     out = {}
     for i, (name, (config_cls, kwargs, save_kwargs)) in enumerate(HF_MODELS.items()):
