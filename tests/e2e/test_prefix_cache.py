@@ -162,3 +162,82 @@ def test_tokens_with_hits_equal_transformers(pools, hf_models, references, monke
         assert_no_leak(server)
     finally:
         server.close()
+
+
+@pytest.mark.timeout(600)
+def test_eviction_under_a_tiny_budget_keeps_tokens_exact_and_leaks_nothing(
+        pools, hf_models, references, monkeypatch):
+    """A budget of a few pages and blocks: units are evicted (LRU) while requests run, hits
+    still give transformers' tokens, and the pools come back to the cache's holdings."""
+    from statebridge.state import PageGeometry, StateSpec
+    from statebridge.state.kv import BlockGeometry
+
+    prefill_hosts, decode_hosts = pools
+    model = "lfm2-hybrid"
+    path = hf_models[model].path
+    spec = StateSpec.from_pretrained(path)
+    page = PageGeometry(spec, 1, "DLS").page_size
+    block = BlockGeometry(spec.kv, 1, "HB", KV_BLOCK, 96).bytes_per_block
+    server = start_cached(monkeypatch, path, 1, prefill_hosts, layout="DLS", num_pages=16,
+                          block_size=KV_BLOCK, kv_blocks=96,
+                          prefix_cache_bytes=3 * page + 20 * block)
+    try:
+        with DecodeNode(path, 2, [server.address], layout="DLS", num_pages=16, config=FAST,
+                        block_size=KV_BLOCK, kv_blocks=96,
+                        launcher=decode_hosts.launcher()) as node:
+            bases = [_rng_tokens(30 + i, 18) for i in range(4)]
+            for round_ in range(2):
+                for i, base in enumerate(bases):
+                    prompt = base + _rng_tokens(40 + 10 * round_ + i, 3)
+                    [result] = run_all(node.address, [prompt])
+                    assert result.tokens == references(model, prompt)
+            stats = server.stats()
+            cache = server.prefix.cache
+            assert cache.page_budget <= 4, cache.page_budget
+            assert stats["prefix_evictions"] > 0, stats
+            assert stats["pages_cached"] <= cache.page_budget
+            assert stats["blocks_cached"] <= cache.block_budget
+        assert_no_leak(server)
+    finally:
+        server.close()
+
+
+@pytest.mark.timeout(600)
+def test_a_corrupted_checkpoint_is_not_hidden_by_verify_transfers(
+        pools, hf_models, references, monkeypatch):
+    """The digest covers what is sent: a cached checkpoint overwritten on the prefill ranks
+    gives a request that verifies fine on the decode side and decodes other tokens. (What rules
+    out a stale or wrong checkpoint is the key and that cached pages are never written: see the
+    module docstring.)"""
+    prefill_hosts, decode_hosts = pools
+    model = "mamba2-g1"                       # an SSM state persists: a conv one is flushed
+    path = hf_models[model].path
+    config = FAST.replace(verify_transfers=True)
+    monkeypatch.setattr(prefill_node, "PrefillServer", functools.partial(
+        PrefillServer, prefix_cache=True, prefix_stride=STRIDE))
+    server = start_prefill_node(path, 1, config=config, num_pages=16,
+                                launcher=prefill_hosts.launcher(),
+                                rank_model="tests.connector._prefix_models:CorruptibleModel")
+    try:
+        with DecodeNode(path, 1, [server.address], num_pages=16, config=config,
+                        launcher=decode_hosts.launcher()) as node:
+            a = _rng_tokens(1, 30)
+            [first] = run_all(node.address, [a])
+            assert first.tokens == references(model, a)
+            from tests.connector._prefix_models import CorruptPage
+
+            def corrupt():
+                cache = server.prefix.cache
+                unit = next(u for u in cache._lru.values() if u.tokens == 24)
+                server.group.to_ranks(CorruptPage(page=unit.page))
+            server.group.loop.call(corrupt)
+            again = _rng_tokens(1, 30)
+            [second] = run_all(node.address, [again])
+            assert server.stats()["prefix_hits"] == 24
+            coordinator = node.stats()["coordinator"]
+            assert coordinator["transfer_digests_checked"] >= 2, coordinator
+            assert not coordinator.get("transfer_digest_mismatches"), coordinator
+            assert second.tokens != references(model, again), \
+                "a corrupted checkpoint must change the tokens (nothing on the wire hides it)"
+    finally:
+        server.close()
