@@ -241,3 +241,66 @@ def test_a_corrupted_checkpoint_is_not_hidden_by_verify_transfers(
                 "a corrupted checkpoint must change the tokens (nothing on the wire hides it)"
     finally:
         server.close()
+
+
+def _held(node: DecodeNode) -> dict[str, int]:
+    """Per prefill node, the checkpoints the decode node's router knows of."""
+    coordinator = node.coordinator
+    return coordinator.group.loop.call(
+        lambda: {n: len(p.keys) for n, p in coordinator.router.nodes.items()})
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("routing", [True, False], ids=["by-prefix", "round-robin"])
+def test_requests_go_where_their_prefix_lives(pools, hf_models, references, monkeypatch,
+                                              routing):
+    """Two prefill nodes: requests that share a warm prefix go to the node that holds it (all
+    hit there); round robin (``prefix_routing=False``) sends half elsewhere, where they miss.
+    After an eviction the router forgets within a heartbeat; a closed prefill node's entries
+    are gone."""
+    from statebridge.connector.decode import DecodeCoordinator
+    from statebridge.node import decode_node
+
+    prefill_hosts, decode_hosts = pools
+    model = "lfm2"
+    path = hf_models[model].path
+    monkeypatch.setattr(decode_node, "DecodeCoordinator", functools.partial(
+        DecodeCoordinator, prefix_routing=routing))
+    servers = [start_cached(monkeypatch, path, 1, prefill_hosts, num_pages=16)
+               for _ in range(2)]
+    try:
+        with DecodeNode(path, 1, [s.address for s in servers], num_pages=16, config=FAST,
+                        launcher=decode_hosts.launcher()) as node:
+            wait_until(lambda: len(node.coordinator.prefill_nodes()) == 2, 30, "both prefills")
+            base = _rng_tokens(50, 25)                # prefills 24+: checkpoints 8, 16, 24
+            [warm] = run_all(node.address, [base + (1, 2)])
+            assert warm.tokens == references(model, base + (1, 2))
+            home = max(servers, key=lambda s: s.stats().get("requests", 0))
+            wait_until(lambda: _held(node).get(home.node_id, 0) > 0, 5, "the announcement")
+            prompts = [base + _rng_tokens(60 + i, 4) for i in range(6)]
+            for p in prompts:                         # one after the other: no queue
+                [r] = run_all(node.address, [p])
+                assert r.tokens == references(model, p)
+            hits = {s.node_id: s.stats()["prefix_hits"] for s in servers}
+            if routing:
+                assert hits[home.node_id] == 24 * len(prompts), hits
+                assert home.stats().get("requests", 0) == 1 + len(prompts)
+                assert node.stats()["coordinator"]["prefix_routed"] == len(prompts)
+            else:
+                assert hits[home.node_id] < 24 * len(prompts), hits
+            prefix = node.stats()["coordinator"]["prefill_nodes"][home.node_id]["prefix"]
+            assert prefix["pages_cached"] == home.stats()["pages_cached"] > 0
+
+            # eviction: the router forgets within a heartbeat or so
+            home.group.loop.call(home.prefix.cache.clear)
+            wait_until(lambda: _held(node).get(home.node_id, 1) == 0, 2, "the eviction")
+            # a prefill node that goes: its entries go with its link
+            [r] = run_all(node.address, [base + (3, 4)])
+            holder = max(servers, key=lambda s: s.stats()["pages_cached"])
+            wait_until(lambda: _held(node).get(holder.node_id, 0) > 0, 5, "the announcement")
+            holder.close()
+            wait_until(lambda: holder.node_id not in _held(node), 10, "the node's entries gone")
+            assert holder.node_id not in node.stats()["coordinator"]["prefill_nodes"]
+    finally:
+        for s in servers:
+            s.close()
