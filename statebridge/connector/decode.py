@@ -8,7 +8,9 @@ Per request (N-1 protocol)::
     submit(request_id, prompt[:-1])
       allocate one page id (same on every decode rank), next generation
       --RankRecv-->        every decode rank: post receives of its runs into the page
-      --TransferRequest--> the prefill server (round robin over connected ones)
+      --TransferRequest--> the prefill server (round robin over connected ones; with
+                           prefix caches, the one holding most of the prompt:
+                           connector/prefix_router.py)
       <--RankDone--        every decode rank (all receives complete, or failed/cancelled)
       future resolves to a TransferResult (the prefill side freed its page when its own
       ranks' sends completed: nothing to tell it)

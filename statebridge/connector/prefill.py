@@ -20,6 +20,14 @@ either table breaks, not on where the source range starts) and post their KV rec
 the recurrent ones, without a round trip. Its ranks send the KV runs after the recurrent ones.
 The blocks are freed with the page.
 
+With its prefix cache on (``prefix_cache``; :mod:`~statebridge.connector.prefill_cache`), a
+request may start from a cached checkpoint (``RankPrefill.cached_tokens``: the ranks copy its
+state and KV into the request's own page and range, so the transfer is unchanged) and leaves
+checkpoints of its own; its full blocks the cache adopts are not freed with the page.
+``TransferTimes.cached_tokens`` says how many tokens were not computed, and the decode peers
+hear what the cache holds (``PrefixAnnounce``: in full after the handshake, then the changes
+with the heartbeats).
+
 The page is held under a lease of ``lease_timeout`` seconds from when its state is final (the
 ranks posted the sends; queueing and compute do not count): if the sends do not complete in
 time (the decode side vanished before posting its receives), each rank cancels its own and

@@ -288,8 +288,11 @@ def test_requests_go_where_their_prefix_lives(pools, hf_models, references, monk
                 assert node.stats()["coordinator"]["prefix_routed"] == len(prompts)
             else:
                 assert hits[home.node_id] < 24 * len(prompts), hits
-            prefix = node.stats()["coordinator"]["prefill_nodes"][home.node_id]["prefix"]
-            assert prefix["pages_cached"] == home.stats()["pages_cached"] > 0
+            # what the decode node shows of each prefill node's cache (its latest announcement)
+            pages = home.stats()["pages_cached"]
+            assert pages > 0
+            wait_until(lambda: node.stats()["coordinator"]["prefill_nodes"][home.node_id]
+                       ["prefix"]["pages_cached"] == pages, 5, "the announced pool use")
 
             # eviction: the router forgets within a heartbeat or so
             home.group.loop.call(home.prefix.cache.clear)
