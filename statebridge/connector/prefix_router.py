@@ -21,8 +21,8 @@ A/B switch), exactly the round robin of before.
 
 from __future__ import annotations
 
-import itertools
 import collections
+import itertools
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Sequence
 

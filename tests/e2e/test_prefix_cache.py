@@ -307,3 +307,34 @@ def test_requests_go_where_their_prefix_lives(pools, hf_models, references, monk
     finally:
         for s in servers:
             s.close()
+
+
+@pytest.mark.timeout(300)
+def test_request_timing_carries_the_cached_tokens(pools, hf_models, monkeypatch):
+    """TransferTimes.cached_tokens reaches the decode coordinator's RequestTiming; a decode
+    coordinator with ``prefix_cache=False`` neither hits nor leaves checkpoints."""
+    from statebridge.connector.decode import DecodeCoordinator
+    from statebridge.state import StateSpec
+
+    prefill_hosts, decode_hosts = pools
+    path = hf_models["lfm2"].path
+    server = start_cached(monkeypatch, path, 1, prefill_hosts, num_pages=16)
+    spec = StateSpec.from_pretrained(path)
+    try:
+        for cache_on, expected in [(True, [0, 24]), (False, [0, 0])]:
+            timings = []
+            with DecodeCoordinator(spec, 1, "LDS", 8, config=FAST, prefix_cache=cache_on,
+                                   launcher=decode_hosts.launcher()) as coordinator:
+                coordinator.on_timing(timings.append)
+                coordinator.connect(server.address)
+                prompt = _rng_tokens(70 + cache_on, 29)
+                for i in range(2):
+                    result = coordinator.submit(f"r{i}", prompt).result(60)
+                    coordinator.release(result)
+                    wait_until(lambda: len(timings) == i + 1, 10, "the request's timing")
+                assert [t.cached_tokens for t in timings] == expected
+            if not cache_on:
+                assert server.stats()["prefix_hits"] == 24        # the first coordinator's
+        assert_no_leak(server)
+    finally:
+        server.close()
