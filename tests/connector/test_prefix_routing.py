@@ -249,3 +249,14 @@ def test_rank_prefill_fields_and_block_ownership_with_kv():
     prefix.release(record)
     assert group.pool.num_used == prefix.cache.num_units
     assert group.blocks.num_used == prefix.cache.num_blocks
+
+
+def test_a_restarted_group_starts_with_an_empty_cache_over_its_new_pools():
+    prefix = _group_prefix("p1")
+    _prefill(prefix, tuple(range(1, 20)))
+    assert prefix.snapshot().added_keys
+    prefix.group.pool = PagePool(16)                    # what RankGroup.reset_generation does
+    prefix.reset()
+    snapshot = prefix.snapshot()
+    assert snapshot.reset and not snapshot.added_keys and snapshot.pages_cached == 0
+    assert prefix.cache.pages is prefix.group.pool
