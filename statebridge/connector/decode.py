@@ -8,7 +8,9 @@ Per request (N-1 protocol)::
     submit(request_id, prompt[:-1])
       allocate one page id (same on every decode rank), next generation
       --RankRecv-->        every decode rank: post receives of its runs into the page
-      --TransferRequest--> the prefill server (round robin over connected ones)
+      --TransferRequest--> the prefill server (round robin over connected ones; with
+                           prefix caches, the one holding most of the prompt:
+                           connector/prefix_router.py)
       <--RankDone--        every decode rank (all receives complete, or failed/cancelled)
       future resolves to a TransferResult (the prefill side freed its page when its own
       ranks' sends completed: nothing to tell it)
@@ -52,7 +54,6 @@ new requests carry new generations, hence new tags.
 from __future__ import annotations
 
 import concurrent.futures
-import itertools
 import logging
 import time
 from dataclasses import dataclass
@@ -63,6 +64,7 @@ from statebridge.connector import messages as m
 from statebridge.connector.group import RankGroup, delegate_to_group
 from statebridge.connector.ledger import Phase, Record, RequestKey
 from statebridge.connector.prefill_links import PeerState, PrefillLinks, _Prefill
+from statebridge.connector.prefix_router import PrefixRouter
 from statebridge.connector.request_timing import RequestTiming, TimingJoin, TransferResult
 from statebridge.errors import (
     ClosedError,
@@ -113,14 +115,24 @@ class DecodeCoordinator:
     ``launcher``, ``model``, ``probes``, the KV pool, ``device``, ...), builds the group, then
     its own parts, then starts the group. ``node_id``, ``address``, ``fatal``, ``wait_ready``,
     ``whole`` and ``close`` are the group's.
+
+    It *has* ``router`` too (:class:`~statebridge.connector.prefix_router.PrefixRouter`):
+    ``prefix_cache`` (default on) lets prefill nodes start requests from their prefix cache
+    (False: ``TransferRequest.prefix_cache`` False, no routing by prefix); ``prefix_routing``
+    (default on) sends a request to the prefill node that holds most of its prompt (False:
+    round robin, the A/B switch of a benchmark).
     """
 
     role = "decode"
 
-    def __init__(self, spec, tp_size: int, layout, num_pages: int, **group_options: Any) -> None:
+    def __init__(self, spec, tp_size: int, layout, num_pages: int, *,
+                 prefix_cache: bool = True, prefix_routing: bool = True,
+                 **group_options: Any) -> None:
         self.group = group = RankGroup(self, self.role, spec, tp_size, layout, num_pages,
                                        **group_options)
         self.links = PrefillLinks(group, self)
+        self.router = PrefixRouter(enabled=prefix_cache, routing=prefix_routing)
+        self.links.on_prefill_connected(self.router.connected)
         self.timing = TimingJoin(group.node_id,
                                  group.config.transfer_timeout + group.config.peer_timeout)
         #: request id -> its live attempt (ACTIVE, FAILED until its page is free, or DONE until
@@ -128,7 +140,6 @@ class DecodeCoordinator:
         self.current: dict[str, RequestKey] = {}
         self._callbacks: dict[RequestKey, OnDone] = {}
         self._last_generation = 0
-        self._rr = itertools.count()
         #: Transfer verification: request -> the prefill node's digests by decode rank
         #: (TransferDigest), until the request is DONE and compared, or freed.
         self._expected: dict[RequestKey, tuple[int, ...]] = {}
@@ -191,10 +202,13 @@ class DecodeCoordinator:
                        f"prefill {peer.node_id}: {msg.message}", notify=False)
         elif isinstance(msg, m.TransferDigest):
             self._on_transfer_digest(peer, msg)
+        elif isinstance(msg, m.PrefixAnnounce):
+            self.router.announced(peer.node_id, msg)
         else:
             self.group.counters.add("unexpected_messages")
 
     def prefill_lost(self, peer: _Prefill, why: str) -> None:
+        self.router.lost(peer.node_id)
         for record in self.group.ledger.of_peer(peer.node_id):
             self._fail(record, FailureKind.PEER_LOST, f"prefill {peer.node_id} lost ({why})",
                        notify=False, lost_node=peer.node_id)
@@ -272,7 +286,7 @@ class DecodeCoordinator:
                 _, why = self.status()
                 raise NotReadyError(f"{why}{f' named {prefill!r}' if prefill else ''}",
                                     request_id=request_id)
-            peer = ready[next(self._rr) % len(ready)]
+            peer = self.router.pick(ready, prompt, group.ledger)
         tokens = m.token_count(prompt)
         num_blocks = self.blocks_for(tokens)
         key = RequestKey(peer.node_id if peer else "", request_id,
@@ -294,9 +308,11 @@ class DecodeCoordinator:
             group.to_ranks(m.RankRecv(request_id=request_id, generation=generation,
                                       page=record.page, peer_node=peer.node_id, blocks=blocks,
                                       kv_tokens=tokens if blocks else 0))
+            self.router.sent(key, tokens)
             c.send_dealer(peer.sock, m.TransferRequest(request_id=request_id,
                                                        generation=generation, prompt=prompt,
-                                                       kv_blocks=blocks))
+                                                       kv_blocks=blocks,
+                                                       prefix_cache=self.router.enabled))
         return key
 
     def grow(self, request_id: str, tokens: int) -> tuple[int, ...]:
@@ -526,6 +542,7 @@ class DecodeCoordinator:
         connections end with a Goodbye; the kept addresses are re-dialed once the group is
         whole again."""
         self.links.hang_up(why, lost=True)
+        self.router.reset()
 
     def group_reset(self) -> None:
         self._expected.clear()                 # of the old ledger's requests
@@ -553,6 +570,10 @@ class DecodeCoordinator:
                     "completed_unreleased": sum(1 for r in group.ledger
                                                 if r.phase is Phase.DONE),
                     "prefills": self.ready_prefills(),
+                    "prefill_nodes": {n: {"prefix": self.router.node_stats(n)}
+                                      for n in self.ready_prefills()},
+                    "prefix_routed": self.router.routed,
+                    "prefix_routed_tokens": self.router.routed_tokens,
                     "healthy": group.healthy, "generation": group.generation,
                     **group.counters.snapshot()}
         return group.loop.call(collect)

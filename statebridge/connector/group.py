@@ -439,7 +439,8 @@ class RankGroup:
             return
         self.ranks[r] = _RankState(identity, sock=sock, announced=RankAnnouncement(
             address=msg.address, pid=msg.pid, shm_fd=msg.shm_fd,
-            weights_private=msg.weights_private, weights_mapped=msg.weights_mapped))
+            weights_private=msg.weights_private, weights_mapped=msg.weights_mapped,
+            chunked_prefill=msg.chunked_prefill))
         self._by_identity[identity] = r
         self.rank_watch.heard(r)
         if all(s.identity is not None for s in self.ranks) and not self._start_errors:

@@ -29,14 +29,16 @@ __all__ = ["GroupHandshake", "RankAnnouncement"]
 @dataclass(frozen=True)
 class RankAnnouncement:
     """What a rank said when it announced itself (:class:`~statebridge.connector.messages.
-    RankHello`): its UCX worker address, its process and shared-map fd, and what its model's
-    weights cost its process. A rank that did not announce itself yet: the defaults."""
+    RankHello`): its UCX worker address, its process and shared-map fd, what its model's
+    weights cost its process, and whether its model prefills from a state. A rank that did not announce itself yet: the defaults."""
 
     address: bytes = b""
     pid: int = 0
     shm_fd: int = -1
     weights_private: int = 0
     weights_mapped: int = 0
+    #: Its model prefills from a state (what a prefix cache hit needs).
+    chunked_prefill: bool = False
 
 
 @dataclass(frozen=True)

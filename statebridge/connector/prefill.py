@@ -20,6 +20,14 @@ either table breaks, not on where the source range starts) and post their KV rec
 the recurrent ones, without a round trip. Its ranks send the KV runs after the recurrent ones.
 The blocks are freed with the page.
 
+With its prefix cache on (``prefix_cache``; :mod:`~statebridge.connector.prefill_cache`), a
+request may start from a cached checkpoint (``RankPrefill.cached_tokens``: the ranks copy its
+state and KV into the request's own page and range, so the transfer is unchanged) and leaves
+checkpoints of its own; its full blocks the cache adopts are not freed with the page.
+``TransferTimes.cached_tokens`` says how many tokens were not computed, and the decode peers
+hear what the cache holds (``PrefixAnnounce``: in full after the handshake, then the changes
+with the heartbeats).
+
 The page is held under a lease of ``lease_timeout`` seconds from when its state is final (the
 ranks posted the sends; queueing and compute do not count): if the sends do not complete in
 time (the decode side vanished before posting its receives), each rank cancels its own and
@@ -44,7 +52,9 @@ from statebridge.connector import control as c
 from statebridge.connector import messages as m
 from statebridge.connector.group import RankGroup, delegate_to_group
 from statebridge.connector.ledger import Phase, Record, RequestKey
+from statebridge.connector.prefill_cache import PrefillPrefix
 from statebridge.errors import CacheFullError, FailureKind, IncompatiblePeerError
+from statebridge.state.prefix import DEFAULT_CHECKPOINT_TOKENS
 from statebridge.state.kv import blocks_for
 
 log = logging.getLogger(__name__)
@@ -76,13 +86,23 @@ class PrefillServer:
     by ``RequestKey(decode node id, request id, generation)``; a record's ``peer`` is the
     :class:`_Peer` connection it came from. ``node_id``, ``address`` (where decode nodes
     connect), ``fatal``, ``wait_ready``, ``whole`` and ``close`` are the group's.
+
+    It *has* ``prefix`` (:class:`~statebridge.connector.prefill_cache.PrefillPrefix`), its
+    prefix cache: ``prefix_cache`` turns it on (off by default; the node turns it on),
+    ``prefix_stride`` tokens between checkpoints, ``prefix_cache_bytes`` per rank (None: half
+    of the pages and blocks).
     """
 
     role = "prefill"
 
-    def __init__(self, spec, tp_size: int, layout, num_pages: int, **group_options: Any) -> None:
+    def __init__(self, spec, tp_size: int, layout, num_pages: int, *,
+                 prefix_cache: bool = False, prefix_stride: int = DEFAULT_CHECKPOINT_TOKENS,
+                 prefix_cache_bytes: int | None = None, **group_options: Any) -> None:
         self.group = group = RankGroup(self, self.role, spec, tp_size, layout, num_pages,
                                        **group_options)
+        model = group_options.get("model_dir") or group_options.get("model") or ""
+        self.prefix = PrefillPrefix(group, enabled=prefix_cache, stride=prefix_stride,
+                                    cache_bytes=prefix_cache_bytes, model=str(model))
         self.peers: dict[bytes, _Peer] = {}
         self.waiting: collections.deque[tuple[_Peer, m.TransferRequest]] = collections.deque()
         self.peer_watch = c.PeerWatch(group.config.peer_timeout, group.loop)
@@ -189,7 +209,11 @@ class PrefillServer:
         peer.connected = True
         log.info("%s: decode group %s connected (TP %d, %s)", self.group.node_id, info.node_id,
                  info.tp_size, info.layout)
-        c.send_router(self.group.router, identity, self.group.group_info())
+        c.send_router(self.group.router, identity,
+                      self.prefix.group_info(self.group.group_info()))
+        snapshot = self.prefix.snapshot()         # what its router starts from
+        if snapshot is not None:
+            c.send_router(self.group.router, identity, snapshot)
 
     # -- requests ----------------------------------------------------------------------------------
     def _record(self, peer: _Peer, request_id: str, generation: int) -> Record | None:
@@ -260,12 +284,13 @@ class PrefillServer:
                                     prompt=msg.prompt, src_page=record.page,
                                     peer_node=peer.node_id, src_blocks=src_blocks,
                                     dst_blocks=msg.kv_blocks, kv_tokens=m.token_count(msg.prompt)
-                                    if self.group.spec.kv is not None else 0))
+                                    if self.group.spec.kv is not None else 0,
+                                    **self.prefix.plan(msg, record)))
 
     def _fits(self, msg: m.TransferRequest) -> bool:
-        """Whether a page and the request's KV blocks (one range) are free now."""
-        return bool(self.group.pool.num_free) and (
-            not msg.kv_blocks or len(msg.kv_blocks) <= self.group.blocks.largest_free_range())
+        """Whether a page and the request's KV blocks (one range) are free now (the prefix
+        cache gives up unpinned units for them)."""
+        return self.prefix.admit(len(msg.kv_blocks))
 
     def _reject(self, peer: _Peer, msg: m.TransferRequest, kind: FailureKind,
                 reason: str) -> None:
@@ -333,15 +358,18 @@ class PrefillServer:
         (the request is DONE) or the request failed and every live rank confirmed."""
         if not self.group.ledger.quiet(record) or record.phase is Phase.ACTIVE:
             return
-        if not self.group.ledger.free(record):
+        if self.group.ledger.get(record.key) is not record:
             return                                   # freed already (callers may re-check)
+        self.prefix.settle(record, record.phase is Phase.DONE)   # its blocks the cache took
+        self.group.ledger.free(record)
+        cached_tokens = self.prefix.release(record)
         self._digests.pop(record.key, None)
         record.peer.inflight -= 1
         if record.phase is Phase.DONE and self.peers.get(record.peer.identity) is record.peer:
-            self._send_times(record)
+            self._send_times(record, cached_tokens)
         self._start_waiting()
 
-    def _send_times(self, record: Record) -> None:
+    def _send_times(self, record: Record, cached_tokens: int = 0) -> None:
         """Tell the decode peer when its request's events happened on our ranks (its
         metrics; one row per request, coalesced with the others of this loop iteration)."""
         done = record.done.values()
@@ -349,7 +377,8 @@ class PrefillServer:
             request_id=record.request_id, generation=record.generation,
             computed_from=min((d.computed_from for d in done if d.computed_from), default=0.0),
             state_final_at=max((d.state_final_at for d in done), default=0.0),
-            posted_at=min((d.posted_at for d in done if d.posted_at), default=0.0)))
+            posted_at=min((d.posted_at for d in done if d.posted_at), default=0.0),
+            cached_tokens=cached_tokens))
 
     def _start_waiting(self) -> None:
         while self.group.healthy and self.waiting and self._fits(self.waiting[0][1]):
@@ -359,11 +388,14 @@ class PrefillServer:
 
     # -- liveness (group.GroupEvents) ------------------------------------------------------------
     def tick(self) -> None:
+        announce = self.prefix.changes()             # drained once, to every decode peer
         for identity, peer in list(self.peers.items()):
             if peer.hello:
                 peer.heartbeats += 1
                 c.send_router(self.group.router, identity,
                               m.Heartbeat(node_id=self.group.node_id, seq=peer.heartbeats))
+                if announce is not None and peer.connected:
+                    c.send_router(self.group.router, identity, announce)
         for identity in self.peer_watch.expired():
             self._peer_lost(identity, f"silent for {self.group.config.peer_timeout} s")
 
@@ -403,6 +435,7 @@ class PrefillServer:
 
     def group_reset(self) -> None:
         self._digests.clear()                  # of the old ledger's requests
+        self.prefix.reset()                    # fresh pools: the cache starts empty
 
     def group_restarted(self) -> None:
         """Nothing to do: decode nodes re-dial us (refused while the group was not whole)."""
@@ -416,11 +449,16 @@ class PrefillServer:
         group = self.group
 
         def collect():
-            return {**group.page_stats(),
+            pages = group.page_stats()
+            prefix = self.prefix.stats()
+            # pages and blocks the cache holds are not in use by requests
+            pages["pages_used"] -= prefix["pages_cached"]
+            pages["blocks_used"] -= prefix["blocks_cached"]
+            return {**pages,
                     "waiting": len(self.waiting), "peers": len(self.peers),
                     "healthy": group.healthy, "generation": group.generation,
                     "ready": group.whole()[0], "reason": group.whole()[1],
-                    **group.counters.snapshot()}
+                    **group.counters.snapshot(), **prefix}
         return group.loop.call(collect)
 
     def __enter__(self):

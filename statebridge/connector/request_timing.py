@@ -51,7 +51,9 @@ class RequestTiming:
       decode rank held all of it (both 0.0 for a local prefill: nothing moved).
 
     So queue time is ``computed_from - arrived_at``, prefill compute ``state_final_at -
-    computed_from``, transfer ``landed_at - posted_at`` (see :meth:`seconds`)."""
+    computed_from``, transfer ``landed_at - posted_at`` (see :meth:`seconds`).
+    ``cached_tokens``: prompt tokens the prefill node took from its prefix cache (not
+    computed; :class:`~statebridge.connector.messages.TransferTimes`)."""
 
     request_id: str
     arrived_at: float
@@ -61,6 +63,7 @@ class RequestTiming:
     landed_at: float
     nbytes: int
     local: bool
+    cached_tokens: int = 0
 
     def seconds(self) -> tuple[float, float, float | None]:
         """(queue, prefill compute, transfer or None for a local prefill), each at least 0
@@ -131,7 +134,7 @@ class TimingJoin:
             request_id=result.request_id, arrived_at=arrived_at,
             computed_from=times.computed_from, state_final_at=times.state_final_at,
             posted_at=times.posted_at, landed_at=result.landed_at, nbytes=result.nbytes,
-            local=False))
+            local=False, cached_tokens=times.cached_tokens))
 
     def _timed(self, timing: "RequestTiming") -> None:
         try:
