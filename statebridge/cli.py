@@ -4,7 +4,8 @@
     statebridge keygen DIR [--name NAME] [--force]
     statebridge make-checkpoint --arch {lfm2,mamba2,lfm2-hybrid,granite-hybrid} --out DIR
                                 [--preset tiny|small]
-    statebridge prefill --model DIR --tp P --port N [--layout DLS]
+    statebridge prefill --model DIR --tp P --port N [--layout DLS] [--no-enable-prefix-caching]
+                        [--prefix-checkpoint-tokens 256] [--prefix-cache-gib G]
     statebridge decode --model DIR --tp D --prefill HOST:PORT [--prefill ...] --port M
                        [--http-port H [--http-host HOST] [--api-key KEY]]
     statebridge generate --decode HOST:PORT --prompt-ids 1,2,3 [--max-new-tokens K] [--json]
@@ -254,6 +255,13 @@ def _config_args(p: argparse.ArgumentParser) -> None:
     kv.add_argument("--kv-memory", type=_byte_size, default=None, metavar="SIZE",
                     help="deprecated (the tokens it holds depend on TP): KV pool bytes per rank; "
                          "use --kv-tokens or --kv-gib")
+    p.add_argument("--enable-prefix-caching", dest="prefix_cache",
+                   action=argparse.BooleanOptionalAction, default=None,
+                   help="prefix caching (default on): the prefill node keeps recurrent-state "
+                        "checkpoints and full KV blocks of the prompts it prefilled and starts "
+                        "a prompt that shares their prefix from them; the decode node asks for "
+                        "hits and routes each request to the prefill node holding its longest "
+                        "prefix. --no-enable-prefix-caching on either node turns it off")
     p.add_argument("--device", type=_device, default=None, metavar="auto|cpu|cuda[:N]",
                    help=f"{DEVICE_HELP} (default auto)")
     p.add_argument("--rank-model", default=None, metavar="MODULE:CLASS",
@@ -294,6 +302,13 @@ def _node_config(args: argparse.Namespace):
     """The node's settings: its flags where given, else the NodeConfig defaults."""
     from statebridge.config import NodeConfig
 
+    if getattr(args, "prefix_cache", None) is False:
+        given = [f"{flag} {value:g}" for flag, value in (
+            ("--prefix-checkpoint-tokens", getattr(args, "prefix_stride", None)),
+            ("--prefix-cache-gib", getattr(args, "prefix_cache_gib", None))) if value is not None]
+        if given:
+            logging.getLogger("statebridge.cli").warning(
+                "%s: no effect with --no-enable-prefix-caching", ", ".join(given))
     if getattr(args, "kv_memory", None) is not None:
         logging.getLogger("statebridge.cli").warning(
             "--kv-memory is deprecated: it sizes each rank's pool in bytes, so a node at lower "
@@ -301,7 +316,8 @@ def _node_config(args: argparse.Namespace):
     return NodeConfig().replace(**{name: getattr(args, name, None) for name in (
         "layout", "num_pages", "max_batch", "max_prompt_len", "max_new_tokens", "policy",
         "rank_model", "kv_layout", "block_size", "kv_blocks", "kv_memory", "kv_tokens",
-        "kv_gib", "device", "front_door")})
+        "kv_gib", "device", "front_door", "prefix_cache", "prefix_stride",
+        "prefix_cache_gib")})
 
 
 def _http_config(args: argparse.Namespace):
@@ -415,7 +431,8 @@ def _cmd_generate(args: argparse.Namespace) -> int:
             print(json.dumps({"request_id": out.request_id, "tokens": out.tokens,
                               "ttft_s": out.ttft, "transfer_s": out.transfer_seconds,
                               "transfer_bytes": out.transfer_bytes,
-                              "recomputed": out.recomputed}))
+                              "recomputed": out.recomputed,
+                              "cached_tokens": out.cached_tokens}))
             return 0
         for msg in client.stream(args.prompt_ids, max_new_tokens=args.max_new_tokens,
                                  temperature=args.temperature, top_p=args.top_p, seed=args.seed):
@@ -475,6 +492,16 @@ def _add_nodes(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--model", required=True, help="checkpoint directory (HF format)")
     p.add_argument("--tp", type=_positive_int, required=True, help="TP size")
     p.add_argument("--port", type=int, required=True, help="control port decode nodes connect to")
+    p.add_argument("--prefix-checkpoint-tokens", dest="prefix_stride", type=_positive_int,
+                   default=None, metavar="N",
+                   help="prefix caching: keep a recurrent-state checkpoint every N prompt tokens "
+                        "(and one at each prompt's end); a later prompt resumes from the last "
+                        "checkpoint it shares (default 256, independent of --block-size)")
+    p.add_argument("--prefix-cache-gib", dest="prefix_cache_gib", type=_positive_float,
+                   default=None, metavar="G",
+                   help="prefix caching: GiB of the node's page and KV pools (split evenly over "
+                        "its ranks) that cached checkpoints and KV blocks may hold; requests "
+                        "in flight always win over them (default: half of each pool)")
     _config_args(p)
     p.set_defaults(func=_cmd_prefill)
 
@@ -482,7 +509,9 @@ def _add_nodes(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--model", required=True, help="checkpoint directory (HF format)")
     p.add_argument("--tp", type=_positive_int, required=True, help="TP size")
     p.add_argument("--prefill", action="append", required=True, metavar="HOST:PORT",
-                   help="a prefill node (repeat for several: used round robin)")
+                   help="a prefill node (repeat for several: each request goes to the one "
+                        "holding the longest cached prefix of its prompt, balanced by queued "
+                        "prefill tokens; round robin with --no-enable-prefix-caching)")
     p.add_argument("--port", type=int, required=True,
                    help="port of the zmq front door clients connect to (not bound when the "
                         "door is off, see --front-door)")
