@@ -154,6 +154,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     elif spec.kv is not None:
         summary["kv"] = None
         summary["note"] = _KV_NOTE.format(layers=spec.kv.num_layers)
+    summary["prefix_cache"] = prefix = _prefix_summary(spec, args, summary["src"]["page_size"])
     if args.json:
         print(json.dumps(summary))
         return 0
@@ -184,7 +185,30 @@ def _cmd_plan(args: argparse.Namespace) -> int:
         print(f"total KV per request: {kv['kv_runs']} runs, {kv['kv_bytes']:,} bytes; "
               f"with the recurrent state: {summary['total_messages_per_request']} messages, "
               f"{summary['total_bytes_per_request']:,} bytes")
+    line = (f"prefix cache (prefill TP={args.prefill_tp}): one checkpoint = one page, "
+            f"{prefix['checkpoint_bytes_per_rank']:,} B per rank")
+    if prefix["kv_bytes_per_token_per_rank"]:
+        line += (f"; cached KV {prefix['kv_bytes_per_token_per_rank']:,} B per token per rank; "
+                 f"every {prefix['stride']} tokens cached (a checkpoint and their KV) take "
+                 f"{prefix['bytes_per_stride_per_rank']:,} B per rank")
+    print(line)
     return 0
+
+
+def _prefix_summary(spec: StateSpec, args: argparse.Namespace, page_size: int) -> dict:
+    """What the prefill node's prefix cache holds per rank: one checkpoint (a page of the
+    prefill side's layout), the KV of one cached token (its share of the KV heads), and a
+    default stride of tokens (a checkpoint and their KV)."""
+    kv_per_token = 0
+    if spec.kv is not None:
+        from statebridge.state.kv import BlockGeometry
+
+        block = BlockGeometry(spec.kv, args.prefill_tp, args.kv_layout, args.block_size, 1)
+        kv_per_token = block.bytes_per_block // args.block_size
+    stride = 256                                          # --prefix-checkpoint-tokens' default
+    return {"tp": args.prefill_tp, "checkpoint_bytes_per_rank": page_size,
+            "kv_bytes_per_token_per_rank": kv_per_token, "stride": stride,
+            "bytes_per_stride_per_rank": page_size + stride * kv_per_token}
 
 
 _KV_NOTE = ("this model has {layers} attention layers: their KV depends on the prompt length; "

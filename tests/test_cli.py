@@ -480,3 +480,24 @@ def test_prefix_sizes_with_the_cache_off_warn(caplog):
     with caplog.at_level("WARNING", logger="statebridge.cli"):
         assert _node_config(args).prefix_cache is False
     assert "--prefix-cache-gib 2: no effect with --no-enable-prefix-caching" in caplog.text
+
+
+@pytest.mark.parametrize("model,p,kv_per_token", [("lfm2-1.2b.json", 2, KV_BYTES_PER_TOKEN // 2),
+                                                  ("lfm2-1.2b.json", 1, KV_BYTES_PER_TOKEN),
+                                                  ("mamba2-2.7b.json", 4, 0)])
+def test_plan_shows_what_the_prefix_cache_holds_per_rank(model, p, kv_per_token):
+    """One checkpoint is one page of the prefill side; cached KV per token is the rank's
+    share of the KV heads."""
+    out = run("plan", "--model", str(CONFIGS / model), "--prefill-tp", str(p), "--decode-tp",
+              "1", "--json")
+    summary = json.loads(out.stdout)
+    prefix = summary["prefix_cache"]
+    assert prefix == {"tp": p, "checkpoint_bytes_per_rank": summary["src"]["page_size"],
+                      "kv_bytes_per_token_per_rank": kv_per_token, "stride": 256,
+                      "bytes_per_stride_per_rank": summary["src"]["page_size"]
+                      + 256 * kv_per_token}
+    text = run("plan", "--model", str(CONFIGS / model), "--prefill-tp", str(p), "--decode-tp",
+               "1").stdout
+    assert f"prefix cache (prefill TP={p}): one checkpoint = one page, " \
+           f"{summary['src']['page_size']:,} B per rank" in text
+    assert (f"cached KV {kv_per_token:,} B per token per rank" in text) == bool(kv_per_token)
