@@ -398,10 +398,21 @@ def _cmd_prefill(args: argparse.Namespace) -> int:
     node = _node_config(args)
     server = start_prefill_node(args.model, args.tp, port=args.port, node=node,
                                 config=_config(args))
-    print(server.memory_line(), flush=True)
+    print(server.memory_line() + _prefix_memory(server, node), flush=True)
     print(f"prefill node ready on {server.address} (TP {args.tp}, {node.layout}): ready in "
           f"{time.monotonic() - started:.1f} s", flush=True)
     return _serve_until_stopped(args, stop, server)
+
+
+def _prefix_memory(server: Any, node: Any) -> str:
+    """The prefix cache's share of the prefill node's pools (the memory line's end)."""
+    from statebridge.node.prefill_node import prefix_memory_text
+
+    geo = server.kv_geometry
+    return prefix_memory_text(node, server.tp_size, page_bytes=server.geometry.page_size,
+                              num_pages=server.num_pages,
+                              block_bytes=geo.bytes_per_block if geo is not None else 0,
+                              num_blocks=server.num_blocks)
 
 
 def _cmd_decode(args: argparse.Namespace) -> int:

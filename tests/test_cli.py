@@ -501,3 +501,21 @@ def test_plan_shows_what_the_prefix_cache_holds_per_rank(model, p, kv_per_token)
     assert f"prefix cache (prefill TP={p}): one checkpoint = one page, " \
            f"{summary['src']['page_size']:,} B per rank" in text
     assert (f"cached KV {kv_per_token:,} B per token per rank" in text) == bool(kv_per_token)
+
+
+def test_the_prefill_memory_line_names_the_prefix_cache_share():
+    from statebridge.config import NodeConfig
+    from statebridge.node.prefill_node import prefix_memory_text
+
+    sizes = dict(page_bytes=1 << 20, num_pages=64, block_bytes=1 << 16, num_blocks=1000)
+    assert prefix_memory_text(NodeConfig(), 2, **sizes) == (
+        "; prefix cache (a checkpoint every 256 tokens): up to 32 pages + 500 KV blocks = "
+        "63.2 MiB per rank of these pools")
+    assert prefix_memory_text(NodeConfig(), 1, **{**sizes, "num_blocks": 0}) == (
+        "; prefix cache (a checkpoint every 256 tokens): up to 32 pages = 32.0 MiB per rank of "
+        "these pools")
+    assert prefix_memory_text(NodeConfig(prefix_cache_gib=1.0, prefix_stride=128), 4,
+                              **sizes) == ("; prefix cache (a checkpoint every 128 tokens): up "
+                                           "to 256.0 MiB (--prefix-cache-gib 1) per rank of "
+                                           "these pools")
+    assert prefix_memory_text(NodeConfig(prefix_cache=False), 1, **sizes) == "; prefix cache off"

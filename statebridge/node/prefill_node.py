@@ -22,6 +22,7 @@ from statebridge.config import ConnectorConfig, NodeConfig
 from statebridge.errors import ConfigError
 from statebridge.connector.group import Launcher, spawn_launcher
 from statebridge.connector.prefill import PrefillServer
+from statebridge.connector.rank.startup import fmt_bytes
 from statebridge.models.distributed import Rendezvous
 from statebridge.node import messages as nm
 from statebridge.node.capacity import memory_fields
@@ -29,7 +30,7 @@ from statebridge.node.checks import check_checkpoint
 
 log = logging.getLogger(__name__)
 
-__all__ = ["start_prefill_node", "answer_queries", "prefix_cache_bytes"]
+__all__ = ["start_prefill_node", "answer_queries", "prefix_cache_bytes", "prefix_memory_text"]
 
 
 def start_prefill_node(model_dir: str, tp_size: int, *, port: int = 0, layout: str | None = None,
@@ -76,6 +77,25 @@ def prefix_cache_bytes(nc: NodeConfig, tp_size: int) -> int | None:
     if not nc.prefix_cache or not nc.prefix_cache_gib:
         return None
     return int(nc.prefix_cache_gib * (1 << 30)) // tp_size
+
+
+def prefix_memory_text(nc: NodeConfig, tp_size: int, *, page_bytes: int, num_pages: int,
+                       block_bytes: int, num_blocks: int) -> str:
+    """The prefix cache's share of a rank's pools, for the startup memory line: "" when off;
+    else its stride and its budget (``prefix_cache_gib``'s share, or half of the pages and
+    half of the KV blocks)."""
+    if not nc.prefix_cache:
+        return "; prefix cache off"
+    budget = prefix_cache_bytes(nc, tp_size)
+    if budget is None:
+        pages, blocks = num_pages // 2, num_blocks // 2
+        budget = pages * page_bytes + blocks * block_bytes
+        held = f"{pages} pages" + (f" + {blocks:,} KV blocks" if num_blocks else "")
+        size = f"up to {held} = {fmt_bytes(budget)}"
+    else:
+        size = f"up to {fmt_bytes(budget)} (--prefix-cache-gib {nc.prefix_cache_gib:g})"
+    return (f"; prefix cache (a checkpoint every {nc.prefix_stride} tokens): {size} per rank "
+            f"of these pools")
 
 
 def check_prefix_budget(nc: NodeConfig, tp_size: int, pool_bytes: int, page_bytes: int) -> None:
