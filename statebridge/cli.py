@@ -420,7 +420,8 @@ def _cmd_decode(args: argparse.Namespace) -> int:
 
     stop = _stop_on_signal()
     node = DecodeNode(args.model, args.tp, args.prefill, port=args.port,
-                      node=_node_config(args), config=_config(args), http=_http_config(args))
+                      node=_node_config(args), config=_config(args), http=_http_config(args),
+                      prefix_routing=args.prefix_routing)
     # Up now; it serves once a prefill node answers (it keeps dialling them meanwhile, and
     # clients asking get not_ready with the reason).
     print(node.coordinator.memory_line(), flush=True)
@@ -554,6 +555,10 @@ def _add_nodes(sub: argparse._SubParsersAction) -> None:
                    help="the zmq front door: on, off (HTTP only), or auto (default): on unless "
                         "--api-key is set without --keys, since the door would let anyone who "
                         "reaches the port generate without the key")
+    p.add_argument("--prefix-routing", action=argparse.BooleanOptionalAction, default=True,
+                   help="with prefix caching and several --prefill nodes, send each request to "
+                        "the one holding the longest cached prefix of its prompt (default); "
+                        "--no-prefix-routing: round robin, for comparisons")
     p.add_argument("--max-batch", type=_positive_int, default=None,
                    help="requests per decode step (default 32)")
     p.add_argument("--max-prompt-len", type=_positive_int, default=None,

@@ -420,6 +420,9 @@ def test_prefix_caching_flags_reach_the_node_config(command):
         assert prefix_cache_bytes(node.replace(prefix_cache_gib=0.0), 2) is None
         assert prefix_cache_bytes(node.replace(prefix_cache=False), 2) is None
     else:
+        # Routing by prefix is the decode node's (on; off: round robin, for comparisons).
+        assert build_parser().parse_args(base).prefix_routing is True
+        assert build_parser().parse_args(base + ["--no-prefix-routing"]).prefix_routing is False
         # The sizes are the prefill node's: the decode node has no such flags.
         with pytest.raises(SystemExit):
             build_parser().parse_args(base + ["--prefix-checkpoint-tokens", "64"])
