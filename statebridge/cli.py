@@ -4,7 +4,8 @@
     statebridge keygen DIR [--name NAME] [--force]
     statebridge make-checkpoint --arch {lfm2,mamba2,lfm2-hybrid,granite-hybrid} --out DIR
                                 [--preset tiny|small]
-    statebridge prefill --model DIR --tp P --port N [--layout DLS]
+    statebridge prefill --model DIR --tp P --port N [--layout DLS] [--no-enable-prefix-caching]
+                        [--prefix-checkpoint-tokens 256] [--prefix-cache-gib G]
     statebridge decode --model DIR --tp D --prefill HOST:PORT [--prefill ...] --port M
                        [--http-port H [--http-host HOST] [--api-key KEY]]
     statebridge generate --decode HOST:PORT --prompt-ids 1,2,3 [--max-new-tokens K] [--json]
@@ -153,6 +154,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     elif spec.kv is not None:
         summary["kv"] = None
         summary["note"] = _KV_NOTE.format(layers=spec.kv.num_layers)
+    summary["prefix_cache"] = prefix = _prefix_summary(spec, args, summary["src"]["page_size"])
     if args.json:
         print(json.dumps(summary))
         return 0
@@ -183,7 +185,30 @@ def _cmd_plan(args: argparse.Namespace) -> int:
         print(f"total KV per request: {kv['kv_runs']} runs, {kv['kv_bytes']:,} bytes; "
               f"with the recurrent state: {summary['total_messages_per_request']} messages, "
               f"{summary['total_bytes_per_request']:,} bytes")
+    line = (f"prefix cache (prefill TP={args.prefill_tp}): one checkpoint = one page, "
+            f"{prefix['checkpoint_bytes_per_rank']:,} B per rank")
+    if prefix["kv_bytes_per_token_per_rank"]:
+        line += (f"; cached KV {prefix['kv_bytes_per_token_per_rank']:,} B per token per rank; "
+                 f"every {prefix['stride']} tokens cached (a checkpoint and their KV) take "
+                 f"{prefix['bytes_per_stride_per_rank']:,} B per rank")
+    print(line)
     return 0
+
+
+def _prefix_summary(spec: StateSpec, args: argparse.Namespace, page_size: int) -> dict:
+    """What the prefill node's prefix cache holds per rank: one checkpoint (a page of the
+    prefill side's layout), the KV of one cached token (its share of the KV heads), and a
+    default stride of tokens (a checkpoint and their KV)."""
+    kv_per_token = 0
+    if spec.kv is not None:
+        from statebridge.state.kv import BlockGeometry
+
+        block = BlockGeometry(spec.kv, args.prefill_tp, args.kv_layout, args.block_size, 1)
+        kv_per_token = block.bytes_per_block // args.block_size
+    stride = 256                                          # --prefix-checkpoint-tokens' default
+    return {"tp": args.prefill_tp, "checkpoint_bytes_per_rank": page_size,
+            "kv_bytes_per_token_per_rank": kv_per_token, "stride": stride,
+            "bytes_per_stride_per_rank": page_size + stride * kv_per_token}
 
 
 _KV_NOTE = ("this model has {layers} attention layers: their KV depends on the prompt length; "
@@ -254,6 +279,13 @@ def _config_args(p: argparse.ArgumentParser) -> None:
     kv.add_argument("--kv-memory", type=_byte_size, default=None, metavar="SIZE",
                     help="deprecated (the tokens it holds depend on TP): KV pool bytes per rank; "
                          "use --kv-tokens or --kv-gib")
+    p.add_argument("--enable-prefix-caching", dest="prefix_cache",
+                   action=argparse.BooleanOptionalAction, default=None,
+                   help="prefix caching (default on): the prefill node keeps recurrent-state "
+                        "checkpoints and full KV blocks of the prompts it prefilled and starts "
+                        "a prompt that shares their prefix from them; the decode node asks for "
+                        "hits and routes each request to the prefill node holding its longest "
+                        "prefix. --no-enable-prefix-caching on either node turns it off")
     p.add_argument("--device", type=_device, default=None, metavar="auto|cpu|cuda[:N]",
                    help=f"{DEVICE_HELP} (default auto)")
     p.add_argument("--rank-model", default=None, metavar="MODULE:CLASS",
@@ -294,6 +326,13 @@ def _node_config(args: argparse.Namespace):
     """The node's settings: its flags where given, else the NodeConfig defaults."""
     from statebridge.config import NodeConfig
 
+    if getattr(args, "prefix_cache", None) is False:
+        given = [f"{flag} {value:g}" for flag, value in (
+            ("--prefix-checkpoint-tokens", getattr(args, "prefix_stride", None)),
+            ("--prefix-cache-gib", getattr(args, "prefix_cache_gib", None))) if value is not None]
+        if given:
+            logging.getLogger("statebridge.cli").warning(
+                "%s: no effect with --no-enable-prefix-caching", ", ".join(given))
     if getattr(args, "kv_memory", None) is not None:
         logging.getLogger("statebridge.cli").warning(
             "--kv-memory is deprecated: it sizes each rank's pool in bytes, so a node at lower "
@@ -301,7 +340,8 @@ def _node_config(args: argparse.Namespace):
     return NodeConfig().replace(**{name: getattr(args, name, None) for name in (
         "layout", "num_pages", "max_batch", "max_prompt_len", "max_new_tokens", "policy",
         "rank_model", "kv_layout", "block_size", "kv_blocks", "kv_memory", "kv_tokens",
-        "kv_gib", "device", "front_door")})
+        "kv_gib", "device", "front_door", "prefix_cache", "prefix_stride",
+        "prefix_cache_gib")})
 
 
 def _http_config(args: argparse.Namespace):
@@ -358,10 +398,22 @@ def _cmd_prefill(args: argparse.Namespace) -> int:
     node = _node_config(args)
     server = start_prefill_node(args.model, args.tp, port=args.port, node=node,
                                 config=_config(args))
-    print(server.group.memory_line(), flush=True)
+    print(server.group.memory_line() + _prefix_memory(server, node), flush=True)
     print(f"prefill node ready on {server.address} (TP {args.tp}, {node.layout}): ready in "
           f"{time.monotonic() - started:.1f} s", flush=True)
     return _serve_until_stopped(args, stop, server)
+
+
+def _prefix_memory(server: Any, node: Any) -> str:
+    """The prefix cache's share of the prefill node's pools (the memory line's end)."""
+    from statebridge.node.prefill_node import prefix_memory_text
+
+    group = server.group
+    geo = group.kv_geometry
+    return prefix_memory_text(node, group.tp_size, page_bytes=group.geometry.page_size,
+                              num_pages=group.num_pages,
+                              block_bytes=geo.bytes_per_block if geo is not None else 0,
+                              num_blocks=group.num_blocks)
 
 
 def _cmd_decode(args: argparse.Namespace) -> int:
@@ -369,7 +421,8 @@ def _cmd_decode(args: argparse.Namespace) -> int:
 
     stop = _stop_on_signal()
     node = DecodeNode(args.model, args.tp, args.prefill, port=args.port,
-                      node=_node_config(args), config=_config(args), http=_http_config(args))
+                      node=_node_config(args), config=_config(args), http=_http_config(args),
+                      prefix_routing=args.prefix_routing)
     # Up now; it serves once a prefill node answers (it keeps dialling them meanwhile, and
     # clients asking get not_ready with the reason).
     print(node.coordinator.group.memory_line(), flush=True)
@@ -415,7 +468,8 @@ def _cmd_generate(args: argparse.Namespace) -> int:
             print(json.dumps({"request_id": out.request_id, "tokens": out.tokens,
                               "ttft_s": out.ttft, "transfer_s": out.transfer_seconds,
                               "transfer_bytes": out.transfer_bytes,
-                              "recomputed": out.recomputed}))
+                              "recomputed": out.recomputed,
+                              "cached_tokens": out.cached_tokens}))
             return 0
         for msg in client.stream(args.prompt_ids, max_new_tokens=args.max_new_tokens,
                                  temperature=args.temperature, top_p=args.top_p, seed=args.seed):
@@ -475,6 +529,16 @@ def _add_nodes(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--model", required=True, help="checkpoint directory (HF format)")
     p.add_argument("--tp", type=_positive_int, required=True, help="TP size")
     p.add_argument("--port", type=int, required=True, help="control port decode nodes connect to")
+    p.add_argument("--prefix-checkpoint-tokens", dest="prefix_stride", type=_positive_int,
+                   default=None, metavar="N",
+                   help="prefix caching: keep a recurrent-state checkpoint every N prompt tokens "
+                        "(and one at each prompt's end); a later prompt resumes from the last "
+                        "checkpoint it shares (default 256, independent of --block-size)")
+    p.add_argument("--prefix-cache-gib", dest="prefix_cache_gib", type=_positive_float,
+                   default=None, metavar="G",
+                   help="prefix caching: GiB of the node's page and KV pools (split evenly over "
+                        "its ranks) that cached checkpoints and KV blocks may hold; requests "
+                        "in flight always win over them (default: half of each pool)")
     _config_args(p)
     p.set_defaults(func=_cmd_prefill)
 
@@ -482,7 +546,9 @@ def _add_nodes(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--model", required=True, help="checkpoint directory (HF format)")
     p.add_argument("--tp", type=_positive_int, required=True, help="TP size")
     p.add_argument("--prefill", action="append", required=True, metavar="HOST:PORT",
-                   help="a prefill node (repeat for several: used round robin)")
+                   help="a prefill node (repeat for several: each request goes to the one "
+                        "holding the longest cached prefix of its prompt, balanced by queued "
+                        "prefill tokens; round robin with --no-enable-prefix-caching)")
     p.add_argument("--port", type=int, required=True,
                    help="port of the zmq front door clients connect to (not bound when the "
                         "door is off, see --front-door)")
@@ -490,6 +556,10 @@ def _add_nodes(sub: argparse._SubParsersAction) -> None:
                    help="the zmq front door: on, off (HTTP only), or auto (default): on unless "
                         "--api-key is set without --keys, since the door would let anyone who "
                         "reaches the port generate without the key")
+    p.add_argument("--prefix-routing", action=argparse.BooleanOptionalAction, default=True,
+                   help="with prefix caching and several --prefill nodes, send each request to "
+                        "the one holding the longest cached prefix of its prompt (default); "
+                        "--no-prefix-routing: round robin, for comparisons")
     p.add_argument("--max-batch", type=_positive_int, default=None,
                    help="requests per decode step (default 32)")
     p.add_argument("--max-prompt-len", type=_positive_int, default=None,

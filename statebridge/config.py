@@ -227,6 +227,12 @@ class NodeConfig:
       ``bind_host:port``; ``off`` does not listen (HTTP only); ``auto`` (the default) listens
       unless the HTTP API requires an API key while the control plane has no CURVE keys --
       then the zmq door would let anyone who reaches the port generate without the key.
+    - Prefix caching (``--enable-prefix-caching``, on by default): ``prefix_cache`` on either
+      node (off on a decode node: it neither asks for hits nor routes by prefix); the prefill
+      node's ``prefix_stride`` (a recurrent-state checkpoint every that many tokens, and one
+      at each prompt's end) and ``prefix_cache_gib``, the GiB per node (split evenly over its
+      ranks) its cached checkpoints and KV blocks may take of its page and KV pools (0: the
+      default, half of each pool).
     """
 
     POLICIES = ("fail", "recompute")
@@ -247,13 +253,16 @@ class NodeConfig:
     front_door: str = "auto"
     kv_tokens: int = 0
     kv_gib: float = 0.0
+    prefix_cache: bool = True
+    prefix_stride: int = 256
+    prefix_cache_gib: float = 0.0
 
     #: KV pool sizes, one of which may be set (0: not set).
     KV_SIZES = ("kv_tokens", "kv_gib", "kv_blocks", "kv_memory")
 
     def __post_init__(self) -> None:
         for name in ("num_pages", "max_batch", "max_prompt_len", "max_new_tokens",
-                     "block_size"):
+                     "block_size", "prefix_stride"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ConfigError(f"{name} must be a positive integer, got {value!r}")
@@ -266,6 +275,13 @@ class NodeConfig:
                 not 0 <= self.kv_gib < float("inf"):
             raise ConfigError(f"kv_gib must be a positive number of GiB (0: not set), got "
                               f"{self.kv_gib!r}")
+        if isinstance(self.prefix_cache_gib, bool) or \
+                not isinstance(self.prefix_cache_gib, (int, float)) or \
+                not 0 <= self.prefix_cache_gib < float("inf"):
+            raise ConfigError(f"prefix_cache_gib must be a positive number of GiB (0: the "
+                              f"default), got {self.prefix_cache_gib!r}")
+        if not isinstance(self.prefix_cache, bool):
+            raise ConfigError(f"prefix_cache must be True or False, got {self.prefix_cache!r}")
         given = [name for name in self.KV_SIZES if getattr(self, name)]
         if len(given) > 1:
             sizes = ", ".join(f"{n}={getattr(self, n)!r}" for n in given)

@@ -394,3 +394,131 @@ def test_http_config_refuses_bad_values():
                 dict(default_max_tokens=0), dict(node_timeout=0)):
         with pytest.raises(ConfigError):
             HttpConfig(**bad)
+
+
+@pytest.mark.parametrize("command", ["prefill", "decode"])
+def test_prefix_caching_flags_reach_the_node_config(command):
+    from statebridge.cli import _node_config, build_parser
+
+    base = [command, "--model", "m", "--tp", "2", "--port", "1"]
+    if command == "decode":
+        base += ["--prefill", "127.0.0.1:2"]
+    node = _node_config(build_parser().parse_args(base))
+    # On by default (vLLM's default), a checkpoint every 256 tokens, the default budget.
+    assert (node.prefix_cache, node.prefix_stride, node.prefix_cache_gib) == (True, 256, 0.0)
+    assert _node_config(build_parser().parse_args(
+        base + ["--no-enable-prefix-caching"])).prefix_cache is False
+    assert _node_config(build_parser().parse_args(
+        base + ["--enable-prefix-caching"])).prefix_cache is True
+    if command == "prefill":
+        from statebridge.node.prefill_node import prefix_cache_bytes
+
+        node = _node_config(build_parser().parse_args(
+            base + ["--prefix-checkpoint-tokens", "64", "--prefix-cache-gib", "1.5"]))
+        assert (node.prefix_stride, node.prefix_cache_gib) == (64, 1.5)
+        assert prefix_cache_bytes(node, 2) == 3 << 28          # per rank: split over TP 2
+        assert prefix_cache_bytes(node.replace(prefix_cache_gib=0.0), 2) is None
+        assert prefix_cache_bytes(node.replace(prefix_cache=False), 2) is None
+    else:
+        # Routing by prefix is the decode node's (on; off: round robin, for comparisons).
+        assert build_parser().parse_args(base).prefix_routing is True
+        assert build_parser().parse_args(base + ["--no-prefix-routing"]).prefix_routing is False
+        # The sizes are the prefill node's: the decode node has no such flags.
+        with pytest.raises(SystemExit):
+            build_parser().parse_args(base + ["--prefix-checkpoint-tokens", "64"])
+
+
+@pytest.mark.parametrize("flag,value,needle", [
+    ("--prefix-checkpoint-tokens", "0", "'0'"), ("--prefix-checkpoint-tokens", "-3", "'-3'"),
+    ("--prefix-checkpoint-tokens", "1.5", "'1.5'"), ("--prefix-cache-gib", "0", "'0'"),
+    ("--prefix-cache-gib", "inf", "'inf'"), ("--prefix-cache-gib", "lots", "'lots'")])
+def test_bad_prefix_caching_flags_exit_nonzero_naming_the_value(flag, value, needle, capsys):
+    from statebridge.cli import build_parser
+
+    with pytest.raises(SystemExit) as e:
+        build_parser().parse_args(["prefill", "--model", "m", "--tp", "1", "--port", "1",
+                                   flag, value])
+    assert e.value.code == 2 and needle in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("field,value,needle", [
+    ("prefix_stride", 0, "prefix_stride must be a positive integer, got 0"),
+    ("prefix_stride", True, "got True"),
+    ("prefix_cache_gib", -1.0, "prefix_cache_gib must be a positive number of GiB (0: the "
+                               "default), got -1.0"),
+    ("prefix_cache_gib", float("nan"), "got nan"),
+    ("prefix_cache", "yes", "prefix_cache must be True or False, got 'yes'")])
+def test_node_config_refuses_bad_prefix_settings(field, value, needle):
+    from statebridge.config import NodeConfig
+    from statebridge.errors import ConfigError
+
+    with pytest.raises(ConfigError) as e:
+        NodeConfig(**{field: value})
+    assert needle in str(e.value)
+
+
+def test_prefix_cache_budget_that_holds_no_checkpoint_or_exceeds_the_pools_is_refused():
+    from statebridge.config import NodeConfig
+    from statebridge.errors import ConfigError
+    from statebridge.node.prefill_node import check_prefix_budget
+
+    gib = 1 << 30
+    check_prefix_budget(NodeConfig(), 2, pool_bytes=10, page_bytes=1)      # default: no check
+    check_prefix_budget(NodeConfig(prefix_cache_gib=1.0), 2, gib, gib // 2)
+    with pytest.raises(ConfigError, match=r"prefix_cache_gib=1 gives each of the 2 ranks "
+                                          r"536,870,912 B, more than its page and KV pools"):
+        check_prefix_budget(NodeConfig(prefix_cache_gib=1.0), 2, gib // 4, 4096)
+    with pytest.raises(ConfigError, match=r"prefix_cache_gib=1e-06 gives each of the 4 ranks "
+                                          r"268 B, less than one checkpoint page of 4,096 B"):
+        check_prefix_budget(NodeConfig(prefix_cache_gib=1e-6), 4, gib, 4096)
+    # Off: nothing to check.
+    check_prefix_budget(NodeConfig(prefix_cache=False, prefix_cache_gib=1.0), 2, 1, 1)
+
+
+def test_prefix_sizes_with_the_cache_off_warn(caplog):
+    from statebridge.cli import _node_config, build_parser
+
+    args = build_parser().parse_args(["prefill", "--model", "m", "--tp", "1", "--port", "1",
+                                      "--no-enable-prefix-caching", "--prefix-cache-gib", "2"])
+    with caplog.at_level("WARNING", logger="statebridge.cli"):
+        assert _node_config(args).prefix_cache is False
+    assert "--prefix-cache-gib 2: no effect with --no-enable-prefix-caching" in caplog.text
+
+
+@pytest.mark.parametrize("model,p,kv_per_token", [("lfm2-1.2b.json", 2, KV_BYTES_PER_TOKEN // 2),
+                                                  ("lfm2-1.2b.json", 1, KV_BYTES_PER_TOKEN),
+                                                  ("mamba2-2.7b.json", 4, 0)])
+def test_plan_shows_what_the_prefix_cache_holds_per_rank(model, p, kv_per_token):
+    """One checkpoint is one page of the prefill side; cached KV per token is the rank's
+    share of the KV heads."""
+    out = run("plan", "--model", str(CONFIGS / model), "--prefill-tp", str(p), "--decode-tp",
+              "1", "--json")
+    summary = json.loads(out.stdout)
+    prefix = summary["prefix_cache"]
+    assert prefix == {"tp": p, "checkpoint_bytes_per_rank": summary["src"]["page_size"],
+                      "kv_bytes_per_token_per_rank": kv_per_token, "stride": 256,
+                      "bytes_per_stride_per_rank": summary["src"]["page_size"]
+                      + 256 * kv_per_token}
+    text = run("plan", "--model", str(CONFIGS / model), "--prefill-tp", str(p), "--decode-tp",
+               "1").stdout
+    assert f"prefix cache (prefill TP={p}): one checkpoint = one page, " \
+           f"{summary['src']['page_size']:,} B per rank" in text
+    assert (f"cached KV {kv_per_token:,} B per token per rank" in text) == bool(kv_per_token)
+
+
+def test_the_prefill_memory_line_names_the_prefix_cache_share():
+    from statebridge.config import NodeConfig
+    from statebridge.node.prefill_node import prefix_memory_text
+
+    sizes = dict(page_bytes=1 << 20, num_pages=64, block_bytes=1 << 16, num_blocks=1000)
+    assert prefix_memory_text(NodeConfig(), 2, **sizes) == (
+        "; prefix cache (a checkpoint every 256 tokens): up to 32 pages + 500 KV blocks = "
+        "63.2 MiB per rank of these pools")
+    assert prefix_memory_text(NodeConfig(), 1, **{**sizes, "num_blocks": 0}) == (
+        "; prefix cache (a checkpoint every 256 tokens): up to 32 pages = 32.0 MiB per rank of "
+        "these pools")
+    assert prefix_memory_text(NodeConfig(prefix_cache_gib=1.0, prefix_stride=128), 4,
+                              **sizes) == ("; prefix cache (a checkpoint every 128 tokens): up "
+                                           "to 256.0 MiB (--prefix-cache-gib 1) per rank of "
+                                           "these pools")
+    assert prefix_memory_text(NodeConfig(prefix_cache=False), 1, **sizes) == "; prefix cache off"

@@ -38,6 +38,7 @@ class Generation:
     transfer_bytes: int = 0
     recomputed: bool = False          # the decode node prefilled locally (recompute policy)
     seconds: float = 0.0              # wall time seen by the client
+    cached_tokens: int = 0            # prompt tokens the prefill node's prefix cache served
 
 
 class Client:
@@ -128,6 +129,7 @@ class Client:
                                     for ids, lps in zip(msg.top_ids, msg.top_logprobs))
             out.ttft, out.transfer_seconds = msg.ttft, msg.transfer_seconds
             out.transfer_bytes, out.recomputed = msg.transfer_bytes, msg.recomputed
+            out.cached_tokens = msg.cached_tokens
         out.seconds = time.perf_counter() - start
         return out
 

@@ -130,7 +130,8 @@ class DecodeNode:
                  launcher: Launcher | None = spawn_launcher, dist_init: str = "",
                  rank_model: str | None = None, wait_prefill: float | None = None,
                  kv_layout: str | None = None, block_size: int | None = None,
-                 kv_blocks: int | None = None, http=None) -> None:
+                 kv_blocks: int | None = None, http=None,
+                 prefix_routing: bool = True) -> None:
         """Validates the checkpoint here (before any rank starts), starts the decode ranks and
         waits for them (:class:`~statebridge.errors.StartupError` at once if one fails to
         start, with its error), then dials ``prefill`` in the background: the node serves as
@@ -138,7 +139,10 @@ class DecodeNode:
         to ``wait_prefill`` seconds (default ``handshake_timeout``) for every prefill node to
         answer, and returns either way (see :meth:`status`). ``http``: an
         :class:`~statebridge.config.HttpConfig` whose ``port`` is set starts the HTTP front
-        door once the node listens (:attr:`http`, closed with the node)."""
+        door once the node listens (:attr:`http`, closed with the node). With prefix caching
+        on (``node.prefix_cache``, the default) the node asks its prefill nodes for cache hits
+        and, with ``prefix_routing``, sends each request to the one holding the longest
+        prefix of its prompt (False: round robin, the benchmark's comparison)."""
         self.node_config = (node or NodeConfig()).replace(
             layout=layout, num_pages=num_pages, max_batch=max_batch, policy=policy,
             max_prompt_len=max_prompt_len, max_new_tokens=max_new_tokens,
@@ -159,7 +163,8 @@ class DecodeNode:
             dist_init=functools.partial(Rendezvous.for_group, tp_size, dist_init or "",
                                         host=self.config.bind_host),
             kv_layout=nc.kv_layout, block_size=nc.block_size,
-            num_blocks=nc.num_blocks(spec, tp_size), device=nc.device)
+            num_blocks=nc.num_blocks(spec, tp_size), device=nc.device,
+            prefix_cache=nc.prefix_cache, prefix_routing=prefix_routing)
         self.kv = spec.kv is not None
         #: The longest request (prompt + new tokens) served: the limits', capped at the tokens
         #: one decode rank's KV pool holds (a longer one could never get its blocks).
@@ -192,7 +197,7 @@ class DecodeNode:
             raise
         #: Where each request's time went before decoding (the node's /metrics histograms).
         self.histograms = NodeHistograms()
-        self.coordinator.on_timing(self.histograms.observe)
+        self.coordinator.on_timing(self._on_timing)
         self.coordinator.group.on_rank_message(nm.RankStepResult, self.scheduler.on_step_result)
         self.coordinator.group.on_rank_lost(self.scheduler.on_rank_lost)
         self.coordinator.on_prefill_connected(self._on_prefill_connected)
@@ -256,6 +261,12 @@ class DecodeNode:
         if self._up and self._status()[0] and self._served():
             log.info("decode node %s ready in %.1f s (prefill %s connected)", co.node_id,
                      self.ready_after, info.node_id)
+
+    def _on_timing(self, timing) -> None:
+        """Loop thread: a request's RequestTiming -- the histograms, and the prompt tokens its
+        prefill node's cache served (the request's ``cached_tokens``)."""
+        self.histograms.observe(timing)
+        self.scheduler.on_timing(timing.request_id, timing.cached_tokens)
 
     def _wait_prefill(self, timeout: float) -> None:
         deadline = time.monotonic() + timeout
@@ -364,7 +375,23 @@ class DecodeNode:
             refused_peers=g.refused_peers, aborted=int(self.counters.get("finished_aborted")),
             refused_clients=int(self.counters.get("auth_refused")),
             transfers_verified=g.transfers_verified, transfer_mismatches=g.transfer_mismatches,
-            **capacity.memory_fields(self.coordinator.group), **self.histograms.fields())
+            **capacity.memory_fields(self.coordinator.group), **self.histograms.fields(),
+            **self._prefix_fields())
+
+    def _prefix_fields(self) -> dict:
+        """The prefix-cache fields of NodeStats: the node's token counters, and what each
+        prefill node announced it holds."""
+        count = self.counters.get
+        nodes = {node: info["prefix"] for node, info in
+                 self.coordinator.stats().get("prefill_nodes", {}).items()
+                 if info.get("prefix")}
+        return {"prefix_cache_queries": int(count("prefix_cache_queries")),
+                "prefix_cache_hits": int(count("prefix_cache_hits")),
+                "cached_tokens_late": int(count("cached_tokens_late")),
+                "prefix_nodes": tuple(nodes),
+                "prefix_pages_cached": tuple(int(p["pages_cached"]) for p in nodes.values()),
+                "prefix_blocks_cached": tuple(int(p["blocks_cached"]) for p in nodes.values()),
+                "prefix_evictions": tuple(int(p["evictions"]) for p in nodes.values())}
 
     def _on_abort(self, client: FrontDoorClient, msg: nm.AbortRequest) -> None:
         """Drop a client's request wherever it is (:meth:`DecodeScheduler.abort`); only the

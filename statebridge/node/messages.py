@@ -85,7 +85,10 @@ class GenerateTokens(Message):
     is empty on success, else a :class:`~statebridge.errors.FailureKind` name and ``message``
     says why. For a request that asked for them, ``logprobs``, ``top_ids`` and
     ``top_logprobs`` are aligned with ``tokens``: each token's log-probability and its
-    step's most likely tokens with theirs (empty otherwise)."""
+    step's most likely tokens with theirs (empty otherwise). ``cached_tokens``: the prompt
+    tokens the prefill node took from its prefix cache instead of computing them (set on the
+    last message; 0 without a hit, for a local prefill, or when the prefill node's timing
+    did not come within the node's peer timeout)."""
     request_id: str
     tokens: tuple[int, ...]
     done: bool
@@ -98,6 +101,7 @@ class GenerateTokens(Message):
     logprobs: tuple[float, ...] = ()
     top_ids: tuple[tuple[int, ...], ...] = ()
     top_logprobs: tuple[tuple[float, ...], ...] = ()
+    cached_tokens: int = 0
 
 
 @message
@@ -173,3 +177,17 @@ class NodeStats(Message):
     histogram_names: tuple[str, ...] = ()
     histogram_counts: tuple[tuple[int, ...], ...] = ()
     histogram_sums: tuple[float, ...] = ()
+
+    #: Prefix caching, in tokens since the node started: the prompt tokens of its finished
+    #: requests and those of them its prefill nodes' caches served (vLLM's
+    #: ``prefix_cache_queries`` / ``prefix_cache_hits``); requests whose last message went
+    #: without the prefill node's count (it came later than the peer timeout).
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
+    cached_tokens_late: int = 0
+    #: What each connected prefill node's cache holds (from its announcements), aligned with
+    #: ``prefix_nodes``: checkpoint pages and KV blocks per rank, units evicted so far.
+    prefix_nodes: tuple[str, ...] = ()
+    prefix_pages_cached: tuple[int, ...] = ()
+    prefix_blocks_cached: tuple[int, ...] = ()
+    prefix_evictions: tuple[int, ...] = ()

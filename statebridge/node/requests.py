@@ -47,6 +47,9 @@ class _Gen:
     blocks: tuple[int, ...] = ()      # KV block table (attention models)
     preemptions: int = 0
     aborted: str = ""                 # the client aborted it while its step was in flight
+    #: Prompt tokens the prefill node took from its prefix cache (its RequestTiming's); None
+    #: until the timing of the request's current transfer came.
+    cached_tokens: int | None = None
 
     def sequence(self) -> tuple[int, ...]:
         """The prompt and the tokens generated so far: what a (re)start prefills, but for
@@ -64,4 +67,5 @@ class _Gen:
             request_id=self.request_id, tokens=tokens, done=done, kind=str(kind),
             message=message, ttft=self.ttft, transfer_seconds=t.seconds if t else 0.0,
             transfer_bytes=t.nbytes if t else 0, recomputed=self.recomputed,
-            logprobs=lp, top_ids=top_ids, top_logprobs=top_lps))
+            logprobs=lp, top_ids=top_ids, top_logprobs=top_lps,
+            cached_tokens=self.cached_tokens or 0))

@@ -7,6 +7,15 @@ most ``max_batch`` requests, round robin beyond), each step's tokens go back to 
 and a request that runs out of KV blocks fails ``cache_full`` or is preempted and resumed
 (``recompute``). Requests that find no page wait in arrival order. Everything here runs on the
 node's loop thread.
+
+A request's last message says how many of its prompt tokens the prefill node's prefix cache
+served (``cached_tokens``, from the request's
+:class:`~statebridge.connector.request_timing.RequestTiming`, :meth:`on_timing`). The prefill
+node's half of the timing may come after the last token: the last message then waits for it
+(:attr:`DecodeScheduler.held`), at most the node's ``peer_timeout``, after which it goes with
+0 (counted: ``cached_tokens_late``). Each request whose count is settled adds its prompt tokens
+and its cached ones to the ``prefix_cache_queries`` / ``prefix_cache_hits`` counters (vLLM's
+``prefix_cache_queries`` / ``prefix_cache_hits``, in tokens).
 """
 
 from __future__ import annotations
@@ -48,6 +57,9 @@ class DecodeScheduler:
         self._step_started = 0.0
         self._steps = itertools.count(1)
         self.closed = False
+        #: Requests done whose last message waits for their timing: request id -> (request,
+        #: the deadline, the last message's arguments).
+        self.held: dict[str, tuple[_Gen, float, tuple]] = {}
 
     @property
     def policy(self) -> str:
@@ -77,6 +89,8 @@ class DecodeScheduler:
         """Fail every request (clients hear ``aborted``); no step starts after."""
         self.closed = True
         self.waiting.clear()
+        for gen, _, args in list(self.held.values()):
+            self._release_held(gen, args)
         for gen in list(self.gens.values()):
             self.finish(gen, FailureKind.ABORTED, "decode node shutting down", release=False)
 
@@ -85,6 +99,7 @@ class DecodeScheduler:
         """Start ``gen``'s transfer; False when no page (or KV block) is free: it waits, in
         arrival order (a retry goes back to the front)."""
         gen.local = local
+        gen.cached_tokens = 0 if local else None       # a local prefill reads no cache
         try:
             # (A preempted request's queue time starts when it is resumed.)
             self.coordinator.start(gen.request_id, gen.sequence()[:-1],
@@ -203,7 +218,16 @@ class DecodeScheduler:
 
     def check_step(self) -> None:
         """A step whose result does not come (a rank's model hangs while its loop still
-        heartbeats) fails its batch after ``transfer_timeout``; a late result is ignored."""
+        heartbeats) fails its batch after ``transfer_timeout``; a late result is ignored.
+        A last message held for a timing that did not come within ``peer_timeout`` goes
+        (``cached_tokens`` 0)."""
+        if self.held:
+            now = time.monotonic()
+            for gen, deadline, args in [h for h in self.held.values() if h[1] <= now]:
+                self.counters.add("cached_tokens_late")
+                log.debug("%s: no prefill timing within %s s: cached_tokens 0",
+                          gen.request_id, self.config.peer_timeout)
+                self._release_held(gen, args)
         if self.step_in_flight is None:
             return
         took = time.monotonic() - self._step_started
@@ -289,5 +313,34 @@ class DecodeScheduler:
         if gen.transfer is not None and release and not self.coordinator.free(gen.request_id):
             log.warning("%s: its page was not held any more", gen.request_id)
         self.counters.add("finished_ok" if not kind else f"finished_{kind}")
-        gen.reply(last, True, kind, message, logprobs)
+        args = (last, True, kind, message, logprobs)
+        if not kind and gen.cached_tokens is None and not self.closed:
+            # (Its page and blocks are free already: only the message waits.)
+            self.held[gen.request_id] = (gen, time.monotonic() + self.config.peer_timeout,
+                                         args)
+        elif not kind:
+            self._release_held(gen, args)
+        else:
+            gen.reply(*args)
         self.start_waiting()
+
+    # -- what the prefix cache served ---------------------------------------------------------
+    def on_timing(self, request_id: str, cached_tokens: int) -> None:
+        """A request's timing came (:class:`~statebridge.connector.request_timing.RequestTiming`):
+        note the prompt tokens the prefill node's cache served; a last message held for it
+        goes now. A timing of a request no longer here (it failed) is ignored."""
+        held = self.held.get(request_id)
+        gen = held[0] if held is not None else self.gens.get(request_id)
+        if gen is None:
+            return
+        gen.cached_tokens = cached_tokens
+        if held is not None:
+            self._release_held(gen, held[2])
+
+    def _release_held(self, gen: _Gen, args: tuple) -> None:
+        """Send a successful request's last message (``cached_tokens`` as known, else 0) and
+        count its prompt and cached tokens."""
+        self.held.pop(gen.request_id, None)
+        self.counters.add("prefix_cache_queries", len(gen.prompt))
+        self.counters.add("prefix_cache_hits", gen.cached_tokens or 0)
+        gen.reply(*args)

@@ -36,7 +36,8 @@ class FakeStream:
     def _msg(self, tokens, done, kind):
         return nm.GenerateTokens(request_id=self.request.request_id, tokens=tokens, done=done,
                                  kind=kind, message=f"{kind} says the fake", ttft=0.0,
-                                 transfer_seconds=0.001, transfer_bytes=100, recomputed=False)
+                                 transfer_seconds=0.001, transfer_bytes=100, recomputed=False,
+                                 cached_tokens=self.link.cached if done else 0)
 
     def close(self, reason=""):
         if not self.done:
@@ -45,8 +46,9 @@ class FakeStream:
 
 
 class FakeLink:
-    def __init__(self, tokens, kind=""):
+    def __init__(self, tokens, kind="", cached=0):
         self.tokens, self.kind, self.aborted, self.requests = tokens, kind, [], []
+        self.cached = cached                # the last message's cached_tokens
 
     async def start(self):
         pass
@@ -91,6 +93,31 @@ def test_text_usage_and_stop_abort_at_the_node(tok):
         assert r.json()["choices"][0] == {"index": 0, "text": " and the ", "logprobs": None,
                                           "finish_reason": "stop"}
         assert link.aborted == [link.requests[-1].request_id]     # the rest cut at the node
+
+
+def test_cached_tokens_in_usage_through_the_openai_client(tok):
+    """The node's cached_tokens (its last message's) is usage.prompt_tokens_details
+    .cached_tokens (OpenAI's field) of both endpoints, streamed in the usage chunk too."""
+    openai = pytest.importorskip("openai")
+    link = FakeLink(tok.encode(" and the river ran on"), cached=256)
+    with client(tok, link) as http:
+        api = openai.OpenAI(base_url="http://testserver/v1", api_key="x", http_client=http)
+        out = api.completions.create(model="m", prompt="Hi", max_tokens=3)
+        assert out.usage.prompt_tokens_details.cached_tokens == 256
+        out = api.chat.completions.create(model="m", max_tokens=3, messages=[
+            {"role": "user", "content": "Hi"}])
+        assert out.usage.prompt_tokens_details.cached_tokens == 256
+        chunks = list(api.chat.completions.create(
+            model="m", max_tokens=3, messages=[{"role": "user", "content": "Hi"}], stream=True,
+            stream_options={"include_usage": True}))
+        assert [c.usage for c in chunks[:-1]] == [None] * (len(chunks) - 1)
+        assert chunks[-1].usage.prompt_tokens_details.cached_tokens == 256
+        # Two prompts (n=2 or a prompt list): the sum of theirs.
+        out = api.completions.create(model="m", prompt=["Hi", "Ho"], max_tokens=3)
+        assert out.usage.prompt_tokens_details.cached_tokens == 512
+        link.cached = 0
+        out = api.completions.create(model="m", prompt="Hi", max_tokens=3)
+        assert out.usage.prompt_tokens_details.cached_tokens == 0
 
 
 def _events(r) -> list[dict]:
@@ -315,3 +342,32 @@ def test_a_closed_node_is_503_closed_with_retry_after(tok, loop_node):
             assert r.json()["error"]["code"] == "closed"
         health = http.get("/health")
         assert health.status_code == 503 and "closed" in health.json()["error"]["message"]
+
+
+def test_prefix_cache_metrics_from_the_node_stats(tok):
+    """vLLM's prefix-cache token counters under our prefix, and per prefill node the pages
+    and KV blocks its cache holds and its evictions."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    link = FakeLink([1])
+
+    async def stats(timeout):
+        return nm.NodeStats(node_id="fake", ready=True, reason="", prefill_nodes=("p1", "p2"),
+                            pages_used=0, pages_free=4, blocks_used=0, blocks_free=8,
+                            running=0, waiting=0, refused_peers=0, aborted=0,
+                            prefix_cache_queries=900, prefix_cache_hits=512,
+                            cached_tokens_late=1, prefix_nodes=("p1", "p2"),
+                            prefix_pages_cached=(3, 0), prefix_blocks_cached=(40, 0),
+                            prefix_evictions=(2, 0))
+    link.stats = stats
+    with client(tok, link) as http:
+        text = http.get("/metrics").text
+    samples = {(s.name, tuple(sorted(s.labels.items()))): s.value
+               for f in text_string_to_metric_families(text) for s in f.samples}
+    assert samples[("statebridge_prefix_cache_queries_total", ())] == 900
+    assert samples[("statebridge_prefix_cache_hits_total", ())] == 512
+    assert samples[("statebridge_prefix_cache_late_total", ())] == 1
+    for name, values in (("statebridge_prefix_cache_pages", (3, 0)),
+                         ("statebridge_prefix_cache_kv_blocks", (40, 0)),
+                         ("statebridge_prefix_cache_evictions_total", (2, 0))):
+        assert [samples[(name, (("prefill", p),))] for p in ("p1", "p2")] == list(values)

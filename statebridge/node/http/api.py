@@ -156,7 +156,9 @@ class _Api:
         prompt = sum(len(ch.prompt) for ch in choices)
         completion = sum(ch.text.tokens for ch in choices)
         return {"prompt_tokens": prompt, "completion_tokens": completion,
-                "total_tokens": prompt + completion}
+                "total_tokens": prompt + completion,
+                "prompt_tokens_details": {"cached_tokens": sum(ch.cached_tokens
+                                                               for ch in choices)}}
 
     # -- log-probabilities and token ids ------------------------------------------------------
     def token_text(self, token: int, params: Sampling) -> str:
@@ -401,6 +403,8 @@ class _Choice:
         self.tokens: list[int] = []                 # every id consumed (an EOS one included)
         self.logprobs: list[_Logprob] = []
         self._first: nm.GenerateTokens | None = None
+        #: Prompt tokens the prefix cache served (the node's last message says).
+        self.cached_tokens = 0
         self._first_at = 0.0
         self._last_token = 0.0
 
@@ -415,6 +419,7 @@ class _Choice:
         msg = await self.stream.next(self.timeout)
         if msg.kind:
             raise node_error(msg.kind, msg.message)
+        self.cached_tokens = msg.cached_tokens
         if msg.tokens:
             now = time.perf_counter()
             metrics = self.metrics

@@ -126,7 +126,38 @@ class NodeCollector:
                                   "digests of landed transfers that differed from the prefill "
                                   "node's: the request failed or was recomputed",
                                   value=s.transfer_mismatches)
+        yield from prefix_cache(s)
         yield from node_histograms(s)
+
+
+def prefix_cache(s: nm.NodeStats):
+    """Prefix caching: vLLM's token counters and, per prefill node (label ``prefill``), what
+    its cache holds and has evicted."""
+    from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+    yield CounterMetricFamily("statebridge_prefix_cache_queries", "Prompt tokens of finished "
+                              "requests (the prefix cache was asked for them)",
+                              value=s.prefix_cache_queries)
+    yield CounterMetricFamily("statebridge_prefix_cache_hits", "Prompt tokens of finished "
+                              "requests that a prefill node's prefix cache served",
+                              value=s.prefix_cache_hits)
+    yield CounterMetricFamily("statebridge_prefix_cache_late", "Finished requests whose "
+                              "cached-token count did not come within the peer timeout "
+                              "(reported as 0)", value=s.cached_tokens_late)
+    families = (
+        GaugeMetricFamily("statebridge_prefix_cache_pages", "Recurrent-state checkpoints "
+                          "(pages, per rank) a prefill node's prefix cache holds",
+                          labels=["prefill"]),
+        GaugeMetricFamily("statebridge_prefix_cache_kv_blocks", "KV blocks (per rank) a "
+                          "prefill node's prefix cache holds", labels=["prefill"]),
+        CounterMetricFamily("statebridge_prefix_cache_evictions", "Cached units (a "
+                            "checkpoint and its KV blocks) a prefill node evicted",
+                            labels=["prefill"]))
+    for node, *values in zip(s.prefix_nodes, s.prefix_pages_cached, s.prefix_blocks_cached,
+                             s.prefix_evictions):
+        for family, value in zip(families, values):
+            family.add_metric([node], value)
+    yield from families
 
 
 def node_histograms(s: nm.NodeStats):
