@@ -18,7 +18,6 @@ page and blocks). A group that restarts starts with an empty cache.
 from __future__ import annotations
 
 import concurrent.futures
-import functools
 
 import numpy as np
 import pytest
@@ -71,10 +70,13 @@ def start_cached(monkeypatch, path: str, tp: int, hosts, **kwargs) -> PrefillSer
     """A prefill node with its prefix cache on (its start helper takes the server's options
     as the node will)."""
     options = {k: kwargs.pop(k) for k in ("prefix_stride", "prefix_cache_bytes") if k in kwargs}
-    monkeypatch.setattr(prefill_node, "PrefillServer", functools.partial(
-        PrefillServer, prefix_cache=True, prefix_stride=options.get("prefix_stride", STRIDE),
-        prefix_cache_bytes=options.get("prefix_cache_bytes")))
-    return start_prefill_node(path, tp, config=FAST, launcher=hosts.launcher(), **kwargs)
+    def server(*args, **kw):          # the test's options over the node config's
+        kw.update(prefix_cache=True, prefix_stride=options.get("prefix_stride", STRIDE),
+                  prefix_cache_bytes=options.get("prefix_cache_bytes"))
+        return PrefillServer(*args, **kw)
+    monkeypatch.setattr(prefill_node, "PrefillServer", server)
+    kwargs.setdefault("config", FAST)
+    return start_prefill_node(path, tp, launcher=hosts.launcher(), **kwargs)
 
 
 def _rng_tokens(seed: int, n: int) -> tuple[int, ...]:
@@ -213,11 +215,8 @@ def test_a_corrupted_checkpoint_is_not_hidden_by_verify_transfers(
     model = "mamba2-g1"                       # an SSM state persists: a conv one is flushed
     path = hf_models[model].path
     config = FAST.replace(verify_transfers=True)
-    monkeypatch.setattr(prefill_node, "PrefillServer", functools.partial(
-        PrefillServer, prefix_cache=True, prefix_stride=STRIDE))
-    server = start_prefill_node(path, 1, config=config, num_pages=16,
-                                launcher=prefill_hosts.launcher(),
-                                rank_model="tests.connector._prefix_models:CorruptibleModel")
+    server = start_cached(monkeypatch, path, 1, prefill_hosts, config=config, num_pages=16,
+                          rank_model="tests.connector._prefix_models:CorruptibleModel")
     try:
         with DecodeNode(path, 1, [server.address], num_pages=16, config=config,
                         launcher=decode_hosts.launcher()) as node:
@@ -258,19 +257,14 @@ def test_requests_go_where_their_prefix_lives(pools, hf_models, references, monk
     hit there); round robin (``prefix_routing=False``) sends half elsewhere, where they miss.
     After an eviction the router forgets within a heartbeat; a closed prefill node's entries
     are gone."""
-    from statebridge.connector.decode import DecodeCoordinator
-    from statebridge.node import decode_node
-
     prefill_hosts, decode_hosts = pools
     model = "lfm2"
     path = hf_models[model].path
-    monkeypatch.setattr(decode_node, "DecodeCoordinator", functools.partial(
-        DecodeCoordinator, prefix_routing=routing))
     servers = [start_cached(monkeypatch, path, 1, prefill_hosts, num_pages=16)
                for _ in range(2)]
     try:
         with DecodeNode(path, 1, [s.address for s in servers], num_pages=16, config=FAST,
-                        launcher=decode_hosts.launcher()) as node:
+                        launcher=decode_hosts.launcher(), prefix_routing=routing) as node:
             wait_until(lambda: len(node.coordinator.prefill_nodes()) == 2, 30, "both prefills")
             base = _rng_tokens(50, 25)                # prefills 24+: checkpoints 8, 16, 24
             [warm] = run_all(node.address, [base + (1, 2)])
