@@ -10,12 +10,18 @@ with the oracle (byte-exactness).
 A prefill rank's KV block pool is written once in full before any request: the timed requests
 move whatever their blocks hold, and a block never written would be read from the kernel's
 zero page (cache-hot, no memory traffic), where the NIXL yardstick's sources are written.
+
+It reports ``chunked_prefill`` so that a prefill server started with its prefix cache on
+(``statebridge bench --prefix-caching``) keeps checkpoints: a prompt may then come in several
+chunks (steps end at the checkpoints), and a page or KV block is written once, when the
+prompt's last chunk runs -- what a request moves does not depend on how it was cut.
 """
 
 from __future__ import annotations
 
 import numpy as np
 
+from statebridge.connector.rank.model import PrefillChunk
 from statebridge.testing.models import SyntheticModel
 
 __all__ = ["PageOnceModel", "CHECK_PREFIX"]
@@ -36,6 +42,26 @@ class PageOnceModel(SyntheticModel):
             # the blocks hold, and blocks never written would be read from the kernel's zero
             # page (cache-hot, no memory traffic) -- unlike the NIXL yardstick's sources.
             kv.buffer.fill_(0x5A)
+
+    #: A prompt may come in chunks (the prefix cache's checkpoints need it); only the last
+    #: chunk writes anything (:meth:`prefill_chunks`).
+    chunked_prefill = True
+
+    def prefill_chunks(self, chunks: "list[PrefillChunk]") -> "list[str | None]":
+        """Each prompt's last chunk runs :meth:`prefill` for the whole prompt (its KV: all
+        ``start + len(tokens)`` tokens); earlier chunks write nothing. Whole prompts (every
+        chunk when nothing cuts them): exactly :meth:`prefill` per prompt, as before."""
+        if all(c.last and not c.start for c in chunks):
+            return super().prefill_chunks(chunks)
+        out: list[str | None] = []
+        for c in chunks:
+            if not c.last:
+                out.append(None)
+                continue
+            whole = PrefillChunk(c.request_id, c.page, (0,) * (c.start + len(c.tokens)),
+                                 0, True, c.blocks)
+            out += super().prefill_chunks([whole])
+        return out
 
     def prefill(self, page: int, prompt: tuple[int, ...], request_id: str,
                 blocks: tuple[int, ...] = ()) -> None:

@@ -4,6 +4,7 @@ limit, and the ``ucx_perftest`` line rate. Each returns the cell's figures as a 
 from __future__ import annotations
 
 import argparse
+import itertools
 import os
 import threading
 import time
@@ -28,6 +29,12 @@ TRANSPORTS: dict[str, tuple[bool, str, bool]] = {
 #: Completions closer than the round's mean gap over this belong to one burst
 #: (:func:`completions_per_burst`).
 BURST_GAP_FACTOR = 4.0
+#: Every request's prompt starts with the next of these (:func:`_run_requests`): no two prompts
+#: of a run share a token prefix, so a prefix cache (``--prefix-caching``) never hits.
+_PROMPT_IDS = itertools.count()
+#: The prefix cache's figures of a prefill server's stats, in a cell (``prefix_cache``).
+PREFIX_STATS = ("prefix_cache", "pages_cached", "blocks_cached", "prefix_evictions",
+                "prefix_queries", "prefix_hits")
 
 def prompt_tokens(spec: StateSpec, a: argparse.Namespace) -> int:
     """Tokens of each request's prompt prefix: --prompt-len (default 1024) for a spec with
@@ -77,7 +84,9 @@ def _run_requests(decode, count: int, concurrency: int, prefix: str,
     :meth:`~DecodeCoordinator.free` with a callback): a completed request's page is freed and
     the next request started in the same loop pass, with no thread hand-off per request (the
     NIXL and vLLM's-way loops likewise start the next read from their own loop). The calling
-    thread only waits for the round to end; the first failure ends it and is raised."""
+    thread only waits for the round to end; the first failure ends it and is raised.
+    Each prompt is ``tokens`` tokens that begin with a number no other prompt of the process
+    begins with (so no prefix is ever shared: a prefix cache never hits)."""
     state = {"next": 0, "inflight": 0, "error": None}
     results: list = []
     finished = threading.Event()
@@ -87,8 +96,8 @@ def _run_requests(decode, count: int, concurrency: int, prefix: str,
                 and state["error"] is None:
             i = state["next"]
             try:
-                decode.start(f"{prefix}{i}-{uuid.uuid4().hex[:6]}", (i % 1000,) * tokens,
-                             on_done)
+                decode.start(f"{prefix}{i}-{uuid.uuid4().hex[:6]}",
+                             (next(_PROMPT_IDS),) + (i % 1000,) * (tokens - 1), on_done)
             except CacheFullError:
                 if not state["inflight"]:
                     state["error"] = CacheFullError(f"no page free with nothing in flight "
@@ -181,9 +190,16 @@ def _statebridge_cell(spec: StateSpec, src_tp: int, dst_tp: int, layout: str,
     # Every rank is instrumented (connector.messages.RankProbe): the check round's decode ranks
     # with checksums, the others with timing probes -- per rank and request one more row in
     # the RankDone's frame, left out of the control-message counts below.
-    with PrefillServer(spec, src_tp, layout, num_pages=c + 2, config=config,
+    # With --prefix-caching the prefill server keeps recurrent-state checkpoints and KV blocks
+    # of every prompt (none ever hits: the prompts share no prefix). Its pools get twice the
+    # pages and blocks: the cache's default budget is half of each, so the requests keep the
+    # room they have without the cache (a cell's pool is sized for the requests in flight).
+    cached = bool(getattr(a, "prefix_caching", False))
+    src_pages = (c + 2) * (2 if cached else 1)
+    out["prefix_caching"] = cached
+    with PrefillServer(spec, src_tp, layout, num_pages=src_pages, config=config,
                        launcher=prefill_hosts.launcher(), model=MODEL, probes="timing",
-                       device=a.device, **kv(c + 2)) as server:
+                       device=a.device, prefix_cache=cached, **kv(src_pages)) as server:
         server.wait_ready()
         # 1. byte-exactness on a few requests, checksums on
         if a.check_requests:
@@ -245,6 +261,11 @@ def _statebridge_cell(spec: StateSpec, src_tp: int, dst_tp: int, layout: str,
             rank_lat = np.array([max(probes.rank_seconds(r)) for r in results])
             messages = sorted({probes.messages(r) for r in results})
             held_at = [probes.held_at(r) for r in results]
+            stats = server.stats()
+            out["prefix_cache"] = {k: stats.get(k) for k in PREFIX_STATS}
+            if cached and not stats.get("prefix_cache"):
+                raise AssertionError(f"--prefix-caching: the prefill server's cache is off "
+                                     f"(the stand-in model does not prefill in chunks?)")
             low_rank = np.array([max(probes.rank_seconds(r)) for r in low]) * 1e3
             held = np.array([(probes.held_at(r) - probes.state_final_at(r, server)) * 1e3
                              for r in low])

@@ -143,7 +143,8 @@ def format_table(cells: Sequence[dict]) -> str:
             "|" + "---|" * 24]
     for c in cells:
         layout = c["layout"] + (f"+{c['kv_layout']}" if c.get("kv_layout") else "") + "".join(
-            f" ({name} off)" for name in c.get("switched_off") or ())
+            f" ({name} off)" for name in c.get("switched_off") or ()) + (
+            " (prefix cache)" if c.get("prefix_caching") else "")
         tokens = c.get("prompt_tokens") or "-"
         rows.append(
             f"| {c['preset']} | {c['pair']} | {layout} | {tokens} | {f(c['gbps'])} | "
