@@ -48,3 +48,22 @@ def test_a_page_after_its_first_request_gets_only_the_next_requests_seed():
     assert bytes(page[at:at + 8].numpy()) == b"00000042"
     assert torch.equal(page[:at], full[:at]) and torch.equal(page[at + 8:], full[at + 8:])
     assert int(cache.page_bytes(0).count_nonzero()) == 0     # the other page untouched
+
+
+def test_a_prompt_in_chunks_is_written_once_as_a_whole_prompt():
+    # With the prefix cache on, steps end at its checkpoints: a check request's page and KV
+    # are those of its whole prompt, written by its last chunk (earlier chunks write nothing).
+    from statebridge.connector.rank.model import PrefillChunk
+
+    whole, kv_whole = _model("prefill")
+    assert whole.chunked_prefill
+    assert whole.prefill_chunks([PrefillChunk("chk-1", 1, (7,) * 40, 0, True, (0, 1, 2))]) \
+        == [None]
+    cut, kv_cut = _model("prefill")
+    first = PrefillChunk("chk-1", 1, (7,) * 20, 0, False, (0, 1, 2))
+    assert cut.prefill_chunks([first]) == [None]
+    assert int(cut.cache.page_bytes(1).count_nonzero()) == 0          # nothing yet
+    assert cut.prefill_chunks([PrefillChunk("chk-1", 1, (7,) * 20, 20, True, (0, 1, 2))]) \
+        == [None]
+    assert torch.equal(cut.cache.buffer, whole.cache.buffer)
+    assert torch.equal(kv_cut.buffer, kv_whole.buffer)
