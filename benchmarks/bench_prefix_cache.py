@@ -21,6 +21,13 @@ all but the last token, which is always computed) -- and the memory of the cache
 and KV blocks each prefill node holds, from ``/metrics``, times their bytes from ``statebridge
 plan``). Every arm's answers are compared with the ``off`` arm's (greedy: equal).
 
+Misses (``--miss-requests K``, arms ``off`` and ``on``): after its chats, each of these arms
+serves the same K prompts of fresh random tokens (as long as a turn-1 prompt; none shares a
+prefix with another or with anything before), one after the other, streamed. Their TTFT p50
+with the cache on over off is what hashing and lookup add to a request that matches nothing
+(the cache then holds the chats' checkpoints); ``cached_tokens`` of each is 0. The arms run
+back to back on fresh nodes (the script's structure), so the ratio carries that noise.
+
     python benchmarks/bench_prefix_cache.py --json benchmarks/results/prefix-cache.json
     python benchmarks/bench_prefix_cache.py --quick          # seconds: the test's run
 """
@@ -33,7 +40,6 @@ import json
 import os
 import platform
 import random
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -43,6 +49,8 @@ from statebridge.bench.process import NodeProcess
 from statebridge.net import free_port
 
 ARMS = ("off", "on", "rr2", "aware2")
+#: The arms that also serve the miss requests (one prefill node each: cache off vs on).
+MISS_ARMS = ("off", "on")
 
 
 def conversations(n: int, system_tokens: int, user_tokens: int, vocab: int,
@@ -52,6 +60,16 @@ def conversations(n: int, system_tokens: int, user_tokens: int, vocab: int,
     rng = random.Random(seed)
     ids = lambda k: [rng.randrange(3, vocab) for _ in range(k)]            # noqa: E731
     return ids(system_tokens), [[ids(user_tokens) for _ in range(64)] for _ in range(n)]
+
+
+def fresh_prompts(k: int, length: int, vocab: int, seed: int,
+                  avoid: tuple[int, ...] = ()) -> list[list[int]]:
+    """``k`` prompts of ``length`` random token ids (from 3 up, their own seed) whose first
+    tokens differ from each other's and from ``avoid`` (the chats' first token): none shares
+    even one token of prefix with another or with a chat."""
+    rng = random.Random(f"miss-{seed}")
+    firsts = rng.sample([t for t in range(3, vocab) if t not in avoid], k)
+    return [[first] + [rng.randrange(3, vocab) for _ in range(length - 1)] for first in firsts]
 
 
 def ideal_hits(prompts: list[list[int]]) -> list[int]:
@@ -116,6 +134,18 @@ async def _chats(url: str, args, system: list[int], users: list[list[list[int]]]
     return out
 
 
+async def _misses(url: str, args, prompts: list[list[int]]) -> list[dict]:
+    """The fresh prompts one after the other; one record per request (no answer kept)."""
+    import httpx
+
+    out = []
+    async with httpx.AsyncClient(timeout=600) as client:
+        for prompt in prompts:
+            got = await _complete(client, url, prompt, args.max_tokens)
+            out.append({k: got[k] for k in ("ttft_s", "prompt_tokens", "cached_tokens")})
+    return out
+
+
 def _metrics(url: str) -> dict:
     import httpx
     from prometheus_client.parser import text_string_to_metric_families
@@ -135,8 +165,10 @@ def _plan(model: str, args) -> dict:
     return json.loads(out.stdout)["prefix_cache"]
 
 
-def run_arm(arm: str, model: str, args, env: dict, work: str, system, users) -> dict:
-    """Start the arm's nodes, run the chats, read /metrics, stop the nodes."""
+def run_arm(arm: str, model: str, args, env: dict, work: str, system, users,
+            misses: list[list[int]] = ()) -> dict:
+    """Start the arm's nodes, run the chats, read /metrics, serve ``misses`` (after /metrics:
+    its counts are the chats'), stop the nodes."""
     cache = [] if arm != "off" else ["--no-enable-prefix-caching"]
     common = ["--host", "127.0.0.1", "--device", args.device]
     limits = ["--max-prompt-len", str(args.max_prompt_len), "--max-new-tokens",
@@ -162,10 +194,11 @@ def run_arm(arm: str, model: str, args, env: dict, work: str, system, users) -> 
         seconds = time.perf_counter() - start
         time.sleep(args.settle)                 # one heartbeat: the announcements of the end
         samples = _metrics(url)
+        missed = asyncio.run(_misses(url, args, misses)) if misses else []
     finally:
         for p in reversed(procs):
             p.stop()
-    return {"arm": arm, "seconds": seconds, "requests": requests, "metrics": {
+    return {"arm": arm, "seconds": seconds, "requests": requests, "misses": missed, "metrics": {
         "queries": samples.get(("statebridge_prefix_cache_queries_total", ()), 0),
         "hits": samples.get(("statebridge_prefix_cache_hits_total", ()), 0),
         "pages": {dict(k[1])["prefill"]: v for k, v in samples.items()
@@ -204,6 +237,21 @@ def summarize(result: dict, ideal: list[int], plan: dict, block_size: int) -> di
         "cache_bytes_per_rank": memory}
 
 
+def summarize_misses(results: list[dict]) -> dict | None:
+    """TTFT p50 of the miss requests per arm (``off``, ``on``) and on/off; None unless both
+    arms served them."""
+    arms = {r["arm"]: r["misses"] for r in results if r["arm"] in MISS_ARMS and r["misses"]}
+    if set(arms) != set(MISS_ARMS):
+        return None
+    out: dict = {"requests": len(arms["off"]), "prompt_tokens": arms["off"][0]["prompt_tokens"]}
+    for arm, reqs in arms.items():
+        ttft = [r["ttft_s"] for r in reqs]
+        out[arm] = {"ttft_p50_s": _pct(ttft, .5), "ttft_s": ttft,
+                    "cached_tokens": [r["cached_tokens"] for r in reqs]}
+    out["ttft_p50_on_over_off"] = out["on"]["ttft_p50_s"] / out["off"]["ttft_p50_s"]
+    return out
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--arch", default="lfm2-hybrid", help="make-checkpoint --arch")
@@ -219,6 +267,10 @@ def main(argv=None) -> int:
     p.add_argument("--decode-tp", type=int, default=1)
     p.add_argument("--device", default="cpu")
     p.add_argument("--arms", default=",".join(ARMS), help=f"of {','.join(ARMS)}")
+    p.add_argument("--miss-requests", type=int, default=8, metavar="K",
+                   help="prompts of fresh random tokens (a turn-1 prompt's length) that arms "
+                        "off and on serve after their chats: the cache's cost on a miss "
+                        "(0: none)")
     p.add_argument("--settle", type=float, default=1.5,
                    help="seconds before reading /metrics at the end (announcements)")
     p.add_argument("--seed", type=int, default=0)
@@ -230,6 +282,7 @@ def main(argv=None) -> int:
     if args.quick:
         args.preset, args.conversations, args.turns = "tiny", 2, 3
         args.system_tokens, args.user_tokens, args.max_tokens = 300, 12, 4
+        args.miss_requests = min(args.miss_requests, 3)
     arms = [a for a in args.arms.split(",") if a]
     unknown = set(arms) - set(ARMS)
     if unknown:
@@ -251,8 +304,11 @@ def main(argv=None) -> int:
             vocab = json.load(f)["vocab_size"]
         system, users = conversations(args.conversations, args.system_tokens, args.user_tokens,
                                       vocab, args.seed)
+        misses = fresh_prompts(args.miss_requests, args.system_tokens + args.user_tokens,
+                               vocab, args.seed, avoid=tuple(system[:1]))
         plan = _plan(model, args)
-        results = [run_arm(arm, model, args, env, work, system, users) for arm in arms]
+        results = [run_arm(arm, model, args, env, work, system, users,
+                           misses if arm in MISS_ARMS else []) for arm in arms]
     base = results[0]["requests"]
     summaries = []
     for result in results:
@@ -264,7 +320,7 @@ def main(argv=None) -> int:
     out = {"benchmark": "prefix_cache", "date": time.strftime("%Y-%m-%d"),
            "host": platform.node(), "cpus": os.cpu_count(),
            "config": {k: v for k, v in vars(args).items() if k != "json"},
-           "plan": plan, "arms": summaries}
+           "plan": plan, "arms": summaries, "miss": summarize_misses(results)}
     _print(out)
     if args.json:
         os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
@@ -286,6 +342,13 @@ def _print(out: dict) -> None:
         print(f"{s['arm']:>7} {cells} {s['prefilled_tokens']:>10} {s['hit_rate']:>9.3f} "
               f"{s['hit_rate_vs_ideal']:>9.3f} {s['cache_bytes_per_rank'] / 2**20:>10.2f} "
               f"{'yes' if s['answers_equal_first_arm'] else 'NO':>5}")
+    miss = out.get("miss")
+    if miss:
+        print(f"miss: {miss['requests']} fresh prompts of {miss['prompt_tokens']} tokens, TTFT "
+              f"p50 off {miss['off']['ttft_p50_s'] * 1e3:.1f} ms, on "
+              f"{miss['on']['ttft_p50_s'] * 1e3:.1f} ms, on/off "
+              f"{miss['ttft_p50_on_over_off']:.3f} (cached tokens: "
+              f"{sum(miss['on']['cached_tokens'])})")
 
 
 if __name__ == "__main__":

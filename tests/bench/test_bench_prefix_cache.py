@@ -1,6 +1,6 @@
 """benchmarks/bench_prefix_cache.py --quick: real nodes on 127.0.0.1 through the HTTP API, cache
-off and on; the JSON's structure, the ideal hit count from the prompts, and that the cache
-changes no answer while it serves hits."""
+off and on; the JSON's structure, the ideal hit count from the prompts, that the cache
+changes no answer while it serves hits, and the miss requests' record (both arms, none cached)."""
 
 from __future__ import annotations
 
@@ -50,3 +50,18 @@ def test_quick_run_off_and_on(tmp_path):
     # 256), every later turn its own previous prompt (its end's checkpoint).
     assert 0 < on["cached_tokens"] <= on["ideal_cached_tokens"]
     assert on["cache_pages_per_rank"] > 0 and on["cache_bytes_per_rank"] > 0
+    # Misses: the same fresh prompts (a turn-1 prompt's 312 tokens) on both arms, none cached.
+    miss = result["miss"]
+    assert (miss["requests"], miss["prompt_tokens"]) == (3, 312)
+    for arm in ("off", "on"):
+        assert miss[arm]["cached_tokens"] == [0, 0, 0]
+        assert len(miss[arm]["ttft_s"]) == 3 and all(t > 0 for t in miss[arm]["ttft_s"])
+        assert min(miss[arm]["ttft_s"]) <= miss[arm]["ttft_p50_s"] <= max(miss[arm]["ttft_s"])
+    assert miss["ttft_p50_on_over_off"] == pytest.approx(miss["on"]["ttft_p50_s"]
+                                                         / miss["off"]["ttft_p50_s"])
+
+
+def test_fresh_prompts_share_no_prefix_with_each_other():
+    prompts = _bench().fresh_prompts(4, 50, 8, seed=0, avoid=(3,))
+    assert [len(p) for p in prompts] == [50] * 4 and min(min(p) for p in prompts) >= 3
+    assert _bench().ideal_hits(prompts + [[3, 4]]) == [0, 0, 0, 0, 0]
