@@ -264,8 +264,8 @@ def _statebridge_cell(spec: StateSpec, src_tp: int, dst_tp: int, layout: str,
             stats = server.stats()
             out["prefix_cache"] = {k: stats.get(k) for k in PREFIX_STATS}
             if cached and not stats.get("prefix_cache"):
-                raise AssertionError(f"--prefix-caching: the prefill server's cache is off "
-                                     f"(the stand-in model does not prefill in chunks?)")
+                raise AssertionError("--prefix-caching: the prefill server's cache is off "
+                                     "(the stand-in model does not prefill in chunks?)")
             low_rank = np.array([max(probes.rank_seconds(r)) for r in low]) * 1e3
             held = np.array([(probes.held_at(r) - probes.state_final_at(r, server)) * 1e3
                              for r in low])
