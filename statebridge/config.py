@@ -70,9 +70,9 @@ class ConnectorConfig:
     - ``on_rank_loss``: what a node whose rank died (or went silent for ``peer_timeout``)
       does: ``restart`` its whole rank group (in-flight requests fail with ``peer_lost``;
       pages, KV blocks and the ledger are reset once every old rank process is gone; peers
-      re-handshake), or ``exit``: the group is failed (:attr:`RankGroup.fatal
-      <statebridge.connector.group.RankGroup.fatal>`) and the node's command exits non-zero
-      for its supervisor (systemd, Kubernetes) to restart it. A restart that fails, or the
+      re-handshake), or ``exit``: the group is failed (a coordinator's ``fatal``, its
+      :attr:`Supervisor.fatal <statebridge.connector.supervision.Supervisor.fatal>`) and the
+      node's command exits non-zero for its supervisor (systemd, Kubernetes) to restart it. A restart that fails, or the
       ``max_rank_restarts + 1``-th within ``rank_restart_window`` seconds, fails the group
       the same way.
     - ``max_prefill_tokens``: the token budget of one prefill step on a rank: queued prompts

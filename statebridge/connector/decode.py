@@ -102,7 +102,7 @@ class DecodeGauges:
     transfer_mismatches: int = 0
 
 
-@delegate_to_group("node_id", "address", "fatal", "wait_ready", "whole", "close")
+@delegate_to_group("node_id", "address", "supervisor.fatal", "wait_ready", "whole", "close")
 class DecodeCoordinator:
     """The decode group's coordinator: the N-1 transfer of each request into its ranks.
 
@@ -268,7 +268,7 @@ class DecodeCoordinator:
             raise ClosedError(f"{group.node_id} is closed")
         whole, why = group.whole()
         if not whole:
-            if group.restarting or not (group.fatal or not group.healthy):
+            if group.supervisor.restarting or not (group.supervisor.fatal or not group.healthy):
                 raise NotReadyError(why, request_id=request_id)    # starting, restarting
             raise PeerLostError(why, request_id=request_id)
         live = self.current.get(request_id)

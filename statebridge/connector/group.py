@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import operator
 import os
 import threading
 import time
@@ -110,14 +111,18 @@ class GroupEvents(Protocol):
 
 def delegate_to_group(*names: str):
     """Class decorator for a coordinator that has a rank group (``self.group``): each of
-    ``names`` (an attribute or a method of :class:`RankGroup`) reads as the coordinator's own,
-    ``coordinator.<name>`` being ``coordinator.group.<name>`` -- the group's face its users
-    reach (its node id, address, readiness, failure, close), written once for both sides."""
+    ``names`` (an attribute or a method of :class:`RankGroup`, or a dotted path into one of its
+    parts: ``"supervisor.fatal"``) reads as the coordinator's own under its last name,
+    ``coordinator.fatal`` being ``coordinator.group.supervisor.fatal`` -- the group's face its
+    users reach (its node id, address, readiness, failure, close), written once for both
+    sides."""
     def decorate(cls):
         for name in names:
-            setattr(cls, name, property(lambda self, name=name: getattr(self.group, name),
-                                        doc=f"The rank group's ``{name}`` "
-                                            f"(:class:`~statebridge.connector.group.RankGroup`)."))
+            get = operator.attrgetter(name)
+            setattr(cls, name.rpartition(".")[2],
+                    property(lambda self, get=get: get(self.group),
+                             doc=f"The rank group's ``{name}`` "
+                                 f"(:class:`~statebridge.connector.group.RankGroup`)."))
         return cls
     return decorate
 
@@ -294,16 +299,6 @@ class RankGroup:
         """:meth:`close` was called."""
         return self._closed
 
-    @property
-    def fatal(self) -> str:
-        """Why the group failed for good ("" while it serves or heals; its supervisor's)."""
-        return self.supervisor.fatal
-
-    @property
-    def restarting(self) -> str:
-        """Why the group is restarting ("" when it is not; its supervisor's)."""
-        return self.supervisor.restarting
-
     # -- what the ranks said -----------------------------------------------------------------
     def announcements(self) -> list[RankAnnouncement]:
         """What each rank said when it announced itself (the defaults for one that did not)."""
@@ -362,11 +357,12 @@ class RankGroup:
         if self._closed:
             return False, f"{self.node_id} is closed"
         missing = [r for r, st in enumerate(self.ranks) if st.identity is None or st.lost]
-        if self.fatal:
-            return False, f"{self.role} group {self.node_id} failed: {self.fatal}"
-        if self.restarting:
+        supervisor = self.supervisor
+        if supervisor.fatal:
+            return False, f"{self.role} group {self.node_id} failed: {supervisor.fatal}"
+        if supervisor.restarting:
             return False, (f"{self.role} ranks of {self.node_id} restarting after "
-                           f"{self.restarting}: waiting for ranks {missing} (generation "
+                           f"{supervisor.restarting}: waiting for ranks {missing} (generation "
                            f"{self.generation})")
         if not self.healthy:
             lost = "; ".join(f"rank {r}: {why}" for r, why in sorted(self._lost_why.items()))

@@ -74,7 +74,7 @@ class _Peer:
         self.heartbeats = 0
 
 
-@delegate_to_group("node_id", "address", "fatal", "wait_ready", "whole", "close")
+@delegate_to_group("node_id", "address", "supervisor.fatal", "wait_ready", "whole", "close")
 class PrefillServer:
     """The prefill group's coordinator: handshake, requests, leases, liveness.
 

@@ -224,7 +224,7 @@ class PrefillLinks:
         """On every tick: start due re-dials, time out attempts that hang (none while the
         group is not whole: it re-dials once it is)."""
         group = self.group
-        if group.restarting or group.fatal or group.closed:
+        if group.supervisor.restarting or group.supervisor.fatal or group.closed:
             return
         now = time.monotonic()
         for dial in self._dials.values():

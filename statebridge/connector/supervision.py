@@ -8,7 +8,7 @@ fails, it never lingers (``ConnectorConfig.on_rank_loss``)::
                   rank_start_timeout -> ready again; peers re-handshake
       exit, a failed restart, or too many restarts in rank_restart_window:
                -> fatal: the group stays broken, says why (:attr:`Supervisor.fatal`, also
-                  :attr:`RankGroup.fatal <statebridge.connector.group.RankGroup.fatal>`),
+                  a coordinator's ``fatal``),
                   and the node's command exits non-zero for its supervisor
 
 While a group is not whole, :meth:`RankGroup.whole
