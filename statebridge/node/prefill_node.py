@@ -125,10 +125,12 @@ def answer_queries(server: PrefillServer) -> None:
     def stats(msg: nm.StatsQuery) -> nm.NodeStats:
         ready, why = server.whole()
         blocks = server.group.blocks
+        cached = server.prefix.stats()        # what the prefix cache holds is not in use
         return nm.NodeStats(
             node_id=server.node_id, ready=ready, reason=why, prefill_nodes=(),
-            pages_used=server.group.pool.num_used, pages_free=server.group.pool.num_free,
-            blocks_used=blocks.num_used if blocks else 0,
+            pages_used=server.group.pool.num_used - cached["pages_cached"],
+            pages_free=server.group.pool.num_free,
+            blocks_used=(blocks.num_used - cached["blocks_cached"]) if blocks else 0,
             blocks_free=blocks.num_free if blocks else 0,
             running=len(server.group.ledger), waiting=len(server.waiting),
             refused_peers=int(server.group.counters.get("incompatible_peers")),
