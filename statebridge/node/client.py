@@ -135,11 +135,22 @@ class Client:
 
     def _send(self, message: m.Message, timeout: float) -> None:
         """Send without blocking forever: a refused handshake leaves no peer to queue to."""
-        if not c.poll_dealer(self._sock, self._watch, timeout, zmq.POLLOUT):
-            raise TransferTimeoutError(f"cannot send to {self.address} for {timeout} s (no "
-                                       f"connection: down, unreachable, or refusing us because "
-                                       f"of authentication -- check the keys on both sides)")
-        self._sock.send(m.encode(message), zmq.NOBLOCK)
+        data = m.encode(message)
+        deadline = time.monotonic() + timeout
+        while True:
+            left = max(0.0, deadline - time.monotonic())
+            if not c.poll_dealer(self._sock, self._watch, left, zmq.POLLOUT):
+                raise TransferTimeoutError(
+                    f"cannot send to {self.address} for {timeout} s (no connection: down, "
+                    f"unreachable, or refusing us because of authentication -- check the keys "
+                    f"on both sides)")
+            try:
+                self._sock.send(data, zmq.NOBLOCK)
+                return
+            except zmq.Again:
+                # the connection went between the poll and the send (a refused CURVE
+                # handshake drops it): poll again, which reports the refusal or times out
+                time.sleep(0.01)
 
     def close(self) -> None:
         self._watch.close()
