@@ -36,6 +36,8 @@ SLOW = (
     "tests/bench/test_bench.py",                # benchmark runs: groups of rank processes
     "tests/bench/test_bench_transport.py",
     "tests/bench/test_nixl.py",
+    "tests/bench/test_bench_prefix_cache.py",   # real nodes through HTTP
+    "tests/bench/test_bench_prefix_caching.py",
     "tests/bench/test_copylimit.py::test_the_limit_is_the_best_candidate_and_names_it",
     "tests/bench/test_copylimit.py::test_only_the_candidates_asked_for_are_measured",
     "tests/connector/test_connector.py",        # the real-process matrices and their subsets
@@ -49,6 +51,7 @@ SLOW = (
     "tests/connector/test_probes.py",
     "tests/connector/test_security.py::test_keyed_groups_transfer_and_refuse_intruders",
     "tests/e2e/",                               # nodes: pairs, fault matrix, soak, HTTP
+    "tests/test_cli.py::test_a_node_whose_ranks_do_not_start_in_time_exits_2_naming_them",
     "tests/models/test_runner.py::test_tp_processes_match_transformers",     # gloo processes
     "tests/models/test_distributed.py::test_a_gloo_groups_ranks_listen_only_on_the_rendezvous_host",
     "tests/models/test_distributed.py::test_a_rank_that_never_comes_fails_the_others_within_the_timeout_naming_it",
