@@ -20,7 +20,7 @@ from statebridge.state.plan import TransferPlan
 from statebridge.state.spec import StateSpec
 from statebridge.testing.synthetic import fill_page, global_state, request_seed
 
-from tests.state._oracle import copy_runs
+from tests.state.test_plan import run_pairs
 
 from ._helpers import expected_checksum
 
@@ -38,16 +38,7 @@ def check_pages(spec: StateSpec, src_tp: int, dst_tp: int, src_layout: str, dst_
             cache = StateCache(plan.src, 1)
             fill_page(cache, 0, state, s)
             src_pages.append(cache.buffer.numpy())
-        dst_pages = [np.full(plan.dst.page_size, 0xEE, dtype=np.uint8) for _ in range(dst_tp)]
-        writes = [np.zeros(plan.dst.page_size, dtype=np.int64) for _ in range(dst_tp)]
-        for pair in plan:
-            src, dst = src_pages[pair.src_rank], dst_pages[pair.dst_rank]
-            if pair.staged:
-                staging = np.zeros(int(pair.pack[:, 2].sum()), dtype=np.uint8)
-                copy_runs(src, staging, pair.pack)
-                copy_runs(staging, dst, pair.unpack, writes[pair.dst_rank])
-            else:
-                copy_runs(src, dst, pair.runs, writes[pair.dst_rank])
+        dst_pages, writes = run_pairs(plan, src_pages)
         for d in range(dst_tp):
             assert page_checksum(plan.dst, dst_pages[d]) == expected_checksum(plan.dst, rid, d), \
                 f"{rid}: decode rank {d} page differs from the oracle"

@@ -46,6 +46,12 @@ def make_spec(name: str, **overrides) -> StateSpec:
 def execute(plan: TransferPlan, state) -> tuple[dict[int, np.ndarray], dict[int, np.ndarray]]:
     """Run every pair of ``plan`` with memory copies; staged pairs through a staging buffer."""
     src_pages = {s: page_of_rank(plan.src, state, s)[0] for s in range(plan.src.tp_size)}
+    return run_pairs(plan, src_pages)
+
+
+def run_pairs(plan: TransferPlan, src_pages) -> tuple[dict[int, np.ndarray], dict[int, np.ndarray]]:
+    """Every pair of ``plan`` as memory copies out of ``src_pages`` (by prefill rank): the
+    decode ranks' pages (0xEE where nothing landed) and how often each byte was written."""
     dst_pages = {d: np.full(plan.dst.page_size, 0xEE, dtype=np.uint8)
                  for d in range(plan.dst.tp_size)}
     writes = {d: np.zeros(plan.dst.page_size, dtype=np.int64) for d in range(plan.dst.tp_size)}
