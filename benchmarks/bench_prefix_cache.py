@@ -262,7 +262,8 @@ def main(argv=None) -> int:
     p.add_argument("--system-tokens", type=int, default=1400)
     p.add_argument("--user-tokens", type=int, default=40)
     p.add_argument("--max-tokens", type=int, default=16, help="tokens of each answer")
-    p.add_argument("--stride", type=int, default=256, help="--prefix-checkpoint-tokens")
+    p.add_argument("--stride", type=int, default=0,
+                   help="--prefix-checkpoint-tokens (default 0: the node's default)")
     p.add_argument("--prefill-tp", type=int, default=1)
     p.add_argument("--decode-tp", type=int, default=1)
     p.add_argument("--device", default="cpu")
@@ -332,7 +333,8 @@ def main(argv=None) -> int:
 def _print(out: dict) -> None:
     c = out["config"]
     print(f"{c['arch']} {c['preset']}: {c['conversations']} conversations x {c['turns']} turns, "
-          f"system prompt {c['system_tokens']} tokens, checkpoints every {c['stride']}")
+          f"system prompt {c['system_tokens']} tokens, checkpoints at prompt ends and branch "
+          f"points" + (f" and every {c['stride']} tokens" if c['stride'] else ""))
     turns = sorted({t for s in out["arms"] for t in s["ttft_per_turn"]})
     print(f"{'arm':>7} " + " ".join(f"{'turn ' + str(t) + ' p50/p90 ms':>22}" for t in turns)
           + f" {'prefilled':>10} {'hit rate':>9} {'vs ideal':>9} {'cache MiB':>10} {'same':>5}")

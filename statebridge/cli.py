@@ -198,14 +198,14 @@ def _cmd_plan(args: argparse.Namespace) -> int:
 def _prefix_summary(spec: StateSpec, args: argparse.Namespace, page_size: int) -> dict:
     """What the prefill node's prefix cache holds per rank: one checkpoint (a page of the
     prefill side's layout), the KV of one cached token (its share of the KV heads), and a
-    default stride of tokens (a checkpoint and their KV)."""
+    span of 256 cached tokens (a checkpoint and their KV)."""
     kv_per_token = 0
     if spec.kv is not None:
         from statebridge.state.kv import BlockGeometry
 
         block = BlockGeometry(spec.kv, args.prefill_tp, args.kv_layout, args.block_size, 1)
         kv_per_token = block.bytes_per_block // args.block_size
-    stride = 256                                          # --prefix-checkpoint-tokens' default
+    stride = 256                                    # a span of cached tokens, for scale
     return {"tp": args.prefill_tp, "checkpoint_bytes_per_rank": page_size,
             "kv_bytes_per_token_per_rank": kv_per_token, "stride": stride,
             "bytes_per_stride_per_rank": page_size + stride * kv_per_token}
@@ -529,11 +529,12 @@ def _add_nodes(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--model", required=True, help="checkpoint directory (HF format)")
     p.add_argument("--tp", type=_positive_int, required=True, help="TP size")
     p.add_argument("--port", type=int, required=True, help="control port decode nodes connect to")
-    p.add_argument("--prefix-checkpoint-tokens", dest="prefix_stride", type=_positive_int,
+    p.add_argument("--prefix-checkpoint-tokens", dest="prefix_stride", type=_non_negative_int,
                    default=None, metavar="N",
-                   help="prefix caching: keep a recurrent-state checkpoint every N prompt tokens "
-                        "(and one at each prompt's end); a later prompt resumes from the last "
-                        "checkpoint it shares (default 256, independent of --block-size)")
+                   help="prefix caching: recurrent-state checkpoints are kept at each prompt's "
+                        "end and where a prompt branches off an earlier one (a shared system "
+                        "prompt); N > 0 also keeps one every N prompt tokens, each costing a "
+                        "prefill step and a page copy (default 0: none)")
     p.add_argument("--prefix-cache-gib", dest="prefix_cache_gib", type=_positive_float,
                    default=None, metavar="G",
                    help="prefix caching: GiB of the node's page and KV pools (split evenly over "

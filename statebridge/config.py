@@ -229,8 +229,8 @@ class NodeConfig:
       then the zmq door would let anyone who reaches the port generate without the key.
     - Prefix caching (``--enable-prefix-caching``, on by default): ``prefix_cache`` on either
       node (off on a decode node: it neither asks for hits nor routes by prefix); the prefill
-      node's ``prefix_stride`` (a recurrent-state checkpoint every that many tokens, and one
-      at each prompt's end) and ``prefix_cache_gib``, the GiB per node (split evenly over its
+      node's ``prefix_stride`` (0, the default: recurrent-state checkpoints at each prompt's
+      end and where prompts branch; N: also one every N tokens) and ``prefix_cache_gib``, the GiB per node (split evenly over its
       ranks) its cached checkpoints and KV blocks may take of its page and KV pools (0: the
       default, half of each pool).
     """
@@ -254,7 +254,7 @@ class NodeConfig:
     kv_tokens: int = 0
     kv_gib: float = 0.0
     prefix_cache: bool = True
-    prefix_stride: int = 256
+    prefix_stride: int = 0
     prefix_cache_gib: float = 0.0
 
     #: KV pool sizes, one of which may be set (0: not set).
@@ -262,10 +262,14 @@ class NodeConfig:
 
     def __post_init__(self) -> None:
         for name in ("num_pages", "max_batch", "max_prompt_len", "max_new_tokens",
-                     "block_size", "prefix_stride"):
+                     "block_size"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ConfigError(f"{name} must be a positive integer, got {value!r}")
+        if not isinstance(self.prefix_stride, int) or isinstance(self.prefix_stride, bool) \
+                or self.prefix_stride < 0:
+            raise ConfigError(f"prefix_stride must be an integer >= 0 (0: no periodic "
+                              f"checkpoints), got {self.prefix_stride!r}")
         for name in ("kv_blocks", "kv_memory", "kv_tokens"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:

@@ -404,8 +404,8 @@ def test_prefix_caching_flags_reach_the_node_config(command):
     if command == "decode":
         base += ["--prefill", "127.0.0.1:2"]
     node = _node_config(build_parser().parse_args(base))
-    # On by default (vLLM's default), a checkpoint every 256 tokens, the default budget.
-    assert (node.prefix_cache, node.prefix_stride, node.prefix_cache_gib) == (True, 256, 0.0)
+    # On by default (vLLM's default), no periodic checkpoints, the default budget.
+    assert (node.prefix_cache, node.prefix_stride, node.prefix_cache_gib) == (True, 0, 0.0)
     assert _node_config(build_parser().parse_args(
         base + ["--no-enable-prefix-caching"])).prefix_cache is False
     assert _node_config(build_parser().parse_args(
@@ -429,7 +429,7 @@ def test_prefix_caching_flags_reach_the_node_config(command):
 
 
 @pytest.mark.parametrize("flag,value,needle", [
-    ("--prefix-checkpoint-tokens", "0", "'0'"), ("--prefix-checkpoint-tokens", "-3", "'-3'"),
+    ("--prefix-checkpoint-tokens", "-1", "'-1'"), ("--prefix-checkpoint-tokens", "-3", "'-3'"),
     ("--prefix-checkpoint-tokens", "1.5", "'1.5'"), ("--prefix-cache-gib", "0", "'0'"),
     ("--prefix-cache-gib", "inf", "'inf'"), ("--prefix-cache-gib", "lots", "'lots'")])
 def test_bad_prefix_caching_flags_exit_nonzero_naming_the_value(flag, value, needle, capsys):
@@ -442,7 +442,8 @@ def test_bad_prefix_caching_flags_exit_nonzero_naming_the_value(flag, value, nee
 
 
 @pytest.mark.parametrize("field,value,needle", [
-    ("prefix_stride", 0, "prefix_stride must be a positive integer, got 0"),
+    ("prefix_stride", -1, "prefix_stride must be an integer >= 0 (0: no periodic "
+                          "checkpoints), got -1"),
     ("prefix_stride", True, "got True"),
     ("prefix_cache_gib", -1.0, "prefix_cache_gib must be a positive number of GiB (0: the "
                                "default), got -1.0"),
@@ -512,13 +513,16 @@ def test_the_prefill_memory_line_names_the_prefix_cache_share():
 
     sizes = dict(page_bytes=1 << 20, num_pages=64, block_bytes=1 << 16, num_blocks=1000)
     assert prefix_memory_text(NodeConfig(), 2, **sizes) == (
-        "; prefix cache (a checkpoint every 256 tokens): up to 32 pages + 500 KV blocks = "
+        "; prefix cache (checkpoints at prompt ends and branch points): up to 32 pages + "
+        "500 KV blocks = "
         "63.2 MiB per rank of these pools")
     assert prefix_memory_text(NodeConfig(), 1, **{**sizes, "num_blocks": 0}) == (
-        "; prefix cache (a checkpoint every 256 tokens): up to 32 pages = 32.0 MiB per rank of "
+        "; prefix cache (checkpoints at prompt ends and branch points): up to 32 pages = "
+        "32.0 MiB per rank of "
         "these pools")
     assert prefix_memory_text(NodeConfig(prefix_cache_gib=1.0, prefix_stride=128), 4,
-                              **sizes) == ("; prefix cache (a checkpoint every 128 tokens): up "
+                              **sizes) == ("; prefix cache (checkpoints at prompt ends, branch "
+                                           "points and every 128 tokens): up "
                                            "to 256.0 MiB (--prefix-cache-gib 1) per rank of "
                                            "these pools")
     assert prefix_memory_text(NodeConfig(prefix_cache=False), 1, **sizes) == "; prefix cache off"

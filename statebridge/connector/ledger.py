@@ -188,7 +188,8 @@ class Ledger:
         if self._records.get(record.key) is not record:
             return False
         del self._records[record.key]
-        self.pool.free(record.page)
+        if record.page >= 0:                   # -1: the prefill side's prefix cache took it
+            self.pool.free(record.page)
         if record.blocks:
             self.blocks.free(record.blocks)
         return True

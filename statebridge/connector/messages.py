@@ -158,8 +158,8 @@ class GroupInfo(Message):
     verify_transfers: bool = False
     #: A prefill group's prefix cache (protocol 13): on, and what its checkpoint keys are made
     #: of (:class:`~statebridge.state.prefix.PrefixHasher`: the salt's digest, the KV block
-    #: size above, ``prefix_stride`` tokens between checkpoints), so a decode node can hash a
-    #: prompt as that group does and route it where its prefix lives.
+    #: size above, ``prefix_stride`` tokens between periodic checkpoints, 0: none), so a decode
+    #: node can hash a prompt as that group does and route it where its prefix lives.
     prefix_cache: bool = False
     prefix_salt: bytes = b""
     prefix_stride: int = 0

@@ -10,9 +10,11 @@ pools; the ranks copy the bytes (:mod:`statebridge.connector.rank.prefix`). One 
                           unpinned units: a running request's needs win)
     plan(key, msg, record) after the ledger allocated them: lookup (capped at len - 1),
                           pin the hit, reserve checkpoint units for the positions the prefill
-                          passes; the RankPrefill fields (restore / checkpoint)
+                          passes (the prompt's end on the request's own page, not sent); the
+                          RankPrefill fields (restore / checkpoint)
     settle(record)        every rank answered: on success commit the units (the request's
-                          full blocks are adopted where not cached yet); the request keeps only
+                          full blocks are adopted where not cached yet, its page by the end's
+                          unit: ``record.page`` -1); the request keeps only
                           ``lease.private(table)`` to free
     release(record)       after the ledger freed the record: unpin, abort what was never
                           committed; returns the cached tokens (TransferTimes.cached_tokens)
@@ -71,8 +73,9 @@ class PrefillPrefix:
     def __init__(self, group: "RankGroup", *, enabled: bool = False,
                  stride: int = DEFAULT_CHECKPOINT_TOKENS, cache_bytes: int | None = None,
                  model: str = "") -> None:
-        if isinstance(stride, bool) or not isinstance(stride, int) or stride < 1:
-            raise ConfigError(f"prefix_stride must be a positive integer, got {stride!r}")
+        if isinstance(stride, bool) or not isinstance(stride, int) or stride < 0:
+            raise ConfigError(f"prefix_stride must be an integer >= 0 (0: no periodic "
+                              f"checkpoints), got {stride!r}")
         if cache_bytes is not None and (isinstance(cache_bytes, bool)
                                         or not isinstance(cache_bytes, int) or cache_bytes < 0):
             raise ConfigError(f"prefix_cache_bytes must be an integer >= 0 or None, got "
@@ -109,10 +112,12 @@ class PrefillPrefix:
                 log.warning("%s", why)
                 self._why_off = why
             return None
-        self.cache = PrefixCache(group.pool, group.blocks, self.hasher, **self._budgets())
-        log.info("%s: prefix cache on: checkpoints every %d tokens, up to %d pages and %d KV "
-                 "blocks", group.node_id, self.stride, self.cache.page_budget,
-                 self.cache.block_budget)
+        self.cache = PrefixCache(group.pool, group.blocks, self.hasher, branch_points=True,
+                                 **self._budgets())
+        log.info("%s: prefix cache on: checkpoints at prompt ends, where prompts branch%s; up "
+                 "to %d pages and %d KV blocks", group.node_id,
+                 f" and every {self.stride} tokens" if self.stride else "",
+                 self.cache.page_budget, self.cache.block_budget)
         return self.cache
 
     def _budgets(self) -> dict[str, int]:
@@ -171,7 +176,8 @@ class PrefillPrefix:
         cached = hit.tokens if hit.unit is not None else 0
         group.counters.add("prefix_queries", len(prompt))
         group.counters.add("prefix_hits", cached)
-        units = cache.reserve(prompt, lease, start=cached)
+        units = [u for u in cache.reserve(prompt, lease, start=cached, page=record.page,
+                                          table=record.blocks) if not u.own]
         self._held[record.key] = _Held(lease, cached)
         fields: dict = {}
         if cached:
@@ -201,6 +207,8 @@ class PrefillPrefix:
                     log.error("%s: prefix checkpoint of %s not kept: %s", self.group.node_id,
                               record.key, e)
         record.blocks = held.lease.private(record.blocks)
+        if held.lease.page is not None:
+            record.page = -1                   # the cache took it: the ledger frees no page
 
     def release(self, record: "Record") -> int:
         """The ledger freed ``record``: drop its hold; its cached tokens."""

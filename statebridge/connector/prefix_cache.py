@@ -33,15 +33,25 @@ Lifecycle of one request (the integration calls, in order)
 3. ``cache.make_room(pages=1, contiguous=k)``: a running request's needs win; evicts unpinned
    units (the cheapest contiguous window first) until the request's page and its ``k`` fresh
    blocks fit. Then the caller allocates them from the pools as today.
-4. ``units = cache.reserve(prompt, lease, start=hit.tokens)``: pending units (a page, and a
-   tail block where needed) for the checkpoint positions the prefill passes. When the prefill
-   passes ``unit.tokens`` a rank copies the state into ``unit.page`` (and KV block
-   ``table[n//bs]`` into ``unit.tail``), then the caller calls ``cache.commit(unit.key, lease,
-   table)``: the unit's full blocks are the cached ones of equal hash, else the request's
-   own, which the cache adopts (``lease.adopted``). ``cache.abort(key)`` drops a unit whose
-   prefill failed.
+4. ``units = cache.reserve(prompt, lease, start=hit.tokens, page=page, table=table)``:
+   pending units (a page, and a tail block where needed) for the checkpoint positions the
+   prefill passes. When the prefill passes ``unit.tokens`` a rank copies the state into
+   ``unit.page`` (and KV block ``table[n//bs]`` into ``unit.tail``), then the caller calls
+   ``cache.commit(unit.key, lease, table)``: the unit's full blocks are the cached ones of
+   equal hash, else the request's own, which the cache adopts (``lease.adopted``). The unit
+   at the prompt's end is the request's own ``page`` and partial block (``unit.own``: no
+   copy; the cache takes them at commit, ``lease.page``). ``cache.abort(key)`` drops a unit
+   whose prefill failed (an own unit's page and block stay the request's).
 5. ``cache.release(lease)`` when the request ends (its transfer read the shared blocks): the
-   request frees only ``lease.private(table)`` of its block table itself.
+   request frees only ``lease.private(table)`` of its block table itself, and its page
+   unless ``lease.page`` took it.
+
+Where checkpoints go: the prompt's end, every ``hasher.stride`` tokens when the stride is not
+0, and with ``branch_points`` (the prefill node's policy) the point where the prompt stops
+sharing full blocks with an earlier prompt (:meth:`PrefixCache.shared_prefix`): the first
+prompt with a system prompt keeps only its end; the second keeps the system prompt's last
+full block too, which every later one hits. A checkpoint inside a prompt ends a prefill step
+and copies a page; one at its end costs neither.
 
 Budget and eviction: units live under a budget (default half of the pages and half of the
 blocks), evicted least recently used first (a hit refreshes its unit); ``make_room`` evicts
@@ -69,7 +79,8 @@ __all__ = ["Unit", "Hit", "Lease", "Changes", "Snapshot", "PrefixCache"]
 class Unit:
     """One checkpoint and the KV blocks it needs. ``blocks``: full blocks ``[0, n//bs)``
     (shared, set at commit); ``tail``: the private partial block or None; ``final``: the
-    checkpoint ends a prompt (not a stride multiple inside it)."""
+    checkpoint ends a prompt (not a stride multiple inside it); ``own``: the page (and tail)
+    are the request's own, which the cache takes at commit (no copy)."""
 
     checkpoint: Checkpoint
     page: int
@@ -78,6 +89,7 @@ class Unit:
     ready: bool = False
     pins: int = 0
     final: bool = False
+    own: bool = False
     tick: int = 0                                   # last use (LRU; window cost)
     hashes: tuple[bytes, ...] = ()                  # pending only: chain hashes of its blocks
     key: bytes = field(init=False)                  # the checkpoint's key and token count
@@ -122,6 +134,8 @@ class Lease:
     units: list[Unit] = field(default_factory=list)
     pending: list[Unit] = field(default_factory=list)
     adopted: set[int] = field(default_factory=set)
+    #: The request's page, when the cache took it as a checkpoint (the request must not free it).
+    page: int | None = None
     released: bool = False
 
     def private(self, table: Sequence[int]) -> list[int]:
@@ -170,11 +184,17 @@ class PrefixCache:
     (evicted first until a hit refreshes them) -- on the interleaved multi-turn replay
     (``benchmarks/replay_prefix_cache.py``) this keeps 0.92-0.97 of the ideal hits where plain
     LRU keeps 0.72 at the same pool size, and is never worse.
+
+    ``branch_points``: :meth:`reserve` also keeps a checkpoint where a prompt stops sharing
+    full blocks with an earlier prompt (:meth:`shared_prefix`: a prefix two prompts began with,
+    such as a system prompt, is likely to come again), remembering the block hashes of the
+    last ``seen_blocks`` full blocks it reserved for.
     """
 
     def __init__(self, pages: PagePool, blocks: BlockPool | None, hasher: PrefixHasher, *,
                  page_budget: int | None = None, block_budget: int | None = None,
-                 wait_tokens: int | None = None, cold_intermediate: bool = True) -> None:
+                 wait_tokens: int | None = None, cold_intermediate: bool = True,
+                 branch_points: bool = False, seen_blocks: int = 1 << 16) -> None:
         self.pages = pages
         self.blocks = blocks
         self.hasher = hasher
@@ -188,6 +208,15 @@ class PrefixCache:
                 raise ConfigError(f"{name} must be an integer >= 0, got {value!r}")
         self.wait_tokens = hasher.stride if wait_tokens is None else wait_tokens
         self.cold_intermediate = cold_intermediate
+        if isinstance(seen_blocks, bool) or not isinstance(seen_blocks, int) or seen_blocks < 0:
+            raise ConfigError(f"seen_blocks must be an integer >= 0, got {seen_blocks!r}")
+        self.branch_points = bool(branch_points)
+        self.seen_blocks = seen_blocks
+        # chain hashes of the full blocks of recent prompts, where a new prompt branches off an
+        # earlier one: two generations of at most seen_blocks // 2 (a hash seen again moves
+        # to the newer; the older is dropped whole when the newer fills) -- LRU-like, in bulk
+        self._seen: dict[bytes, None] = {}
+        self._seen_old: dict[bytes, None] = {}
         self.index: PrefixIndex[Unit] = PrefixIndex()
         self._lru: collections.OrderedDict[bytes, Unit] = collections.OrderedDict()  # ready
         self._blocks: dict[int, _Block] = {}
@@ -335,34 +364,73 @@ class PrefixCache:
         return best[2], [self.index.get(k) for k in best_units]
 
     # -- 4. checkpoints a prefill produces ---------------------------------------------------
+    def shared_prefix(self, prompt: HashedPrompt) -> int:
+        """Tokens of the longest block-aligned prefix of ``prompt`` that a prompt reserved for
+        earlier began with (0: none; ``branch_points`` only)."""
+        hashes = prompt.hashes
+        shared = self._seen.keys() & hashes             # C speed: a fresh prompt ends here
+        shared |= self._seen_old.keys() & hashes
+        if not shared:
+            return 0
+        for i in range(len(hashes) - 1, -1, -1):
+            if hashes[i] in shared:
+                return (i + 1) * self.block_size
+        return 0
+
+    def _saw(self, prompt: HashedPrompt) -> None:
+        self._seen.update(dict.fromkeys(prompt.hashes))
+        if 2 * len(self._seen) > self.seen_blocks:
+            self._seen_old, self._seen = self._seen, {}
+
     def reserve(self, prompt: HashedPrompt, lease: Lease, *, start: int = 0,
-                positions: Sequence[int] | None = None) -> list[Unit]:
+                positions: Sequence[int] | None = None, page: int | None = None,
+                table: Sequence[int] = ()) -> list[Unit]:
         """Pending units for the checkpoints a prefill of ``prompt`` from token ``start`` passes
-        (default: :meth:`PrefixHasher.checkpoint_positions`), skipping those already cached or
-        in flight. Each takes a page (and a tail block) within the budget, evicting least
-        recently used units for it. Positions are taken from the last down (the prompt's end
-        is what the next turn of a chat hits) and stop at the first that does not fit (best
-        effort: a request never waits for its checkpoints). Returned in token order."""
+        (default: :meth:`PrefixHasher.checkpoint_positions` and, with ``branch_points``, the
+        :meth:`shared_prefix` when it lies in ``(start, len)``), skipping those already cached
+        or in flight. Each takes a page (and a tail block) within the budget, evicting least
+        recently used units for it. ``page``: the request's own page (and ``table`` its block
+        table): the unit at the prompt's end takes them instead (``unit.own``; nothing to
+        copy: the cache owns them from :meth:`commit` on). Positions are taken from the last
+        down (the prompt's end is what the next turn of a chat hits) and stop at the first
+        that does not fit (best effort: a request never waits for its checkpoints). Returned
+        in token order."""
         if positions is None:
             positions = self.hasher.checkpoint_positions(len(prompt), start)
+            if self.branch_points:
+                branch = self.shared_prefix(prompt)
+                if start < branch < len(prompt) and branch not in positions:
+                    positions = sorted(positions + [branch])
+        if self.branch_points:
+            self._saw(prompt)
+        bs = self.block_size
         out: list[Unit] = []
         for n in sorted(positions, reverse=True):   # the prompt's end first: the next turn's
             checkpoint = prompt.checkpoint(n)
             if checkpoint.key in self.index:
                 continue
-            needs_tail = self.blocks is not None and n % self.block_size != 0
-            while self.num_units >= self.page_budget or not self.pages.num_free or (
-                    needs_tail and (self.num_blocks >= self.block_budget
-                                    or not self.blocks.num_free)):
-                if not self._evict_lru():
-                    return sorted(out, key=lambda u: u.tokens)
-            page = self.pages.allocate()
-            tail = self.blocks.allocate(1)[0] if needs_tail else None
-            unit = Unit(checkpoint, page, tail, final=n == len(prompt),
-                        hashes=tuple(prompt.hashes[:n // self.block_size])
-                        if self.blocks is not None else ())
-            if tail is not None:
-                self._blocks[tail] = _Block(None, {checkpoint.key})
+            needs_tail = self.blocks is not None and n % bs != 0
+            hashes = tuple(prompt.hashes[:n // bs]) if self.blocks is not None else ()
+            if page is not None and n == len(prompt):
+                if needs_tail and len(table) <= n // bs:
+                    raise ConfigError(f"the block table {tuple(table)[:8]} ({len(table)} "
+                                      f"blocks) does not hold {n} tokens in blocks of {bs}")
+                while self.num_units >= self.page_budget:
+                    if not self._evict_lru():
+                        return sorted(out, key=lambda u: u.tokens)
+                unit = Unit(checkpoint, page, table[n // bs] if needs_tail else None,
+                            final=True, own=True, hashes=hashes)
+            else:
+                while self.num_units >= self.page_budget or not self.pages.num_free or (
+                        needs_tail and (self.num_blocks >= self.block_budget
+                                        or not self.blocks.num_free)):
+                    if not self._evict_lru():
+                        return sorted(out, key=lambda u: u.tokens)
+                unit = Unit(checkpoint, self.pages.allocate(),
+                            self.blocks.allocate(1)[0] if needs_tail else None,
+                            final=n == len(prompt), hashes=hashes)
+                if unit.tail is not None:
+                    self._blocks[unit.tail] = _Block(None, {checkpoint.key})
             self.index.add(checkpoint, unit)
             lease.pending.append(unit)
             out.append(unit)
@@ -372,27 +440,49 @@ class PrefixCache:
         """The checkpoint ``key`` (and its tail copy) is written: the unit becomes ready. Its
         full blocks are the cached blocks of equal chain hash, else the request's own blocks
         ``table[i]``, which the cache adopts (returned; also in ``lease.adopted``: the request
-        no longer frees them)."""
+        no longer frees them). A unit on the request's own page takes the page
+        (``lease.page``) and its tail block (adopted like a full block)."""
         unit = self.index.get(key)
         if unit is None or unit.ready or unit not in lease.pending:
             raise ConfigError(f"checkpoint {key.hex()} is not pending under this lease")
         if len(table) < len(unit.hashes):
             raise ConfigError(f"checkpoint at {unit.tokens} tokens needs {len(unit.hashes)} "
                               f"full blocks, the block table has {len(table)}")
+        if unit.own and unit.tail is not None and unit.tail in self._blocks:
+            raise ConfigError(f"block {unit.tail} is cached already; the request must not "
+                              f"write a cached block")
+        hashes, blocks, by_hash = unit.hashes, self._blocks, self._by_hash
+        cached = list(map(by_hash.get, hashes))
         ids, adopted = [], []
-        for h, own in zip(unit.hashes, table):
-            b = self._by_hash.get(h)
-            if b is None:
-                if own in self._blocks:
-                    raise ConfigError(f"block {own} is cached under another hash; the request "
-                                      f"must not write a cached block")
-                b = own
-                self._blocks[b] = _Block(h, set(), pins=1)
-                self._by_hash[h] = b
-                lease.adopted.add(b)
-                adopted.append(b)
-            self._blocks[b].units.add(key)
-            ids.append(b)
+        if cached.count(None) == len(cached):           # nothing of it cached: adopt them all
+            own = list(table[:len(hashes)])
+            if not blocks.keys().isdisjoint(own):
+                bad = next(b for b in own if b in blocks)
+                raise ConfigError(f"block {bad} is cached under another hash; the request "
+                                  f"must not write a cached block")
+            blocks.update({b: _Block(h, {key}, 1) for b, h in zip(own, hashes)})
+            by_hash.update(zip(hashes, own))
+            ids, adopted = own, list(own)
+        else:
+            for h, own_b, b in zip(hashes, table, cached):
+                if b is None:
+                    if own_b in blocks:
+                        raise ConfigError(f"block {own_b} is cached under another hash; the "
+                                          f"request must not write a cached block")
+                    blocks[own_b] = _Block(h, {key}, 1)
+                    by_hash[h] = own_b
+                    adopted.append(own_b)
+                    ids.append(own_b)
+                else:
+                    blocks[b].units.add(key)
+                    ids.append(b)
+        lease.adopted.update(adopted)
+        if unit.own:
+            lease.page = unit.page
+            if unit.tail is not None:
+                self._blocks[unit.tail] = _Block(None, {key}, pins=1)
+                lease.adopted.add(unit.tail)
+                adopted.append(unit.tail)
         unit.blocks, unit.hashes, unit.ready = tuple(ids), (), True
         lease.pending.remove(unit)
         self._touch(unit)
@@ -408,6 +498,8 @@ class PrefixCache:
         if unit is None or unit.ready:
             raise ConfigError(f"checkpoint {key.hex()} is not pending")
         self.index.remove(key)
+        if unit.own:                           # the request's page and tail: it frees them
+            return
         self.pages.free(unit.page)
         if unit.tail is not None:
             self._drop_block(unit.tail)
@@ -470,11 +562,15 @@ class PrefixCache:
         del self._lru[key]
         self.pages.free(unit.page)
         freed = []
+        blocks, by_hash = self._blocks, self._by_hash
         for b in unit.blocks + ((unit.tail,) if unit.tail is not None else ()):
-            block = self._blocks[b]
-            block.units.discard(key)
-            if not block.units and not block.pins:
-                self._drop_block(b)
+            block = blocks[b]
+            units = block.units
+            units.discard(key)
+            if not units and not block.pins:           # _drop_block, inlined: the hot path
+                del blocks[b]
+                if block.hash is not None:
+                    del by_hash[block.hash]
                 freed.append(b)
         if freed:
             self.blocks.free(freed)

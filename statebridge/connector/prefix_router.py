@@ -102,7 +102,7 @@ class PrefixRouter:
     def connected(self, info: m.GroupInfo) -> None:
         """A handshake with a prefill node succeeded: it starts empty (its reset follows)."""
         self.nodes.pop(info.node_id, None)
-        if not info.prefix_cache or not info.prefix_salt or info.prefix_stride < 1:
+        if not info.prefix_cache or not info.prefix_salt or info.prefix_stride < 0:
             return
         try:
             hasher = PrefixHasher(info.prefix_salt, info.block_size, stride=info.prefix_stride)
@@ -123,6 +123,8 @@ class PrefixRouter:
     def pick(self, ready: Sequence["_Prefill"], prompt: bytes, ledger: Ledger) -> "_Prefill":
         """The prefill node for ``prompt`` among ``ready`` (not empty)."""
         turn = next(self._rr)
+        if len(ready) == 1:                    # nothing to choose: no hashing
+            return ready[0]
         caching = [p for p in ready if p.node_id in self.nodes]
         if not (self.enabled and self.routing and caching):
             return ready[turn % len(ready)]

@@ -8,8 +8,8 @@ queries of the decode node's front door (:class:`~statebridge.node.messages.Stat
 starting, restarting, or failed), and its pages and KV blocks can be read from outside.
 
 Prefix caching is on unless ``NodeConfig.prefix_cache`` is False (``--no-enable-prefix-caching``):
-the server keeps a recurrent-state checkpoint every ``prefix_stride`` tokens and at each
-prompt's end, with the full KV blocks before it, in a share of its page and KV pools
+the server keeps a recurrent-state checkpoint at each prompt's end, where a prompt branches off
+an earlier one, and every ``prefix_stride`` tokens if set, with the full KV blocks before it, in a share of its page and KV pools
 (``prefix_cache_gib`` per node, split over its ranks; default half of each pool).
 """
 
@@ -95,8 +95,9 @@ def prefix_memory_text(nc: NodeConfig, tp_size: int, *, page_bytes: int, num_pag
         size = f"up to {held} = {fmt_bytes(budget)}"
     else:
         size = f"up to {fmt_bytes(budget)} (--prefix-cache-gib {nc.prefix_cache_gib:g})"
-    return (f"; prefix cache (a checkpoint every {nc.prefix_stride} tokens): {size} per rank "
-            f"of these pools")
+    where = (f"prompt ends, branch points and every {nc.prefix_stride} tokens"
+             if nc.prefix_stride else "prompt ends and branch points")
+    return f"; prefix cache (checkpoints at {where}): {size} per rank of these pools"
 
 
 def check_prefix_budget(nc: NodeConfig, tp_size: int, pool_bytes: int, page_bytes: int) -> None:

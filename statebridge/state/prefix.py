@@ -7,8 +7,9 @@ A prefill group can reuse two things of an earlier prompt that shares a prefix w
   block is named by the chain hash ``h[i]`` of every token up to its end;
 * its **recurrent-state checkpoints** (conv and SSM): a state has no partial form, so only a
   checkpoint taken after exactly ``n`` tokens serves a prefix of length ``n``. Checkpoints sit
-  at multiples of a stride (default 256 tokens, independent of the block size) and at the end
-  of each prompt (:meth:`PrefixHasher.checkpoint_positions`).
+  at the end of each prompt and, with a stride (default 0: none; independent of the block
+  size), at its multiples (:meth:`PrefixHasher.checkpoint_positions`); a prefill group adds
+  the points where prompts branch (:mod:`statebridge.connector.prefix_cache`).
 
 ::
 
@@ -54,8 +55,10 @@ __all__ = ["PREFIX_HASH_VERSION", "DEFAULT_CHECKPOINT_TOKENS", "DIGEST_SIZE", "P
 
 #: Bumped whenever the hash recipe changes, so old announcements can never match.
 PREFIX_HASH_VERSION = 1
-#: Default checkpoint stride (``--prefix-checkpoint-tokens``).
-DEFAULT_CHECKPOINT_TOKENS = 256
+#: Default checkpoint stride (``--prefix-checkpoint-tokens``): 0, no periodic checkpoints (each
+#: one inside a prompt ends a prefill step and copies a page; prompt ends and branch points
+#: are kept without a stride).
+DEFAULT_CHECKPOINT_TOKENS = 0
 #: Bytes of every hash and key.
 DIGEST_SIZE = 16
 
@@ -138,12 +141,14 @@ class Checkpoint:
 class PrefixHasher:
     """Hashes prompts for one group: ``salt`` (a :class:`PrefixSalt` or its digest),
     ``block_size`` (the KV block size; any size for a model without attention), ``stride`` (the
-    checkpoint stride in tokens)."""
+    checkpoint stride in tokens; 0: checkpoints at prompt ends only)."""
 
     def __init__(self, salt: PrefixSalt | bytes, block_size: int, *,
                  stride: int = DEFAULT_CHECKPOINT_TOKENS) -> None:
         self.block_size = _positive("block_size", block_size)
-        self.stride = _positive("checkpoint stride", stride)
+        if isinstance(stride, bool) or not isinstance(stride, int) or stride < 0:
+            raise ConfigError(f"checkpoint stride must be an integer >= 0, got {stride!r}")
+        self.stride = stride
         if isinstance(salt, PrefixSalt):
             if salt.kv_block_size and salt.kv_block_size != block_size:
                 raise ConfigError(f"hash block size {block_size} differs from the KV block size "
@@ -165,9 +170,12 @@ class PrefixHasher:
 
     def checkpoint_positions(self, length: int, start: int = 0) -> list[int]:
         """Where a prefill of tokens ``[start, length)`` keeps checkpoints: the multiples of the
-        stride in ``(start, length)`` and ``length`` itself (if ``length > start``)."""
+        stride in ``(start, length)`` (none for stride 0) and ``length`` itself (if
+        ``length > start``)."""
         if length <= start:
             return []
+        if not self.stride:
+            return [length]
         first = (start // self.stride + 1) * self.stride
         return list(range(first, length, self.stride)) + [length]
 
@@ -188,11 +196,12 @@ class HashedPrompt:
             raise ConfigError(f"token ids must be integers in [0, 2**31), got {bad[0]!r}")
         self.hasher = hasher
         self.tokens = arr.astype("<i4", copy=False)
-        self._raw = memoryview(self.tokens.tobytes())
+        raw = self.tokens.tobytes()
+        self._raw = memoryview(raw)
         step = hasher.block_size * 4
-        hashes, h = [], hasher.root
-        for i in range(len(self.tokens) // hasher.block_size):
-            h = _h(h, self._raw[i * step:(i + 1) * step])
+        hashes, h, blake2b = [], hasher.root, hashlib.blake2b
+        for at in range(0, len(self.tokens) // hasher.block_size * step, step):
+            h = blake2b(h + raw[at:at + step], digest_size=DIGEST_SIZE).digest()    # _h(h, ..)
             hashes.append(h)
         self.hashes: list[bytes] = hashes
 
@@ -295,8 +304,16 @@ class PrefixIndex(Generic[E]):
         if limit < 1 or not self._entries:
             return _NO_MATCH
         bs = prompt.hasher.block_size
+        anchors = self._anchors
+        # the prompt's anchors that hold checkpoints, at C speed (a miss ends here)
+        found = anchors.keys() & prompt.hashes[:limit // bs]
+        if not found and prompt.hasher.root not in anchors:
+            return _NO_MATCH
         for b in range(limit // bs, -1, -1):
-            bucket = self._anchors.get(prompt.hashes[b - 1] if b else prompt.hasher.root)
+            anchor = prompt.hashes[b - 1] if b else prompt.hasher.root
+            if b and anchor not in found:
+                continue
+            bucket = anchors.get(anchor)
             if not bucket:
                 continue
             for n in sorted(bucket, reverse=True):

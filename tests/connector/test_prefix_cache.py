@@ -21,7 +21,8 @@ BS, STRIDE = 4, 8
 class Shadow:
     """A prefill group: its pools, its cache, and what each page and block holds."""
 
-    def __init__(self, pages=16, blocks=64, *, kv=True, stride=STRIDE, **kw):
+    def __init__(self, pages=16, blocks=64, *, kv=True, stride=STRIDE, own=False, **kw):
+        self.own = own                              # the end checkpoint takes the request's page
         self.pool = PagePool(pages)
         self.blocks = BlockPool(blocks) if kv else None
         self.hasher = PrefixHasher(b"test-salt", BS, stride=stride)
@@ -30,6 +31,7 @@ class Shadow:
         self.block_data: dict[int, tuple] = {}      # block -> tokens in its slots
         self.prompts: dict[bytes, tuple] = {}       # checkpoint key -> its prefix tokens
         self.request_blocks: set[int] = set()       # blocks requests own now
+        self.request_pages: set[int] = set()        # pages requests own now
 
     # one request, step by step (as the coordinator and the ranks would) ---------------------
     def start(self, tokens, *, make_room=True):
@@ -41,6 +43,7 @@ class Shadow:
         if make_room:
             assert self.cache.make_room(pages=1, contiguous=fresh_count)
         page = self.pool.allocate()
+        self.request_pages.add(page)
         fresh = self.blocks.allocate(fresh_count, contiguous=True) if fresh_count else []
         self.request_blocks.update(fresh)
         # the copies a hit makes, from cached bytes that must be this prompt's
@@ -55,7 +58,8 @@ class Shadow:
                 assert n % BS == 0 or self.blocks is None
         self.page_data[page] = tuple(tokens[:n])
         table = list(hit.blocks) + fresh
-        units = self.cache.reserve(prompt, lease, start=n)
+        units = self.cache.reserve(prompt, lease, start=n, **(
+            {"page": page, "table": table} if self.own else {}))
         return {"tokens": list(tokens), "hit": hit, "lease": lease, "page": page,
                 "table": table, "units": units, "fresh": fresh}
 
@@ -72,8 +76,12 @@ class Shadow:
                 assert b not in self.cache._blocks, f"cached block {b} written"
                 self.block_data[b] = tuple(tokens[i * BS:min((i + 1) * BS, n)])
             done = n // BS
-            self.page_data[unit.page] = tuple(tokens[:n])
-            if unit.tail is not None:
+            if unit.own:                               # the request's own page and block
+                assert unit.page == req["page"] and n == len(tokens)
+                assert unit.tail == (table[n // BS] if n % BS and self.blocks else None)
+            else:
+                self.page_data[unit.page] = tuple(tokens[:n])
+            if unit.tail is not None and not unit.own:
                 assert unit.tail not in table
                 self.block_data[unit.tail] = self.block_data[table[n // BS]][:n % BS]
             self.prompts[unit.key] = tuple(tokens[:n])
@@ -87,7 +95,11 @@ class Shadow:
         own = lease.private(req["table"])
         assert set(own) <= set(req["fresh"])
         self.cache.release(lease)
-        self.pool.free(req["page"])
+        self.request_pages.discard(req["page"])
+        if lease.page is None:                     # else the cache took it
+            self.pool.free(req["page"])
+        else:
+            assert lease.page == req["page"]
         if own:
             self.blocks.free(own)
         self.request_blocks.difference_update(req["fresh"])
@@ -123,6 +135,7 @@ class Shadow:
         assert held_blocks <= set(cache._blocks)
         pages = [cache.index.get(c.key).page for c in cache.index]
         assert len(set(pages)) == len(pages) == cache.num_units
+        assert self.pool.num_used == len(self.request_pages | set(pages))
         if self.blocks is not None:
             assert not self.request_blocks & set(cache._blocks) - self._adopted_live()
             assert self.blocks.num_used == len(self.request_blocks | set(cache._blocks))
@@ -462,3 +475,74 @@ def test_pending_units_are_not_announced():
     g.prefill(req)
     assert {x.tokens for x in g.cache.drain_changes().added} == {8, 9}
     g.finish(req)
+
+
+# -- the node's policy: prompt ends on the request's own page, branch points -------------------
+def brute_branch(earlier: list[tuple], tokens) -> int:
+    """Tokens of the longest run of full blocks ``tokens`` shares with an earlier prompt."""
+    best = 0
+    for p in earlier:
+        k = 0
+        while k + BS <= min(len(p), len(tokens)) and p[k:k + BS] == tuple(tokens[k:k + BS]):
+            k += BS
+        best = max(best, k)
+    return best
+
+
+@pytest.mark.parametrize("kv", [True, False], ids=["hybrid", "recurrent-only"])
+@pytest.mark.parametrize("seed", range(3))
+def test_branch_points_and_own_pages_equal_the_brute_force_model(seed, kv):
+    """Without a stride the cache keeps each prompt's end (on the request's own page: never a
+    page allocated for it) and the point where a prompt stops sharing full blocks with an
+    earlier one, when that lies past the hit: a shared system prompt is cached the second
+    time it is seen, and hit from the third on."""
+    rng = random.Random(seed)
+    g = Shadow(pages=400, blocks=800, kv=kv, stride=0, own=True, branch_points=True)
+    cached: set[tuple] = set()
+    earlier: list[tuple] = []
+    system_hits = []
+    for tokens in chat_prompts(rng, system=21):
+        req = g.start(tokens)
+        hit = req["hit"].tokens
+        assert hit == brute_longest(cached, tokens)
+        branch = brute_branch(earlier, tokens)
+        expect = ({len(tokens)} | ({branch} if hit < branch < len(tokens) else set())) \
+            - {n for n in range(len(tokens) + 1) if tuple(tokens[:n]) in cached}
+        assert sorted(u.tokens for u in req["units"]) == sorted(expect)
+        assert [u.own for u in req["units"]] == [u.tokens == len(tokens) for u in req["units"]]
+        g.prefill(req)
+        g.finish(req)
+        cached.update(tuple(tokens[:n]) for n in expect)
+        earlier.append(tuple(tokens))
+        system_hits.append(hit >= 20)
+    assert g.cache.evictions == 0
+    # 4 conversations on a 21-token system prompt: the first two turns-1 miss it (the second
+    # keeps the branch point at 20), the other two hit it
+    assert system_hits[:4] == [False, False, True, True]
+
+
+def test_a_failed_request_keeps_its_own_page_and_leaks_nothing():
+    g = Shadow(stride=0, own=True, branch_points=True)
+    req = g.prefill(g.start(list(range(1, 15))), commit=False)     # 14 tokens: tail in block 3
+    [unit] = req["units"]
+    assert unit.own and unit.page == req["page"] and unit.tail == req["table"][3]
+    g.finish(req)                                  # aborted: the request frees page and tail
+    assert g.cache.num_units == 0 and g.pool.num_used == 0 and g.blocks.num_used == 0
+    assert g.run(list(range(1, 15)) + [9]) == 0
+    assert g.run(list(range(1, 15)) + [9, 9]) == 15
+
+
+def test_the_blocks_remembered_for_branch_points_are_bounded():
+    g = Shadow(stride=0, own=True, branch_points=True, seen_blocks=8)
+    rng = random.Random(5)
+    for _ in range(20):                            # 5 full blocks each
+        g.run([rng.randrange(100) for _ in range(21)])
+        assert len(g.cache._seen) + len(g.cache._seen_old) <= 8 + 5
+    # the most recent prompt is remembered: a prompt sharing its blocks branches there
+    last = g.start(g.hasher.prompt([1] * 21).tokens.tolist())   # (a fresh one, for the API)
+    g.prefill(last)
+    g.finish(last)
+    branching = g.start([1] * 12 + [2] * 9)
+    assert sorted(u.tokens for u in branching["units"]) == [12, 21]
+    with pytest.raises(ConfigError, match="seen_blocks"):
+        PrefixCache(PagePool(2), None, PrefixHasher(b"s", BS, stride=0), seen_blocks=-1)

@@ -203,8 +203,10 @@ def _kv_group(node_id: str, pages: int = 16, blocks: int = 64):
 def test_rank_prefill_fields_and_block_ownership_with_kv():
     """The fields follow the ranks' rules (restore_blocks: the hit's full blocks then its
     tail, blocks_for(cached) of them; a tail only off block multiples); the request's own
-    range is allocated as before; after commit it frees only its private blocks, and the
-    pools come back to what the cache holds."""
+    range is allocated as before; the checkpoint at the prompt's end is the request's own page
+    and partial block (no copy: not in the ranks' fields); after commit the request frees
+    only its private blocks and not its page, and the pools come back to what the cache
+    holds."""
     prefix = PrefillPrefix(_kv_group("p1"), enabled=True, stride=STRIDE)
     group = prefix.group
     ledger = Ledger(1, group.pool, group.blocks)
@@ -216,7 +218,7 @@ def test_rank_prefill_fields_and_block_ownership_with_kv():
         record = ledger.open(RequestKey("d", rid, 1), 0.0, num_blocks=len(msg.kv_blocks),
                              contiguous=True)
         fields = prefix.plan(msg, record)
-        own = list(record.blocks)
+        own, page = list(record.blocks), record.page
         prefix.settle(record, True)
         assert set(record.blocks) <= set(own)
         ledger.free(record)
@@ -224,13 +226,18 @@ def test_rank_prefill_fields_and_block_ownership_with_kv():
         cache = prefix.cache
         assert group.pool.num_used == cache.num_units
         assert group.blocks.num_used == cache.num_blocks
+        end = cache.index.get(prefix.hasher.prompt(tokens).key_at(len(tokens)))
+        if end is not None and end.own:
+            assert end.page == page and record.page == -1
+            assert end.tail == (own[len(tokens) // BS] if len(tokens) % BS else None)
         return fields
 
     a = tuple(range(1, 30))                             # 29: checkpoints 8, 16, 24, 29
     fields = run(a, "a")
-    assert fields["checkpoint_at"] == (8, 16, 24, 29)
-    assert [t >= 0 for t in fields["checkpoint_tails"]] == [False, False, False, True]
+    assert fields["checkpoint_at"] == (8, 16, 24)       # 29: the request's own page
+    assert "checkpoint_tails" not in fields             # 29's tail: its own block 7
     assert "cached_tokens" not in fields
+    assert prefix.cache.index.get(prefix.hasher.prompt(a).key_at(29)).own
     fields = run(a[:29] + (7, 7), "c")                  # hit at 29, inside block 7
     assert fields["cached_tokens"] == 29
     assert len(fields["restore_blocks"]) == blocks_for(29, BS) == 8
@@ -243,7 +250,7 @@ def test_rank_prefill_fields_and_block_ownership_with_kv():
     msg = m.TransferRequest(request_id="f", generation=1, prompt=m.pack_tokens((3,) * 20),
                             kv_blocks=tuple(range(5)))
     record = ledger.open(RequestKey("d", "f", 1), 0.0, num_blocks=5, contiguous=True)
-    assert prefix.plan(msg, record)["checkpoint_at"] == (8, 16, 20)
+    assert prefix.plan(msg, record)["checkpoint_at"] == (8, 16)     # and its own page at 20
     prefix.settle(record, False)
     ledger.free(record)
     prefix.release(record)

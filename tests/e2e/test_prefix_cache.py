@@ -138,7 +138,11 @@ def test_tokens_with_hits_equal_transformers(pools, hf_models, references, monke
         # concurrent requests sharing a prefix: while it is being prefilled nothing of it
         # is ready (any hits); then each starts from its checkpoint at 8
         ([shared + _rng_tokens(10 + i, 5) for i in range(3)], [None] * 3),
-        ([shared + _rng_tokens(20 + i, 5) for i in range(3)], [8, 8, 8]),
+        # ... and where they branch, when they share full blocks (KV_BLOCK on a hybrid;
+        # the node's 16 on a recurrent model: none)
+        ([shared + _rng_tokens(20 + i, 5) for i in range(3)],
+         [max(8, len(shared) // (KV_BLOCK if hybrid else 16) * (KV_BLOCK if hybrid else 16))]
+         * 3),
     ]
     server = start_cached(monkeypatch, path, prefill_tp, prefill_hosts, layout=layout,
                           num_pages=24, **kv)

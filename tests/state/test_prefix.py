@@ -82,8 +82,9 @@ def test_salt_and_hasher_reject_bad_values():
         dataclasses.replace(SALT, kv_block_size=-1)
     with pytest.raises(ConfigError, match="differs from the KV block size"):
         PrefixHasher(SALT, 8)
-    with pytest.raises(ConfigError, match="stride"):
-        PrefixHasher(SALT, BS, stride=0)
+    for bad in (-1, True, 2.0):
+        with pytest.raises(ConfigError, match="stride"):
+            PrefixHasher(SALT, BS, stride=bad)
     with pytest.raises(ConfigError, match="salt"):
         PrefixHasher(b"", BS)
 
@@ -157,6 +158,12 @@ def test_key_lengths_out_of_range_are_refused():
     (16, 16, []), (5, 0, [5]), (1, 0, [1]), (0, 0, []), (9, 7, [8, 9]), (24, 3, [8, 16, 24])])
 def test_checkpoint_positions(length, start, expected):
     assert hasher().checkpoint_positions(length, start) == expected
+
+
+@pytest.mark.parametrize("length, start, expected", [
+    (21, 0, [21]), (16, 8, [16]), (16, 16, []), (1, 0, [1]), (0, 0, [])])
+def test_without_a_stride_only_the_prompt_end_is_a_checkpoint(length, start, expected):
+    assert PrefixHasher(SALT, BS, stride=0).checkpoint_positions(length, start) == expected
 
 
 # -- the index -----------------------------------------------------------------------------------
