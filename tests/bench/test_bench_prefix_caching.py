@@ -36,7 +36,9 @@ def _cell(tmp_path, *switch: str) -> dict:
 
 @pytest.mark.timeout(300)
 def test_the_switch_turns_the_cache_on_and_changes_no_count(tmp_path):
-    off, on = _cell(tmp_path), _cell(tmp_path, "--prefix-caching")
+    off, on = _cell(tmp_path), _cell(tmp_path, "--prefix-caching",
+                                     "--prefix-checkpoint-tokens", "256")
+    assert on["prefix_checkpoint_tokens"] == 256 and off["prefix_checkpoint_tokens"] is None
     assert off["prefix_caching"] is False and on["prefix_caching"] is True
     assert off["prefix_cache"]["prefix_cache"] is False
     assert off["prefix_cache"]["pages_cached"] == off["prefix_cache"]["prefix_queries"] == 0
