@@ -262,8 +262,8 @@ def main(argv=None) -> int:
     p.add_argument("--system-tokens", type=int, default=1400)
     p.add_argument("--user-tokens", type=int, default=40)
     p.add_argument("--max-tokens", type=int, default=16, help="tokens of each answer")
-    p.add_argument("--stride", type=int, default=0,
-                   help="--prefix-checkpoint-tokens (default 0: the node's default)")
+    p.add_argument("--stride", type=int, default=256,
+                   help="--prefix-checkpoint-tokens (the node's default; 0: none)")
     p.add_argument("--prefill-tp", type=int, default=1)
     p.add_argument("--decode-tp", type=int, default=1)
     p.add_argument("--device", default="cpu")

@@ -531,10 +531,10 @@ def _add_nodes(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--port", type=int, required=True, help="control port decode nodes connect to")
     p.add_argument("--prefix-checkpoint-tokens", dest="prefix_stride", type=_non_negative_int,
                    default=None, metavar="N",
-                   help="prefix caching: recurrent-state checkpoints are kept at each prompt's "
-                        "end and where a prompt branches off an earlier one (a shared system "
-                        "prompt); N > 0 also keeps one every N prompt tokens, each costing a "
-                        "prefill step and a page copy (default 0: none)")
+                   help="prefix caching: keep a recurrent-state checkpoint every N prompt tokens "
+                        "(default 256, independent of --block-size; 0: none), besides one at "
+                        "each prompt's end and one where a prompt branches off an earlier one; "
+                        "a later prompt resumes from the last checkpoint it shares")
     p.add_argument("--prefix-cache-gib", dest="prefix_cache_gib", type=_positive_float,
                    default=None, metavar="G",
                    help="prefix caching: GiB of the node's page and KV pools (split evenly over "

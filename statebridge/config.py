@@ -229,8 +229,9 @@ class NodeConfig:
       then the zmq door would let anyone who reaches the port generate without the key.
     - Prefix caching (``--enable-prefix-caching``, on by default): ``prefix_cache`` on either
       node (off on a decode node: it neither asks for hits nor routes by prefix); the prefill
-      node's ``prefix_stride`` (0, the default: recurrent-state checkpoints at each prompt's
-      end and where prompts branch; N: also one every N tokens) and ``prefix_cache_gib``, the GiB per node (split evenly over its
+      node's ``prefix_stride`` (recurrent-state checkpoints every that many tokens, default
+      256, besides each prompt's end and where prompts branch; 0: none) and
+      ``prefix_cache_gib``, the GiB per node (split evenly over its
       ranks) its cached checkpoints and KV blocks may take of its page and KV pools (0: the
       default, half of each pool).
     """
@@ -254,7 +255,7 @@ class NodeConfig:
     kv_tokens: int = 0
     kv_gib: float = 0.0
     prefix_cache: bool = True
-    prefix_stride: int = 0
+    prefix_stride: int = 256
     prefix_cache_gib: float = 0.0
 
     #: KV pool sizes, one of which may be set (0: not set).

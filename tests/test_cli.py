@@ -404,8 +404,8 @@ def test_prefix_caching_flags_reach_the_node_config(command):
     if command == "decode":
         base += ["--prefill", "127.0.0.1:2"]
     node = _node_config(build_parser().parse_args(base))
-    # On by default (vLLM's default), no periodic checkpoints, the default budget.
-    assert (node.prefix_cache, node.prefix_stride, node.prefix_cache_gib) == (True, 0, 0.0)
+    # On by default (vLLM's default), a checkpoint every 256 tokens, the default budget.
+    assert (node.prefix_cache, node.prefix_stride, node.prefix_cache_gib) == (True, 256, 0.0)
     assert _node_config(build_parser().parse_args(
         base + ["--no-enable-prefix-caching"])).prefix_cache is False
     assert _node_config(build_parser().parse_args(
@@ -513,10 +513,10 @@ def test_the_prefill_memory_line_names_the_prefix_cache_share():
 
     sizes = dict(page_bytes=1 << 20, num_pages=64, block_bytes=1 << 16, num_blocks=1000)
     assert prefix_memory_text(NodeConfig(), 2, **sizes) == (
-        "; prefix cache (checkpoints at prompt ends and branch points): up to 32 pages + "
-        "500 KV blocks = "
+        "; prefix cache (checkpoints at prompt ends, branch points and every 256 tokens): up "
+        "to 32 pages + 500 KV blocks = "
         "63.2 MiB per rank of these pools")
-    assert prefix_memory_text(NodeConfig(), 1, **{**sizes, "num_blocks": 0}) == (
+    assert prefix_memory_text(NodeConfig(prefix_stride=0), 1, **{**sizes, "num_blocks": 0}) == (
         "; prefix cache (checkpoints at prompt ends and branch points): up to 32 pages = "
         "32.0 MiB per rank of "
         "these pools")

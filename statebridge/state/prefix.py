@@ -7,8 +7,8 @@ A prefill group can reuse two things of an earlier prompt that shares a prefix w
   block is named by the chain hash ``h[i]`` of every token up to its end;
 * its **recurrent-state checkpoints** (conv and SSM): a state has no partial form, so only a
   checkpoint taken after exactly ``n`` tokens serves a prefix of length ``n``. Checkpoints sit
-  at the end of each prompt and, with a stride (default 0: none; independent of the block
-  size), at its multiples (:meth:`PrefixHasher.checkpoint_positions`); a prefill group adds
+  at the end of each prompt and at multiples of a stride (default 256 tokens, independent of
+  the block size; 0: none) (:meth:`PrefixHasher.checkpoint_positions`); a prefill group adds
   the points where prompts branch (:mod:`statebridge.connector.prefix_cache`).
 
 ::
@@ -55,10 +55,9 @@ __all__ = ["PREFIX_HASH_VERSION", "DEFAULT_CHECKPOINT_TOKENS", "DIGEST_SIZE", "P
 
 #: Bumped whenever the hash recipe changes, so old announcements can never match.
 PREFIX_HASH_VERSION = 1
-#: Default checkpoint stride (``--prefix-checkpoint-tokens``): 0, no periodic checkpoints (each
-#: one inside a prompt ends a prefill step and copies a page; prompt ends and branch points
-#: are kept without a stride).
-DEFAULT_CHECKPOINT_TOKENS = 0
+#: Default checkpoint stride (``--prefix-checkpoint-tokens``; 0: checkpoints at prompt ends
+#: and branch points only).
+DEFAULT_CHECKPOINT_TOKENS = 256
 #: Bytes of every hash and key.
 DIGEST_SIZE = 16
 

@@ -46,9 +46,8 @@ def test_quick_run_off_and_on(tmp_path):
         assert (arm["metrics_queries"], arm["metrics_hits"]) == (arm["prompt_tokens"],
                                                                  arm["cached_tokens"])
     assert off["prompt_tokens"] == on["prompt_tokens"] and off["cached_tokens"] == 0
-    # 2 conversations x 3 turns: every later turn shares its own previous prompt (its end's
-    # checkpoint); the second conversation's first turn keeps the point where it branches off
-    # the first's (the 300-token system prompt), which nothing after it needs.
+    # 2 conversations x 3 turns: the second shares the 300-token system prompt (a checkpoint at
+    # 256), every later turn its own previous prompt (its end's checkpoint).
     assert 0 < on["cached_tokens"] <= on["ideal_cached_tokens"]
     assert on["cache_pages_per_rank"] > 0 and on["cache_bytes_per_rank"] > 0
     # Misses: the same fresh prompts (a turn-1 prompt's 312 tokens) on both arms, none cached.

@@ -17,6 +17,7 @@ from statebridge.config import ConnectorConfig
 from statebridge.bench.hetero_tp.procstats import _cpu_snapshot, _sleeps_snapshot
 from statebridge.errors import CacheFullError
 from statebridge.state.plan import TransferPlan
+from statebridge.state.prefix import DEFAULT_CHECKPOINT_TOKENS
 from statebridge.state.spec import StateSpec
 
 MODEL = "statebridge.bench._model:PageOnceModel"
@@ -197,11 +198,13 @@ def _statebridge_cell(spec: StateSpec, src_tp: int, dst_tp: int, layout: str,
     cached = bool(getattr(a, "prefix_caching", False))
     src_pages = (c + 2) * (2 if cached else 1)
     out["prefix_caching"] = cached
-    out["prefix_checkpoint_tokens"] = getattr(a, "prefix_stride", 0) if cached else None
+    out["prefix_checkpoint_tokens"] = getattr(a, "prefix_stride", DEFAULT_CHECKPOINT_TOKENS) \
+        if cached else None
     with PrefillServer(spec, src_tp, layout, num_pages=src_pages, config=config,
                        launcher=prefill_hosts.launcher(), model=MODEL, probes="timing",
                        device=a.device, prefix_cache=cached,
-                       prefix_stride=getattr(a, "prefix_stride", 0), **kv(src_pages)) as server:
+                       prefix_stride=getattr(a, "prefix_stride", DEFAULT_CHECKPOINT_TOKENS),
+                       **kv(src_pages)) as server:
         server.wait_ready()
         # 1. byte-exactness on a few requests, checksums on
         if a.check_requests:

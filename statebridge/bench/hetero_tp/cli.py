@@ -37,6 +37,7 @@ from statebridge.config import ConnectorConfig
 from statebridge.errors import ConfigError
 from statebridge.state.layout import Layout
 from statebridge.state.plan import TransferPlan
+from statebridge.state.prefix import DEFAULT_CHECKPOINT_TOKENS
 from statebridge.state.spec import StateSpec
 
 log = logging.getLogger(__name__)
@@ -349,15 +350,16 @@ def configure_parser(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         "replaced (repeatable; statebridge/bench/ab.py): " + "; ".join(
                             f"{k}: {v}" for k, v in sorted(SWITCHES.items())))
     p.add_argument("--prefix-caching", action=argparse.BooleanOptionalAction, default=False,
-                   help="start the prefill servers with their prefix cache on (a checkpoint "
-                        "at each prompt's end, KV blocks kept; every prompt is unique, so "
+                   help="start the prefill servers with their prefix cache on (checkpoints "
+                        "every --prefix-checkpoint-tokens and at each prompt's end, KV blocks kept; every prompt is unique, so "
                         "nothing hits: the cache's overhead alone; twice the prefill pages and "
                         "blocks, half for the cache). Default off: the cells stay comparable "
                         "with earlier runs")
-    p.add_argument("--prefix-checkpoint-tokens", dest="prefix_stride", type=int, default=0,
-                   metavar="N",
-                   help="with --prefix-caching: also a checkpoint every N prompt tokens (the "
-                        "prefill node's flag; default 0: none)")
+    p.add_argument("--prefix-checkpoint-tokens", dest="prefix_stride", type=int,
+                   default=DEFAULT_CHECKPOINT_TOKENS, metavar="N",
+                   help="with --prefix-caching: a checkpoint every N prompt tokens (the prefill "
+                        "node's flag and default, %(default)s; 0: prompt ends and branch points "
+                        "only)")
     p.add_argument("--low-load-requests", type=int, default=100, metavar="N",
                    help="requests of each cell's concurrency-1 round (statebridge and vLLM's "
                         "way; 0: none)")
