@@ -76,29 +76,53 @@ def pytest_collection_modifyitems(config, items):
         if drop:
             config.hook.pytest_deselected(items=drop)
             items[:] = keep
-    items.sort(key=lambda item: item.nodeid.endswith(_COMPILE_CHECK))   # stable: last
+    items.sort(key=_is_compile_check)   # stable: last
 
 
 #: The node id suffix of the compile check's test (tests/kernels/_background_compile.py).
 _COMPILE_CHECK = "test_compile.py::test_every_variant_compiles_for_sm90_and_every_kernel_for_sm80"
+#: The key of the compile check's folder in an xdist worker's ``workerinput``.
+_COMPILE_CHECK_DIR = "statebridge_compile_check_dir"
+
+
+def _is_compile_check(item) -> bool:
+    # --dist loadgroup appends "@group" to the node ids of grouped tests
+    return item.nodeid.partition("@")[0].endswith(_COMPILE_CHECK)
+
+
+def pytest_configure(config):
+    """Name the compile check's folder: the session's owner (no xdist, or xdist's controller)
+    chooses it, xdist's workers take the owner's (``pytest_configure_node``)."""
+    from tests.kernels import _background_compile
+
+    _background_compile.configure(getattr(config, "workerinput", {}).get(_COMPILE_CHECK_DIR))
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_configure_node(node):
+    """(xdist's controller) Hand each worker the session's compile check folder."""
+    from tests.kernels import _background_compile
+
+    node.workerinput[_COMPILE_CHECK_DIR] = str(_background_compile.folder())
 
 
 def pytest_collection_finish(session):
     """Start the GPU compile check in the background, at idle priority, when its test runs in
-    this session (minutes of CPU that need nothing from the other tests)."""
-    if any(item.nodeid.endswith(_COMPILE_CHECK) for item in session.items) \
+    this session (minutes of CPU that need nothing from the other tests). Under xdist every
+    worker collects every test: the first to get here starts it, once for the session."""
+    if any(_is_compile_check(item) for item in session.items) \
             and not session.config.option.collectonly:
         from tests.kernels import _background_compile
 
         _background_compile.start()
 
 
-def pytest_sessionfinish(session):
-    import sys
+def pytest_unconfigure(config):
+    """The session's owner ends the compile check if it still runs and removes its files."""
+    if not hasattr(config, "workerinput"):
+        from tests.kernels import _background_compile
 
-    background = sys.modules.get("tests.kernels._background_compile")
-    if background is not None:
-        background.stop()
+        _background_compile.stop()
 
 
 # (atol, rtol) per dtype of the compared computation. Integers and bytes compare exactly.
