@@ -26,6 +26,17 @@ SYNTHETIC = "statebridge.testing.models:SyntheticModel"
 FAST = ConnectorConfig(heartbeat_interval=0.1, peer_timeout=1.0, lease_timeout=30.0,
                        transfer_timeout=30.0, handshake_timeout=30.0)
 
+#: The peer timeout of a round of transfers that loses no peer (``steady``).
+STEADY_PEER_TIMEOUT = 5.0
+
+
+def steady(config: ConnectorConfig) -> ConnectorConfig:
+    """``config`` for a round that kills, freezes and loses nothing: a peer is taken for lost
+    after STEADY_PEER_TIMEOUT of silence, not FAST's 1 s. On a loaded machine (parallel test
+    workers) a rank busy polling or staging its transfers stalls its heartbeats for ~1 s, and
+    its group would restart under the round (PeerLostError, "rank 2 lost (silent for 1 s)")."""
+    return config.replace(peer_timeout=max(config.peer_timeout, STEADY_PEER_TIMEOUT))
+
 SPECS = {
     "shortconv": StateSpec.from_config(
         {"model_type": "lfm2", "hidden_size": 40, "conv_L_cache": 3, "torch_dtype": "bfloat16",

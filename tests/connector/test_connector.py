@@ -25,6 +25,7 @@ from ._helpers import (
     SYNTHETIC,
     expected_checksum,
     random_prompt,
+    steady,
     wait_until,
 )
 from ._inprocess import check_pages
@@ -54,6 +55,7 @@ def transfer_round(pools, spec_name, src_tp, dst_tp, src_layout, dst_layout, con
     the last wave's results, the prefill server's stats (plus the prefill ranks'
     ``unattended_sleeps`` over all waves) and the decode coordinator's."""
     prefill_hosts, decode_hosts = pools
+    config = steady(config)           # a round loses no rank
     spec = {**SPECS, "mamba2-wide": WIDE}[spec_name]
     rng = np.random.default_rng(stable_seed(spec_name, src_tp, dst_tp, src_layout, dst_layout))
     with PrefillServer(spec, src_tp, src_layout, num_pages=REQUESTS + 2, config=config,

@@ -31,7 +31,8 @@ from statebridge.testing.synthetic import global_kv, request_seed
 from statebridge.testing.probes import Probes, instrumented, probes_of
 
 from ._inprocess import check_kv, check_pages
-from ._helpers import FAST, SYNTHETIC, expected_checksum, log_to_stderr, thaw, wait_until
+from ._helpers import (FAST, SYNTHETIC, expected_checksum, log_to_stderr, steady, thaw,
+                       wait_until)
 
 pytestmark = [pytest.mark.ucx, pytest.mark.multiprocess]
 
@@ -106,16 +107,10 @@ def serve_one(decode, spec, rid, tokens, timeout=30):
     decode.release(result)
 
 
-#: A round loses no rank, so it gives a rank more than FAST's 1 s of silence before taking it
-#: for lost: on a loaded machine (parallel test workers) a rank busy polling its transfers stalls
-#: its heartbeats for ~1 s, and the group would restart under the round (PeerLostError).
-ROUND_PEER_TIMEOUT = 5.0
-
-
 def kv_round(pools, spec_name, src_tp, dst_tp, src_kv="HB", dst_kv="HB", config=FAST,
              src_layout="DLS"):
     prefill_hosts, decode_hosts = pools
-    config = config.replace(peer_timeout=max(config.peer_timeout, ROUND_PEER_TIMEOUT))
+    config = steady(config)           # a round loses no rank
     spec = KV_SPECS[spec_name]
     n = len(LENGTHS)
     with PrefillServer(spec, src_tp, src_layout, num_pages=n + 2, config=config,
