@@ -76,7 +76,46 @@ def pytest_collection_modifyitems(config, items):
         if drop:
             config.hook.pytest_deselected(items=drop)
             items[:] = keep
+    if hasattr(config, "workerinput"):     # an xdist worker: see _xdist_order
+        items[:] = _xdist_order(items)
     items.sort(key=_is_compile_check)   # stable: last
+
+
+#: The longest files, over a minute each with two workers (``--durations``, 2026-12-06): under
+#: xdist they start first, in this order (_xdist_order).
+LONGEST = (
+    "tests/e2e/test_fault_matrix.py",
+    "tests/e2e/test_disaggregated.py",
+    "tests/bench/test_bench.py",
+    "tests/connector/test_kv_connector.py",
+)
+
+
+def _xdist_order(items):
+    """The order in which xdist hands out files (``--dist loadfile --no-loadscope-reorder``,
+    pyproject.toml): LONGEST first, then the other files with a ``slow`` test, then the rest,
+    each group in collection order and each file's tests in theirs; the compile check's file
+    last (its test waits for the background compile). Longest first keeps one long file from
+    starting last and running alone while the other workers have nothing left."""
+    def file(item):
+        return item.nodeid.split("::", 1)[0]
+
+    first = {name: i for i, name in enumerate(LONGEST)}
+    slow = {file(i) for i in items if i.get_closest_marker("slow") and not _is_compile_check(i)}
+    compile_check = {file(i) for i in items if _is_compile_check(i)}
+    position: dict[str, int] = {}
+    for item in items:
+        position.setdefault(file(item), len(position))
+
+    def key(item):
+        name = file(item)
+        if name in compile_check:
+            return (3, 0)
+        if name in first:
+            return (0, first[name])
+        return (1 if name in slow else 2, position[name])
+
+    return sorted(items, key=key)     # stable: each file's tests keep their order
 
 
 #: The node id suffix of the compile check's test (tests/kernels/_background_compile.py).
