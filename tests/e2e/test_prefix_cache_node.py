@@ -28,7 +28,8 @@ BLOCK = 16                                    # NodeConfig's default --block-siz
 @pytest.fixture(scope="module")
 def node(live_pair, tmp_path_factory):
     model = str(make_checkpoint("lfm2-hybrid", tmp_path_factory.mktemp("prefix") / "m"))
-    with live_pair(model, num_pages=8, kv_blocks=96, max_prompt_len=512, max_new_tokens=8,
+    # 16 pages: the cache's half holds every checkpoint these prompts leave (nothing evicted)
+    with live_pair(model, num_pages=16, kv_blocks=192, max_prompt_len=512, max_new_tokens=8,
                    node=NodeConfig(front_door="on"), http=HttpConfig(port=0)) as (_, node):
         yield node
 
