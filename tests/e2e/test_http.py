@@ -108,7 +108,7 @@ def test_completion_text_equals_the_decoded_tokens_of_generate(served):
     by_ids = served.client().completions.create(model=served.name, prompt=ids, max_tokens=24,
                                                 **sampled)
     assert by_ids.choices[0].text == text
-    assert served.idle()
+    wait_until(served.idle, 10, "page and blocks freed")   # the answer can beat the free
 
 
 def test_chat_completion_uses_the_chat_template(served):
@@ -155,7 +155,7 @@ def test_streaming_yields_the_same_text_chunk_by_chunk(served):
         lines = [line for line in r.iter_lines() if line]
     assert all(line.startswith("data: ") for line in lines)
     assert lines[-1] == "data: [DONE]"
-    assert served.idle()
+    wait_until(served.idle, 10, "page and blocks freed")   # the answer can beat the free
 
 
 def test_eight_concurrent_streaming_clients(served):
@@ -176,7 +176,7 @@ def test_eight_concurrent_streaming_clients(served):
     with concurrent.futures.ThreadPoolExecutor(8) as pool:
         got = list(pool.map(stream, prompts))
     assert got == [expected(p) for p in prompts]
-    assert served.idle()
+    wait_until(served.idle, 10, "page and blocks freed")   # the answer can beat the free
 
 
 def _error(call):
@@ -207,7 +207,7 @@ def test_bad_requests_are_400_in_the_openai_shape(served):
                      headers={"Authorization": f"Bearer {KEY}"})
     assert raw.status_code == 400 and set(raw.json()["error"]) == {"message", "type", "param",
                                                                   "code"}
-    assert served.idle()
+    wait_until(served.idle, 10, "page and blocks freed")   # the answer can beat the free
 
 
 def test_a_missing_or_wrong_api_key_is_401(served):
