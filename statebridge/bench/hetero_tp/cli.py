@@ -355,11 +355,8 @@ def configure_parser(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         "nothing hits: the cache's overhead alone; twice the prefill pages and "
                         "blocks, half for the cache). Default off: the cells stay comparable "
                         "with earlier runs")
-    p.add_argument("--prefix-checkpoint-tokens", dest="prefix_stride", type=int,
-                   default=DEFAULT_CHECKPOINT_TOKENS, metavar="N",
-                   help="with --prefix-caching: a checkpoint every N prompt tokens (the prefill "
-                        "node's flag and default, %(default)s; 0: prompt ends and branch points "
-                        "only)")
+    p.add_argument("--prefix-checkpoint-tokens", dest="prefix_stride", type=int, metavar="N",
+                   default=DEFAULT_CHECKPOINT_TOKENS, help="the prefill node's flag")
     p.add_argument("--low-load-requests", type=int, default=100, metavar="N",
                    help="requests of each cell's concurrency-1 round (statebridge and vLLM's "
                         "way; 0: none)")
