@@ -20,7 +20,7 @@ import os
 import sys
 from typing import NamedTuple
 
-__all__ = ["Listener", "listening_sockets", "descendants", "WILDCARDS"]
+__all__ = ["Listener", "listening_sockets", "descendants", "alive", "WILDCARDS"]
 
 #: Addresses that mean "every address" (IPv4, IPv6, and IPv4 in IPv6).
 WILDCARDS = frozenset({"0.0.0.0", "::", "::ffff:0.0.0.0"})
@@ -83,6 +83,15 @@ def listening_sockets(pid: int) -> list[Listener]:
             address, port = fields[1].split(":")
             found.add(Listener(_address(address), int(port, 16)))
     return sorted(found)
+
+
+def alive(pid: int) -> bool:
+    """Whether process ``pid`` exists and is not a zombie."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
 
 
 def descendants(pid: int) -> list[int]:

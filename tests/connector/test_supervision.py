@@ -19,8 +19,9 @@ from statebridge.connector.prefill import PrefillServer
 from statebridge.errors import NotReadyError, PeerLostError, StartupError
 from statebridge.testing.hosts import RankHostPool
 from statebridge.testing.probes import instrumented, probes_of
+from statebridge.testing.sockets import alive
 
-from ._helpers import FAST, SPECS, SYNTHETIC, expected_checksum, log_to_stderr, wait_until
+from ._helpers import FAST, SPECS, expected_checksum, log_to_stderr, wait_until
 
 SPEC = SPECS["mamba2-g1"]
 SLOW = "tests.connector._helpers:SlowModel"
@@ -90,14 +91,6 @@ def transfer_ok(decode: DecodeCoordinator, timeout: float = 30.0) -> None:
         expected_checksum(decode.group.geometry, request_id, r)
         for r in range(decode.group.tp_size))
     decode.release(result)
-
-
-def alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
 
 
 def no_leaks(*groups) -> None:

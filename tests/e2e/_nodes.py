@@ -21,18 +21,9 @@ from statebridge.errors import StatebridgeError
 from statebridge.net import free_port
 from statebridge.node import messages as nm
 from statebridge.node.client import Client
-from statebridge.testing.sockets import Listener, descendants, listening_sockets
+from statebridge.testing.sockets import Listener, alive as _alive, descendants, listening_sockets
 
 HOST = "127.0.0.1"
-
-
-def _alive(pid: int) -> bool:
-    """A process that exists and is not a zombie."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
 
 
 class NodeCommand:

@@ -27,6 +27,8 @@ import time
 import uuid
 from pathlib import Path
 
+from statebridge.testing.sockets import alive as _alive
+
 ARCHS = (90,)
 SAMPLED = (80,)
 
@@ -74,14 +76,6 @@ def start(nice: int = 19) -> bool:
     (workdir / "pid.tmp").write_text(str(_proc.pid))
     (workdir / "pid.tmp").rename(workdir / "pid")
     return True
-
-
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
 
 
 def result(timeout: float) -> tuple[int, str, Path]:
