@@ -48,9 +48,9 @@ Lifecycle of one request (the integration calls, in order)
 
 Where checkpoints go: the prompt's end, every ``hasher.stride`` tokens when the stride is not
 0, and with ``branch_points`` (the prefill node's policy) the point where the prompt stops
-sharing full blocks with an earlier prompt (:meth:`PrefixCache.shared_prefix`): the first
-prompt with a system prompt keeps only its end; the second keeps the system prompt's last
-full block too, which every later one hits. A checkpoint inside a prompt ends a prefill step
+sharing full blocks with an earlier prompt (:meth:`PrefixCache.shared_prefix`): of the
+prompts that share a system prompt, the second keeps a checkpoint at the system prompt's last
+full block, which every later one hits (the first knows of no branch yet). A checkpoint inside a prompt ends a prefill step
 and copies a page; one at its end costs neither.
 
 Budget and eviction: units live under a budget (default half of the pages and half of the
