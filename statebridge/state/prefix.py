@@ -36,7 +36,8 @@ of the partial tail block ``n//bs`` (its first ``n % bs`` token slots are valid)
 the checkpoint into the request's own page and the tail block into the request's first fresh
 block (both are written from token ``n`` on); full blocks are shared read-only.
 
-Pure Python and numpy: no I/O, no threads.
+Python and numpy, and the chain in C (``_chainhash.c``, the same hashes as hashlib's; hashlib
+where it is not built): no I/O, no threads.
 """
 
 from __future__ import annotations
@@ -70,6 +71,24 @@ def _h(*parts: bytes) -> bytes:
     for p in parts:
         h.update(p)
     return h.digest()
+
+
+def _chain_hashes(root: bytes, raw: bytes, block_bytes: int) -> list[bytes]:
+    """``h[i] = H(h[i-1] | raw[i*block_bytes:(i+1)*block_bytes])`` for every full block of
+    ``raw``, ``h[-1] = root``: the chain in Python. The C extension's ``chain``
+    (``_chainhash.c``) computes the same list in one call; this is its fallback and its
+    reference in the tests."""
+    hashes, h, blake2b = [], root, hashlib.blake2b
+    for at in range(0, len(raw) // block_bytes * block_bytes, block_bytes):
+        h = blake2b(h + raw[at:at + block_bytes], digest_size=DIGEST_SIZE).digest()   # _h(h, ..)
+        hashes.append(h)
+    return hashes
+
+
+try:
+    from statebridge.state._chainhash import chain as _chain
+except ImportError:  # pragma: no cover -- built by `pip install`
+    _chain = _chain_hashes
 
 
 def _positive(name: str, value: Any) -> int:
@@ -197,12 +216,7 @@ class HashedPrompt:
         self.tokens = arr.astype("<i4", copy=False)
         raw = self.tokens.tobytes()
         self._raw = memoryview(raw)
-        step = hasher.block_size * 4
-        hashes, h, blake2b = [], hasher.root, hashlib.blake2b
-        for at in range(0, len(self.tokens) // hasher.block_size * step, step):
-            h = blake2b(h + raw[at:at + step], digest_size=DIGEST_SIZE).digest()    # _h(h, ..)
-            hashes.append(h)
-        self.hashes: list[bytes] = hashes
+        self.hashes: list[bytes] = _chain(hasher.root, raw, hasher.block_size * 4)
 
     def __len__(self) -> int:
         return len(self.tokens)

@@ -4,6 +4,7 @@ compares token lists (never the hashes under test)."""
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import itertools
 import random
 
@@ -11,6 +12,7 @@ import numpy as np
 import pytest
 
 from statebridge.errors import ConfigError
+from statebridge.state import prefix
 from statebridge.state.kv import BlockGeometry
 from statebridge.state.layout import PageGeometry
 from statebridge.state.prefix import Checkpoint, PrefixHasher, PrefixIndex, PrefixSalt
@@ -103,6 +105,30 @@ def test_any_token_changes_exactly_the_hashes_and_keys_that_cover_it():
             assert (base.hashes[i] != other.hashes[i]) == (j < (i + 1) * BS), (j, i)
         for n in range(1, 38):
             assert (base.key_at(n) != other.key_at(n)) == (j < n), (j, n)
+
+
+@pytest.mark.parametrize("block_size", [1, 4, 16, 27, 28, 29, 32, 60, 64],
+                         ids=lambda bs: f"bs{bs}")             # 16 + 4 * bs vs 128-byte blocks
+def test_block_hashes_are_the_documented_chain_in_c_and_in_python(monkeypatch, block_size):
+    """h[i] = blake2b(h[i-1] | tokens of block i as little-endian int32, digest_size=16) with
+    h[-1] = root, whether the C extension or its hashlib fallback computes it."""
+    pytest.importorskip("statebridge.state._chainhash", reason="C extension not built")
+    h = hasher(salt=b"s", block_size=block_size)
+    for length in (0, block_size - 1, block_size, 5 * block_size + 3, 40 * block_size):
+        tokens = prompt_of(length, seed=length)
+        if tokens:
+            tokens[-1] = 2**31 - 1                              # the largest id
+        raw = np.asarray(tokens, "<i4").tobytes()
+        expected, prev = [], h.root
+        for i in range(len(tokens) // block_size):
+            block = raw[i * block_size * 4:(i + 1) * block_size * 4]
+            prev = hashlib.blake2b(prev + block, digest_size=16).digest()
+            expected.append(prev)
+        assert prefix._chain is not prefix._chain_hashes      # the C one, built by pip install
+        assert h.prompt(tokens).hashes == expected
+        monkeypatch.setattr(prefix, "_chain", prefix._chain_hashes)
+        assert h.prompt(tokens).hashes == expected
+        monkeypatch.undo()
 
 
 def test_keys_name_the_prefix_only():
