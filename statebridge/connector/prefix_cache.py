@@ -62,6 +62,7 @@ and :meth:`PrefixCache.snapshot` tell routers which checkpoints are ready.
 from __future__ import annotations
 
 import collections
+import itertools
 from dataclasses import dataclass, field
 from typing import Sequence
 
@@ -73,6 +74,9 @@ from statebridge.state.kv import BlockPool
 from statebridge.state.prefix import Checkpoint, HashedPrompt, PrefixHasher, PrefixIndex
 
 __all__ = ["Unit", "Hit", "Lease", "Changes", "Snapshot", "PrefixCache"]
+
+
+_NO_BLOCKS = np.zeros(0, dtype=np.int64)             # what a unit holds before it holds any
 
 
 @dataclass(eq=False, slots=True)
@@ -94,9 +98,13 @@ class Unit:
     hashes: tuple[bytes, ...] = ()                  # pending only: chain hashes of its blocks
     key: bytes = field(init=False)                  # the checkpoint's key and token count
     tokens: int = field(init=False)
+    #: The blocks it holds a reference on (its full blocks, then its tail): the tail from
+    #: :meth:`PrefixCache.reserve` (own: from commit), the full blocks from commit.
+    held: np.ndarray = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
         self.key, self.tokens = self.checkpoint.key, self.checkpoint.tokens
+        self.held = _NO_BLOCKS
 
 
 @dataclass(frozen=True, slots=True)
@@ -141,8 +149,8 @@ class Lease:
     def private(self, table: Sequence[int]) -> list[int]:
         """The blocks of ``table`` the request owns and frees itself: neither a hit's shared
         block nor one it handed to the cache."""
-        shared = {b for u in self.units for b in u.blocks}
-        return [b for b in table if b not in shared and b not in self.adopted]
+        cached = self.adopted.union(*(u.blocks for u in self.units))
+        return list(itertools.filterfalse(cached.__contains__, table))
 
 
 @dataclass(frozen=True, slots=True)
@@ -162,15 +170,6 @@ class Snapshot:
 
     seq: int
     checkpoints: tuple[Checkpoint, ...]
-
-
-class _Block:
-    __slots__ = ("hash", "units", "pins")
-
-    def __init__(self, h: bytes | None, units: set[bytes], pins: int = 0) -> None:
-        self.hash = h               # chain hash; None for a tail block
-        self.units = units          # keys of units that hold it
-        self.pins = pins            # requests that handed it over and still read it
 
 
 class PrefixCache:
@@ -219,8 +218,17 @@ class PrefixCache:
         self._seen_old: dict[bytes, None] = {}
         self.index: PrefixIndex[Unit] = PrefixIndex()
         self._lru: collections.OrderedDict[bytes, Unit] = collections.OrderedDict()  # ready
-        self._blocks: dict[int, _Block] = {}
+        # The block table, flat, indexed by the pool's block ids. A block is the cache's while
+        # something holds it: each unit whose ``held`` names it, and the running request that
+        # handed it over (``_pinned``; at most one: only an uncached block is adopted), until
+        # it ends. Full blocks are found by chain hash (``_by_hash``, and back: ``_hash_of``);
+        # a tail block has none. Which units hold a block is asked only when choosing an
+        # eviction window (cheapest_window), which builds that from the units.
+        self._holders = np.zeros(num_blocks, dtype=np.int32)
+        self._pinned = np.zeros(num_blocks, dtype=bool)
         self._by_hash: dict[bytes, int] = {}
+        self._hash_of: dict[int, bytes] = {}
+        self._num_blocks = 0
         self._tick = 0
         self._seq = 0
         self._dirty: dict[bytes, None] = {}             # ordered set
@@ -236,7 +244,16 @@ class PrefixCache:
     @property
     def num_blocks(self) -> int:
         """Blocks the cache owns (full, tail, and handed over by running requests)."""
-        return len(self._blocks)
+        return self._num_blocks
+
+    def cached_blocks(self) -> list[int]:
+        """The ids of the blocks the cache owns (:attr:`num_blocks` of them), ascending."""
+        return np.flatnonzero(self._holders).tolist()
+
+    def handed_over(self) -> list[int]:
+        """The cached blocks that running requests handed over (adopted at :meth:`commit`)
+        and still read: the cache keeps them until :meth:`release`, whatever is evicted."""
+        return np.flatnonzero(self._pinned).tolist()
 
     def stats(self) -> dict[str, int]:
         pending = sum(1 for c in self.index if not self.index.get(c.key).ready)
@@ -278,15 +295,10 @@ class PrefixCache:
                 self.abort(unit.key)
         for unit in lease.units:
             unit.pins -= 1
-        freed = []
-        for b in lease.adopted:
-            block = self._blocks[b]
-            block.pins -= 1
-            if not block.pins and not block.units:
-                freed.append(b)
-                self._drop_block(b)
-        if freed:
-            self.blocks.free(freed)
+        if lease.adopted:
+            held = np.fromiter(lease.adopted, dtype=np.int64, count=len(lease.adopted))
+            self._pinned[held] = False
+            self._let_go(held)
         self._trim()
 
     # -- 3. room for a running request -------------------------------------------------------
@@ -322,31 +334,35 @@ class PrefixCache:
         if count < 1 or count > n:
             return None
         used = pool.used_mask()
+        units_of: dict[int, list[Unit]] = {}           # block -> the units that hold it
+        for checkpoint in self.index:
+            unit = self.index.get(checkpoint.key)
+            for b in unit.held.tolist():
+                units_of.setdefault(b, []).append(unit)
         blocked = used.copy()
-        for b, block in self._blocks.items():
-            if not block.pins and all(self._evictable(self.index.get(k)) for k in block.units):
+        for b, units in units_of.items():
+            if not self._pinned[b] and all(self._evictable(u) for u in units):
                 blocked[b] = False
         bad = np.concatenate([[0], np.cumsum(blocked, dtype=np.int64)])
         starts = np.flatnonzero(bad[count:] - bad[:-count] == 0)
         if not len(starts):
             return None
         best: tuple[int, int, int] | None = None
-        best_units: list[bytes] = []
-        counts: dict[bytes, int] = {}
+        best_units: list[Unit] = []
+        counts: dict[Unit, int] = {}
         ticks = 0
         prev = None
 
         def move(b: int, step: int) -> None:
             """Block ``b`` enters (+1) or leaves (-1) the window: count its units."""
             nonlocal ticks
-            block = self._blocks.get(b)
-            for k in block.units if block is not None else ():
-                was = counts.get(k, 0)
-                counts[k] = was + step
-                if not was or not counts[k]:   # the unit entered or left the window
-                    ticks += step * self.index.get(k).tick
-                if not counts[k]:
-                    del counts[k]
+            for u in units_of.get(b, ()):
+                was = counts.get(u, 0)
+                counts[u] = was + step
+                if not was or not counts[u]:   # the unit entered or left the window
+                    ticks += step * u.tick
+                if not counts[u]:
+                    del counts[u]
 
         for s in starts.tolist():
             if prev is not None and s == prev + 1:
@@ -361,7 +377,7 @@ class PrefixCache:
             cost = (len(counts), ticks, s)
             if best is None or cost < best:
                 best, best_units = cost, list(counts)
-        return best[2], [self.index.get(k) for k in best_units]
+        return best[2], best_units
 
     # -- 4. checkpoints a prefill produces ---------------------------------------------------
     def shared_prefix(self, prompt: HashedPrompt) -> int:
@@ -430,7 +446,8 @@ class PrefixCache:
                             self.blocks.allocate(1)[0] if needs_tail else None,
                             final=n == len(prompt), hashes=hashes)
                 if unit.tail is not None:
-                    self._blocks[unit.tail] = _Block(None, {checkpoint.key})
+                    unit.held = np.array([unit.tail], dtype=np.int64)
+                    self._hold(unit.held)
             self.index.add(checkpoint, unit)
             lease.pending.append(unit)
             out.append(unit)
@@ -448,42 +465,39 @@ class PrefixCache:
         if len(table) < len(unit.hashes):
             raise ConfigError(f"checkpoint at {unit.tokens} tokens needs {len(unit.hashes)} "
                               f"full blocks, the block table has {len(table)}")
-        if unit.own and unit.tail is not None and unit.tail in self._blocks:
+        own_tail = unit.own and unit.tail is not None
+        if own_tail and self._holders[unit.tail]:
             raise ConfigError(f"block {unit.tail} is cached already; the request must not "
                               f"write a cached block")
-        hashes, blocks, by_hash = unit.hashes, self._blocks, self._by_hash
-        cached = list(map(by_hash.get, hashes))
-        ids, adopted = [], []
-        if cached.count(None) == len(cached):           # nothing of it cached: adopt them all
-            own = list(table[:len(hashes)])
-            if not blocks.keys().isdisjoint(own):
-                bad = next(b for b in own if b in blocks)
-                raise ConfigError(f"block {bad} is cached under another hash; the request "
-                                  f"must not write a cached block")
-            blocks.update({b: _Block(h, {key}, 1) for b, h in zip(own, hashes)})
-            by_hash.update(zip(hashes, own))
-            ids, adopted = own, list(own)
-        else:
-            for h, own_b, b in zip(hashes, table, cached):
-                if b is None:
-                    if own_b in blocks:
-                        raise ConfigError(f"block {own_b} is cached under another hash; the "
-                                          f"request must not write a cached block")
-                    blocks[own_b] = _Block(h, {key}, 1)
-                    by_hash[h] = own_b
-                    adopted.append(own_b)
-                    ids.append(own_b)
-                else:
-                    blocks[b].units.add(key)
-                    ids.append(b)
+        hashes, n = unit.hashes, len(unit.hashes)
+        ids = list(map(self._by_hash.get, hashes))      # the cached block of each hash, or None
+        adopted: list[int] = []
+        new: Sequence[bytes] = ()
+        if None in ids:                                  # the request's own blocks, adopted
+            own = list(table[:n])
+            first = ids.index(None)
+            if ids.count(None) == n - first:             # cached up to a point, then none
+                ids[first:] = adopted = own[first:]
+                new = hashes[first:]
+            else:
+                new = [h for h, b in zip(hashes, ids) if b is None]
+                adopted = [o for o, b in zip(own, ids) if b is None]
+                ids = [o if b is None else b for o, b in zip(own, ids)]
+        if unit.tail is not None:
+            ids.append(unit.tail)
+            if own_tail:                    # the request's partial block: handed over too
+                adopted.append(unit.tail)   # (last: it gets no hash)
+        if adopted:
+            self._adopt(adopted, new)
+        held = np.array(ids, dtype=np.int64)
+        # the unit's references: its full blocks, and its own tail (another tail it has held
+        # since reserve)
+        self._holders[held if own_tail or unit.tail is None else held[:-1]] += 1
         lease.adopted.update(adopted)
         if unit.own:
             lease.page = unit.page
-            if unit.tail is not None:
-                self._blocks[unit.tail] = _Block(None, {key}, pins=1)
-                lease.adopted.add(unit.tail)
-                adopted.append(unit.tail)
-        unit.blocks, unit.hashes, unit.ready = tuple(ids), (), True
+        unit.held, unit.ready, unit.hashes = held, True, ()
+        unit.blocks = tuple(ids[:n])
         lease.pending.remove(unit)
         self._touch(unit)
         if self.cold_intermediate and not unit.final:
@@ -501,9 +515,7 @@ class PrefixCache:
         if unit.own:                           # the request's page and tail: it frees them
             return
         self.pages.free(unit.page)
-        if unit.tail is not None:
-            self._drop_block(unit.tail)
-            self.blocks.free([unit.tail])
+        self._let_go(unit.held)
 
     # -- announcements -----------------------------------------------------------------------
     def drain_changes(self, limit: int | None = None) -> Changes:
@@ -561,26 +573,48 @@ class PrefixCache:
         self.index.remove(key)
         del self._lru[key]
         self.pages.free(unit.page)
-        freed = []
-        blocks, by_hash = self._blocks, self._by_hash
-        for b in unit.blocks + ((unit.tail,) if unit.tail is not None else ()):
-            block = blocks[b]
-            units = block.units
-            units.discard(key)
-            if not units and not block.pins:           # _drop_block, inlined: the hot path
-                del blocks[b]
-                if block.hash is not None:
-                    del by_hash[block.hash]
-                freed.append(b)
-        if freed:
-            self.blocks.free(freed)
+        self._let_go(unit.held)
         self._dirty[key] = None
         self.evictions += 1
 
-    def _drop_block(self, b: int) -> None:
-        block = self._blocks.pop(b)
-        if block.hash is not None:
-            del self._by_hash[block.hash]
+    def _hold(self, held: np.ndarray) -> None:
+        """Uncached blocks ``held`` become the cache's, with one holder each."""
+        self._holders[held] += 1
+        self._num_blocks += len(held)
+
+    def _adopt(self, adopted: list[int], hashes: Sequence[bytes]) -> None:
+        """A request hands over its blocks ``adopted``: cached from now on under ``hashes``
+        (the first ``len(hashes)``; a tail has none), pinned until it ends. ConfigError, and
+        nothing changed, when one is cached already."""
+        held = np.array(adopted, dtype=np.int64)
+        taken = self._holders[held]
+        if taken.any():
+            bad = adopted[int(np.flatnonzero(taken)[0])]
+            raise ConfigError(f"block {bad} is cached under another hash; the request must "
+                              f"not write a cached block")
+        self._hold(held)
+        self._pinned[held] = True
+        self._by_hash.update(zip(hashes, adopted))
+        self._hash_of.update(zip(adopted, hashes))
+
+    def _let_go(self, held: np.ndarray) -> None:
+        """One holder fewer for each block of ``held`` (a unit went, or the request that
+        handed them over ended; pins already cleared): the blocks left without any go back
+        to the pool."""
+        if not len(held):
+            return
+        holders = self._holders
+        holders[held] -= 1
+        gone = held[holders[held] == 0].tolist()
+        if not gone:
+            return
+        by_hash, hash_of = self._by_hash, self._hash_of
+        for b in gone:
+            h = hash_of.pop(b, None)
+            if h is not None:                    # a full block (a tail has no hash)
+                del by_hash[h]
+        self._num_blocks -= len(gone)
+        self.blocks.free(gone)
 
     def _trim(self) -> None:
         """Evict least recently used units while the cache is over its budget."""

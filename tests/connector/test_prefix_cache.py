@@ -71,9 +71,10 @@ class Shadow:
         for unit in req["units"]:
             n = unit.tokens
             self.page_data[req["page"]] = tuple(tokens[:n])
+            cached = set(self.cache.cached_blocks())
             for i in range(done, blocks_for(n, BS) if self.blocks else 0):
                 b = table[i]
-                assert b not in self.cache._blocks, f"cached block {b} written"
+                assert b not in cached, f"cached block {b} written"
                 self.block_data[b] = tuple(tokens[i * BS:min((i + 1) * BS, n)])
             done = n // BS
             if unit.own:                               # the request's own page and block
@@ -132,16 +133,17 @@ class Shadow:
             held_blocks.update(unit.blocks)
             if unit.tail is not None:
                 held_blocks.add(unit.tail)
-        assert held_blocks <= set(cache._blocks)
+        cached = set(cache.cached_blocks())
+        assert held_blocks <= cached and len(cached) == cache.num_blocks
         pages = [cache.index.get(c.key).page for c in cache.index]
         assert len(set(pages)) == len(pages) == cache.num_units
         assert self.pool.num_used == len(self.request_pages | set(pages))
         if self.blocks is not None:
-            assert not self.request_blocks & set(cache._blocks) - self._adopted_live()
-            assert self.blocks.num_used == len(self.request_blocks | set(cache._blocks))
+            assert not self.request_blocks & cached - self._adopted_live()
+            assert self.blocks.num_used == len(self.request_blocks | cached)
 
     def _adopted_live(self):
-        return {b for b, blk in self.cache._blocks.items() if blk.pins}
+        return set(self.cache.handed_over())
 
 
 def brute_longest(cached: set[tuple], query) -> int:
@@ -363,6 +365,7 @@ def test_window_choice_matches_a_brute_force_search(seed):
     for lease_hit in rng.sample([c for c in g.cache.index], 2):
         g.cache.acquire(Hit(lease_hit.tokens, g.cache.index.get(lease_hit.key)))
     units = [g.cache.index.get(c.key) for c in g.cache.index]
+    handed_over = set(g.cache.handed_over())
     holders: dict[int, set] = {}
     for unit in units:
         for b in unit.blocks + ((unit.tail,) if unit.tail is not None else ()):
@@ -375,7 +378,7 @@ def test_window_choice_matches_a_brute_force_search(seed):
                 if not g.blocks.is_allocated(b):
                     continue
                 if b not in holders or any(x.pins or not x.ready for x in holders[b]) \
-                        or g.cache._blocks[b].pins:
+                        or b in handed_over:
                     ok = False
                     break
                 need |= holders[b]
