@@ -266,11 +266,17 @@ class PrefixCache:
     def lookup(self, prompt: HashedPrompt, *, cap: int | None = None) -> Hit:
         """The longest ready unit for ``prompt`` (at most ``cap`` tokens, default
         ``len - 1``), and the longest pending one if it would save ``wait_tokens`` more."""
-        ready = self.index.longest(prompt, cap=cap, accept=lambda u: u.ready)
-        pending = self.index.longest(prompt, cap=cap, accept=lambda u: not u.ready)
-        wait = pending.entry if pending.tokens >= ready.tokens + max(self.wait_tokens, 1) \
-            else None
-        return Hit(ready.tokens, ready.entry, wait)
+        ready, pending = None, None
+        for match in self.index.matches(prompt, cap=cap):      # longest first
+            if match.entry.ready:
+                ready = match
+                break
+            if pending is None:                     # the longest pending, longer than ready
+                pending = match
+        tokens = ready.tokens if ready is not None else 0
+        wait = pending.entry if pending is not None and \
+            pending.tokens >= tokens + max(self.wait_tokens, 1) else None
+        return Hit(tokens, ready.entry if ready is not None else None, wait)
 
     def acquire(self, hit: Hit | None = None) -> Lease:
         """A lease for one request, pinning ``hit``'s unit (refreshed in the LRU order)."""

@@ -43,6 +43,7 @@ where it is not built): no I/O, no threads.
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 from dataclasses import asdict, dataclass
 from typing import Any, Callable, Generic, Iterator, Sequence, TypeVar
@@ -229,15 +230,20 @@ class HashedPrompt:
 
     def key_at(self, n: int) -> bytes:
         """The key of the checkpoint after the first ``n`` tokens (``1 <= n <= len``)."""
-        self._check(n)
+        return self._key(n, self.anchor(n))
+
+    def checkpoint(self, n: int) -> Checkpoint:
+        anchor = self.anchor(n)
+        return Checkpoint(self._key(n, anchor), n, anchor)
+
+    def _key(self, n: int, anchor: bytes) -> bytes:
         if n < 1:
             raise ConfigError("a checkpoint covers at least one token")
         bs = self.hasher.block_size
         tail = self._raw[(n // bs) * bs * 4:n * 4]
-        return _h(b"ckpt", self.anchor(n), tail, n.to_bytes(8, "little"))
-
-    def checkpoint(self, n: int) -> Checkpoint:
-        return Checkpoint(self.key_at(n), n, self.anchor(n))
+        # _h(b"ckpt", anchor, tail, n), in one call
+        return hashlib.blake2b(b"ckpt" + anchor + tail + n.to_bytes(8, "little"),
+                               digest_size=DIGEST_SIZE).digest()
 
     def _check(self, n: int) -> None:
         if isinstance(n, bool) or not isinstance(n, int) or not 0 <= n <= len(self.tokens):
@@ -311,21 +317,32 @@ class PrefixIndex(Generic[E]):
                 accept: Callable[[E], bool] | None = None) -> Match[E]:
         """The longest indexed prefix of ``prompt`` of at most ``cap`` tokens (default
         ``len(prompt) - 1``: the last token is always prefilled) whose entry ``accept`` takes
-        (default: any). One dict lookup per full block of the prompt, one key hash per
-        indexed length it meets."""
+        (default: any): the first of :meth:`matches` it takes."""
+        for match in self.matches(prompt, cap=cap):
+            if accept is None or accept(match.entry):
+                return match
+        return _NO_MATCH
+
+    def matches(self, prompt: HashedPrompt, *, cap: int | None = None) -> Iterator[Match[E]]:
+        """Every indexed prefix of ``prompt`` of at most ``cap`` tokens (default
+        ``len(prompt) - 1``), longest first. One set intersection over the prompt's block
+        hashes, then one key hash per indexed length the walk meets (a caller that stops
+        early hashes no more)."""
         limit = len(prompt) - 1 if cap is None else min(cap, len(prompt))
         if limit < 1 or not self._entries:
-            return _NO_MATCH
+            return
         bs = prompt.hasher.block_size
         anchors = self._anchors
-        # the prompt's anchors that hold checkpoints, at C speed (a miss ends here)
-        found = anchors.keys() & prompt.hashes[:limit // bs]
-        if not found and prompt.hasher.root not in anchors:
-            return _NO_MATCH
-        for b in range(limit // bs, -1, -1):
-            anchor = prompt.hashes[b - 1] if b else prompt.hasher.root
-            if b and anchor not in found:
-                continue
+        hashes = prompt.hashes[:limit // bs]
+        # the blocks b whose anchor (h[b-1], or the root for 0) holds checkpoints, at C
+        # speed (a miss ends here)
+        found = anchors.keys() & hashes
+        blocks = list(itertools.compress(range(1, len(hashes) + 1),
+                                         map(found.__contains__, hashes))) if found else []
+        if prompt.hasher.root in anchors:
+            blocks.insert(0, 0)
+        for b in reversed(blocks):
+            anchor = hashes[b - 1] if b else prompt.hasher.root
             bucket = anchors.get(anchor)
             if not bucket:
                 continue
@@ -334,6 +351,5 @@ class PrefixIndex(Generic[E]):
                     continue
                 key = prompt.key_at(n)
                 item = self._entries.get(key)
-                if item is not None and (accept is None or accept(item[1])):
-                    return Match(n, key, item[1])
-        return _NO_MATCH
+                if item is not None:
+                    yield Match(n, key, item[1])

@@ -131,6 +131,19 @@ def test_block_hashes_are_the_documented_chain_in_c_and_in_python(monkeypatch, b
         monkeypatch.undo()
 
 
+def test_keys_are_the_documented_hash():
+    """key(n) = blake2b("ckpt" | anchor(n) | tokens[(n//bs)*bs:n] | n as 8 bytes LE, 16)."""
+    h = hasher()
+    tokens = prompt_of(37)
+    p = h.prompt(tokens)
+    raw = np.asarray(tokens, "<i4").tobytes()
+    for n in range(1, 38):
+        tail = raw[n // BS * BS * 4:n * 4]
+        expected = hashlib.blake2b(b"ckpt" + p.anchor(n) + tail + n.to_bytes(8, "little"),
+                                   digest_size=16).digest()
+        assert p.key_at(n) == p.checkpoint(n).key == expected, n
+
+
 def test_keys_name_the_prefix_only():
     h = hasher()
     tokens = prompt_of(37)
