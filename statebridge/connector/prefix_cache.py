@@ -213,9 +213,11 @@ class PrefixCache:
         self.seen_blocks = seen_blocks
         # chain hashes of the full blocks of recent prompts, where a new prompt branches off an
         # earlier one: two generations of at most seen_blocks // 2 (a hash seen again moves
-        # to the newer; the older is dropped whole when the newer fills) -- LRU-like, in bulk
-        self._seen: dict[bytes, None] = {}
-        self._seen_old: dict[bytes, None] = {}
+        # to the newer; the older is dropped whole when the newer fills) -- LRU-like, in bulk.
+        # A prompt's hashes go in together and a chain hash names every block before it, so
+        # where the two hold a prompt's h[i] they hold its h[0..i-1] too (shared_prefix)
+        self._seen: set[bytes] = set()
+        self._seen_old: set[bytes] = set()
         self.index: PrefixIndex[Unit] = PrefixIndex()
         self._lru: collections.OrderedDict[bytes, Unit] = collections.OrderedDict()  # ready
         # The block table, flat, indexed by the pool's block ids. A block is the cache's while
@@ -389,20 +391,22 @@ class PrefixCache:
     def shared_prefix(self, prompt: HashedPrompt) -> int:
         """Tokens of the longest block-aligned prefix of ``prompt`` that a prompt reserved for
         earlier began with (0: none; ``branch_points`` only)."""
-        hashes = prompt.hashes
-        shared = self._seen.keys() & hashes             # C speed: a fresh prompt ends here
-        shared |= self._seen_old.keys() & hashes
-        if not shared:
-            return 0
-        for i in range(len(hashes) - 1, -1, -1):
-            if hashes[i] in shared:
-                return (i + 1) * self.block_size
-        return 0
+        hashes, seen, old = prompt.hashes, self._seen, self._seen_old
+        # the remembered hashes of a prompt are a prefix of its hashes (see __init__): bisect
+        # its end (a few probes of the large sets, each likely a cache miss)
+        lo, hi = 0, len(hashes)
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if hashes[mid] in seen or hashes[mid] in old:
+                lo = mid + 1
+            else:
+                hi = mid
+        return lo * self.block_size
 
     def _saw(self, prompt: HashedPrompt) -> None:
-        self._seen.update(dict.fromkeys(prompt.hashes))
+        self._seen.update(prompt.hashes)
         if 2 * len(self._seen) > self.seen_blocks:
-            self._seen_old, self._seen = self._seen, {}
+            self._seen_old, self._seen = self._seen, set()
 
     def reserve(self, prompt: HashedPrompt, lease: Lease, *, start: int = 0,
                 positions: Sequence[int] | None = None, page: int | None = None,
