@@ -209,8 +209,10 @@ class HashedPrompt:
         arr = np.asarray(tokens)
         if arr.ndim != 1:
             raise ConfigError(f"a prompt is a 1-D token sequence, got shape {arr.shape}")
-        if len(arr) and (arr.dtype.kind not in "iu" or int(arr.min()) < 0
-                         or int(arr.max()) > _INT32_MAX):
+        # (the ufuncs' own reduce: the ndarray methods' wrappers cost more than 1,024 ids; an
+        # int32 array, as from the wire, needs no upper bound)
+        if len(arr) and (arr.dtype.kind not in "iu" or int(np.minimum.reduce(arr)) < 0
+                         or arr.dtype != np.int32 and int(np.maximum.reduce(arr)) > _INT32_MAX):
             bad = arr[(arr < 0) | (arr > _INT32_MAX)] if arr.dtype.kind in "iu" else arr[:1]
             raise ConfigError(f"token ids must be integers in [0, 2**31), got {bad[0]!r}")
         self.hasher = hasher

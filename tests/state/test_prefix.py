@@ -178,8 +178,10 @@ def test_the_stride_does_not_change_keys_but_the_block_size_does():
     assert not {a.key_at(n) for n in range(1, 21)} & {c.key_at(n) for n in range(1, 21)}
 
 
-@pytest.mark.parametrize("bad", [[-1], [2**31], [1.5], [[1, 2]]],
-                         ids=["negative", "int32-overflow", "float", "2-D"])
+@pytest.mark.parametrize("bad", [[-1], [2**31], [1.5], [[1, 2]], np.asarray([5, -1], np.int32),
+                                 np.asarray([2**31], np.uint32), np.asarray([-2, 2**40])],
+                         ids=["negative", "int32-overflow", "float", "2-D", "int32-negative",
+                              "uint32-overflow", "int64-both"])
 def test_bad_tokens_are_refused(bad):
     with pytest.raises(ConfigError):
         hasher().prompt(bad)
