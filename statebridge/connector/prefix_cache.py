@@ -613,16 +613,15 @@ class PrefixCache:
         to the pool."""
         if not len(held):
             return
-        holders = self._holders
-        holders[held] -= 1
-        gone = held[holders[held] == 0].tolist()
+        left = self._holders[held] - 1
+        self._holders[held] = left
+        gone = held[left == 0].tolist()
         if not gone:
             return
-        by_hash, hash_of = self._by_hash, self._hash_of
-        for b in gone:
-            h = hash_of.pop(b, None)
-            if h is not None:                    # a full block (a tail has no hash)
-                del by_hash[h]
+        # their hashes are forgotten (a tail has none: None, popped from nothing), in C loops:
+        # an evicted prompt frees all its blocks at once
+        hashes = map(self._hash_of.pop, gone, itertools.repeat(None))
+        collections.deque(map(self._by_hash.pop, hashes, itertools.repeat(None)), maxlen=0)
         self._num_blocks -= len(gone)
         self.blocks.free(gone)
 
