@@ -17,7 +17,7 @@ import threading
 import time
 from typing import Any, Callable, Sequence
 
-from statebridge.connector.launch import Launcher, RankHandle, _ProcessHandle
+from statebridge.connector.launch import Launcher, RankHandle, _ProcessHandle, start_process
 from statebridge.connector.rank import RankSetup, RankWorker
 from statebridge.errors import ConfigError
 
@@ -81,7 +81,8 @@ class _HostHandle(_ProcessHandle):
 
 
 class RankHostPool:
-    """``size`` spawned host processes; :meth:`launcher` places rank r of a group on host r.
+    """``size`` host processes (forked by the fork server, as nodes' ranks are:
+    :func:`~statebridge.connector.launch.start_process`); :meth:`launcher` places rank r of a group on host r.
     With ``lazy=True`` host r starts with the first group that has a rank r (a pool shared by
     tests that need different group sizes starts only the hosts they use).
 
@@ -95,7 +96,6 @@ class RankHostPool:
                  initargs: tuple = (), lazy: bool = False) -> None:
         if size < 1:
             raise ConfigError(f"pool size must be >= 1, got {size}")
-        self._ctx = multiprocessing.get_context("spawn")
         self._initializer = initializer
         self._initargs = tuple(initargs)
         self._lock = threading.Lock()
@@ -113,11 +113,9 @@ class RankHostPool:
     def _host(self, i: int) -> tuple[Any, Any]:
         """Host ``i``, started now if it was not."""
         if self.hosts[i] is None:
-            parent, child = self._ctx.Pipe()
-            proc = self._ctx.Process(target=_host_main,
-                                     args=(child, self._initializer, self._initargs),
-                                     daemon=True, name=f"statebridge-host{i}")
-            proc.start()
+            parent, child = multiprocessing.Pipe()
+            proc = start_process(_host_main, (child, self._initializer, self._initargs),
+                                 title=f"sb-host{i}", name=f"statebridge-host{i}")
             self.hosts[i] = (proc, parent)
         return self.hosts[i]
 

@@ -10,7 +10,7 @@ rows of ``/proc/PID/net/tcp`` and ``tcp6`` (the tables of that process's network
 it sees exactly the sockets the process holds, including ones a library opened (torch's store,
 gloo, UCX) and ones it inherited. Addresses come back as :mod:`ipaddress` writes them
 (``"0.0.0.0"`` and ``"::"`` are every address). :func:`descendants` lists a process's children,
-grandchildren and so on (rank processes of a node).
+grandchildren and so on (rank processes of a node, :func:`is_rank`).
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ import os
 import sys
 from typing import NamedTuple
 
-__all__ = ["Listener", "listening_sockets", "descendants", "alive", "WILDCARDS"]
+__all__ = ["Listener", "listening_sockets", "descendants", "alive", "is_rank", "WILDCARDS"]
 
 #: Addresses that mean "every address" (IPv4, IPv6, and IPv4 in IPv6).
 WILDCARDS = frozenset({"0.0.0.0", "::", "::ffff:0.0.0.0"})
@@ -90,6 +90,16 @@ def alive(pid: int) -> bool:
     try:
         with open(f"/proc/{pid}/stat") as f:
             return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def is_rank(pid: int) -> bool:
+    """Whether process ``pid`` is a rank process (named ``sb-prefill<r>`` or ``sb-decode<r>``
+    by :func:`statebridge.connector.launch.start_process`)."""
+    try:
+        with open(f"/proc/{pid}/comm") as f:
+            return f.read().startswith(("sb-prefill", "sb-decode"))
     except OSError:
         return False
 

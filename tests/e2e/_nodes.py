@@ -21,7 +21,7 @@ from statebridge.errors import StatebridgeError
 from statebridge.net import free_port
 from statebridge.node import messages as nm
 from statebridge.node.client import Client
-from statebridge.testing.sockets import Listener, alive as _alive, descendants, listening_sockets
+from statebridge.testing.sockets import Listener, alive as _alive, descendants, is_rank, listening_sockets
 
 HOST = "127.0.0.1"
 
@@ -69,16 +69,9 @@ class NodeCommand:
         return self.proc is not None and self.proc.poll() is None
 
     def ranks(self) -> list[int]:
-        """The node's rank processes (spawned; not multiprocessing's resource tracker)."""
-        out = []
-        for pid in descendants(self.pid):
-            try:
-                with open(f"/proc/{pid}/cmdline", "rb") as f:
-                    if b"spawn_main" in f.read() and _alive(pid):
-                        out.append(pid)
-            except OSError:
-                pass
-        return out
+        """The node's rank processes (named ``sb-<role><rank>``: not the fork server or
+        multiprocessing's resource tracker)."""
+        return [pid for pid in descendants(self.pid) if is_rank(pid) and _alive(pid)]
 
     def processes(self) -> list[int]:
         return [self.pid, *descendants(self.pid)] if self.alive() else []

@@ -18,6 +18,7 @@ from statebridge.node.decode_node import DecodeNode
 from statebridge.node.demo import NodeProcess
 from statebridge.node.prefill_node import start_prefill_node
 from statebridge.state.spec import StateSpec
+from statebridge.testing.sockets import alive, descendants, is_rank
 
 from tests.models._helpers import KV_BLOCK, KV_PROMPTS, NEW_TOKENS, PROMPTS
 
@@ -337,30 +338,14 @@ def test_demo_exits_zero():
     assert "demo OK: every token matches" in out.stdout
 
 
-def children_of(pid: int) -> list[int]:
-    out = []
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/stat") as f:
-                    fields = f.read().rsplit(")", 1)[1].split()
-            except OSError:
-                continue
-            if int(fields[1]) == pid:
-                out.append(int(entry))
-    return out
-
-
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
 def test_signal_shuts_a_node_down_without_orphans(hf_models, sig):
     node = NodeProcess(["prefill", "--model", hf_models["lfm2"].path, "--tp", "2",
                         "--port", str(free_port())], "prefill node")
-    ranks = children_of(node.proc.pid)          # the 2 rank processes (and spawn's tracker)
-    assert len(ranks) >= 2, ranks
+    below = descendants(node.proc.pid)      # 2 ranks, the fork server, the resource tracker
+    assert len([pid for pid in below if is_rank(pid)]) == 2, below
     node.proc.send_signal(sig)
     assert node.proc.wait(60) == 0
-    for pid in ranks:
-        wait_until(lambda: not os.path.exists(f"/proc/{pid}") or
-                   open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0] == "Z",
-                   10, f"rank process {pid} gone")
+    for pid in below:
+        wait_until(lambda: not alive(pid), 10, f"process {pid} below the node gone")

@@ -125,7 +125,9 @@ class RankWorker:
         # The coordinator: gone when its process is (see _coordinator_gone); merely silent
         # (stopped, busy) is logged and waited for.
         self.coordinator_pid = setup.coordinator_pid or os.getppid()
-        self._parent_is_coordinator = os.getppid() == self.coordinator_pid
+        #: This process's parent at start: the coordinator, or the fork server that the
+        #: coordinator started (it exits with the coordinator), or a rank host.
+        self._parent = os.getppid()
         self.coordinator_watch = c.PeerWatch(self.config.peer_timeout, self.loop)
         self._coordinator_silent = False
         self._stopping = False
@@ -194,13 +196,15 @@ class RankWorker:
 
     def _coordinator_gone(self) -> str:
         """Why the coordinator is gone for good ("" while it is not): its local channel closed,
-        or its process exited (a spawned rank's parent changes; else its pid is gone)."""
+        or its process exited (this process's parent changed; else its pid is gone)."""
         if isinstance(self.sock, LocalDealer) and not self.sock.connected:
             return "its local channel closed"
         pid = self.coordinator_pid
-        if self._parent_is_coordinator:
-            if os.getppid() != pid:
-                return f"its process {pid} exited"
+        if os.getppid() != self._parent:
+            # The parent died: the coordinator, or the fork server it took with it. (A dead
+            # coordinator whose own parent has not reaped it yet still answers kill(pid, 0).)
+            return f"its process {pid} exited"
+        if self._parent == pid:
             return ""
         try:
             os.kill(pid, 0)
