@@ -10,9 +10,14 @@ layer).
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import math
+import os
 from dataclasses import dataclass
+from pathlib import Path
 
+import filelock
 import pytest
 import torch
 
@@ -142,11 +147,34 @@ def hf_models(tmp_path_factory, transformers_module) -> dict[str, HFModel]:
     registers this same fixture again (pytest keeps one cache per registration), so the build
     is kept here and both registrations return it."""
     if "models" not in _BUILT:
-        _BUILT["models"] = _build_hf_models(tmp_path_factory, transformers_module)
+        _BUILT["models"] = _shared_hf_models(tmp_path_factory, transformers_module)
     return _BUILT["models"]
 
 
-def _build_hf_models(tmp_path_factory, transformers_module) -> dict[str, HFModel]:
+def _shared_hf_models(tmp_path_factory, transformers_module) -> dict[str, HFModel]:
+    """One build for all pytest-xdist workers of a run: the first worker builds into the
+    run's shared temporary directory under a file lock; the others read its index."""
+    if "PYTEST_XDIST_WORKER" not in os.environ:
+        return _build_hf_models(tmp_path_factory.mktemp, transformers_module)
+    root = tmp_path_factory.getbasetemp().parent / "hf-models"
+    with filelock.FileLock(f"{root}.lock"):
+        index = root / "index.json"
+        if index.exists():
+            return {name: HFModel(name, d["path"], tuple(map(tuple, d["reference"])),
+                                  d["min_margin"], tuple(map(tuple, d["kv_reference"])))
+                    for name, d in json.loads(index.read_text()).items()}
+        root.mkdir()
+
+        def mkdir(name: str) -> Path:
+            (root / name).mkdir()
+            return root / name
+        out = _build_hf_models(mkdir, transformers_module)
+        index.write_text(json.dumps({name: dataclasses.asdict(m) for name, m in out.items()}))
+        return out
+
+
+def _build_hf_models(mkdir, transformers_module) -> dict[str, HFModel]:
+    """``mkdir(name)``: a new directory for checkpoint ``name``."""
     tf = transformers_module
     out = {}
     for i, (name, (config_cls, kwargs, save_kwargs)) in enumerate(HF_MODELS.items()):
@@ -155,7 +183,7 @@ def _build_hf_models(tmp_path_factory, transformers_module) -> dict[str, HFModel
         torch.manual_seed(i)
         model = model_cls(config).eval()
         randomize_(model, seed=100 + i)
-        path = tmp_path_factory.mktemp(name)
+        path = mkdir(name)
         model.save_pretrained(path, **save_kwargs)
         hybrid = "attention" in "".join(getattr(config, "layer_types", None) or ())
         prompts = KV_PROMPTS if hybrid else PROMPTS
