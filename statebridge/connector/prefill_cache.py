@@ -50,10 +50,17 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("statebridge.connector.prefill")
 
-__all__ = ["PrefillPrefix", "ANNOUNCE_CAP"]
+__all__ = ["PrefillPrefix", "ANNOUNCE_CAP", "STRIDE_IDLE_AFTER"]
 
 #: Most checkpoint keys in one PrefixAnnounce.
 ANNOUNCE_CAP = 4096
+
+#: Prompts in a row that share no full block with an earlier prompt (and hit nothing) after
+#: which a prompt that does not either keeps no stride checkpoints (PrefixCache
+#: ``stride_idle_after``): a stream of unrelated prompts, such as the transfer benchmark's,
+#: copies no page that nothing can hit; a chat's prompts share their system prompt and keep
+#: them.
+STRIDE_IDLE_AFTER = 64
 
 
 @dataclass(eq=False)
@@ -113,10 +120,11 @@ class PrefillPrefix:
                 self._why_off = why
             return None
         self.cache = PrefixCache(group.pool, group.blocks, self.hasher, branch_points=True,
-                                 **self._budgets())
+                                 stride_idle_after=STRIDE_IDLE_AFTER, **self._budgets())
         log.info("%s: prefix cache on: checkpoints at prompt ends, where prompts branch%s; up "
                  "to %d pages and %d KV blocks", group.node_id,
-                 f" and every {self.stride} tokens" if self.stride else "",
+                 f" and every {self.stride} tokens (while prompts share prefixes)"
+                 if self.stride else "",
                  self.cache.page_budget, self.cache.block_budget)
         return self.cache
 

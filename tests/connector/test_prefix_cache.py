@@ -549,3 +549,47 @@ def test_the_blocks_remembered_for_branch_points_are_bounded():
     assert sorted(u.tokens for u in branching["units"]) == [12, 21]
     with pytest.raises(ConfigError, match="seen_blocks"):
         PrefixCache(PagePool(2), None, PrefixHasher(b"s", BS, stride=0), seen_blocks=-1)
+
+
+def test_stride_checkpoints_idle_in_a_stream_of_unrelated_prompts():
+    """After ``stride_idle_after`` prompts in a row that share no full block with an earlier
+    one, an unrelated prompt keeps its end only (and no page is copied for it); a prompt that
+    shares its first block keeps its stride checkpoints again, and so do the unrelated prompts
+    right after it."""
+    g = Shadow(pages=200, blocks=800, stride=STRIDE, own=True, branch_points=True,
+               stride_idle_after=3)
+    rng = random.Random(7)
+
+    def unrelated():
+        return [rng.randrange(10_000, 20_000) for _ in range(25)]
+
+    def units(tokens):
+        req = g.start(tokens)
+        g.prefill(req)
+        g.finish(req)
+        return sorted(u.tokens for u in req["units"])
+
+    first = unrelated()
+    assert units(first) == [8, 16, 24, 25]              # a fresh cache keeps them
+    assert units(unrelated()) == [8, 16, 24, 25]
+    assert units(unrelated()) == [8, 16, 24, 25]        # 3 in a row
+    used = g.pool.num_used
+    assert units(unrelated()) == [25]                   # the 4th: its end only
+    assert g.pool.num_used == used + 1                  # the request's own page, no copy
+    assert units(unrelated()) == [25]
+    # shares the first prompt's first full block (4 tokens), not its checkpoint at 8: a branch
+    # point at 4, and its stride checkpoints again
+    assert units(first[:6] + [5] * 19) == [4, 8, 16, 24, 25]
+    assert units(unrelated()) == [8, 16, 24, 25]
+    assert units(unrelated()) == [8, 16, 24, 25]
+    assert units(unrelated()) == [8, 16, 24, 25]        # 3 in a row again
+    assert units(unrelated()) == [25]
+    hit = g.start(first[:20] + [6] * 5)                  # a hit counts as sharing
+    assert hit["hit"].tokens == 16
+    assert sorted(u.tokens for u in hit["units"]) == [20, 24, 25]     # branch point at 20
+    # without the policy every prompt keeps them
+    g = Shadow(pages=200, blocks=800, stride=STRIDE, own=True, branch_points=True)
+    for _ in range(6):
+        assert units(unrelated()) == [8, 16, 24, 25]
+    with pytest.raises(ConfigError, match="stride_idle_after"):
+        PrefixCache(PagePool(2), None, PrefixHasher(b"s", BS), stride_idle_after=-1)
