@@ -455,7 +455,8 @@ class PrefixCache:
         bs = self.block_size
         out: list[Unit] = []
         for n in sorted(positions, reverse=True):   # the prompt's end first: the next turn's
-            key = prompt.key_at(n)
+            checkpoint = prompt.checkpoint(n)
+            key = checkpoint.key
             if key in self.index:
                 continue
             needs_tail = self.blocks is not None and n % bs != 0
@@ -466,15 +467,15 @@ class PrefixCache:
                 while self.num_units >= self.page_budget:
                     if not self._evict_lru():
                         return sorted(out, key=lambda u: u.tokens)
-                unit = Unit(Checkpoint(key, n, prompt.anchor(n)), page,
-                            table[n // bs] if needs_tail else None, final=True, own=True)
+                unit = Unit(checkpoint, page, table[n // bs] if needs_tail else None,
+                            final=True, own=True)
             else:
                 while self.num_units >= self.page_budget or not self.pages.num_free or (
                         needs_tail and (self.num_blocks >= self.block_budget
                                         or not self.blocks.num_free)):
                     if not self._evict_lru():
                         return sorted(out, key=lambda u: u.tokens)
-                unit = Unit(Checkpoint(key, n, prompt.anchor(n)), self.pages.allocate(),
+                unit = Unit(checkpoint, self.pages.allocate(),
                             self.blocks.allocate(1)[0] if needs_tail else None,
                             final=n == len(prompt))
                 if unit.tail is not None:

@@ -198,8 +198,10 @@ class BlockPool:
         free = self._free_buf                        # [0, free..., 0] as int8
         np.logical_not(self._used, out=free[1:-1].view(bool))
         edges = free[1:] - free[:-1]
-        starts = np.flatnonzero(edges == 1)
-        return starts, np.flatnonzero(edges == -1) - starts
+        # (ndarray.nonzero: np.flatnonzero's ravel and dispatch wrappers cost more than the
+        # search itself; admission and every contiguous allocation come here)
+        starts = (edges == 1).nonzero()[0]
+        return starts, (edges == -1).nonzero()[0] - starts
 
     def _free_ranges(self) -> list[tuple[int, int]]:
         """Maximal free ranges ``(start, length)`` in id order."""
