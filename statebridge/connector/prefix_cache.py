@@ -149,7 +149,8 @@ class Lease:
     def private(self, table: Sequence[int]) -> list[int]:
         """The blocks of ``table`` the request owns and frees itself: neither a hit's shared
         block nor one it handed to the cache."""
-        cached = self.adopted.union(*(u.blocks for u in self.units))
+        cached = self.adopted.union(*(u.blocks for u in self.units)) if self.units \
+            else self.adopted                  # (a miss: no copy of what it handed over)
         return list(itertools.filterfalse(cached.__contains__, table))
 
 
