@@ -50,17 +50,17 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("statebridge.connector.prefill")
 
-__all__ = ["PrefillPrefix", "ANNOUNCE_CAP", "STRIDE_IDLE_AFTER"]
+__all__ = ["PrefillPrefix", "ANNOUNCE_CAP", "IDLE_AFTER"]
 
 #: Most checkpoint keys in one PrefixAnnounce.
 ANNOUNCE_CAP = 4096
 
 #: Prompts in a row that share no full block with an earlier prompt (and hit nothing) after
-#: which a prompt that does not either keeps no stride checkpoints (PrefixCache
-#: ``stride_idle_after``): a stream of unrelated prompts, such as the transfer benchmark's,
-#: copies no page that nothing can hit; a chat's prompts share their system prompt and keep
-#: them.
-STRIDE_IDLE_AFTER = 64
+#: which a prompt that does not either keeps no checkpoint (PrefixCache ``idle_after``): a
+#: stream of unrelated prompts, such as the transfer benchmark's, costs its hashes and lookup
+#: only -- no unit adopted and evicted a request, no page copied, that nothing can hit; a
+#: chat's prompts share their system prompt and keep theirs.
+IDLE_AFTER = 64
 
 
 @dataclass(eq=False)
@@ -120,12 +120,11 @@ class PrefillPrefix:
                 self._why_off = why
             return None
         self.cache = PrefixCache(group.pool, group.blocks, self.hasher, branch_points=True,
-                                 stride_idle_after=STRIDE_IDLE_AFTER, **self._budgets())
-        log.info("%s: prefix cache on: checkpoints at prompt ends, where prompts branch%s; up "
-                 "to %d pages and %d KV blocks", group.node_id,
-                 f" and every {self.stride} tokens (while prompts share prefixes)"
-                 if self.stride else "",
-                 self.cache.page_budget, self.cache.block_budget)
+                                 idle_after=IDLE_AFTER, **self._budgets())
+        log.info("%s: prefix cache on: checkpoints at prompt ends, where prompts branch%s "
+                 "(none after %d unrelated prompts in a row); up to %d pages and %d KV blocks",
+                 group.node_id, f" and every {self.stride} tokens" if self.stride else "",
+                 IDLE_AFTER, self.cache.page_budget, self.cache.block_budget)
         return self.cache
 
     def _budgets(self) -> dict[str, int]:

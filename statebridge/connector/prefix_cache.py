@@ -190,20 +190,23 @@ class PrefixCache:
     such as a system prompt, is likely to come again), remembering the block hashes of the
     last ``seen_blocks`` full blocks it reserved for.
 
-    ``stride_idle_after``: once that many prompts in a row shared not even their first full
-    block with an earlier prompt (:meth:`shared_prefix`) nor hit, a prompt that does not either
-    keeps no stride checkpoints (its end and branch point only) until one does -- a stream of
-    unrelated prompts takes no checkpoint that no later prompt can hit, while the first prompts
-    of a fresh cache, and every prompt while prompts share prefixes, keep them (a chat's first
-    turn: the next conversation hits its system prompt at a stride multiple). None (default):
-    stride checkpoints in every prompt.
+    ``idle_after``: once that many prompts in a row shared not even their first full block
+    with an earlier prompt (:meth:`shared_prefix`) nor hit, a prompt that does not either keeps
+    no checkpoint at all until one does -- a stream of unrelated prompts (the transfer
+    benchmark's) takes no unit that no later prompt can hit, and costs the lookup, its hashes
+    and remembering them only; the first prompts of a fresh cache, and every prompt while
+    prompts share prefixes, keep theirs (a chat's first turn: the next conversation hits its
+    system prompt at a stride multiple). What it costs: a conversation that begins on an idle
+    cache (after that many unrelated prompts) with a system prompt never seen misses its whole
+    second turn (which keeps a checkpoint where it leaves the first, and its end: the third
+    hits). None (default): every prompt keeps its checkpoints.
     """
 
     def __init__(self, pages: PagePool, blocks: BlockPool | None, hasher: PrefixHasher, *,
                  page_budget: int | None = None, block_budget: int | None = None,
                  wait_tokens: int | None = None, cold_intermediate: bool = True,
                  branch_points: bool = False, seen_blocks: int = 1 << 16,
-                 stride_idle_after: int | None = None) -> None:
+                 idle_after: int | None = None) -> None:
         self.pages = pages
         self.blocks = blocks
         self.hasher = hasher
@@ -221,14 +224,14 @@ class PrefixCache:
             raise ConfigError(f"seen_blocks must be an integer >= 0, got {seen_blocks!r}")
         self.branch_points = bool(branch_points)
         self.seen_blocks = seen_blocks
-        if stride_idle_after is not None and (isinstance(stride_idle_after, bool) or not
-                                              isinstance(stride_idle_after, int)
-                                              or stride_idle_after < 0):
-            raise ConfigError(f"stride_idle_after must be an integer >= 0 or None, got "
-                              f"{stride_idle_after!r}")
-        self.stride_idle_after = stride_idle_after
+        if idle_after is not None and (isinstance(idle_after, bool) or not
+                                              isinstance(idle_after, int)
+                                              or idle_after < 0):
+            raise ConfigError(f"idle_after must be an integer >= 0 or None, got "
+                              f"{idle_after!r}")
+        self.idle_after = idle_after
         self._unshared = 0          # prompts in a row that shared no block and had no hit
-        self._remember = self.branch_points or stride_idle_after is not None
+        self._remember = self.branch_points or idle_after is not None
         # chain hashes of the full blocks of recent prompts, where a new prompt branches off an
         # earlier one: two generations of at most seen_blocks // 2 (a hash seen again moves
         # to the newer; the older is dropped whole when the newer fills) -- LRU-like, in bulk.
@@ -430,8 +433,8 @@ class PrefixCache:
                 positions: Sequence[int] | None = None, page: int | None = None,
                 table: Sequence[int] = ()) -> list[Unit]:
         """Pending units for the checkpoints a prefill of ``prompt`` from token ``start`` passes
-        (default: :meth:`PrefixHasher.checkpoint_positions` -- its end only when
-        ``stride_idle_after`` says stride checkpoints idle -- and, with ``branch_points``, the
+        (default: :meth:`PrefixHasher.checkpoint_positions` -- none when ``idle_after`` says
+        the cache idles -- and, with ``branch_points``, the
         :meth:`shared_prefix` when it lies in ``(start, len)``), skipping those already cached
         or in flight. Each takes a page (and a tail block) within the budget, evicting least
         recently used units for it. ``page``: the request's own page (and ``table`` its block
@@ -444,10 +447,10 @@ class PrefixCache:
             positions = self.hasher.checkpoint_positions(len(prompt), start)
             if self._remember:
                 branch = self.shared_prefix(prompt)
-                if self.stride_idle_after is not None:
+                if self.idle_after is not None:
                     self._unshared = 0 if start or branch else self._unshared + 1
-                    if self._unshared > self.stride_idle_after:
-                        positions = positions[-1:]          # the prompt's end
+                    if self._unshared > self.idle_after:
+                        positions = []
                 if self.branch_points and start < branch < len(prompt) \
                         and branch not in positions:
                     positions = sorted(positions + [branch])

@@ -551,17 +551,18 @@ def test_the_blocks_remembered_for_branch_points_are_bounded():
         PrefixCache(PagePool(2), None, PrefixHasher(b"s", BS, stride=0), seen_blocks=-1)
 
 
-def test_stride_checkpoints_idle_in_a_stream_of_unrelated_prompts():
-    """After ``stride_idle_after`` prompts in a row that share no full block with an earlier
-    one, an unrelated prompt keeps its end only (and no page is copied for it); a prompt that
-    shares its first block keeps its stride checkpoints again, and so do the unrelated prompts
-    right after it."""
+def test_the_cache_idles_in_a_stream_of_unrelated_prompts():
+    """After ``idle_after`` prompts in a row that share no full block with an earlier one, an
+    unrelated prompt keeps no checkpoint (its page and blocks stay its own); a prompt that
+    shares its first block keeps its checkpoints again, and so do the unrelated prompts right
+    after it. A conversation that starts on an idle cache: its second turn misses, keeps where
+    it leaves the first turn and its end, the third hits."""
     g = Shadow(pages=200, blocks=800, stride=STRIDE, own=True, branch_points=True,
-               stride_idle_after=3)
+               idle_after=3)
     rng = random.Random(7)
 
-    def unrelated():
-        return [rng.randrange(10_000, 20_000) for _ in range(25)]
+    def unrelated(n=25):
+        return [rng.randrange(10_000, 20_000) for _ in range(n)]
 
     def units(tokens):
         req = g.start(tokens)
@@ -573,23 +574,33 @@ def test_stride_checkpoints_idle_in_a_stream_of_unrelated_prompts():
     assert units(first) == [8, 16, 24, 25]              # a fresh cache keeps them
     assert units(unrelated()) == [8, 16, 24, 25]
     assert units(unrelated()) == [8, 16, 24, 25]        # 3 in a row
-    used = g.pool.num_used
-    assert units(unrelated()) == [25]                   # the 4th: its end only
-    assert g.pool.num_used == used + 1                  # the request's own page, no copy
-    assert units(unrelated()) == [25]
+    used, kept = g.pool.num_used, g.cache.num_units
+    assert units(unrelated()) == []                     # the 4th: nothing
+    assert units(unrelated()) == []
+    assert (g.pool.num_used, g.cache.num_units) == (used, kept)
+    assert g.blocks.num_used == g.cache.num_blocks      # the requests freed all of theirs
     # shares the first prompt's first full block (4 tokens), not its checkpoint at 8: a branch
     # point at 4, and its stride checkpoints again
     assert units(first[:6] + [5] * 19) == [4, 8, 16, 24, 25]
     assert units(unrelated()) == [8, 16, 24, 25]
     assert units(unrelated()) == [8, 16, 24, 25]
     assert units(unrelated()) == [8, 16, 24, 25]        # 3 in a row again
-    assert units(unrelated()) == [25]
+    assert units(unrelated()) == []
     hit = g.start(first[:20] + [6] * 5)                  # a hit counts as sharing
     assert hit["hit"].tokens == 16
     assert sorted(u.tokens for u in hit["units"]) == [20, 24, 25]     # branch point at 20
+    g.prefill(hit)
+    g.finish(hit)
+    for _ in range(4):
+        units(unrelated())                              # idle again
+    turn1 = unrelated(21)
+    assert units(turn1) == []
+    turn2 = turn1 + unrelated(6)
+    assert g.run(turn2) == 0                            # misses turn 1 ...
+    assert g.run(turn2 + unrelated(3)) == 27            # ... the third turn hits turn 2's end
     # without the policy every prompt keeps them
     g = Shadow(pages=200, blocks=800, stride=STRIDE, own=True, branch_points=True)
     for _ in range(6):
         assert units(unrelated()) == [8, 16, 24, 25]
-    with pytest.raises(ConfigError, match="stride_idle_after"):
-        PrefixCache(PagePool(2), None, PrefixHasher(b"s", BS), stride_idle_after=-1)
+    with pytest.raises(ConfigError, match="idle_after"):
+        PrefixCache(PagePool(2), None, PrefixHasher(b"s", BS), idle_after=-1)
