@@ -149,8 +149,10 @@ class Lease:
     def private(self, table: Sequence[int]) -> list[int]:
         """The blocks of ``table`` the request owns and frees itself: neither a hit's shared
         block nor one it handed to the cache."""
-        cached = self.adopted.union(*(u.blocks for u in self.units)) if self.units \
-            else self.adopted                  # (a miss: no copy of what it handed over)
+        if not self.units:                     # a miss: no copy of what it handed over
+            return list(itertools.filterfalse(self.adopted.__contains__, table)) \
+                if self.adopted else list(table)
+        cached = self.adopted.union(*(u.blocks for u in self.units))
         return list(itertools.filterfalse(cached.__contains__, table))
 
 
@@ -319,6 +321,8 @@ class PrefixCache:
         if lease.released:
             return
         lease.released = True
+        if not (lease.pending or lease.units or lease.adopted):
+            return                # it held nothing (an idle cache's miss): nothing to trim
         for unit in lease.pending:
             if not unit.ready and self.index.get(unit.key) is unit:
                 self.abort(unit.key)
