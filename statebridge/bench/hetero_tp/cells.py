@@ -192,7 +192,8 @@ def _statebridge_cell(spec: StateSpec, src_tp: int, dst_tp: int, layout: str,
     # with checksums, the others with timing probes -- per rank and request one more row in
     # the RankDone's frame, left out of the control-message counts below.
     # With --prefix-caching the prefill server keeps recurrent-state checkpoints and KV blocks
-    # of every prompt (none ever hits: the prompts share no prefix). Its pools get twice the
+    # of every prompt (none ever hits: the prompts share no prefix) until it idles after 64 of
+    # them (connector.prefill_cache.IDLE_AFTER: then it keeps none). Its pools get twice the
     # pages and blocks: the cache's default budget is half of each, so the requests keep the
     # room they have without the cache (a cell's pool is sized for the requests in flight).
     cached = bool(getattr(a, "prefix_caching", False))

@@ -352,7 +352,8 @@ def configure_parser(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--prefix-caching", action=argparse.BooleanOptionalAction, default=False,
                    help="start the prefill servers with their prefix cache on (checkpoints "
                         "every --prefix-checkpoint-tokens and at each prompt's end, KV blocks kept; every prompt is unique, so "
-                        "nothing hits: the cache's overhead alone; twice the prefill pages and "
+                        "nothing hits: the cache's overhead alone -- after 64 such prompts an "
+                        "idle cache's, which keeps none; twice the prefill pages and "
                         "blocks, half for the cache). Default off: the cells stay comparable "
                         "with earlier runs")
     p.add_argument("--prefix-checkpoint-tokens", dest="prefix_stride", type=int, metavar="N",
