@@ -99,13 +99,18 @@ def _report_start_failure(setup: RankSetup, message: str) -> None:
             return
         import zmq
 
-        ctx = zmq.Context.instance()
-        sock = c.connect_dealer(ctx, setup.coordinator,
-                                keys=CurveKeys.from_config(setup.config))
+        # A context of its own, terminated here: term() returns once the message left (or
+        # the linger ran out). A forked rank ends in os._exit, which flushes nothing.
+        ctx = zmq.Context()
         try:
-            c.send_dealer(sock, failed)
-            c.flush(sock)
+            sock = c.connect_dealer(ctx, setup.coordinator,
+                                    keys=CurveKeys.from_config(setup.config))
+            try:
+                c.send_dealer(sock, failed)
+                c.flush(sock)
+            finally:
+                sock.close(linger=2000)
         finally:
-            sock.close(linger=2000)
+            ctx.term()
     except Exception as e:  # noqa: BLE001 -- the coordinator also sees the process exit
         log.warning("could not report the start failure to %s: %s", where, e)
