@@ -81,13 +81,13 @@ def pytest_collection_modifyitems(config, items):
     items.sort(key=_is_compile_check)   # stable: last
 
 
-#: The longest files, over a minute and a half each with two workers (the sum of their tests'
-#: durations, 2026-12-06): under xdist they start first, in this order (_xdist_order).
+#: The longest files with two workers (the sum of their tests' durations, 2026-12-06, ranks
+#: forked by the fork server): under xdist they start first, in this order (_xdist_order).
 LONGEST = (
-    "tests/e2e/test_disaggregated.py",          # ~4.8 min (the demo alone: ~1.7)
-    "tests/e2e/test_fault_matrix.py",           # ~3 min
-    "tests/connector/test_kv_connector.py",     # ~1.8 min
-    "tests/bench/test_bench.py",                # ~1.7 min
+    "tests/e2e/test_disaggregated.py",          # ~2.2 min
+    "tests/e2e/test_fault_matrix.py",           # ~1.9 min
+    "tests/connector/test_kv_connector.py",     # ~0.7 min
+    "tests/bench/test_bench.py",                # ~1 min
 )
 
 
