@@ -68,10 +68,7 @@ E = TypeVar("E")
 
 
 def _h(*parts: bytes) -> bytes:
-    h = hashlib.blake2b(digest_size=DIGEST_SIZE)
-    for p in parts:
-        h.update(p)
-    return h.digest()
+    return hashlib.blake2b(b"".join(parts), digest_size=DIGEST_SIZE).digest()
 
 
 def _chain_hashes(root: bytes, raw: bytes, block_bytes: int) -> list[bytes]:
@@ -79,9 +76,9 @@ def _chain_hashes(root: bytes, raw: bytes, block_bytes: int) -> list[bytes]:
     ``raw``, ``h[-1] = root``: the chain in Python. The C extension's ``chain``
     (``_chainhash.c``) computes the same list in one call; this is its fallback and its
     reference in the tests."""
-    hashes, h, blake2b = [], root, hashlib.blake2b
+    hashes, h = [], root
     for at in range(0, len(raw) // block_bytes * block_bytes, block_bytes):
-        h = blake2b(h + raw[at:at + block_bytes], digest_size=DIGEST_SIZE).digest()   # _h(h, ..)
+        h = _h(h, raw[at:at + block_bytes])
         hashes.append(h)
     return hashes
 
@@ -243,9 +240,7 @@ class HashedPrompt:
             raise ConfigError("a checkpoint covers at least one token")
         bs = self.hasher.block_size
         tail = self._raw[(n // bs) * bs * 4:n * 4]
-        # _h(b"ckpt", anchor, tail, n), in one call
-        return hashlib.blake2b(b"ckpt" + anchor + tail + n.to_bytes(8, "little"),
-                               digest_size=DIGEST_SIZE).digest()
+        return _h(b"ckpt", anchor, tail, n.to_bytes(8, "little"))
 
     def _check(self, n: int) -> None:
         if isinstance(n, bool) or not isinstance(n, int) or not 0 <= n <= len(self.tokens):
