@@ -20,12 +20,20 @@ from typing import Callable, Sequence
 from statebridge.connector.rank import RankSetup, rank_main
 
 __all__ = ["Launcher", "RankHandle", "spawn_launcher", "rank_log_level", "rank_context",
-           "start_process", "PRELOAD"]
+           "start_process", "rank_title", "RANK_TITLES", "PRELOAD"]
 
 #: What the fork server imports before it forks any rank (torch, numpy, zmq and the rank's
 #: modules come with it). Importing is not initialising: no CUDA context, UCX worker or zmq
 #: context exists in the server.
 PRELOAD = ("statebridge.connector.rank",)
+
+#: How a rank process's name (:func:`rank_title`) begins, by role.
+RANK_TITLES = ("sb-prefill", "sb-decode")
+
+
+def rank_title(role: str, tp_rank: int) -> str:
+    """A rank process's name (what ``ps`` and ``/proc/PID/comm`` show): ``sb-decode3``."""
+    return f"sb-{role}{tp_rank}"
 
 
 class RankHandle:
@@ -105,7 +113,7 @@ def start_process(target: Callable[..., None], args: tuple, *, title: str,
 def spawn_launcher(setups: Sequence[RankSetup]) -> list[RankHandle]:
     """One process per rank, forked by the fork server (:func:`rank_context`)."""
     return [_ProcessHandle(start_process(rank_main, (setup,),
-                                         title=f"sb-{setup.role}{setup.tp_rank}",
+                                         title=rank_title(setup.role, setup.tp_rank),
                                          name=f"statebridge-{setup.role}-rank{setup.tp_rank}"))
             for setup in setups]
 

@@ -95,11 +95,13 @@ def alive(pid: int) -> bool:
 
 
 def is_rank(pid: int) -> bool:
-    """Whether process ``pid`` is a rank process (named ``sb-prefill<r>`` or ``sb-decode<r>``
-    by :func:`statebridge.connector.launch.start_process`)."""
+    """Whether process ``pid`` is a rank process (named by
+    :func:`statebridge.connector.launch.rank_title`)."""
+    from statebridge.connector.launch import RANK_TITLES
+
     try:
         with open(f"/proc/{pid}/comm") as f:
-            return f.read().startswith(("sb-prefill", "sb-decode"))
+            return f.read().startswith(RANK_TITLES)
     except OSError:
         return False
 

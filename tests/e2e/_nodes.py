@@ -21,7 +21,8 @@ from statebridge.errors import StatebridgeError
 from statebridge.net import free_port
 from statebridge.node import messages as nm
 from statebridge.node.client import Client
-from statebridge.testing.sockets import Listener, alive as _alive, descendants, is_rank, listening_sockets
+from statebridge.testing.sockets import (Listener, alive as _alive, descendants, is_rank,
+                                         listening_sockets)
 
 HOST = "127.0.0.1"
 
