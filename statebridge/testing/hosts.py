@@ -82,7 +82,8 @@ class _HostHandle(_ProcessHandle):
 
 class RankHostPool:
     """``size`` host processes (forked by the fork server, as nodes' ranks are:
-    :func:`~statebridge.connector.launch.start_process`); :meth:`launcher` places rank r of a group on host r.
+    :func:`~statebridge.connector.launch.start_process`); :meth:`launcher` places rank r of a
+    group on host r.
     With ``lazy=True`` host r starts with the first group that has a rank r (a pool shared by
     tests that need different group sizes starts only the hosts they use).
 
