@@ -50,8 +50,10 @@ Where checkpoints go: the prompt's end, every ``hasher.stride`` tokens when the 
 0, and with ``branch_points`` (the prefill node's policy) the point where the prompt stops
 sharing full blocks with an earlier prompt (:meth:`PrefixCache.shared_prefix`): of the
 prompts that share a system prompt, the second keeps a checkpoint at the system prompt's last
-full block, which every later one hits (the first knows of no branch yet). A checkpoint inside a prompt ends a prefill step
-and copies a page; one at its end costs neither.
+full block, which every later one hits (the first knows of no branch yet). A checkpoint
+inside a prompt ends a prefill step and copies a page; one at its end costs neither. With
+``idle_after`` (the prefill node: 64) a stream of unrelated prompts keeps none at all until a
+prompt shares a block with an earlier one or hits.
 
 Budget and eviction: units live under a budget (default half of the pages and half of the
 blocks), evicted least recently used first (a hit refreshes its unit); ``make_room`` evicts

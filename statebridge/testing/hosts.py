@@ -89,8 +89,8 @@ class RankHostPool:
 
     ``initializer(*initargs)`` runs first in every host process, as in
     :class:`multiprocessing.pool.Pool`: the place for the caller to configure logging there (the
-    pool never does; without one, the hosts log nothing). It crosses a process
-    spawn, so it must be picklable: a module-level function or a :func:`functools.partial` of one.
+    pool never does; without one, the hosts log nothing). It is pickled to the host process,
+    so it must be picklable: a module-level function or a :func:`functools.partial` of one.
     """
 
     def __init__(self, size: int, *, initializer: Callable[..., Any] | None = None,
