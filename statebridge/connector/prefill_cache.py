@@ -8,7 +8,8 @@ pools; the ranks copy the bytes (:mod:`statebridge.connector.rank.prefix`). One 
 
     admit(msg, blocks)    room for the page and the contiguous block range (evicting
                           unpinned units: a running request's needs win)
-    plan(key, msg, record) after the ledger allocated them: lookup (capped at len - 1),
+    plan(key, msg, record) after the ledger allocated them: nothing when an idle cache skips
+                          the prompt (PrefixCache.skip); else lookup (capped at len - 1),
                           pin the hit, reserve checkpoint units for the positions the prefill
                           passes (the prompt's end on the request's own page, not sent); the
                           RankPrefill fields (restore / checkpoint)
@@ -57,9 +58,9 @@ ANNOUNCE_CAP = 4096
 
 #: Prompts in a row that share no full block with an earlier prompt (and hit nothing) after
 #: which a prompt that does not either keeps no checkpoint (PrefixCache ``idle_after``): a
-#: stream of unrelated prompts, such as the transfer benchmark's, costs its hashes and lookup
-#: only -- no unit adopted and evicted a request, no page copied, that nothing can hit; a
-#: chat's prompts share their system prompt and keep theirs.
+#: stream of unrelated prompts, such as the transfer benchmark's, costs one block's hash a
+#: prompt (PrefixCache.skip) -- no lookup, no unit adopted and evicted a request, no page
+#: copied, that nothing can hit; a chat's prompts share their system prompt and keep theirs.
 IDLE_AFTER = 64
 
 
@@ -174,6 +175,9 @@ class PrefillPrefix:
         if cache is None or not msg.prefix_cache:
             return {}
         group = self.group
+        if cache.skip(msg.prompt):          # an idle cache's unrelated prompt: nothing to keep
+            group.counters.add("prefix_queries", len(msg.prompt) // 4)
+            return {}
         try:
             prompt = self.hasher.prompt(np.frombuffer(msg.prompt, dtype="<i4"))
         except ConfigError:

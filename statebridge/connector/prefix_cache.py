@@ -25,6 +25,8 @@ into its own first fresh block, and reads the shared full blocks.
 
 Lifecycle of one request (the integration calls, in order)
 ----------------------------------------------------------
+0. ``cache.skip(raw)``: True when an idle cache (``idle_after``) can tell from the prompt's
+   first full block that it neither hits nor branches: nothing else to call for it.
 1. ``hit = cache.lookup(prompt)``: the longest usable ready prefix (``hit.tokens``, capped at
    ``len - 1``), and ``hit.pending``: an in-flight unit worth waiting for (it would save at
    least ``wait_tokens`` more); the caller may queue the request until that key is committed
@@ -53,7 +55,8 @@ prompts that share a system prompt, the second keeps a checkpoint at the system 
 full block, which every later one hits (the first knows of no branch yet). A checkpoint
 inside a prompt ends a prefill step and copies a page; one at its end costs neither. With
 ``idle_after`` (the prefill node: 64) a stream of unrelated prompts keeps none at all until a
-prompt shares a block with an earlier one or hits.
+prompt shares a block with an earlier one or hits, and costs one block's hash a prompt
+(:meth:`PrefixCache.skip`).
 
 Budget and eviction: units live under a budget (default half of the pages and half of the
 blocks), evicted least recently used first (a hit refreshes its unit); ``make_room`` evicts
@@ -98,6 +101,7 @@ class Unit:
     own: bool = False
     tick: int = 0                                   # last use (LRU; window cost)
     hashes: tuple[bytes, ...] = ()                  # pending only: chain hashes of its blocks
+    first: bytes = b""                              # h[0] of its prompt (the root: < 1 block)
     key: bytes = field(init=False)                  # the checkpoint's key and token count
     tokens: int = field(init=False)
     #: The blocks it holds a reference on (its full blocks, then its tail): the tail from
@@ -197,13 +201,17 @@ class PrefixCache:
     ``idle_after``: once that many prompts in a row shared not even their first full block
     with an earlier prompt (:meth:`shared_prefix`) nor hit, a prompt that does not either keeps
     no checkpoint at all until one does -- a stream of unrelated prompts (the transfer
-    benchmark's) takes no unit that no later prompt can hit, and costs the lookup, its hashes
-    and remembering them only; the first prompts of a fresh cache, and every prompt while
-    prompts share prefixes, keep theirs (a chat's first turn: the next conversation hits its
-    system prompt at a stride multiple). What it costs: a conversation that begins on an idle
-    cache (after that many unrelated prompts) with a system prompt never seen misses its whole
-    second turn (which keeps a checkpoint where it leaves the first, and its end: the third
-    hits). None (default): every prompt keeps its checkpoints.
+    benchmark's) takes no unit that no later prompt can hit, and costs the hash of its first
+    block only (:meth:`skip`: a prompt that begins with neither a unit's nor a remembered
+    prompt's first block, the only hash remembered of it); the first prompts of a fresh
+    cache, and every prompt while prompts share prefixes, keep theirs (a chat's first turn:
+    the next conversation hits its system prompt at a stride multiple). What it costs: a
+    conversation that begins on an idle cache (after that many unrelated prompts) with a
+    system prompt never seen misses its whole second turn (which keeps a checkpoint at its
+    first block -- the branch point it can tell -- at stride multiples and at its end: the
+    third hits); of two prompts that share a prefix unseen before, the first after idling
+    finds the branch at their first block, the next one the real branch point. None
+    (default): every prompt keeps its checkpoints.
     """
 
     def __init__(self, pages: PagePool, blocks: BlockPool | None, hasher: PrefixHasher, *,
@@ -235,7 +243,10 @@ class PrefixCache:
                               f"{idle_after!r}")
         self.idle_after = idle_after
         self._unshared = 0          # prompts in a row that shared no block and had no hit
-        self._remember = self.branch_points or idle_after is not None
+        # the units by the first block hash of their prompt (the root for a unit of fewer
+        # tokens than a block): what an idle cache's skip asks (can this prompt hit at all?)
+        self._firsts: dict[bytes, int] = {}
+        self._remembers = self.branch_points or idle_after is not None
         # chain hashes of the full blocks of recent prompts, where a new prompt branches off an
         # earlier one: two generations of at most seen_blocks // 2 (a hash seen again moves
         # to the newer; the older is dropped whole when the newer fills) -- LRU-like, in bulk.
@@ -288,6 +299,29 @@ class PrefixCache:
                 "pinned": sum(1 for u in self._lru.values() if u.pins), "pages": self.num_units,
                 "blocks": self.num_blocks, "page_budget": self.page_budget,
                 "block_budget": self.block_budget, "evictions": self.evictions}
+
+    # -- 0. an idle cache's shortcut -----------------------------------------------------------
+    def skip(self, raw: bytes) -> bool:
+        """Whether the prompt of token ids ``raw`` (little-endian int32, as on the wire) has
+        nothing to do with an idle cache (``idle_after``), judged by its first full block's
+        hash alone: neither a unit nor a remembered prompt began with that block (a hit and a
+        branch point need one that did), and no unit covers less than a block. Then it counts
+        as one more unrelated prompt, only that hash is remembered (a later prompt that shares
+        the block wakes the cache), and the caller does nothing else for it: no lookup, lease
+        or checkpoint, as :meth:`lookup` and :meth:`reserve` would decide, without hashing the
+        rest of the prompt. False (go the whole way) when the cache is not idle."""
+        if self.idle_after is None or self._unshared < self.idle_after:
+            return False
+        firsts = self._firsts
+        if self.hasher.root in firsts:
+            return False
+        h0 = self.hasher.first_hash(raw)
+        if h0 is not None and (h0 in firsts or h0 in self._seen or h0 in self._seen_old):
+            return False
+        self._unshared += 1
+        if h0 is not None:
+            self._remember((h0,))
+        return True
 
     # -- 1-2. lookup and pin -----------------------------------------------------------------
     def lookup(self, prompt: HashedPrompt, *, cap: int | None = None) -> Hit:
@@ -430,8 +464,10 @@ class PrefixCache:
                 hi = mid
         return lo * self.block_size
 
-    def _saw(self, prompt: HashedPrompt) -> None:
-        self._seen.update(prompt.hashes)
+    def _remember(self, hashes: Sequence[bytes]) -> None:
+        """The block hashes a prompt began with (all of them, or an idle cache's skipped
+        prompt's first), for :meth:`shared_prefix`."""
+        self._seen.update(hashes)
         if 2 * len(self._seen) > self.seen_blocks:
             self._seen_old, self._seen = self._seen, set()
 
@@ -451,7 +487,7 @@ class PrefixCache:
         in token order."""
         if positions is None:
             positions = self.hasher.checkpoint_positions(len(prompt), start)
-            if self._remember:
+            if self._remembers:
                 branch = self.shared_prefix(prompt)
                 if self.idle_after is not None:
                     self._unshared = 0 if start or branch else self._unshared + 1
@@ -460,8 +496,8 @@ class PrefixCache:
                 if self.branch_points and start < branch < len(prompt) \
                         and branch not in positions:
                     positions = sorted(positions + [branch])
-        if self._remember:
-            self._saw(prompt)
+        if self._remembers:
+            self._remember(prompt.hashes)
         bs = self.block_size
         out: list[Unit] = []
         for n in sorted(positions, reverse=True):   # the prompt's end first: the next turn's
@@ -494,6 +530,8 @@ class PrefixCache:
             if self.blocks is not None:
                 unit.hashes = tuple(prompt.hashes[:n // bs])
             self.index.add(unit.checkpoint, unit)
+            unit.first = prompt.hashes[0] if n >= bs else self.hasher.root
+            self._firsts[unit.first] = self._firsts.get(unit.first, 0) + 1
             lease.pending.append(unit)
             out.append(unit)
         return sorted(out, key=lambda u: u.tokens)
@@ -556,7 +594,7 @@ class PrefixCache:
         unit = self.index.get(key)
         if unit is None or unit.ready:
             raise ConfigError(f"checkpoint {key.hex()} is not pending")
-        self.index.remove(key)
+        self._unindex(unit)
         if unit.own:                           # the request's page and tail: it frees them
             return
         self.pages.free(unit.page)
@@ -615,12 +653,20 @@ class PrefixCache:
         if not self._evictable(unit):
             raise ConfigError(f"unit {unit.key.hex()} is pinned or pending")
         key = unit.key
-        self.index.remove(key)
+        self._unindex(unit)
         del self._lru[key]
         self.pages.free(unit.page)
         self._let_go(unit.held)
         self._dirty[key] = None
         self.evictions += 1
+
+    def _unindex(self, unit: Unit) -> None:
+        self.index.remove(unit.key)
+        left = self._firsts[unit.first] - 1
+        if left:
+            self._firsts[unit.first] = left
+        else:
+            del self._firsts[unit.first]
 
     def _hold(self, held: np.ndarray) -> None:
         """Uncached blocks ``held`` become the cache's, with one holder each."""

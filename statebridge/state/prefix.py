@@ -180,6 +180,12 @@ class PrefixHasher:
         """``tokens`` with the chain hash of every full block (one pass)."""
         return HashedPrompt(self, tokens)
 
+    def first_hash(self, raw: bytes) -> bytes | None:
+        """``h[0]`` of the prompt whose token ids are ``raw`` (little-endian int32 bytes, as on
+        the wire), None when it holds less than one full block: one block hashed."""
+        bb = self.block_size * 4
+        return _chain(self.root, raw[:bb], bb)[0] if len(raw) >= bb else None
+
     def checkpoint_key(self, tokens: Sequence[int] | np.ndarray, n: int) -> bytes:
         """The key of the state after the first ``n`` tokens of ``tokens``."""
         return self.prompt(tokens[:n]).key_at(n)

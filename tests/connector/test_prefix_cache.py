@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import random
 
+import numpy as np
 import pytest
 
 from statebridge.errors import ConfigError
@@ -36,7 +37,9 @@ class Shadow:
     # one request, step by step (as the coordinator and the ranks would) ---------------------
     def start(self, tokens, *, make_room=True):
         prompt = self.hasher.prompt(tokens)
-        hit = self.cache.lookup(prompt)
+        # an idle cache may skip the prompt whole (as the prefill coordinator asks first)
+        skipped = self.cache.skip(prompt.tokens.tobytes())
+        hit = Hit() if skipped else self.cache.lookup(prompt)
         lease = self.cache.acquire(hit)
         n, nb = hit.tokens, hit.tokens // BS
         fresh_count = blocks_for(len(tokens), BS) - nb if self.blocks else 0
@@ -58,10 +61,10 @@ class Shadow:
                 assert n % BS == 0 or self.blocks is None
         self.page_data[page] = tuple(tokens[:n])
         table = list(hit.blocks) + fresh
-        units = self.cache.reserve(prompt, lease, start=n, **(
+        units = [] if skipped else self.cache.reserve(prompt, lease, start=n, **(
             {"page": page, "table": table} if self.own else {}))
         return {"tokens": list(tokens), "hit": hit, "lease": lease, "page": page,
-                "table": table, "units": units, "fresh": fresh}
+                "table": table, "units": units, "fresh": fresh, "skipped": skipped}
 
     def prefill(self, req, *, commit=True):
         """Compute the rest of the prompt: write the fresh blocks and, at each checkpoint, copy
@@ -555,8 +558,9 @@ def test_the_cache_idles_in_a_stream_of_unrelated_prompts():
     """After ``idle_after`` prompts in a row that share no full block with an earlier one, an
     unrelated prompt keeps no checkpoint (its page and blocks stay its own); a prompt that
     shares its first block keeps its checkpoints again, and so do the unrelated prompts right
-    after it. A conversation that starts on an idle cache: its second turn misses, keeps where
-    it leaves the first turn and its end, the third hits."""
+    after it. A conversation that starts on an idle cache: its second turn misses, keeps its
+    checkpoints (at the first block: the branch point it can tell) and its end, the third
+    hits."""
     g = Shadow(pages=200, blocks=800, stride=STRIDE, own=True, branch_points=True,
                idle_after=3)
     rng = random.Random(7)
@@ -594,9 +598,13 @@ def test_the_cache_idles_in_a_stream_of_unrelated_prompts():
     for _ in range(4):
         units(unrelated())                              # idle again
     turn1 = unrelated(21)
-    assert units(turn1) == []
+    assert units(turn1) == []                           # (skipped: its first block remembered)
     turn2 = turn1 + unrelated(6)
-    assert g.run(turn2) == 0                            # misses turn 1 ...
+    req = g.start(turn2)
+    assert req["hit"].tokens == 0                       # misses turn 1 ...
+    assert sorted(u.tokens for u in req["units"]) == [4, 8, 16, 24, 27]   # branch: 1st block
+    g.prefill(req)
+    g.finish(req)
     assert g.run(turn2 + unrelated(3)) == 27            # ... the third turn hits turn 2's end
     # without the policy every prompt keeps them
     g = Shadow(pages=200, blocks=800, stride=STRIDE, own=True, branch_points=True)
@@ -604,3 +612,60 @@ def test_the_cache_idles_in_a_stream_of_unrelated_prompts():
         assert units(unrelated()) == [8, 16, 24, 25]
     with pytest.raises(ConfigError, match="idle_after"):
         PrefixCache(PagePool(2), None, PrefixHasher(b"s", BS), idle_after=-1)
+
+
+def test_an_idle_cache_skips_an_unrelated_prompt_by_its_first_block():
+    """``skip``: an idle cache decides from a prompt's first full block alone that it can
+    neither hit nor branch (nothing else is hashed or kept; only that block's hash is
+    remembered), and never skips a prompt that could hit: one beginning with a cached unit's
+    first block (however long ago its hashes were remembered) or any prompt while a unit
+    shorter than a block is cached."""
+    g = Shadow(pages=200, blocks=800, stride=STRIDE, own=True, branch_points=True,
+               idle_after=2, seen_blocks=8)
+    rng = random.Random(11)
+
+    def unrelated(n=25):
+        return [rng.randrange(10_000, 20_000) for _ in range(n)]
+
+    def serve(tokens):
+        req = g.start(tokens)
+        g.prefill(req)
+        g.finish(req)
+        return req
+
+    kept = unrelated()
+    assert not serve(kept)["skipped"]                       # a fresh cache: not idle
+    assert not serve(unrelated())["skipped"]
+    skipped = unrelated()
+    req = serve(skipped)                                     # the 3rd unrelated in a row
+    assert req["skipped"] and req["units"] == [] and req["hit"].tokens == 0
+    assert g.cache.skip(np.asarray(unrelated(), "<i4").tobytes())   # (counts as one more)
+    # it remembered the first block only: a prompt sharing three blocks with it wakes the
+    # cache but finds the branch at the first block (the price); the next finds the real one
+    woke = serve(skipped[:12] + unrelated(13))
+    assert not woke["skipped"]
+    assert sorted(u.tokens for u in woke["units"]) == [4, 8, 16, 24, 25]
+    again = serve(skipped[:12] + unrelated(13))
+    assert again["hit"].tokens == 8
+    assert sorted(u.tokens for u in again["units"]) == [12, 16, 24, 25]
+    for _ in range(8):                                       # idle again; the 8 remembered
+        serve(unrelated())                                   # hashes forgot `kept`'s
+    assert g.cache.skip(np.asarray(unrelated(), "<i4").tobytes())
+    assert g.cache.shared_prefix(g.hasher.prompt(kept)) == 0
+    # ... yet a prompt that begins like a cached unit is served the whole way, and hits
+    hit = serve(kept[:20] + unrelated(5))
+    assert not hit["skipped"] and hit["hit"].tokens == 16
+    # a unit shorter than a block (anchored at the root) may serve any prompt: no skip
+    g = Shadow(pages=50, blocks=200, stride=0, own=True, branch_points=True, idle_after=0)
+    short = [7, 8, 9]
+    assert serve([rng.randrange(100) for _ in range(9)])["skipped"]     # idle from the start
+    assert serve([1])["skipped"]                             # less than a block: no hash
+    g = Shadow(pages=50, blocks=200, stride=0, own=True, branch_points=True)
+    g.run(short)                                             # (a cache that keeps it)
+    g.cache.idle_after = 0                                   # now idle
+    other = np.asarray(short + [1, 2], "<i4").tobytes()      # a first block never seen
+    assert not g.cache.skip(other)
+    assert g.run(short + [5, 6]) == 3
+    # evicting every unit leaves nothing behind for skip to consult
+    g.cache.clear()
+    assert g.cache.skip(other)
