@@ -280,6 +280,11 @@ class PrefixCache:
         return len(self.index)
 
     @property
+    def num_ready(self) -> int:
+        """Ready units (what eviction may take, unless pinned)."""
+        return len(self._lru)
+
+    @property
     def num_blocks(self) -> int:
         """Blocks the cache owns (full, tail, and handed over by running requests)."""
         return self._num_blocks
@@ -376,6 +381,11 @@ class PrefixCache:
         ``contiguous`` consecutive blocks are free; False when even evicting every unpinned
         unit cannot (what was evicted stays evicted). The window is chosen to evict the fewest
         units (then the least recently used) -- see :meth:`cheapest_window`."""
+        if not self._lru:            # nothing ready, nothing to evict (a full pool's retries)
+            blocks_pool = self.blocks
+            return self.pages.num_free >= pages and (blocks_pool is None or (
+                blocks_pool.num_free >= blocks and (
+                    not contiguous or blocks_pool.largest_free_range() >= contiguous)))
         if contiguous and self.blocks is not None:
             if contiguous > self.blocks.num_blocks:
                 return False

@@ -290,6 +290,15 @@ def test_make_room_frees_enough_and_never_evicts_pinned_units():
     g.cache.release(lease)
     assert g.cache.make_room(pages=6, blocks=12, contiguous=12)
     assert g.cache.num_units == 0 and g.pool.num_free == 6 and g.blocks.num_free == 12
+    # an empty cache: the room is there or not
+    g.pool.allocate()
+    g.blocks.allocate(2, contiguous=True)
+    g.blocks.free([0])
+    assert g.cache.num_ready == 0
+    assert g.cache.make_room(pages=5, blocks=11, contiguous=10)
+    assert not g.cache.make_room(pages=6)
+    assert not g.cache.make_room(blocks=12)
+    assert not g.cache.make_room(contiguous=11)
 
 
 def test_requests_always_fit_under_pressure_and_hits_stay_valid():
