@@ -3,8 +3,8 @@
 Builds a :class:`~statebridge.connector.prefill_cache.PrefillPrefix` over a stand-in rank group
 (the pools, ledger and counters a :class:`~statebridge.connector.prefill.PrefillServer` has) of
 the transfer benchmark's cell (``statebridge bench --preset tiny-hybrid``: KV blocks of 16
-tokens, ``--concurrency`` requests in flight, pools of ``concurrency + 2`` requests, twice that
-with the cache on) and serves ``--requests`` prompts of ``--tokens`` token ids through the calls
+tokens, ``--concurrency`` requests in flight, pools of ``concurrency + 2`` requests with the cache
+on or off) and serves ``--requests`` prompts of ``--tokens`` token ids through the calls
 the server makes per request, in its order::
 
     admit(blocks) -> ledger.open -> plan(msg, record)      (start; up to --concurrency in flight)
@@ -50,11 +50,11 @@ SHAPES = ("random", "system")
 ARMS = ("off", "on")
 
 
-def make_group(a: argparse.Namespace, cached: bool) -> SimpleNamespace:
+def make_group(a: argparse.Namespace) -> SimpleNamespace:
     """What PrefillPrefix and the server's request path use of a rank group, sized as the
     transfer benchmark sizes a cell's prefill pools."""
     spec = preset_spec(a.preset)
-    pages = (a.concurrency + 2) * (2 if cached else 1)
+    pages = a.concurrency + 2
     num_blocks = pages * blocks_for(a.tokens, a.block_size)
     pool, blocks = PagePool(pages), BlockPool(num_blocks)
     return SimpleNamespace(
@@ -77,7 +77,7 @@ def make_prompts(a: argparse.Namespace, shape: str, seed: int) -> list[bytes]:
 def serve(a: argparse.Namespace, arm: str, prompts: list[bytes]) -> dict:
     """Every prompt through the server's calls; CPU seconds per request and the cache's
     figures."""
-    group = make_group(a, arm == "on")
+    group = make_group(a)
     prefix = PrefillPrefix(group, enabled=arm == "on", stride=a.stride)
     ledger, need = group.ledger, blocks_for(a.tokens, a.block_size)
     inflight: collections.deque = collections.deque()

@@ -193,11 +193,11 @@ def _statebridge_cell(spec: StateSpec, src_tp: int, dst_tp: int, layout: str,
     # the RankDone's frame, left out of the control-message counts below.
     # With --prefix-caching the prefill server keeps recurrent-state checkpoints and KV blocks
     # of every prompt (none ever hits: the prompts share no prefix) until it idles after 64 of
-    # them (connector.prefill_cache.IDLE_AFTER: then it keeps none). Its pools get twice the
-    # pages and blocks: the cache's default budget is half of each, so the requests keep the
-    # room they have without the cache (a cell's pool is sized for the requests in flight).
+    # them (connector.prefill_cache.IDLE_AFTER: then it keeps none and skips each prompt after
+    # hashing its first block). Its pools are the same as without the cache, as a node's are
+    # when the flag is flipped: a request evicts cached units when it needs their room.
     cached = bool(getattr(a, "prefix_caching", False))
-    src_pages = (c + 2) * (2 if cached else 1)
+    src_pages = c + 2
     out["prefix_caching"] = cached
     out["prefix_checkpoint_tokens"] = getattr(a, "prefix_stride", DEFAULT_CHECKPOINT_TOKENS) \
         if cached else None

@@ -353,9 +353,8 @@ def configure_parser(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help="start the prefill servers with their prefix cache on (checkpoints "
                         "every --prefix-checkpoint-tokens and at each prompt's end, KV blocks kept; every prompt is unique, so "
                         "nothing hits: the cache's overhead alone -- after 64 such prompts an "
-                        "idle cache's, which keeps none; twice the prefill pages and "
-                        "blocks, half for the cache). Default off: the cells stay comparable "
-                        "with earlier runs")
+                        "idle cache's, which keeps none; the same pools as without it). "
+                        "Default off: the cells stay comparable with earlier runs")
     p.add_argument("--prefix-checkpoint-tokens", dest="prefix_stride", type=int, metavar="N",
                    default=DEFAULT_CHECKPOINT_TOKENS, help="the prefill node's flag")
     p.add_argument("--low-load-requests", type=int, default=100, metavar="N",
