@@ -360,7 +360,8 @@ class PrefillServer:
             return
         if self.group.ledger.get(record.key) is not record:
             return                                   # freed already (callers may re-check)
-        self.prefix.settle(record, record.phase is Phase.DONE)   # its blocks the cache took
+        if self.prefix.settle(record, record.phase is Phase.DONE):   # (blocks the cache took)
+            self._announce(self.prefix.changes())    # new checkpoints: routers hear them now
         self.group.ledger.free(record)
         cached_tokens = self.prefix.release(record)
         self._digests.pop(record.key, None)
@@ -388,16 +389,22 @@ class PrefillServer:
 
     # -- liveness (group.GroupEvents) ------------------------------------------------------------
     def tick(self) -> None:
-        announce = self.prefix.changes()             # drained once, to every decode peer
         for identity, peer in list(self.peers.items()):
             if peer.hello:
                 peer.heartbeats += 1
                 c.send_router(self.group.router, identity,
                               m.Heartbeat(node_id=self.group.node_id, seq=peer.heartbeats))
-                if announce is not None and peer.connected:
-                    c.send_router(self.group.router, identity, announce)
+        self._announce(self.prefix.changes())        # evictions since the last
         for identity in self.peer_watch.expired():
             self._peer_lost(identity, f"silent for {self.group.config.peer_timeout} s")
+
+    def _announce(self, announce: m.PrefixAnnounce | None) -> None:
+        """``announce`` (drained once) to every decode peer past its handshake."""
+        if announce is None:
+            return
+        for identity, peer in list(self.peers.items()):
+            if peer.hello and peer.connected:
+                c.send_router(self.group.router, identity, announce)
 
     def _peer_lost(self, identity: bytes, why: str) -> None:
         peer = self.peers.pop(identity, None)

@@ -23,10 +23,11 @@ pools; the ranks copy the bytes (:mod:`statebridge.connector.rank.prefix`). One 
 The cache is on when the server was asked for it (``prefix_cache``) and every rank said its
 model prefills from a state (``RankHello.chunked_prefill``); else it stays off (logged once).
 
-Announcements (:meth:`announce`, :meth:`snapshot_for`): a decode node gets every ready
-checkpoint right after its handshake (``reset``), then the changes with each heartbeat that
-has any, at most ``ANNOUNCE_CAP`` keys a message (more: a capped reset snapshot of the most
-recently used). Nothing of the cache is on the wire to the decode ranks: a key covers the
+Announcements (:meth:`snapshot`, :meth:`changes`): a decode node gets every ready checkpoint
+right after its handshake (``reset``), then the changes as soon as a request's checkpoints are
+ready (before its TransferTimes: the next turn of a chat is routed by them) and with each
+heartbeat that has any (evictions), at most ``ANNOUNCE_CAP`` keys a message (more: a capped
+reset snapshot of the most recently used). Nothing of the cache is on the wire to the decode ranks: a key covers the
 tokens, the model, spec, page and block layout and TP (:class:`~statebridge.state.prefix.
 PrefixSalt`), and a cached page or block is never written after its commit, so a stale or
 wrong checkpoint cannot be found by a prompt it does not belong to.
@@ -205,12 +206,14 @@ class PrefillPrefix:
                                                    for u in units)
         return fields
 
-    def settle(self, record: "Record", ok: bool) -> None:
+    def settle(self, record: "Record", ok: bool) -> bool:
         """Every rank answered ``record`` (before the ledger frees it): on success its
-        checkpoints are ready and the blocks the cache adopted leave its table."""
+        checkpoints are ready and the blocks the cache adopted leave its table. Whether
+        checkpoints became ready (worth announcing now)."""
         held = self._held.get(record.key)
         if held is None or self.cache is None:
-            return
+            return False
+        committed = bool(ok and held.lease.pending)
         if ok:
             for unit in list(held.lease.pending):
                 try:
@@ -221,6 +224,7 @@ class PrefillPrefix:
         record.blocks = held.lease.private(record.blocks)
         if held.lease.page is not None:
             record.page = -1                   # the cache took it: the ledger frees no page
+        return committed
 
     def release(self, record: "Record") -> int:
         """The ledger freed ``record``: drop its hold; its cached tokens."""

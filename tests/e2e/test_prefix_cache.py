@@ -18,6 +18,7 @@ page and blocks). A group that restarts starts with an empty cache.
 from __future__ import annotations
 
 import concurrent.futures
+import dataclasses
 
 import numpy as np
 import pytest
@@ -305,6 +306,27 @@ def test_requests_go_where_their_prefix_lives(pools, hf_models, references, monk
     finally:
         for s in servers:
             s.close()
+
+
+@pytest.mark.timeout(300)
+def test_a_request_s_checkpoints_are_announced_when_it_ends(pools, hf_models, monkeypatch):
+    """The decode node's router hears of a request's checkpoints as the request ends, not at
+    the prefill node's next heartbeat (here a minute away): the next turn of a chat, sent
+    right after an answer, is routed by them."""
+    prefill_hosts, decode_hosts = pools
+    slow = dataclasses.replace(FAST, heartbeat_interval=60.0, peer_timeout=300.0)
+    path = hf_models["lfm2"].path
+    server = start_cached(monkeypatch, path, 1, prefill_hosts, num_pages=16, config=slow)
+    try:
+        with DecodeNode(path, 1, [server.address], num_pages=16, config=slow,
+                        launcher=decode_hosts.launcher()) as node:
+            wait_until(lambda: server.node_id in _held(node), 30, "the handshake")
+            assert _held(node)[server.node_id] == 0
+            run_all(node.address, [_rng_tokens(70, 25)])
+            wait_until(lambda: _held(node)[server.node_id] > 0, 2, "the announcement")
+            assert _held(node)[server.node_id] == server.stats()["pages_cached"]
+    finally:
+        server.close()
 
 
 @pytest.mark.timeout(300)
