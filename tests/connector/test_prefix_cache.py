@@ -109,11 +109,15 @@ class Shadow:
         self.request_blocks.difference_update(req["fresh"])
         self.check()
 
-    def run(self, tokens):
+    def serve(self, tokens):
+        """One request start to end; its record (hit, units, skipped)."""
         req = self.start(tokens)
         self.prefill(req)
         self.finish(req)
-        return req["hit"].tokens
+        return req
+
+    def run(self, tokens):
+        return self.serve(tokens)["hit"].tokens
 
     # invariants --------------------------------------------------------------------------------
     def check(self):
@@ -563,6 +567,11 @@ def test_the_blocks_remembered_for_branch_points_are_bounded():
         PrefixCache(PagePool(2), None, PrefixHasher(b"s", BS, stride=0), seen_blocks=-1)
 
 
+def _unrelated(rng, n):
+    """``n`` token ids that no other prompt of a test shares (with high probability)."""
+    return [rng.randrange(10_000, 20_000) for _ in range(n)]
+
+
 def test_the_cache_idles_in_a_stream_of_unrelated_prompts():
     """After ``idle_after`` prompts in a row that share no full block with an earlier one, an
     unrelated prompt keeps no checkpoint (its page and blocks stay its own); a prompt that
@@ -575,13 +584,10 @@ def test_the_cache_idles_in_a_stream_of_unrelated_prompts():
     rng = random.Random(7)
 
     def unrelated(n=25):
-        return [rng.randrange(10_000, 20_000) for _ in range(n)]
+        return _unrelated(rng, n)
 
     def units(tokens):
-        req = g.start(tokens)
-        g.prefill(req)
-        g.finish(req)
-        return sorted(u.tokens for u in req["units"])
+        return sorted(u.tokens for u in g.serve(tokens)["units"])
 
     first = unrelated()
     assert units(first) == [8, 16, 24, 25]              # a fresh cache keeps them
@@ -609,11 +615,9 @@ def test_the_cache_idles_in_a_stream_of_unrelated_prompts():
     turn1 = unrelated(21)
     assert units(turn1) == []                           # (skipped: its first block remembered)
     turn2 = turn1 + unrelated(6)
-    req = g.start(turn2)
+    req = g.serve(turn2)
     assert req["hit"].tokens == 0                       # misses turn 1 ...
     assert sorted(u.tokens for u in req["units"]) == [4, 8, 16, 24, 27]   # branch: 1st block
-    g.prefill(req)
-    g.finish(req)
     assert g.run(turn2 + unrelated(3)) == 27            # ... the third turn hits turn 2's end
     # without the policy every prompt keeps them
     g = Shadow(pages=200, blocks=800, stride=STRIDE, own=True, branch_points=True)
@@ -634,13 +638,10 @@ def test_an_idle_cache_skips_an_unrelated_prompt_by_its_first_block():
     rng = random.Random(11)
 
     def unrelated(n=25):
-        return [rng.randrange(10_000, 20_000) for _ in range(n)]
+        return _unrelated(rng, n)
 
     def serve(tokens):
-        req = g.start(tokens)
-        g.prefill(req)
-        g.finish(req)
-        return req
+        return g.serve(tokens)
 
     kept = unrelated()
     assert not serve(kept)["skipped"]                       # a fresh cache: not idle
