@@ -126,8 +126,10 @@ def test_block_hashes_are_the_documented_chain_in_c_and_in_python(monkeypatch, b
             expected.append(prev)
         assert prefix._chain is not prefix._chain_hashes      # the C one, built by pip install
         assert h.prompt(tokens).hashes == expected
+        assert h.first_hash(raw) == (expected[0] if expected else None)   # from the wire
         monkeypatch.setattr(prefix, "_chain", prefix._chain_hashes)
         assert h.prompt(tokens).hashes == expected
+        assert h.first_hash(raw) == (expected[0] if expected else None)
         monkeypatch.undo()
 
 
