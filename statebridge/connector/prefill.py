@@ -105,6 +105,7 @@ class PrefillServer:
                                     cache_bytes=prefix_cache_bytes, model=str(model))
         self.peers: dict[bytes, _Peer] = {}
         self.waiting: collections.deque[tuple[_Peer, m.TransferRequest]] = collections.deque()
+        self._announcing = False                 # an announcement is due this loop iteration
         self.peer_watch = c.PeerWatch(group.config.peer_timeout, group.loop)
         self._queries: dict[type, Callable[[m.Message], m.Message]] = {}
         #: Transfer verification: request -> rank -> the digests it sends each decode rank
@@ -360,8 +361,9 @@ class PrefillServer:
             return
         if self.group.ledger.get(record.key) is not record:
             return                                   # freed already (callers may re-check)
-        if self.prefix.settle(record, record.phase is Phase.DONE):   # (blocks the cache took)
-            self._announce(self.prefix.changes())    # new checkpoints: routers hear them now
+        if self.prefix.settle(record, record.phase is Phase.DONE) and not self._announcing:
+            self._announcing = True                  # new checkpoints: routers hear them at the
+            self.group.loop.call_later(0.0, self._announce_now)  # end of this loop iteration
         self.group.ledger.free(record)
         cached_tokens = self.prefix.release(record)
         self._digests.pop(record.key, None)
@@ -397,6 +399,12 @@ class PrefillServer:
         self._announce(self.prefix.changes())        # evictions since the last
         for identity in self.peer_watch.expired():
             self._peer_lost(identity, f"silent for {self.group.config.peer_timeout} s")
+
+    def _announce_now(self) -> None:
+        """The checkpoints that requests ended with since the last (one message for those of
+        a loop iteration), not at the next heartbeat: a chat's next turn is routed by them."""
+        self._announcing = False
+        self._announce(self.prefix.changes())
 
     def _announce(self, announce: m.PrefixAnnounce | None) -> None:
         """``announce`` (drained once) to every decode peer past its handshake."""

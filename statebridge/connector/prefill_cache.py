@@ -25,9 +25,9 @@ model prefills from a state (``RankHello.chunked_prefill``); else it stays off (
 
 Announcements (:meth:`snapshot`, :meth:`changes`): a decode node gets every ready checkpoint
 right after its handshake (``reset``), then the changes as soon as a request's checkpoints are
-ready (before its TransferTimes: the next turn of a chat is routed by them) and with each
-heartbeat that has any (evictions), at most ``ANNOUNCE_CAP`` keys a message (more: a capped
-reset snapshot of the most recently used). Nothing of the cache is on the wire to the decode
+ready (at the end of that loop iteration, one message for every request that ended in it: the
+next turn of a chat is routed by them) and with each heartbeat that has any (evictions), at
+most ``ANNOUNCE_CAP`` keys a message (more: a capped reset snapshot of the most recently used). Nothing of the cache is on the wire to the decode
 ranks: a key covers the tokens, the model, spec, page and block layout and TP
 (:class:`~statebridge.state.prefix.PrefixSalt`), and a cached page or block is never written
 after its commit, so a stale or wrong checkpoint cannot be found by a prompt it does not

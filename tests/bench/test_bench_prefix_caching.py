@@ -2,9 +2,11 @@
 (the cell's counters say so), nothing hits (every prompt is unique), the moved pages and KV
 stay byte-exact, and every per-request count -- transfer messages, bytes, UCX operations,
 staging -- is the one of the same cell without the cache; control messages too, but for
-timers (heartbeats, a rank's batched results, the cache's announcements, which ride on
-heartbeats), which move a class's count by a few messages a round either way: never one more
-per request."""
+timers (heartbeats, a rank's batched results), which move a class's count by a few messages a
+round either way, and the cache's announcements: at most one a request (when its checkpoints
+are ready; one for all that end in a loop iteration), sent and received by the two
+coordinators, both in the bench process -- so at most two more per request there, none at the
+ranks."""
 
 from __future__ import annotations
 
@@ -55,6 +57,7 @@ def test_the_switch_turns_the_cache_on_and_changes_no_count(tmp_path):
     ctl_off = off["control_messages_per_request_by_process"]
     assert set(ctl_on) == set(ctl_off)
     for group in ctl_on:
-        assert abs(ctl_on[group] - ctl_off[group]) < 0.5, (ctl_on, ctl_off)
+        announcements = 2 if group == "bench_process" else 0
+        assert -0.5 < ctl_on[group] - ctl_off[group] < announcements + 0.5, (ctl_on, ctl_off)
     assert "(prefix cache)" in hetero_tp.format_table([on])
     assert "(prefix cache)" not in hetero_tp.format_table([off])
