@@ -73,6 +73,7 @@ from typing import Sequence
 
 import numpy as np
 
+from statebridge.connector.eviction_window import cheapest_window
 from statebridge.errors import ConfigError
 from statebridge.state.cache import PagePool
 from statebridge.state.kv import BlockPool
@@ -408,55 +409,18 @@ class PrefixCache:
         units: fewest units, then the least recently used (smallest sum of last uses), then the
         lowest start. None when every such range holds a block a request or a pinned or
         pending unit needs."""
-        pool = self.blocks
-        n = pool.num_blocks
-        if count < 1 or count > n:
+        if count < 1 or count > self.blocks.num_blocks:
             return None
-        used = pool.used_mask()
         units_of: dict[int, list[Unit]] = {}           # block -> the units that hold it
         for checkpoint in self.index:
             unit = self.index.get(checkpoint.key)
             for b in unit.held.tolist():
                 units_of.setdefault(b, []).append(unit)
-        blocked = used.copy()
+        blocked = self.blocks.used_mask()              # (a copy)
         for b, units in units_of.items():
             if not self._pinned[b] and all(self._evictable(u) for u in units):
                 blocked[b] = False
-        bad = np.concatenate([[0], np.cumsum(blocked, dtype=np.int64)])
-        starts = np.flatnonzero(bad[count:] - bad[:-count] == 0)
-        if not len(starts):
-            return None
-        best: tuple[int, int, int] | None = None
-        best_units: list[Unit] = []
-        counts: dict[Unit, int] = {}
-        ticks = 0
-        prev = None
-
-        def move(b: int, step: int) -> None:
-            """Block ``b`` enters (+1) or leaves (-1) the window: count its units."""
-            nonlocal ticks
-            for u in units_of.get(b, ()):
-                was = counts.get(u, 0)
-                counts[u] = was + step
-                if not was or not counts[u]:   # the unit entered or left the window
-                    ticks += step * u.tick
-                if not counts[u]:
-                    del counts[u]
-
-        for s in starts.tolist():
-            if prev is not None and s == prev + 1:
-                move(prev, -1)
-                move(s + count - 1, +1)
-            else:
-                counts.clear()
-                ticks = 0
-                for b in range(s, s + count):
-                    move(b, +1)
-            prev = s
-            cost = (len(counts), ticks, s)
-            if best is None or cost < best:
-                best, best_units = cost, list(counts)
-        return best[2], best_units
+        return cheapest_window(blocked, units_of, lambda u: u.tick, count)
 
     # -- 4. checkpoints a prefill produces ---------------------------------------------------
     def shared_prefix(self, prompt: HashedPrompt) -> int:
