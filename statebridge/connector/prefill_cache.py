@@ -167,9 +167,8 @@ class PrefillPrefix:
                 not blocks or blocks <= group.blocks.largest_free_range())
         if free():
             return True
-        cache = self._ensure()              # (nothing ready: nothing to evict, no search)
-        return cache is not None and cache.num_ready > 0 and \
-            cache.make_room(pages=1, contiguous=blocks) and free()
+        cache = self._ensure()
+        return cache is not None and cache.make_room(pages=1, contiguous=blocks) and free()
 
     def plan(self, msg: m.TransferRequest, record: "Record") -> dict:
         """The request's page and blocks are allocated: its hit and checkpoints, as
