@@ -281,6 +281,12 @@ class PrefixCache:
         return len(self.index)
 
     @property
+    def idle(self) -> bool:
+        """``idle_after`` unrelated prompts came in a row: the next unrelated one keeps no
+        checkpoint (see the class docstring)."""
+        return self.idle_after is not None and self._unshared >= self.idle_after
+
+    @property
     def num_ready(self) -> int:
         """Ready units (what eviction may take, unless pinned)."""
         return len(self._lru)
@@ -316,7 +322,7 @@ class PrefixCache:
         the block wakes the cache), and the caller does nothing else for it: no lookup, lease
         or checkpoint, as :meth:`lookup` and :meth:`reserve` would decide, without hashing the
         rest of the prompt. False (go the whole way) when the cache is not idle."""
-        if self.idle_after is None or self._unshared < self.idle_after:
+        if not self.idle:
             return False
         firsts = self._firsts
         if self.hasher.root in firsts:
@@ -464,9 +470,9 @@ class PrefixCache:
             if self._remembers:
                 branch = self.shared_prefix(prompt)
                 if self.idle_after is not None:
-                    self._unshared = 0 if start or branch else self._unshared + 1
-                    if self._unshared > self.idle_after:
+                    if not (start or branch) and self.idle:
                         positions = []
+                    self._unshared = 0 if start or branch else self._unshared + 1
                 if self.branch_points and start < branch < len(prompt) \
                         and branch not in positions:
                     positions = sorted(positions + [branch])
