@@ -605,7 +605,9 @@ def _add_nodes(sub: argparse._SubParsersAction) -> None:
                         "layers, LFM2-1.2B's pattern) or granite-hybrid (dense Granite-4.0-H: "
                         "Mamba2 with sparse attention)")
     p.add_argument("--out", required=True)
-    p.add_argument("--preset", choices=("tiny", "small"), default="tiny")
+    p.add_argument("--preset", choices=("tiny", "small", "vllm"), default="tiny",
+                   help="tiny, small, or vllm (tiny shapes with 32-wide attention heads, which "
+                        "vLLM's CPU attention kernel needs)")
     p.add_argument("--seed", type=int, default=0)
     p.set_defaults(func=_cmd_make_checkpoint)
 

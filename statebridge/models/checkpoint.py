@@ -435,6 +435,25 @@ PRESETS: dict[tuple[str, str], dict[str, Any]] = {
                                   "shared_intermediate_size": 512, "intermediate_size": 512,
                                   "mamba_n_heads": 16, "mamba_d_head": 32, "mamba_d_state": 64,
                                   "mamba_chunk_size": 64, "attention_multiplier": 1 / 32},
+    # What vLLM's CPU build serves (its attention kernel refuses heads narrower than 32): the
+    # tiny shapes with 32-wide attention heads (2 KV heads: split at TP 1 and 2, replicated at
+    # 4 and 8), conv and SSM dims divisible by 8 so every TP in {1, 2, 4, 8} shards them.
+    ("lfm2", "vllm"): {"vocab_size": 256, "hidden_size": 128, "intermediate_size": 256,
+                       "block_multiple_of": 32, "num_hidden_layers": 4,
+                       "num_attention_heads": 4, "num_key_value_heads": 2},
+    ("mamba2", "vllm"): {"vocab_size": 256, "hidden_size": 64, "num_heads": 8, "head_dim": 16,
+                         "state_size": 16, "n_groups": 1, "num_hidden_layers": 4,
+                         "chunk_size": 16},
+    ("lfm2-hybrid", "vllm"): {"vocab_size": 256, "hidden_size": 128, "intermediate_size": 256,
+                              "block_multiple_of": 32, "num_hidden_layers": 6,
+                              "layer_types": _layers(6, (2, 4), "conv"),
+                              "num_attention_heads": 4, "num_key_value_heads": 2},
+    ("granite-hybrid", "vllm"): {"vocab_size": 256, "hidden_size": 128, "num_hidden_layers": 8,
+                                 "layer_types": _layers(8, (2, 6), "linear_attention"),
+                                 "num_attention_heads": 4, "num_key_value_heads": 2,
+                                 "shared_intermediate_size": 256, "intermediate_size": 256,
+                                 "mamba_n_heads": 16, "mamba_d_head": 16, "mamba_d_state": 16,
+                                 "mamba_chunk_size": 16, "attention_multiplier": 1 / 32},
 }
 
 _LFM2_BASE: dict[str, Any] = {
@@ -490,6 +509,10 @@ def _preset_config(arch: str, preset: str, dtype: str,
     if model_type == "lfm2":
         if config.get("layer_types") is None:
             config["layer_types"] = ["conv"] * config["num_hidden_layers"]
+        # Released LFM2 checkpoints carry both (vLLM's Lfm2Config reads them; transformers
+        # ignores them): the ShortConv width and the block width, both the hidden size.
+        config.setdefault("conv_dim", config["hidden_size"])
+        config.setdefault("block_dim", config["hidden_size"])
     elif model_type == "mamba2":
         config["time_step_rank"] = config.get("time_step_rank") or math.ceil(
             config["hidden_size"] / 16)

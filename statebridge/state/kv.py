@@ -102,7 +102,10 @@ class BlockGeometry:
     same number of heads)."""
 
     def __init__(self, kv: KVSpec, tp_size: int, layout: "KVLayout | str", block_size: int,
-                 num_blocks: int) -> None:
+                 num_blocks: int, *, block_bytes: int | None = None) -> None:
+        """``block_bytes``: bytes from one block to the next when blocks are padded (an engine
+        whose KV block shares its page size with recurrent-state pages); only with ``B``
+        outermost. Default: the block's own bytes."""
         for name, value in (("block_size", block_size), ("num_blocks", num_blocks)):
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ConfigError(f"{name} must be a positive integer, got {value!r}")
@@ -118,6 +121,16 @@ class BlockGeometry:
         self.itemsize = kv.itemsize
         strides, step = {}, 1
         for axis in reversed(self.layout.order):
+            if axis == "B" and block_bytes is not None:
+                natural = step * self.itemsize
+                if self.layout.order[0] != "B" or isinstance(block_bytes, bool) \
+                        or not isinstance(block_bytes, int) or block_bytes < natural \
+                        or block_bytes % self.itemsize:
+                    raise ConfigError(f"block_bytes {block_bytes!r} must be a multiple of "
+                                      f"{self.itemsize} of at least the block's {natural} "
+                                      f"bytes, with blocks outermost (order "
+                                      f"{self.layout.order!r})")
+                step = block_bytes // self.itemsize
             strides[axis] = step
             step *= self.dim[axis]
         self.strides = strides                    # elements
@@ -134,8 +147,9 @@ class BlockGeometry:
 
     @property
     def bytes_per_block(self) -> int:
-        """Data bytes of one block on one rank."""
-        return self.nbytes // self.num_blocks
+        """Data bytes of one block on one rank (without a padded block's padding)."""
+        d = self.dim
+        return d["H"] * d["L"] * d["C"] * d["T"] * d["E"] * self.itemsize
 
     def offset(self, block: int, head: int, layer: int, kv: int, token: int) -> int:
         """Byte offset of element 0 of ``head_dim`` (local head; layer index among the
