@@ -295,8 +295,22 @@ def test_make_checkpoint_arch_choices_are_the_writers():
     from statebridge.models.checkpoint import ARCHS, PRESETS
 
     assert list(CHECKPOINT_ARCHS) == list(ARCHS)
-    assert {preset for _, preset in PRESETS} == {"tiny", "small"}
-    assert set(PRESETS) == {(a, p) for a in ARCHS for p in ("tiny", "small")}
+    assert {preset for _, preset in PRESETS} == {"tiny", "small", "vllm"}
+    assert set(PRESETS) == {(a, p) for a in ARCHS for p in ("tiny", "small", "vllm")}
+
+
+def test_vllm_presets_have_attention_heads_vllm_cpu_serves():
+    from statebridge.hf_config import ModelConfig
+    from statebridge.models.checkpoint import ARCHS, _preset_config
+
+    for arch in ARCHS:
+        config = _preset_config(arch, "vllm", "float32", None)
+        heads = config.get("num_attention_heads")
+        if heads and "full_attention" in config.get("layer_types", ()):
+            assert config["hidden_size"] // heads >= 32, arch     # vLLM CPU: head_dim >= 32
+        if config["model_type"] == "lfm2":                        # vLLM's Lfm2Config reads them
+            assert config["conv_dim"] == config["block_dim"] == config["hidden_size"]
+        ModelConfig.from_dict(config)                             # statebridge reads it
 
 
 @pytest.mark.parametrize("command", ["prefill", "decode"])

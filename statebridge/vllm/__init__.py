@@ -6,9 +6,17 @@ Load it in vLLM with::
                            "kv_connector_module_path": "statebridge.vllm",
                            "kv_role": "kv_producer" | "kv_consumer" | "kv_both"}'
 
-``import statebridge`` never imports this package; importing it needs vLLM.
+``import statebridge`` never imports this package. ``StatebridgeConnector`` is imported on
+first access (vLLM's loader does ``getattr(module, name)``), so the vLLM-free parts
+(:mod:`statebridge.vllm.agent`, :mod:`statebridge.vllm.wire`) import without vLLM.
 """
 
-from statebridge.vllm.connector import StatebridgeConnector
-
 __all__ = ["StatebridgeConnector"]
+
+
+def __getattr__(name: str):
+    if name == "StatebridgeConnector":
+        from statebridge.vllm.connector import StatebridgeConnector
+
+        return StatebridgeConnector
+    raise AttributeError(f"module 'statebridge.vllm' has no attribute {name!r}")

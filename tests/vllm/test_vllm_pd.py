@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -37,15 +39,29 @@ def checkpoints(tmp_path_factory):
 
 def run(checkpoints, arch, prefill_tp, decode_tp, layout, **scenario) -> dict:
     env = dict(os.environ, VLLM_SSM_CONV_STATE_LAYOUT=layout)
+    env.pop("TRITON_INTERPRET", None)      # tests/conftest.py's, for statebridge's own kernels
     sc = {"model": checkpoints[arch], "prefill_tp": prefill_tp, "decode_tp": decode_tp,
           "port": next(_PORTS) + 10 * (os.getpid() % 50), "prompts": PROMPTS, **scenario}
-    proc = subprocess.run([sys.executable, str(RUNNER), json.dumps(sc)], env=env,
-                          capture_output=True, text=True, timeout=540)
-    lines = [x for x in proc.stdout.splitlines() if x.startswith("RESULT ")]
-    assert proc.returncode == 0 and lines, \
-        f"scenario {sc} exited {proc.returncode}:\n{proc.stderr[-6000:]}"
+    # Output to files, not pipes: vLLM's engine and worker processes inherit them and may
+    # outlive the runner by seconds; its own process group is killed once it is done.
+    with tempfile.TemporaryFile("w+") as out_f, tempfile.TemporaryFile("w+") as err_f:
+        proc = subprocess.Popen([sys.executable, str(RUNNER), json.dumps(sc)], env=env,
+                                stdout=out_f, stderr=err_f, start_new_session=True)
+        try:
+            rc = proc.wait(timeout=540)
+        finally:
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            proc.wait()
+        out_f.seek(0)
+        err_f.seek(0)
+        stdout, stderr = out_f.read(), err_f.read()
+    lines = [x for x in stdout.splitlines() if x.startswith("RESULT ")]
+    assert rc == 0 and lines, f"scenario {sc} exited {rc}:\n{(stdout + stderr)[-6000:]}"
     out = json.loads(lines[-1][len("RESULT "):])
-    out["log"] = proc.stderr
+    out["log"] = stdout + stderr
     return out
 
 
@@ -72,7 +88,7 @@ def test_pd_tokens_equal_vllm_alone_and_depend_on_the_moved_state(
     assert "failed to load" not in out["log"]
     # The prefill instance's caches overwritten after its prefill: the decode instance reads
     # what is there now, so its tokens change (every prompt long enough to carry state).
-    assert out["overwritten"] > 0
+    assert sum(out["overwritten"]) > 0                  # cache tensors per producer rank
     changed = [a != b for a, b in zip(out["pd_overwritten"], out["reference"])]
     assert sum(changed) >= 3, (out["pd_overwritten"], out["reference"])
 

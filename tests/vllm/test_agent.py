@@ -1,0 +1,164 @@
+"""The connector's data plane without vLLM: two agents (a producer group and a consumer group)
+on 127.0.0.1 over buffers laid out as vLLM lays its caches, checked byte for byte against the
+paged plan's oracle (tests/state/test_paged.py), plus the failure paths: a producer that never
+answers, an unknown request, a lease that ends, and the settings' errors."""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import pytest
+import torch
+
+from statebridge.errors import ConfigError
+from statebridge.state.paged import PagedGeometry, PagedPlan
+from statebridge.vllm.agent import Agent, Layers, Load, Settings
+
+from tests.state.test_paged import BLOCK_SIZE, _case, _fill, _slots, _spec
+
+pytestmark = [pytest.mark.ucx, pytest.mark.timeout(120)]
+_PORTS = iter(range(6500, 6900, 9))
+
+
+def _layers(spec, tp, rank, slots, bufs):
+    geometry = PagedGeometry(spec, tp, "SD", BLOCK_SIZE, slots)
+    state = tuple(g.layer_ids for g in spec.groups)
+    groups = state + ((spec.kv.layer_ids,) if spec.kv else ())
+    return Layers(spec, geometry, groups, tuple([True] * len(state) + [False] * (len(groups)
+                                                                                   - len(state))),
+                  ((0, bufs[rank]),))
+
+
+def _group_blocks(spec, state_block, kv_table):
+    out = [(state_block[g.layer_ids[0]],) for g in spec.groups]
+    if spec.kv:
+        out.append(tuple(kv_table[spec.kv.layer_ids[0]]))
+    return tuple(out)
+
+
+def _same_block_per_group(spec, table_state, table_kv):
+    """vLLM gives all layers of a cache group one block id: make the oracle's tables so."""
+    for g in spec.groups:
+        for i in g.layer_ids:
+            table_state[i] = table_state[g.layer_ids[0]]
+    if spec.kv:
+        for i in spec.kv.layer_ids:
+            table_kv[i] = table_kv[spec.kv.layer_ids[0]]
+
+
+def _wait(agents, pred, timeout=20.0):
+    deadline = time.monotonic() + timeout
+    got = [set(), set(), set()]
+    while time.monotonic() < deadline:
+        for a in agents:
+            for k, s in enumerate(a.take_finished()):
+                got[k] |= s
+        if pred(got):
+            return got
+        time.sleep(0.01)
+    return got
+
+
+@pytest.mark.parametrize("name,src_tp,dst_tp", [("lfm2-hybrid", 1, 2), ("granite-hybrid", 2, 1),
+                                                ("mamba2-g1", 2, 2)])
+def test_a_load_moves_exactly_each_decode_ranks_bytes_and_the_producer_then_frees(
+        name, src_tp, dst_tp):
+    spec = _spec(name)
+    state, kv_values, sides = _case(spec, src_tp, dst_tp, "SD", tokens=9)
+    (s_slots, s_state, s_kv), (d_slots, d_state, d_kv) = sides["src"], sides["dst"]
+    for st, kv in ((s_state, s_kv), (d_state, d_kv)):
+        _same_block_per_group(spec, st, kv)
+    src = [torch.from_numpy(_fill(spec, src_tp, r, "SD", s_slots, state, kv_values, s_state, s_kv,
+                                  background=r)[0]) for r in range(src_tp)]
+    want = [_fill(spec, dst_tp, r, "SD", d_slots, state, kv_values, d_state, d_kv,
+                  background=100 + r) for r in range(dst_tp)]
+    dst = [torch.from_numpy(((np.arange(w.size) * 7 + 100 + r) % 251).astype(np.uint8))
+           for r, (w, _) in enumerate(want)]
+    port = next(_PORTS)
+    settings = Settings(port=port, transfer_timeout_s=15)
+    producers = [Agent(_layers(spec, src_tp, r, s_slots, src), tp_rank=r, tp_size=src_tp,
+                       engine_id="P", producer=True, consumer=False, settings=settings)
+                 for r in range(src_tp)]
+    consumers = [Agent(_layers(spec, dst_tp, r, d_slots, dst), tp_rank=r, tp_size=dst_tp,
+                       engine_id="D", producer=False, consumer=True, settings=settings)
+                 for r in range(dst_tp)]
+    try:
+        for a in producers:
+            a.hold("req-p")
+        for a in consumers:
+            a.load(Load(request_id="req-d", remote_request_id="req-p", engine_id="P",
+                        host="127.0.0.1", port=port, remote_tp=src_tp,
+                        remote_blocks=_group_blocks(spec, s_state, s_kv),
+                        local_blocks=_group_blocks(spec, d_state, d_kv), tokens=9))
+        got = _wait(consumers, lambda g: len(g[1]) and True)
+        assert got[1] == {"req-d"} and not got[2]
+        for r, (w, mask) in enumerate(want):
+            assert np.array_equal(dst[r].numpy(), w), f"decode rank {r}"
+        # every producer rank reports the request once every consumer rank read it
+        sent = _wait(producers, lambda g: "req-p" in g[0])
+        assert sent[0] == {"req-p"}
+        # one pull with runs per rank pair the plan moves bytes between (the others release)
+        pairs = PagedPlan(producers[0].layers.geometry, consumers[0].layers.geometry).pairs
+        assert sum(a.counters["pulls_served"] for a in producers) == len(pairs)
+    finally:
+        for a in producers + consumers:
+            a.close()
+
+
+def test_a_producer_that_never_answers_fails_the_load_within_the_handshake_bound():
+    spec = _spec("lfm2-hybrid")
+    slots = _slots(spec, 1, 1)
+    buf = torch.zeros(max(s.base + s.block_stride * s.num_blocks for s in slots.values()) + 16,
+                      dtype=torch.uint8)
+    agent = Agent(_layers(spec, 1, 0, slots, [buf]), tp_rank=0, tp_size=1, engine_id="D",
+                  producer=False, consumer=True,
+                  settings=Settings(port=next(_PORTS), handshake_timeout_s=1.0))
+    try:
+        t = time.monotonic()
+        agent.load(Load(request_id="r", remote_request_id="x", engine_id="P",
+                        host="127.0.0.1", port=1, remote_tp=1, remote_blocks=((0,), (0,)),
+                        local_blocks=((0,), (0,)), tokens=3))
+        got = _wait([agent], lambda g: "r" in g[2], timeout=10)
+        assert got[2] == {"r"} and got[1] == {"r"}       # failed loads are finished too
+        assert time.monotonic() - t < 5
+    finally:
+        agent.close()
+
+
+def test_a_held_request_nobody_pulls_is_freed_when_its_lease_ends():
+    spec = _spec("lfm2-hybrid")
+    slots = _slots(spec, 1, 1)
+    buf = torch.zeros(max(s.base + s.block_stride * s.num_blocks for s in slots.values()) + 16,
+                      dtype=torch.uint8)
+    agent = Agent(_layers(spec, 1, 0, slots, [buf]), tp_rank=0, tp_size=1, engine_id="P",
+                  producer=True, consumer=False, settings=Settings(port=next(_PORTS)))
+    try:
+        agent.hold("r", lease_s=0.5)
+        t = time.monotonic()
+        got = _wait([agent], lambda g: "r" in g[0], timeout=10)
+        assert got[0] == {"r"} and 0.4 < time.monotonic() - t < 5
+        assert agent.counters["leases_expired"] == 1
+    finally:
+        agent.close()
+
+
+@pytest.mark.parametrize("extra,match", [
+    ({"side_chanel_port": 1}, "unknown key 'side_chanel_port'"),
+    ({"side_channel_port": "7000"}, "side_channel_port must be a port"),
+    ({"lease_s": 0}, "lease_s must be a positive number of seconds, got 0"),
+    ({"verify_transfers": "yes"}, "verify_transfers must be true or false, got 'yes'"),
+])
+def test_settings_name_the_offending_value(extra, match):
+    with pytest.raises(ConfigError, match=match):
+        Settings.from_extra(extra)
+    assert Settings.from_extra({"side_channel_port": 7000, "lease_s": 5}).port == 7000
+
+
+def test_import_statebridge_and_the_agent_never_import_vllm():
+    import subprocess
+    import sys
+
+    code = ("import sys, statebridge, statebridge.vllm.agent, statebridge.vllm.wire; "
+            "assert 'vllm' not in sys.modules, sorted(m for m in sys.modules if 'vllm' in m)")
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
