@@ -626,6 +626,33 @@ def _add_nodes(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=_cmd_demo)
 
 
+def _cmd_proxy(args: argparse.Namespace) -> int:
+    from statebridge.node.proxy import Proxy, serve
+
+    proxy = Proxy(args.prefill, args.decode, model_dir=args.model, block_size=args.block_size,
+                  routing=args.prefix_routing)
+    serve(proxy, args.host, args.port)
+    return 0
+
+
+def _add_proxy(sub) -> None:
+    p = sub.add_parser("proxy", help="the OpenAI API in front of `vllm serve` prefill and decode "
+                                     "instances running StatebridgeConnector")
+    p.add_argument("--prefill", action="append", required=True, metavar="URL",
+                   help="a prefill instance (kv_producer), e.g. http://127.0.0.1:8100; repeat")
+    p.add_argument("--decode", action="append", required=True, metavar="URL",
+                   help="a decode instance (kv_consumer); repeat")
+    p.add_argument("--port", type=_positive_int, required=True)
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--model", default=None, metavar="DIR",
+                   help="the checkpoint (its tokenizer): route each request to the prefill "
+                        "instance caching the longest prefix of its prompt (else round robin)")
+    p.add_argument("--block-size", type=_positive_int, default=32,
+                   help="the instances' --block-size (prefix hashing granularity)")
+    p.add_argument("--prefix-routing", action=argparse.BooleanOptionalAction, default=True)
+    p.set_defaults(func=_cmd_proxy)
+
+
 def _cmd_check_gpu(args: argparse.Namespace) -> int:
     from statebridge.gpucheck import main
 
@@ -653,6 +680,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_plan(sub)
     _add_keygen(sub)
     _add_check_gpu(sub)
+    _add_proxy(sub)
     from statebridge.bench import hetero_tp
 
     hetero_tp.add_parser(sub)

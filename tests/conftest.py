@@ -84,6 +84,8 @@ def pytest_collection_modifyitems(config, items):
 #: The longest files with two workers (the sum of their tests' durations, 2026-12-06, ranks
 #: forked by the fork server): under xdist they start first, in this order (_xdist_order).
 LONGEST = (
+    "tests/vllm/test_vllm_pd.py",               # ~6 min: two vLLM instances a case
+    "tests/vllm/test_vllm_serve.py",            # ~2 min: vllm serve x2 + the proxy
     "tests/e2e/test_disaggregated.py",          # ~2.2 min
     "tests/e2e/test_fault_matrix.py",           # ~1.9 min
     "tests/connector/test_kv_connector.py",     # ~0.7 min

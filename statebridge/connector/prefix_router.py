@@ -24,7 +24,7 @@ from __future__ import annotations
 import collections
 import itertools
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Sequence
+from typing import TYPE_CHECKING, Mapping, Sequence
 
 import numpy as np
 
@@ -129,13 +129,25 @@ class PrefixRouter:
         if not (self.enabled and self.routing and caching):
             return ready[turn % len(ready)]
         tokens = np.frombuffer(prompt, dtype="<i4")
-        queued = self._queued_tokens(ledger)
+        best, hit = self.choose([p.node_id for p in ready], tokens,
+                                self._queued_tokens(ledger), turn)
+        if hit:
+            self.routed += 1
+            self.routed_tokens += hit
+        return ready[best]
+
+    def choose(self, node_ids: Sequence[str], tokens: np.ndarray,
+               queued: Mapping[str, int], turn: int) -> tuple[int, int]:
+        """``(index into node_ids, prefix tokens it holds)`` of the lowest cost -- prefill
+        tokens ``queued`` there + prompt tokens - tokens it holds -- trying the nodes from
+        ``turn`` on, so ties go round robin (:meth:`pick`; the vLLM proxy calls it with its
+        own instances)."""
         hashed: dict[tuple[bytes, int], HashedPrompt | None] = {}
-        n = len(ready)
-        best, best_cost, best_hit = None, None, 0
+        n = len(node_ids)
+        best, best_cost, best_hit = 0, None, 0
         for i in range(n):                     # from the round robin's turn: ties go round
-            peer = ready[(turn + i) % n]
-            node = self.nodes.get(peer.node_id)
+            index = (turn + i) % n
+            node = self.nodes.get(node_ids[index])
             hit = 0
             if node is not None and len(tokens) > 1:
                 h = node.hasher
@@ -147,13 +159,10 @@ class PrefixRouter:
                         hashed[k] = None
                 if hashed[k] is not None:
                     hit = node.longest(hashed[k])
-            cost = queued.get(peer.node_id, 0) + len(tokens) - hit
+            cost = queued.get(node_ids[index], 0) + len(tokens) - hit
             if best_cost is None or cost < best_cost:
-                best, best_cost, best_hit = peer, cost, hit
-        if best_hit:
-            self.routed += 1
-            self.routed_tokens += best_hit
-        return best
+                best, best_cost, best_hit = index, cost, hit
+        return best, best_hit
 
     def sent(self, key: RequestKey, tokens: int) -> None:
         """A request went to prefill node ``key.peer_node``: queued there until it lands."""

@@ -87,6 +87,7 @@ class StatebridgeConnector(KVConnectorBase_V1, SupportsHMA):
         self.consumer = transfer.is_kv_consumer
         self.tp_size = vllm_config.parallel_config.tensor_parallel_size
         self.block_size = vllm_config.cache_config.block_size
+        self._prefix_caching = bool(vllm_config.cache_config.enable_prefix_caching)
         self._groups = _groups(kv_cache_config) if kv_cache_config is not None else []
         # scheduler side
         self._loads: list[Load] = []
@@ -197,6 +198,10 @@ class StatebridgeConnector(KVConnectorBase_V1, SupportsHMA):
             "remote_host": self.settings.host, "remote_port": self.settings.port,
             "remote_block_ids": [list(g) for g in clipped], "tp_size": self.tp_size,
             "transfer": "statebridge",
+            # What this instance's prefix cache now holds of the prompt (its full blocks), for
+            # a router (statebridge proxy) to send the prompt's next turn here.
+            "cached_prefix_tokens": (request.num_computed_tokens // self.block_size
+                                     * self.block_size if self._prefix_caching else 0),
         }
 
     # ==== worker side ======================================================================
