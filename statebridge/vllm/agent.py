@@ -150,6 +150,7 @@ class Load:
     tokens: int                          # prompt tokens that move (N - 1)
     abort: bool = False                  # release the producer's blocks, read nothing
     deadline: float = 0.0
+    started: float = 0.0
     generation: int = 0
     posted: bool = False                 # its receives are posted (the handshake is done)
     handles: dict = field(default_factory=dict)
@@ -225,9 +226,12 @@ class Agent:
         self._peers: dict[str, tuple[PagedPlan, int]] = {}     # consumer peer -> (plan, dst tp)
         self._held: dict[str, _Held] = {}
         self._stop = threading.Event()
+        self._poller: zmq.Poller | None = None
+        self._sockets: dict = {}
         self.counters = {"pulls_served": 0, "loads_done": 0, "loads_failed": 0,
                          "runs_sent": 0, "runs_received": 0, "bytes_sent": 0,
-                         "bytes_received": 0, "leases_expired": 0, "control_messages": 0}
+                         "bytes_received": 0, "leases_expired": 0, "control_messages": 0,
+                         "load_seconds": 0.0}
         self._thread = threading.Thread(target=self._run, name=f"sb-vllm-{tp_rank}",
                                         daemon=True)
         self._thread.start()
@@ -291,18 +295,23 @@ class Agent:
             self._ctx.term()
 
     def _step(self) -> None:
-        poller = zmq.Poller()
-        poller.register(self._wake_r, zmq.POLLIN)
-        if self._router is not None:
-            poller.register(self._router, zmq.POLLIN)
-        sockets = {}
-        for remote in self._remotes.values():
-            for s, sock in remote.sockets.items():
-                poller.register(sock, zmq.POLLIN)
-                sockets[sock] = (remote, s)
+        poller = self._poller
+        if poller is None:
+            # Built again only when sockets come or go: every call into zmq or UCX from this
+            # thread may wait for the GIL behind vLLM's spinning worker thread.
+            poller = self._poller = zmq.Poller()
+            poller.register(self._wake_r, zmq.POLLIN)
+            poller.register(self._transport.fileno(), zmq.POLLIN)
+            if self._router is not None:
+                poller.register(self._router, zmq.POLLIN)
+            self._sockets = {}
+            for remote in self._remotes.values():
+                for s, sock in remote.sockets.items():
+                    poller.register(sock, zmq.POLLIN)
+                    self._sockets[sock] = (remote, s)
+        sockets = self._sockets
         busy = bool(self._loads or any(h.sends for h in self._held.values()))
         timeout = 0 if not self._transport.arm() else (5 if busy else 200)
-        poller.register(self._transport.fileno(), zmq.POLLIN)
         events = dict(poller.poll(timeout))
         if self._wake_r in events:
             try:
@@ -345,6 +354,8 @@ class Agent:
                 log.warning("statebridge connector rank %d: bad side-channel message: %s",
                             self.tp_rank, e)
                 continue
+            log.debug("statebridge connector rank %d: %s from %s", self.tp_rank,
+                      type(msg).__name__, getattr(msg, "peer", "?"))
             if isinstance(msg, VllmHello):
                 reply = self._hello(msg)
             elif isinstance(msg, VllmPull):
@@ -457,7 +468,10 @@ class Agent:
 
     # -- consumer ----------------------------------------------------------------------------
     def _start_load(self, load: Load) -> None:
-        load.deadline = time.monotonic() + self.settings.transfer_timeout_s
+        log.debug("statebridge connector rank %d: load %s from engine %s", self.tp_rank,
+                  load.request_id, load.engine_id)
+        load.started = time.monotonic()
+        load.deadline = load.started + self.settings.transfer_timeout_s
         self._loads[load.request_id] = load
         remote = self._remotes.get(load.engine_id)
         if remote is None or remote.error:
@@ -485,6 +499,7 @@ class Agent:
             self.counters["control_messages"] += 1
             remote.sockets[s] = sock
         self._remotes[load.engine_id] = remote
+        self._poller = None
         return remote
 
     def _answer(self, remote: _Remote, s: int, sock) -> None:
@@ -625,6 +640,7 @@ class Agent:
                     self._remotes.pop(load.engine_id, None)   # greet it anew next time
                     for sock in remote.sockets.values():
                         sock.close(linger=0)
+                    self._poller = None
                 self._fail(load, f"state did not arrive within "
                                  f"{self.settings.transfer_timeout_s} s")
             else:
@@ -650,6 +666,7 @@ class Agent:
 
     def _succeed(self, load: Load) -> None:
         self.counters["loads_done"] += 1
+        self.counters["load_seconds"] += time.monotonic() - load.started
         log.debug("statebridge connector rank %d: request %s loaded from engine %s: %s",
                   self.tp_rank, load.request_id, load.engine_id,
                   {s: (h.messages, h.nbytes) for s, h in load.handles.items()})

@@ -25,6 +25,7 @@ vLLM's own connectors use: ``do_remote_prefill``, ``remote_engine_id``, ``remote
 from __future__ import annotations
 
 import logging
+import sys
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -48,6 +49,9 @@ if TYPE_CHECKING:
 log = logging.getLogger("vllm." + __name__)
 
 __all__ = ["StatebridgeConnector", "StatebridgeMetadata"]
+
+#: The worker process's GIL switch interval with the connector (see register_kv_caches).
+SWITCH_INTERVAL_S = 0.0002
 
 
 @dataclass
@@ -214,6 +218,12 @@ class StatebridgeConnector(KVConnectorBase_V1, SupportsHMA):
         layers = describe(self._vllm_config.model_config.model, self._groups, kv_caches,
                           self.tp_size, str(get_conv_state_layout()))
         rank = get_tensor_model_parallel_rank()
+        # vLLM's worker thread spins (sched_yield) for a second after each step, and a request
+        # waiting for its state keeps the engine stepping; every zmq or UCX call of the agent
+        # thread then waits up to the switch interval for the GIL (5 ms by default: seconds
+        # per load under `vllm serve`, measured). A shorter interval bounds that wait.
+        if sys.getswitchinterval() > SWITCH_INTERVAL_S:
+            sys.setswitchinterval(SWITCH_INTERVAL_S)
         self.agent = Agent(layers, tp_rank=rank, tp_size=self.tp_size,
                            engine_id=self.engine_id, producer=self.producer,
                            consumer=self.consumer, settings=self.settings)
@@ -234,6 +244,9 @@ class StatebridgeConnector(KVConnectorBase_V1, SupportsHMA):
         meta._sb_taken = True
         for request_id in meta.holds:
             self.agent.hold(request_id)
+        if meta.loads or meta.holds:
+            log.debug("statebridge connector: step hands over %d loads, %d holds",
+                      len(meta.loads), len(meta.holds))
         for load in meta.loads:
             self.agent.load(Load(**{k: getattr(load, k) for k in (
                 "request_id", "remote_request_id", "engine_id", "host", "port", "remote_tp",
