@@ -49,6 +49,9 @@ def run_arm(arm: dict, layout: str, timeout: float = 900) -> dict:
         raise SystemExit(f"arm {arm} exited {rc}:\n{text[-5000:]}")
     out = json.loads(lines[-1][len("RESULT "):])
     out["layout"] = layout
+    if "failed" in out:        # what the instances said, for the journal
+        out["log_tail"] = [x for x in text.splitlines()
+                           if "ERROR" in x or "statebridge connector" in x][-20:]
     return out
 
 

@@ -91,8 +91,9 @@ def test_a_load_moves_exactly_each_decode_ranks_bytes_and_the_producer_then_free
                         host="127.0.0.1", port=port, remote_tp=src_tp,
                         remote_blocks=_group_blocks(spec, s_state, s_kv),
                         local_blocks=_group_blocks(spec, d_state, d_kv), tokens=9))
-        got = _wait(consumers, lambda g: len(g[1]) and True)
-        assert got[1] == {"req-d"} and not got[2]
+        for a in consumers:                   # vLLM waits for every rank's report
+            got = _wait([a], lambda g: bool(g[1]))
+            assert got[1] == {"req-d"} and not got[2]
         for r, (w, mask) in enumerate(want):
             assert np.array_equal(dst[r].numpy(), w), f"decode rank {r}"
         # every producer rank reports the request once every consumer rank read it
