@@ -106,15 +106,18 @@ def main() -> None:
         print(f"{arch}: NixlConnector / statebridge decode TTFT p50 "
               f"{nx['decode_ttft_ms_p50'] / sb['decode_ttft_ms_p50']:.2f}; first tokens equal: "
               f"{sb['first_tokens'] == nx['first_tokens']}")
-    sb, local = by[("lfm2-hybrid", "statebridge")], by[("lfm2-hybrid", "local")]
-    print(f"lfm2-hybrid: local prefill / statebridge decode TTFT p50 "
-          f"{local['decode_ttft_ms_p50'] / sb['decode_ttft_ms_p50']:.2f}; first tokens equal: "
-          f"{sb['first_tokens'] == local['first_tokens']}")
-    g8, g16 = by[("granite-hybrid", "statebridge")], by[("granite-hybrid-16", "statebridge")]
-    print(f"granite 8 -> 16 layers: control messages a request "
-          f"{g8['control_messages_per_request']:.1f} -> {g16['control_messages_per_request']:.1f}"
-          f", UCX messages {g8['ucx_messages_per_request']:.0f} -> "
-          f"{g16['ucx_messages_per_request']:.0f}")
+    sb, local = by.get(("lfm2-hybrid", "statebridge")), by.get(("lfm2-hybrid", "local"))
+    if sb and local:
+        print(f"lfm2-hybrid: local prefill / statebridge decode TTFT p50 "
+              f"{local['decode_ttft_ms_p50'] / sb['decode_ttft_ms_p50']:.2f}; first tokens "
+              f"equal: {sb['first_tokens'] == local['first_tokens']}")
+    g8 = by.get(("granite-hybrid", "statebridge"))
+    g16 = by.get(("granite-hybrid-16", "statebridge"))
+    if g8 and g16:
+        print(f"granite 8 -> 16 layers: control messages a request "
+              f"{g8['control_messages_per_request']:.1f} -> "
+              f"{g16['control_messages_per_request']:.1f}, UCX messages "
+              f"{g8['ucx_messages_per_request']:.0f} -> {g16['ucx_messages_per_request']:.0f}")
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps(results, indent=1))
