@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-pytest.importorskip("vllm", reason="vLLM is not installed: pip install -e '.[vllm]' (README)")
+from tests.vllm._vllm import VLLM_PYTHON
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.multiprocess, pytest.mark.ucx,
               pytest.mark.timeout(600)]
@@ -45,7 +45,7 @@ def run(checkpoints, arch, prefill_tp, decode_tp, layout, **scenario) -> dict:
     # Output to files, not pipes: vLLM's engine and worker processes inherit them and may
     # outlive the runner by seconds; its own process group is killed once it is done.
     with tempfile.TemporaryFile("w+") as out_f, tempfile.TemporaryFile("w+") as err_f:
-        proc = subprocess.Popen([sys.executable, str(RUNNER), json.dumps(sc)], env=env,
+        proc = subprocess.Popen([VLLM_PYTHON, str(RUNNER), json.dumps(sc)], env=env,
                                 stdout=out_f, stderr=err_f, start_new_session=True)
         try:
             rc = proc.wait(timeout=540)

