@@ -9,8 +9,10 @@ the returned ``kv_transfer_params`` and ``max_tokens=1``. Measured: the decode i
 (the pull and the last prompt token), p50; for statebridge also its transfer time, control and
 UCX messages and bytes per request, at two layer counts (messages independent of layers?).
 
-    pip install --no-deps nixl==1.5.2     # the `nixl` module vLLM's NixlConnector imports
-    python benchmarks/bench_vllm_pd.py --requests 20 --json benchmarks/results/vllm-pd.json
+    .venv-vllm/bin/python -m pip install --no-deps nixl==1.5.2   # the module NixlConnector imports
+    .venv-vllm/bin/python benchmarks/bench_vllm_pd.py --requests 20 --json benchmarks/results/vllm-pd.json
+
+(in the venv of `.ci/vllm-venv`: vLLM runs in the interpreter that runs this script)
 """
 
 from __future__ import annotations
@@ -18,11 +20,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import signal
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
+
+from statebridge.testing.group_process import run_group
 
 HERE = Path(__file__).resolve().parent
 
@@ -30,20 +32,8 @@ HERE = Path(__file__).resolve().parent
 def run_arm(arm: dict, layout: str, timeout: float = 900) -> dict:
     env = dict(os.environ, VLLM_SSM_CONV_STATE_LAYOUT=layout)
     env.pop("TRITON_INTERPRET", None)
-    with tempfile.TemporaryFile("w+") as log:
-        proc = subprocess.Popen([sys.executable, str(HERE / "_vllm_pd_arm.py"), json.dumps(arm)],
-                                env=env, stdout=log, stderr=subprocess.STDOUT,
-                                start_new_session=True)
-        try:
-            rc = proc.wait(timeout=timeout)
-        finally:
-            try:
-                os.killpg(proc.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-            proc.wait()
-        log.seek(0)
-        text = log.read()
+    rc, text = run_group([sys.executable, str(HERE / "_vllm_pd_arm.py"), json.dumps(arm)], env,
+                         timeout)
     lines = [x for x in text.splitlines() if x.startswith("RESULT ")]
     if rc != 0 or not lines:
         raise SystemExit(f"arm {arm} exited {rc}:\n{text[-5000:]}")

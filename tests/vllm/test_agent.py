@@ -107,14 +107,18 @@ def test_a_load_moves_exactly_each_decode_ranks_bytes_and_the_producer_then_free
             a.close()
 
 
-def test_a_producer_that_never_answers_fails_the_load_within_the_handshake_bound():
+def _lone_agent(engine_id: str, *, producer: bool, settings: Settings) -> Agent:
+    """One TP-1 agent over a zeroed LFM2-hybrid buffer (nothing to compare: failure paths)."""
     spec = _spec("lfm2-hybrid")
     slots = _slots(spec, 1, 1)
     buf = torch.zeros(max(s.base + s.block_stride * s.num_blocks for s in slots.values()) + 16,
                       dtype=torch.uint8)
-    agent = Agent(_layers(spec, 1, 0, slots, [buf]), tp_rank=0, tp_size=1, engine_id="D",
-                  producer=False, consumer=True,
-                  settings=Settings(port=next(_PORTS), handshake_timeout_s=1.0))
+    return Agent(_layers(spec, 1, 0, slots, [buf]), tp_rank=0, tp_size=1, engine_id=engine_id,
+                 producer=producer, consumer=not producer, settings=settings)
+
+
+def test_a_producer_that_never_answers_fails_the_load_within_the_handshake_bound():
+    agent = _lone_agent("D", producer=False, settings=Settings(port=next(_PORTS), handshake_timeout_s=1.0))
     try:
         t = time.monotonic()
         agent.load(Load(request_id="r", remote_request_id="x", engine_id="P",
@@ -128,12 +132,7 @@ def test_a_producer_that_never_answers_fails_the_load_within_the_handshake_bound
 
 
 def test_a_held_request_nobody_pulls_is_freed_when_its_lease_ends():
-    spec = _spec("lfm2-hybrid")
-    slots = _slots(spec, 1, 1)
-    buf = torch.zeros(max(s.base + s.block_stride * s.num_blocks for s in slots.values()) + 16,
-                      dtype=torch.uint8)
-    agent = Agent(_layers(spec, 1, 0, slots, [buf]), tp_rank=0, tp_size=1, engine_id="P",
-                  producer=True, consumer=False, settings=Settings(port=next(_PORTS)))
+    agent = _lone_agent("P", producer=True, settings=Settings(port=next(_PORTS)))
     try:
         agent.hold("r", lease_s=0.5)
         t = time.monotonic()

@@ -10,13 +10,11 @@ from __future__ import annotations
 
 import json
 import os
-import signal
-import subprocess
-import sys
-import tempfile
 from pathlib import Path
 
 import pytest
+
+from statebridge.testing.group_process import run_group
 
 from tests.vllm._vllm import VLLM_PYTHON
 
@@ -42,26 +40,11 @@ def run(checkpoints, arch, prefill_tp, decode_tp, layout, **scenario) -> dict:
     env.pop("TRITON_INTERPRET", None)      # tests/conftest.py's, for statebridge's own kernels
     sc = {"model": checkpoints[arch], "prefill_tp": prefill_tp, "decode_tp": decode_tp,
           "port": next(_PORTS) + 10 * (os.getpid() % 50), "prompts": PROMPTS, **scenario}
-    # Output to files, not pipes: vLLM's engine and worker processes inherit them and may
-    # outlive the runner by seconds; its own process group is killed once it is done.
-    with tempfile.TemporaryFile("w+") as out_f, tempfile.TemporaryFile("w+") as err_f:
-        proc = subprocess.Popen([VLLM_PYTHON, str(RUNNER), json.dumps(sc)], env=env,
-                                stdout=out_f, stderr=err_f, start_new_session=True)
-        try:
-            rc = proc.wait(timeout=540)
-        finally:
-            try:
-                os.killpg(proc.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-            proc.wait()
-        out_f.seek(0)
-        err_f.seek(0)
-        stdout, stderr = out_f.read(), err_f.read()
-    lines = [x for x in stdout.splitlines() if x.startswith("RESULT ")]
-    assert rc == 0 and lines, f"scenario {sc} exited {rc}:\n{(stdout + stderr)[-6000:]}"
+    rc, text = run_group([VLLM_PYTHON, str(RUNNER), json.dumps(sc)], env, timeout=540)
+    lines = [x for x in text.splitlines() if x.startswith("RESULT ")]
+    assert rc == 0 and lines, f"scenario {sc} exited {rc}:\n{text[-6000:]}"
     out = json.loads(lines[-1][len("RESULT "):])
-    out["log"] = stdout + stderr
+    out["log"] = text
     return out
 
 
