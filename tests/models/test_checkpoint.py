@@ -300,7 +300,7 @@ def test_hybrid_small_preset_is_valid(tmp_path, arch):
     ("granite", "tiny", "unknown arch 'granite'; expected one of ['lfm2', 'mamba2', "
                         "'lfm2-hybrid', 'granite-hybrid']"),
     ("lfm2-hybrid", "huge", "unknown preset 'huge' for arch 'lfm2-hybrid'; expected one of "
-                            "['small', 'tiny']"),
+                            "['small', 'tiny', 'vllm']"),
 ])
 def test_make_checkpoint_errors_name_the_value_and_the_choices(tmp_path, arch, preset, needle):
     with pytest.raises(ConfigError) as e:
