@@ -40,7 +40,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from vllm.v1.kv_cache_interface import FullAttentionSpec, MambaSpec
 
 from statebridge.errors import UnsupportedModelError
-from statebridge.vllm.agent import Agent, Load, Settings
+from statebridge.vllm.agent import Agent, Load
+from statebridge.vllm.settings import Settings
 
 if TYPE_CHECKING:
     from vllm.v1.request import Request

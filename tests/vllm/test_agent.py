@@ -13,7 +13,8 @@ import torch
 
 from statebridge.errors import ConfigError
 from statebridge.state.paged import PagedGeometry, PagedPlan
-from statebridge.vllm.agent import Agent, Layers, Load, Settings
+from statebridge.vllm.agent import Agent, Layers, Load
+from statebridge.vllm.settings import Settings
 
 from tests.state.test_paged import BLOCK_SIZE, _case, _fill, _slots, _spec
 
