@@ -18,6 +18,7 @@ in blocks vLLM may reuse) on a producer error, a lost peer or its deadline.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import json
 import logging
@@ -159,21 +160,22 @@ class Agent:
         self.peer_id = f"{engine_id}-{tp_rank}-{uuid.uuid4().hex[:8]}"
         self._spec_json = layers.spec.to_json()
         self._describe = layers.describe()
-        self._transport = Transport(list(layers.segments), name=f"vllm-{self.peer_id}")
-        self._ctx = zmq.Context()
-        self._router = None
-        if producer:
-            self._router = self._ctx.socket(zmq.ROUTER)
-            self._router.setsockopt(zmq.LINGER, 0)
-            endpoint = f"tcp://{settings.host}:{settings.port + tp_rank}"
-            try:
-                self._router.bind(endpoint)
-            except zmq.ZMQError as e:
-                self._transport.close()
-                self._ctx.destroy(linger=0)
-                raise ConfigError(f"statebridge connector: cannot listen on {endpoint}: {e} "
-                                  f"(side_channel_port {settings.port} + TP rank {tp_rank}; "
-                                  f"give each prefill instance its own)") from None
+        with _on_every_cpu():             # UCX's and zmq's threads start here
+            self._transport = Transport(list(layers.segments), name=f"vllm-{self.peer_id}")
+            self._ctx = zmq.Context()
+            self._router = None
+            if producer:
+                self._router = self._ctx.socket(zmq.ROUTER)
+                self._router.setsockopt(zmq.LINGER, 0)
+                endpoint = f"tcp://{settings.host}:{settings.port + tp_rank}"
+                try:
+                    self._router.bind(endpoint)
+                except zmq.ZMQError as e:
+                    self._transport.close()
+                    self._ctx.destroy(linger=0)
+                    raise ConfigError(f"statebridge connector: cannot listen on {endpoint}: {e} "
+                                      f"(side_channel_port {settings.port} + TP rank {tp_rank}; "
+                                      f"give each prefill instance its own)") from None
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_r, False)
         self._tasks: queue.SimpleQueue = queue.SimpleQueue()
@@ -195,7 +197,8 @@ class Agent:
                          "load_seconds": 0.0}
         self._thread = threading.Thread(target=self._run, name=f"sb-vllm-{tp_rank}",
                                         daemon=True)
-        self._thread.start()
+        with _on_every_cpu():
+            self._thread.start()
 
     # -- the vLLM worker thread's side ---------------------------------------------------
     def load(self, load: Load) -> None:
@@ -649,6 +652,25 @@ class Agent:
     def _fail_all(self, reason: str) -> None:
         for load in list(self._loads.values()):
             self._fail(load, reason)
+
+
+@contextlib.contextmanager
+def _on_every_cpu():
+    """Threads started inside (this agent's, zmq's I/O thread, UCX's async thread) may run on
+    every CPU. vLLM's CPU worker pins the calling thread to its ``VLLM_CPU_OMP_THREADS_BIND``
+    cores, and a thread inherits its parent's mask: pinned there, the side channel waits behind
+    whatever spins on those cores (another instance's worker polling with ``sched_yield``)."""
+    try:
+        pinned = os.sched_getaffinity(0)
+        os.sched_setaffinity(0, range(os.cpu_count() or 1))
+    except (AttributeError, OSError) as e:
+        log.debug("statebridge connector: agent threads keep the worker's CPUs (%s)", e)
+        yield
+        return
+    try:
+        yield
+    finally:
+        os.sched_setaffinity(0, pinned)
 
 
 def _crc(posting, runs: np.ndarray, column: int) -> int:

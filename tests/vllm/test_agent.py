@@ -5,6 +5,8 @@ answers, an unknown request, a lease that ends, and the settings' errors."""
 
 from __future__ import annotations
 
+import os
+import threading
 import time
 
 import numpy as np
@@ -163,3 +165,32 @@ def test_import_statebridge_and_the_agent_never_import_vllm():
     code = ("import sys, statebridge, statebridge.vllm.agent, statebridge.vllm.wire; "
             "assert 'vllm' not in sys.modules, sorted(m for m in sys.modules if 'vllm' in m)")
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
+
+
+@pytest.mark.skipif(not hasattr(os, "sched_setaffinity") or (os.cpu_count() or 1) < 2,
+                    reason="needs Linux CPU affinity and two CPUs")
+def test_a_worker_pinned_to_one_cpu_starts_an_agent_whose_threads_run_on_every_cpu():
+    # vLLM's CPU worker pins itself to its OMP cores before it registers the caches; the
+    # agent's threads (its own, zmq's I/O thread, UCX's async thread) must not inherit that.
+    every = set(range(os.cpu_count()))
+    out: dict = {}
+
+    def worker():
+        os.sched_setaffinity(0, {0})
+        before = {t.native_id for t in threading.enumerate()}
+        before |= set(int(t) for t in os.listdir("/proc/self/task"))
+        agent = _lone_agent("P", producer=True, settings=Settings(port=next(_PORTS)))
+        try:
+            new = set(int(t) for t in os.listdir("/proc/self/task")) - before
+            out["new"] = {t: os.sched_getaffinity(t) for t in new}
+            out["agent"] = os.sched_getaffinity(agent._thread.native_id)
+            out["caller"] = os.sched_getaffinity(0)
+        finally:
+            agent.close()
+
+    t = threading.Thread(target=worker)
+    t.start()
+    t.join(30)
+    assert out["caller"] == {0}                       # the worker keeps its pin
+    assert out["agent"] == every
+    assert len(out["new"]) >= 3 and all(m == every for m in out["new"].values()), out["new"]
