@@ -665,12 +665,12 @@ def _on_every_cpu():
         os.sched_setaffinity(0, range(os.cpu_count() or 1))
     except (AttributeError, OSError) as e:
         log.debug("statebridge connector: agent threads keep the worker's CPUs (%s)", e)
-        yield
-        return
+        pinned = None
     try:
         yield
     finally:
-        os.sched_setaffinity(0, pinned)
+        if pinned is not None:
+            os.sched_setaffinity(0, pinned)
 
 
 def _crc(posting, runs: np.ndarray, column: int) -> int:
