@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 import threading
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -194,3 +195,18 @@ def test_a_worker_pinned_to_one_cpu_starts_an_agent_whose_threads_run_on_every_c
     assert out["caller"] == {0}                       # the worker keeps its pin
     assert out["agent"] == every
     assert len(out["new"]) >= 3 and all(m == every for m in out["new"].values()), out["new"]
+
+
+def test_the_agent_thread_carries_its_name_where_top_and_py_spy_show_threads():
+    agent = _lone_agent("P", producer=True, settings=Settings(port=next(_PORTS)))
+    try:
+        comm = Path(f"/proc/self/task/{agent._thread.native_id}/comm")
+        for _ in range(100):                      # the thread names itself when it starts
+            if comm.read_text().strip() == "sb-vllm-0":
+                break
+            time.sleep(0.02)
+        assert comm.read_text().strip() == "sb-vllm-0"
+        assert Path(f"/proc/self/task/{threading.get_native_id()}/comm").read_text().strip() \
+            != "sb-vllm-0"
+    finally:
+        agent.close()
