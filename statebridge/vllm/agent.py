@@ -293,10 +293,12 @@ class Agent:
                 self._start_load(task[1])
             else:
                 self._hold(task[1], task[2])
-        if self._router is not None and self._router in events:
+        # Every socket is read each turn, not only those poll() named: a turn ends within
+        # 200 ms, so a message whose wakeup was missed waits at most that long.
+        if self._router is not None:
             self._serve()
         for sock, (remote, s) in sockets.items():
-            if sock in events:
+            if not sock.closed:           # a load of this turn may have dropped its remote
                 self._answer(remote, s, sock)
         self._transport.progress()
         now = time.monotonic()

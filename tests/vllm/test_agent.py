@@ -13,6 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+import zmq
 
 from statebridge.errors import ConfigError
 from statebridge.state.paged import PagedGeometry, PagedPlan
@@ -210,3 +211,33 @@ def test_the_agent_thread_carries_its_name_where_top_and_py_spy_show_threads():
             != "sb-vllm-0"
     finally:
         agent.close()
+
+
+class _DeafPoller(zmq.Poller):
+    """A poller that never reports a zmq socket ready (a wakeup lost on the way)."""
+
+    def poll(self, timeout=None):
+        return [(s, e) for s, e in super().poll(timeout) if isinstance(s, int)]
+
+
+def test_messages_whose_wakeup_is_lost_are_still_read_within_a_turn(monkeypatch):
+    # Under vLLM's API server a side-channel message once sat unread for 30 s (the
+    # transfer bound) until another message woke the agent: every turn reads every socket.
+    monkeypatch.setattr(zmq, "Poller", _DeafPoller)
+    port = next(_PORTS)
+    producer = _lone_agent("P", producer=True, settings=Settings(port=port))
+    consumer = _lone_agent("D", producer=False, settings=Settings(port=next(_PORTS),
+                                                                  handshake_timeout_s=3.0))
+    try:
+        producer.hold("x")
+        t = time.monotonic()
+        consumer.load(Load(request_id="r", remote_request_id="x", engine_id="P",
+                           host="127.0.0.1", port=port, remote_tp=1,
+                           remote_blocks=((0,), (0,)), local_blocks=((0,), (0,)), tokens=3))
+        got = _wait([consumer], lambda g: "r" in g[1], timeout=20)
+        assert got[1] == {"r"} and not got[2], got       # loaded, not failed
+        assert time.monotonic() - t < 3
+        assert "x" in _wait([producer], lambda g: "x" in g[0], timeout=20)[0]
+    finally:
+        consumer.close()
+        producer.close()
