@@ -66,7 +66,8 @@ def main() -> None:
             ok = d.status_code == 200
             failed += not ok
             slow += (t2 - t1) > 1.0
-            print(f"{time.strftime('%H:%M:%S')} request {i}: prefill {t1 - t0:.2f} s, decode {t2 - t1:.2f} s, "
+            print(f"{time.strftime('%H:%M:%S')} request {i}: prefill {t1 - t0:.2f} s, "
+                  f"decode {t2 - t1:.2f} s, "
                   f"{'ok' if ok else f'HTTP {d.status_code}'}", flush=True)
     finally:
         _stop(procs)

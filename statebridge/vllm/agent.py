@@ -293,8 +293,7 @@ class Agent:
                 self._start_load(task[1])
             else:
                 self._hold(task[1], task[2])
-        # Every socket is read each turn, not only those poll() named: a turn ends within
-        # 200 ms, so a message whose wakeup was missed waits at most that long.
+        # Every socket each turn, not only those poll() named: a lost wakeup costs <= 200 ms.
         if self._router is not None:
             self._serve()
         for sock, (remote, s) in sockets.items():
@@ -677,8 +676,7 @@ def _on_every_cpu():
 
 
 def _name_os_thread(name: str) -> None:
-    """Give the calling thread ``name`` where ``top -H``, ``ps -L`` and ``py-spy`` show it
-    (Python's thread names stay inside Python)."""
+    """Name the calling OS thread, as `top -H`, `ps -L` and `py-spy` show it."""
     try:
         import ctypes
         ctypes.CDLL(None).prctl(15, name.encode()[:15], 0, 0, 0)     # PR_SET_NAME

@@ -221,8 +221,8 @@ class _DeafPoller(zmq.Poller):
 
 
 def test_messages_whose_wakeup_is_lost_are_still_read_within_a_turn(monkeypatch):
-    # Under vLLM's API server a side-channel message once sat unread for 30 s (the
-    # transfer bound) until another message woke the agent: every turn reads every socket.
+    # Every turn reads every socket, so a message poll() never reports is still read (with
+    # the old poll-only reads the handshake below failed its 3 s bound).
     monkeypatch.setattr(zmq, "Poller", _DeafPoller)
     port = next(_PORTS)
     producer = _lone_agent("P", producer=True, settings=Settings(port=port))
@@ -230,13 +230,11 @@ def test_messages_whose_wakeup_is_lost_are_still_read_within_a_turn(monkeypatch)
                                                                   handshake_timeout_s=3.0))
     try:
         producer.hold("x")
-        t = time.monotonic()
         consumer.load(Load(request_id="r", remote_request_id="x", engine_id="P",
                            host="127.0.0.1", port=port, remote_tp=1,
                            remote_blocks=((0,), (0,)), local_blocks=((0,), (0,)), tokens=3))
         got = _wait([consumer], lambda g: "r" in g[1], timeout=20)
         assert got[1] == {"r"} and not got[2], got       # loaded, not failed
-        assert time.monotonic() - t < 3
         assert "x" in _wait([producer], lambda g: "x" in g[0], timeout=20)[0]
     finally:
         consumer.close()
