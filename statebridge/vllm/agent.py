@@ -18,7 +18,6 @@ in blocks vLLM may reuse) on a producer error, a lost peer or its deadline.
 
 from __future__ import annotations
 
-import contextlib
 import itertools
 import json
 import logging
@@ -40,6 +39,7 @@ from statebridge.errors import ConfigError, IncompatiblePeerError, StatebridgeEr
 from statebridge.state.paged import PagedGeometry, PagedPlan
 from statebridge.state.spec import StateSpec
 from statebridge.vllm.settings import Settings
+from statebridge.vllm.threads import name_os_thread, on_every_cpu
 from statebridge.vllm.wire import VllmHello, VllmMeta, VllmPull, VllmPullReply
 
 # Under "vllm.": vLLM's handlers print it beside its own lines (a library configures none).
@@ -160,7 +160,7 @@ class Agent:
         self.peer_id = f"{engine_id}-{tp_rank}-{uuid.uuid4().hex[:8]}"
         self._spec_json = layers.spec.to_json()
         self._describe = layers.describe()
-        with _on_every_cpu():             # UCX's and zmq's threads start here
+        with on_every_cpu():             # UCX's and zmq's threads start here
             self._transport = Transport(list(layers.segments), name=f"vllm-{self.peer_id}")
             self._ctx = zmq.Context()
             self._router = None
@@ -183,6 +183,8 @@ class Agent:
         self._finished_sending: set[str] = set()
         self._finished_recving: set[str] = set()
         self._failed_recving: set[str] = set()
+        self._open: set[str] = set()        # loaded or held, not yet reported finished
+        self._reported = threading.Event()  # something to report since take_finished
         self._generations = itertools.count(1)
         self._remotes: dict[str, _Remote] = {}
         self._loads: dict[str, Load] = {}
@@ -197,17 +199,30 @@ class Agent:
                          "load_seconds": 0.0}
         self._thread = threading.Thread(target=self._run, name=f"sb-vllm-{tp_rank}",
                                         daemon=True)
-        with _on_every_cpu():
+        with on_every_cpu():
             self._thread.start()
 
     # -- the vLLM worker thread's side ---------------------------------------------------
     def load(self, load: Load) -> None:
+        if not load.abort:
+            with self._lock:
+                self._open.add(load.request_id)
         self._submit(("load", load))
 
     def hold(self, request_id: str, lease_s: float | None = None) -> None:
         """The scheduler handed ``request_id`` off: hold its blocks until every consumer rank
         read them or the lease ends."""
+        with self._lock:
+            self._open.add(request_id)
         self._submit(("hold", request_id, lease_s or self.settings.lease_s))
+
+    def wait_for_transfers(self, timeout: float) -> None:
+        """Sleep until a transfer ends or ``timeout`` passes; at once if none is open or one
+        ended since the last :meth:`take_finished`."""
+        with self._lock:
+            if not self._open:
+                return
+        self._reported.wait(timeout)
 
     def take_finished(self) -> tuple[set[str], set[str], set[str]]:
         """(finished sending, finished receiving, failed receiving) since the last call; a
@@ -217,12 +232,15 @@ class Agent:
                    self._failed_recving)
             self._finished_sending, self._finished_recving = set(), set()
             self._failed_recving = set()
+            self._open -= out[0] | out[1]
+            self._reported.clear()
         return out
 
     def close(self) -> None:
         if self._stop.is_set():
             return
         self._stop.set()
+        self._reported.set()
         self._wake()
         self._thread.join(timeout=10)
         os.close(self._wake_r)
@@ -242,7 +260,7 @@ class Agent:
 
     # -- the agent thread --------------------------------------------------------------------
     def _run(self) -> None:
-        _name_os_thread(f"sb-vllm-{self.tp_rank}")
+        name_os_thread(f"sb-vllm-{self.tp_rank}")
         try:
             while not self._stop.is_set():
                 self._step()
@@ -431,6 +449,7 @@ class Agent:
             if held.known:
                 with self._lock:
                     self._finished_sending.add(request_id)
+                    self._reported.set()
 
     # -- consumer ----------------------------------------------------------------------------
     def _start_load(self, load: Load) -> None:
@@ -638,6 +657,7 @@ class Agent:
                   {s: (h.messages, h.nbytes) for s, h in load.handles.items()})
         with self._lock:
             self._finished_recving.add(load.request_id)
+            self._reported.set()
 
     def _fail(self, load: Load, reason: str) -> None:
         for handle in load.handles.values():
@@ -650,38 +670,11 @@ class Agent:
                   load.remote_request_id, load.engine_id, reason)
         with self._lock:
             self._failed_recving.add(load.request_id)
+            self._reported.set()
 
     def _fail_all(self, reason: str) -> None:
         for load in list(self._loads.values()):
             self._fail(load, reason)
-
-
-@contextlib.contextmanager
-def _on_every_cpu():
-    """Threads started inside (this agent's, zmq's I/O thread, UCX's async thread) may run on
-    every CPU. vLLM's CPU worker pins the calling thread to its ``VLLM_CPU_OMP_THREADS_BIND``
-    cores, and a thread inherits its parent's mask: pinned there, the side channel waits behind
-    whatever spins on those cores (another instance's worker polling with ``sched_yield``)."""
-    try:
-        pinned = os.sched_getaffinity(0)
-        os.sched_setaffinity(0, range(os.cpu_count() or 1))
-    except (AttributeError, OSError) as e:
-        log.debug("statebridge connector: agent threads keep the worker's CPUs (%s)", e)
-        pinned = None
-    try:
-        yield
-    finally:
-        if pinned is not None:
-            os.sched_setaffinity(0, pinned)
-
-
-def _name_os_thread(name: str) -> None:
-    """Name the calling OS thread, as `top -H`, `ps -L` and `py-spy` show it."""
-    try:
-        import ctypes
-        ctypes.CDLL(None).prctl(15, name.encode()[:15], 0, 0, 0)     # PR_SET_NAME
-    except (OSError, AttributeError):
-        pass
 
 
 def _crc(posting, runs: np.ndarray, column: int) -> int:

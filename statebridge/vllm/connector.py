@@ -53,6 +53,9 @@ __all__ = ["StatebridgeConnector", "StatebridgeMetadata"]
 
 #: The worker process's GIL switch interval with the connector (see register_kv_caches).
 SWITCH_INTERVAL_S = 0.0002
+#: The longest a worker's step that computes nothing waits for an open transfer to end; a new
+#: request reaching the engine then starts at most this much later (only while it is idle).
+IDLE_WAIT_S = 0.01
 
 
 @dataclass
@@ -61,6 +64,7 @@ class StatebridgeMetadata(KVConnectorMetadata):
 
     loads: list = field(default_factory=list)          # Load (without runtime fields)
     holds: list = field(default_factory=list)          # request ids
+    idle: bool = False                                 # the step computes no token
 
 
 def _groups(kv_cache_config) -> list[tuple[str, Any]]:
@@ -99,6 +103,7 @@ class StatebridgeConnector(KVConnectorBase_V1, SupportsHMA):
         self._holds: list[str] = []
         # worker side
         self.agent: Agent | None = None
+        self._idle_step = False
 
     # ==== scheduler side ===================================================================
     def on_new_request(self, request: "Request") -> None:
@@ -168,7 +173,8 @@ class StatebridgeConnector(KVConnectorBase_V1, SupportsHMA):
         return tuple(out)
 
     def build_connector_meta(self, scheduler_output) -> StatebridgeMetadata:
-        meta = StatebridgeMetadata(loads=self._loads, holds=self._holds)
+        meta = StatebridgeMetadata(loads=self._loads, holds=self._holds,
+                                   idle=scheduler_output.total_num_scheduled_tokens == 0)
         self._loads, self._holds = [], []
         return meta
 
@@ -243,6 +249,7 @@ class StatebridgeConnector(KVConnectorBase_V1, SupportsHMA):
         if getattr(meta, "_sb_taken", False):
             return
         meta._sb_taken = True
+        self._idle_step = meta.idle
         for request_id in meta.holds:
             self.agent.hold(request_id)
         if meta.loads or meta.holds:
@@ -273,6 +280,11 @@ class StatebridgeConnector(KVConnectorBase_V1, SupportsHMA):
         self._take_metadata()
         if self.agent is None:
             return KVConnectorTransferResults()
+        if self._idle_step:
+            # Nothing computes this step and vLLM steps again at once while transfers are
+            # open (its workers spin on sched_yield between steps): sleep until one ends, at
+            # most IDLE_WAIT_S, so that the data plane and the peer get the cores.
+            self.agent.wait_for_transfers(IDLE_WAIT_S)
         sending, recving, failed = self.agent.take_finished()
         return KVConnectorTransferResults(finished_sending=sending, finished_recving=recving,
                                           failed_recving=failed)

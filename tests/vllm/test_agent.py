@@ -148,6 +148,32 @@ def test_a_held_request_nobody_pulls_is_freed_when_its_lease_ends():
         agent.close()
 
 
+def test_an_idle_steps_wait_sleeps_until_a_transfer_ends_and_not_when_none_is_open():
+    # vLLM steps without pause while a transfer is open; the connector sleeps those steps in
+    # wait_for_transfers, which must end with the transfer (here: a failed handshake, ~1 s)
+    agent = _lone_agent("D", producer=False, settings=Settings(port=next(_PORTS),
+                                                               handshake_timeout_s=1.0))
+    try:
+        t = time.monotonic()
+        agent.wait_for_transfers(20.0)                  # nothing open: no wait
+        assert time.monotonic() - t < 5
+        agent.load(Load(request_id="r", remote_request_id="x", engine_id="P",
+                        host="127.0.0.1", port=1, remote_tp=1, remote_blocks=((0,), (0,)),
+                        local_blocks=((0,), (0,)), tokens=3))
+        t = time.monotonic()
+        agent.wait_for_transfers(0.2)                   # open, nothing ended: it sleeps
+        assert time.monotonic() - t >= 0.2
+        agent.wait_for_transfers(20.0)                  # returns when the load fails
+        assert time.monotonic() - t < 10
+        sending, recving, failed = agent.take_finished()
+        assert failed == {"r"} and recving == {"r"}
+        t = time.monotonic()
+        agent.wait_for_transfers(20.0)                  # reported: nothing open again
+        assert time.monotonic() - t < 5
+    finally:
+        agent.close()
+
+
 @pytest.mark.parametrize("extra,match", [
     ({"side_chanel_port": 1}, "unknown key 'side_chanel_port'"),
     ({"side_channel_port": "7000"}, "side_channel_port must be a port"),

@@ -1,4 +1,4 @@
-"""Two `vllm serve` instances (prefill TP 1 with prefix caching, decode TP 1) behind
+"""Two `vllm serve` instances (prefill TP 1 with prefix caching, decode TP 2) behind
 `statebridge proxy`, driven with the official `openai` client: completions and streamed chat
 through the proxy equal the decode instance's own answers; and the proxy's prefix routing."""
 
@@ -87,11 +87,10 @@ def test_vllm_serve_behind_the_proxy_with_the_openai_client(tmp_path):
     p_port, d_port, x_port = free_port(), free_port(), free_port()
     side = 6100 + (os.getpid() % 40) * 10
     logs = [open(tmp_path / f"{name}.log", "w+") for name in ("prefill", "decode", "proxy")]
-    # Decode TP 1: under the API server a TP-2 decode instance's rank 0, pinned to the
-    # prefill worker's core, stalls its loads (docs/vllm.md, "Known problems"); offline
-    # TP 1 -> 2 and 2 -> 1 are tests/vllm/test_vllm_pd.py.
+    # Prefill TP 1 -> decode TP 2 on this host's two cores (the decode's rank 0 shares the
+    # prefill worker's core); offline TP 2 -> 1 is tests/vllm/test_vllm_pd.py.
     procs = [_serve(model, p_port, 1, "kv_producer", side, "0", True, logs[0]),
-             _serve(model, d_port, 1, "kv_consumer", side + 100, "1", False, logs[1])]
+             _serve(model, d_port, 2, "kv_consumer", side + 100, "0|1", False, logs[1])]
     try:
         procs.append(subprocess.Popen(
             [sys.executable, "-m", "statebridge", "proxy", "--prefill",
