@@ -1,6 +1,7 @@
 """PD inside real vLLM: StatebridgeConnector against vLLM's NixlConnector (Mamba2, Granite-4.0-H,
 both in the DS conv layout NixlConnector requires) and against the decode instance prefilling
-itself (LFM2 with attention, which NixlConnector refuses), in one run.
+itself (LFM2 with attention, which NixlConnector refuses), in one run; every arm's first tokens
+against the decode instance alone (Mamba2 and Granite here have ``n_groups`` 1).
 
 Per arm (benchmarks/_vllm_pd_arm.py, its own process): a prefill and a decode instance on
 127.0.0.1 (prefill TP 1 -> decode TP 2 by default), sequential requests of random prompts: the
@@ -64,8 +65,10 @@ def main() -> None:
                                                      else "linear_attention" for i in range(16)]}
     models["granite-hybrid-16"] = str(make_checkpoint("granite-hybrid", root / "g16",
                                                       preset="vllm", overrides=deep))
-    plan = [("mamba2", "statebridge", "DS"), ("mamba2", "nixl", "DS"),
+    # "local" is the decode instance alone (no connector): its first tokens are the reference
+    plan = [("mamba2", "statebridge", "DS"), ("mamba2", "nixl", "DS"), ("mamba2", "local", "DS"),
             ("granite-hybrid", "statebridge", "DS"), ("granite-hybrid", "nixl", "DS"),
+            ("granite-hybrid", "local", "DS"),
             ("granite-hybrid-16", "statebridge", "DS"),
             ("lfm2-hybrid", "statebridge", "SD"), ("lfm2-hybrid", "local", "SD")]
     results = []
@@ -101,6 +104,12 @@ def main() -> None:
         print(f"lfm2-hybrid: local prefill / statebridge decode TTFT p50 "
               f"{local['decode_ttft_ms_p50'] / sb['decode_ttft_ms_p50']:.2f}; first tokens "
               f"equal: {sb['first_tokens'] == local['first_tokens']}")
+    for (arch, connector), r in by.items():
+        ref = by.get((arch, "local"))
+        if ref and connector != "local":
+            same = sum(a == b for a, b in zip(r["first_tokens"], ref["first_tokens"]))
+            print(f"{arch} {connector}: first tokens equal to vLLM alone in {same} of "
+                  f"{len(ref['first_tokens'])} requests")
     g8 = by.get(("granite-hybrid", "statebridge"))
     g16 = by.get(("granite-hybrid-16", "statebridge"))
     if g8 and g16:
