@@ -19,7 +19,6 @@ in blocks vLLM may reuse) on a producer error, a lost peer or its deadline.
 from __future__ import annotations
 
 import itertools
-import json
 import logging
 import os
 import queue
@@ -28,16 +27,15 @@ import time
 import uuid
 import zlib
 from dataclasses import dataclass, field
-from typing import Sequence
 
 import numpy as np
-import torch
 import zmq
 
 from statebridge.connector.codec import decode, encode
 from statebridge.errors import ConfigError, IncompatiblePeerError, StatebridgeError
-from statebridge.state.paged import PagedGeometry, PagedPlan
+from statebridge.state.paged import PagedPlan
 from statebridge.state.spec import StateSpec
+from statebridge.vllm.describe import Layers
 from statebridge.vllm.settings import Settings
 from statebridge.vllm.threads import name_os_thread, on_every_cpu
 from statebridge.vllm.wire import VllmHello, VllmMeta, VllmPull, VllmPullReply
@@ -45,56 +43,7 @@ from statebridge.vllm.wire import VllmHello, VllmMeta, VllmPull, VllmPullReply
 # Under "vllm.": vLLM's handlers print it beside its own lines (a library configures none).
 log = logging.getLogger("vllm." + __name__)
 
-__all__ = ["Agent", "Layers", "Load"]
-
-
-@dataclass(frozen=True)
-class Layers:
-    """A rank's memory as the agent needs it: the geometry, which layers each of vLLM's
-    transfer groups holds (recurrent groups: one state block per request; attention groups: a
-    block table), and the buffer's ``(start, uint8 tensor)`` segments."""
-
-    spec: StateSpec
-    geometry: PagedGeometry
-    groups: tuple[tuple[int, ...], ...]
-    state_group: tuple[bool, ...]
-    segments: tuple[tuple[int, torch.Tensor], ...]
-
-    def describe(self) -> str:
-        return json.dumps({"geometry": self.geometry.describe(),
-                           "groups": [list(g) for g in self.groups],
-                           "state_group": list(self.state_group)}, sort_keys=True)
-
-    @staticmethod
-    def parse(spec: StateSpec, text: str) -> tuple[PagedGeometry, list, list]:
-        try:
-            data = json.loads(text)
-            return (PagedGeometry.from_description(spec, data["geometry"]),
-                    [tuple(int(i) for i in g) for g in data["groups"]],
-                    [bool(x) for x in data["state_group"]])
-        except (ValueError, KeyError, TypeError) as e:
-            raise ConfigError(f"malformed peer geometry: {type(e).__name__}: {e}") from None
-
-    def tables(self, groups: Sequence[tuple[int, ...]], state_group: Sequence[bool],
-               block_ids: Sequence[Sequence[int]], kv_blocks: int):
-        """Per-layer tables from per-group block ids (already clipped: a recurrent group's
-        list is its one state block): ``({layer: block}, {layer: [blocks]})``."""
-        if len(block_ids) != len(groups):
-            raise ConfigError(f"{len(block_ids)} block lists for {len(groups)} cache groups")
-        state, kv = {}, {}
-        for layers, is_state, blocks in zip(groups, state_group, block_ids):
-            for layer in layers:
-                if is_state:
-                    if len(blocks) != 1:
-                        raise ConfigError(f"layer {layer}: {len(blocks)} state blocks, "
-                                          f"expected 1")
-                    state[layer] = int(blocks[0])
-                else:
-                    if len(blocks) < kv_blocks:
-                        raise ConfigError(f"layer {layer}: {len(blocks)} KV blocks, "
-                                          f"{kv_blocks} needed")
-                    kv[layer] = [int(b) for b in blocks[:kv_blocks]]
-        return state, kv
+__all__ = ["Agent", "Load"]
 
 
 @dataclass
@@ -191,6 +140,7 @@ class Agent:
         self._peers: dict[str, tuple[PagedPlan, int]] = {}     # consumer peer -> (plan, dst tp)
         self._held: dict[str, _Held] = {}
         self._stop = threading.Event()
+        self._dead = ""                     # why the agent thread stopped, once it has
         self._poller: zmq.Poller | None = None
         self._sockets: dict = {}
         self.counters = {"pulls_served": 0, "loads_done": 0, "loads_failed": 0,
@@ -249,8 +199,24 @@ class Agent:
     def _submit(self, task) -> None:
         if self._stop.is_set():
             raise StatebridgeError("statebridge connector: the agent is closed")
-        self._tasks.put(task)
+        with self._lock:                  # after _dead is set nothing is queued any more
+            if not self._dead:
+                self._tasks.put(task)
+        if self._dead:
+            self._refuse(task)
         self._wake()
+
+    def _refuse(self, task) -> None:
+        """The data plane is gone: a load fails at once, a hold is released (nothing can read
+        its blocks any more)."""
+        with self._lock:
+            if task[0] == "hold":
+                self._finished_sending.add(task[1])
+            elif not task[1].abort:
+                self._failed_recving.add(task[1].request_id)
+                log.error("statebridge connector rank %d: request %s failed to load: %s",
+                          self.tp_rank, task[1].request_id, self._dead)
+            self._reported.set()
 
     def _wake(self) -> None:
         try:
@@ -269,6 +235,8 @@ class Agent:
                           self.tp_rank)
             self._fail_all("the data-plane thread failed")
         finally:
+            with self._lock:
+                self._dead = "the data-plane thread has stopped"
             for remote in self._remotes.values():
                 for sock in remote.sockets.values():
                     sock.close(linger=0)
@@ -276,6 +244,15 @@ class Agent:
                 self._router.close(linger=0)
             self._transport.close()
             self._ctx.term()
+            # Nothing moves any more: release what is held, refuse what was queued.
+            for request_id, held in self._held.items():
+                if held.known:
+                    self._refuse(("hold", request_id))
+            while True:
+                try:
+                    self._refuse(self._tasks.get_nowait())
+                except queue.Empty:
+                    break
 
     def _step(self) -> None:
         poller = self._poller

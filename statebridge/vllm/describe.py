@@ -13,8 +13,10 @@ does not start its page, is a :class:`~statebridge.errors.ConfigError` at start,
 
 from __future__ import annotations
 
+import json
 import re
-from typing import Any, Mapping
+from dataclasses import dataclass
+from typing import Any, Mapping, Sequence
 
 import torch
 
@@ -22,13 +24,61 @@ from statebridge.errors import ConfigError, UnsupportedModelError
 from statebridge.state.paged import LayerSlot, PagedGeometry
 from statebridge.state.sharding import kv_heads, local_channels
 from statebridge.state.spec import StateSpec
-from statebridge.vllm.agent import Layers
 
-__all__ = ["describe", "layer_index", "MAMBA_TYPES"]
+__all__ = ["describe", "layer_index", "Layers", "MAMBA_TYPES"]
 
 #: vLLM mamba_type (its enum's name) -> the model types whose state statebridge moves for it.
 MAMBA_TYPES = {"SHORT_CONV": ("lfm2",), "MAMBA2": ("mamba2", "granitemoehybrid")}
 _LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
+
+
+@dataclass(frozen=True)
+class Layers:
+    """A rank's memory as the agent needs it: the geometry, which layers each of vLLM's
+    transfer groups holds (recurrent groups: one state block per request; attention groups: a
+    block table), and the buffer's ``(start, uint8 tensor)`` segments."""
+
+    spec: StateSpec
+    geometry: PagedGeometry
+    groups: tuple[tuple[int, ...], ...]
+    state_group: tuple[bool, ...]
+    segments: tuple[tuple[int, torch.Tensor], ...]
+
+    def describe(self) -> str:
+        return json.dumps({"geometry": self.geometry.describe(),
+                           "groups": [list(g) for g in self.groups],
+                           "state_group": list(self.state_group)}, sort_keys=True)
+
+    @staticmethod
+    def parse(spec: StateSpec, text: str) -> tuple[PagedGeometry, list, list]:
+        try:
+            data = json.loads(text)
+            return (PagedGeometry.from_description(spec, data["geometry"]),
+                    [tuple(int(i) for i in g) for g in data["groups"]],
+                    [bool(x) for x in data["state_group"]])
+        except (ValueError, KeyError, TypeError) as e:
+            raise ConfigError(f"malformed peer geometry: {type(e).__name__}: {e}") from None
+
+    def tables(self, groups: Sequence[tuple[int, ...]], state_group: Sequence[bool],
+               block_ids: Sequence[Sequence[int]], kv_blocks: int):
+        """Per-layer tables from per-group block ids (already clipped: a recurrent group's
+        list is its one state block): ``({layer: block}, {layer: [blocks]})``."""
+        if len(block_ids) != len(groups):
+            raise ConfigError(f"{len(block_ids)} block lists for {len(groups)} cache groups")
+        state, kv = {}, {}
+        for layers, is_state, blocks in zip(groups, state_group, block_ids):
+            for layer in layers:
+                if is_state:
+                    if len(blocks) != 1:
+                        raise ConfigError(f"layer {layer}: {len(blocks)} state blocks, "
+                                          f"expected 1")
+                    state[layer] = int(blocks[0])
+                else:
+                    if len(blocks) < kv_blocks:
+                        raise ConfigError(f"layer {layer}: {len(blocks)} KV blocks, "
+                                          f"{kv_blocks} needed")
+                    kv[layer] = [int(b) for b in blocks[:kv_blocks]]
+        return state, kv
 
 
 def layer_index(name: str) -> int:

@@ -17,7 +17,8 @@ import zmq
 
 from statebridge.errors import ConfigError
 from statebridge.state.paged import PagedGeometry, PagedPlan
-from statebridge.vllm.agent import Agent, Layers, Load
+from statebridge.vllm.agent import Agent, Load
+from statebridge.vllm.describe import Layers
 from statebridge.vllm.settings import Settings
 
 from tests.state.test_paged import BLOCK_SIZE, _case, _fill, _slots, _spec
@@ -170,6 +171,31 @@ def test_an_idle_steps_wait_sleeps_until_a_transfer_ends_and_not_when_none_is_op
         t = time.monotonic()
         agent.wait_for_transfers(20.0)                  # reported: nothing open again
         assert time.monotonic() - t < 5
+    finally:
+        agent.close()
+
+
+def test_a_data_plane_thread_that_dies_releases_its_holds_and_fails_later_loads_at_once():
+    agent = _lone_agent("P", producer=True, settings=Settings(port=next(_PORTS)))
+    try:
+        agent.hold("held-before")
+        assert _wait([agent], lambda g: True, timeout=0.5) == [set(), set(), set()]
+
+        def boom():
+            raise RuntimeError("injected")
+        agent._step = boom                # the thread's next turn raises
+        agent._wake()
+        agent._thread.join(timeout=10)
+        assert not agent._thread.is_alive()
+        # nothing can read the held blocks any more: vLLM may free them
+        assert agent.take_finished()[0] == {"held-before"}
+        # a load after the death fails at once (no wait for a thread that is gone) ...
+        agent.load(Load(request_id="r", remote_request_id="x", engine_id="Q",
+                        host="127.0.0.1", port=1, remote_tp=1, remote_blocks=((0,), (0,)),
+                        local_blocks=((0,), (0,)), tokens=3))
+        agent.hold("held-after")
+        sending, recving, failed = agent.take_finished()
+        assert failed == {"r"} and recving == {"r"} and sending == {"held-after"}
     finally:
         agent.close()
 
