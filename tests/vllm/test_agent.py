@@ -123,13 +123,18 @@ def _lone_agent(engine_id: str, *, producer: bool, settings: Settings) -> Agent:
                  producer=producer, consumer=not producer, settings=settings)
 
 
+def _unanswered_load(engine_id: str) -> Load:
+    """A load of request "r" from a producer nobody runs (port 1)."""
+    return Load(request_id="r", remote_request_id="x", engine_id=engine_id, host="127.0.0.1",
+                port=1, remote_tp=1, remote_blocks=((0,), (0,)), local_blocks=((0,), (0,)),
+                tokens=3)
+
+
 def test_a_producer_that_never_answers_fails_the_load_within_the_handshake_bound():
     agent = _lone_agent("D", producer=False, settings=Settings(port=next(_PORTS), handshake_timeout_s=1.0))
     try:
         t = time.monotonic()
-        agent.load(Load(request_id="r", remote_request_id="x", engine_id="P",
-                        host="127.0.0.1", port=1, remote_tp=1, remote_blocks=((0,), (0,)),
-                        local_blocks=((0,), (0,)), tokens=3))
+        agent.load(_unanswered_load("P"))
         got = _wait([agent], lambda g: "r" in g[2], timeout=10)
         assert got[2] == {"r"} and got[1] == {"r"}       # failed loads are finished too
         assert time.monotonic() - t < 5
@@ -158,9 +163,7 @@ def test_an_idle_steps_wait_sleeps_until_a_transfer_ends_and_not_when_none_is_op
         t = time.monotonic()
         agent.wait_for_transfers(20.0)                  # nothing open: no wait
         assert time.monotonic() - t < 5
-        agent.load(Load(request_id="r", remote_request_id="x", engine_id="P",
-                        host="127.0.0.1", port=1, remote_tp=1, remote_blocks=((0,), (0,)),
-                        local_blocks=((0,), (0,)), tokens=3))
+        agent.load(_unanswered_load("P"))
         t = time.monotonic()
         agent.wait_for_transfers(0.2)                   # open, nothing ended: it sleeps
         assert time.monotonic() - t >= 0.2
@@ -190,9 +193,7 @@ def test_a_data_plane_thread_that_dies_releases_its_holds_and_fails_later_loads_
         # nothing can read the held blocks any more: vLLM may free them
         assert agent.take_finished()[0] == {"held-before"}
         # a load after the death fails at once (no wait for a thread that is gone) ...
-        agent.load(Load(request_id="r", remote_request_id="x", engine_id="Q",
-                        host="127.0.0.1", port=1, remote_tp=1, remote_blocks=((0,), (0,)),
-                        local_blocks=((0,), (0,)), tokens=3))
+        agent.load(_unanswered_load("Q"))
         agent.hold("held-after")
         sending, recving, failed = agent.take_finished()
         assert failed == {"r"} and recving == {"r"} and sending == {"held-after"}
