@@ -38,16 +38,11 @@ def _instance(model: str, tp: int, bind: str, config: dict | None, nixl_port: in
                compilation_config={"custom_ops": ["-rotary_embedding"]}, **kwargs)
 
 
-def _agent_counters(worker) -> dict:
-    from vllm.distributed.kv_transfer import get_kv_transfer_group
-
-    agent = getattr(get_kv_transfer_group(), "agent", None)
-    return dict(agent.counters) if agent is not None else {}
-
-
 def main() -> None:
     arm = json.loads(sys.argv[1])
     from vllm import SamplingParams
+
+    from statebridge.vllm.connector import worker_counters
 
     import random
 
@@ -92,8 +87,8 @@ def main() -> None:
     out["prefill_ms_p50"] = 1e3 * statistics.median(prefill_s) if prefill_s else None
     out["first_tokens"] = tokens
     if connector == "statebridge":
-        dc = [c for c in d.collective_rpc(_agent_counters) if c]
-        pc = [c for c in p.collective_rpc(_agent_counters) if c]
+        dc = [c for c in d.collective_rpc(worker_counters) if c]
+        pc = [c for c in p.collective_rpc(worker_counters) if c]
         n = arm["requests"] + arm["warmup"]
         out["transfer_ms_per_request"] = 1e3 * max(c["load_seconds"] for c in dc) / n
         out["control_messages_per_request"] = (sum(c["control_messages"] for c in dc + pc)

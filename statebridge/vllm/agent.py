@@ -59,6 +59,7 @@ class Load:
     remote_blocks: tuple                 # per producer transfer group (clipped)
     local_blocks: tuple                  # per local transfer group (clipped)
     tokens: int                          # prompt tokens that move (N - 1)
+    computed_tokens: int = 0             # of those, held by this instance's prefix cache
     abort: bool = False                  # release the producer's blocks, read nothing
     deadline: float = 0.0
     started: float = 0.0
@@ -146,6 +147,7 @@ class Agent:
         self.counters = {"pulls_served": 0, "loads_done": 0, "loads_failed": 0,
                          "runs_sent": 0, "runs_received": 0, "bytes_sent": 0,
                          "bytes_received": 0, "leases_expired": 0, "control_messages": 0,
+                         "kv_blocks_kept": 0,
                          "load_seconds": 0.0}
         self._thread = threading.Thread(target=self._run, name=f"sb-vllm-{tp_rank}",
                                         daemon=True)
@@ -523,15 +525,18 @@ class Agent:
         _, _, groups, state_group = remote.meta[0]
         block_size = self.layers.geometry.block_size or 1
         n_kv = -(-load.tokens // block_size) if self.layers.spec.kv is not None else 0
+        # KV blocks this instance's prefix cache already holds are shared: never written
+        first = min(load.computed_tokens // block_size, n_kv)
         try:
             src_state, src_kv = self.layers.tables(groups, state_group, load.remote_blocks,
-                                                   n_kv) if not load.abort else ({}, {})
+                                                   n_kv, first) if not load.abort else ({}, {})
             dst_state, dst_kv = self.layers.tables(self.layers.groups, self.layers.state_group,
-                                                   load.local_blocks, n_kv) \
+                                                   load.local_blocks, n_kv, first) \
                 if not load.abort else ({}, {})
             load.generation = next(self._generations) & 0xFFFFFFFF
             state_layers = tuple(sorted(dst_state))
             kv_layers = tuple(sorted(dst_kv))
+            self.counters["kv_blocks_kept"] += first * len(kv_layers)
             for s in range(remote.tp):
                 if load.abort:
                     continue
@@ -549,7 +554,7 @@ class Agent:
                     state_layers=state_layers,
                     src_state=tuple(src_state[i] for i in state_layers),
                     dst_state=tuple(dst_state[i] for i in state_layers),
-                    kv_layers=kv_layers, kv_blocks=n_kv,
+                    kv_layers=kv_layers, kv_blocks=n_kv - first,
                     src_kv=tuple(b for i in kv_layers for b in src_kv[i]),
                     dst_kv=tuple(b for i in kv_layers for b in dst_kv[i]),
                     abort=load.abort or s not in load.handles)

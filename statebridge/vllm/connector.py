@@ -49,13 +49,22 @@ if TYPE_CHECKING:
 # Under "vllm.": vLLM's handlers print it beside its own lines (a library configures none).
 log = logging.getLogger("vllm." + __name__)
 
-__all__ = ["StatebridgeConnector", "StatebridgeMetadata"]
+__all__ = ["StatebridgeConnector", "StatebridgeMetadata", "worker_counters"]
 
 #: The worker process's GIL switch interval with the connector (see register_kv_caches).
 SWITCH_INTERVAL_S = 0.0002
 #: The longest a worker's step that computes nothing waits for an open transfer to end; a new
 #: request reaching the engine then starts at most this much later (only while it is idle).
 IDLE_WAIT_S = 0.01
+
+
+def worker_counters(worker) -> dict:
+    """This worker rank's connector counters (transfers, bytes, messages, kept KV blocks):
+    ``LLM.collective_rpc(worker_counters)`` gives one dict per rank ({} without an agent)."""
+    from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+    agent = getattr(get_kv_transfer_group(), "agent", None)
+    return dict(agent.counters) if agent is not None else {}
 
 
 @dataclass
@@ -141,6 +150,8 @@ class StatebridgeConnector(KVConnectorBase_V1, SupportsHMA):
         if load is not None:
             if not load.abort:
                 load.local_blocks = self._clip(blocks.get_block_ids())
+                # this instance's prefix cache hit (full blocks): its KV stays as it is
+                load.computed_tokens = max(0, load.tokens - num_external_tokens)
             self._loads.append(load)
 
     def _load(self, request: "Request", params: dict, *, abort: bool) -> Load | None:
@@ -258,7 +269,7 @@ class StatebridgeConnector(KVConnectorBase_V1, SupportsHMA):
         for load in meta.loads:
             self.agent.load(Load(**{k: getattr(load, k) for k in (
                 "request_id", "remote_request_id", "engine_id", "host", "port", "remote_tp",
-                "remote_blocks", "local_blocks", "tokens", "abort")}))
+                "remote_blocks", "local_blocks", "tokens", "computed_tokens", "abort")}))
 
     def start_load_kv(self, forward_context, **kwargs) -> None:
         self._take_metadata()

@@ -60,9 +60,9 @@ class Layers:
             raise ConfigError(f"malformed peer geometry: {type(e).__name__}: {e}") from None
 
     def tables(self, groups: Sequence[tuple[int, ...]], state_group: Sequence[bool],
-               block_ids: Sequence[Sequence[int]], kv_blocks: int):
+               block_ids: Sequence[Sequence[int]], kv_blocks: int, first: int = 0):
         """Per-layer tables from per-group block ids (already clipped: a recurrent group's
-        list is its one state block): ``({layer: block}, {layer: [blocks]})``."""
+        list is its one state block): ``({layer: block}, {layer: blocks[first:kv_blocks]})``."""
         if len(block_ids) != len(groups):
             raise ConfigError(f"{len(block_ids)} block lists for {len(groups)} cache groups")
         state, kv = {}, {}
@@ -77,7 +77,7 @@ class Layers:
                     if len(blocks) < kv_blocks:
                         raise ConfigError(f"layer {layer}: {len(blocks)} KV blocks, "
                                           f"{kv_blocks} needed")
-                    kv[layer] = [int(b) for b in blocks[:kv_blocks]]
+                    kv[layer] = [int(b) for b in blocks[first:kv_blocks]]
         return state, kv
 
 

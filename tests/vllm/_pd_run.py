@@ -57,6 +57,8 @@ def main() -> None:
     sc = json.loads(sys.argv[1])
     from vllm import SamplingParams
 
+    from statebridge.vllm.connector import worker_counters
+
     extra = dict(sc.get("extra", {}))
     extra.setdefault("transfer_timeout_s", 20)
     t0 = time.monotonic()
@@ -64,7 +66,7 @@ def main() -> None:
                   "0" if sc["prefill_tp"] == 1 else "0|1", sc.get("prefill_caching", False),
                   extra, "fail")
     d = _instance(sc["model"], sc["decode_tp"], "kv_consumer", sc["port"] + 100,
-                  "1" if sc["decode_tp"] == 1 else "0|1", False, extra,
+                  "1" if sc["decode_tp"] == 1 else "0|1", sc.get("decode_caching", False), extra,
                   sc.get("policy", "fail"))
     out = {"start_s": time.monotonic() - t0}
     prompts = sc["prompts"]
@@ -96,6 +98,10 @@ def main() -> None:
         params = prefill()
         out["overwritten"] = p.collective_rpc(_overwrite_caches)
         out["pd_overwritten"], _ = decode(params)
+    if sc.get("alone_after"):
+        out["alone_after"] = [o.outputs[0].token_ids for o in
+                              d.generate([{"prompt_token_ids": x} for x in prompts], greedy)]
+        out["decode_counters"] = [c for c in d.collective_rpc(worker_counters) if c]
     if sc.get("kill_prefill"):
         params = prefill()
         for pid in p.collective_rpc(_pid):

@@ -66,10 +66,12 @@ def _wait(agents, pred, timeout=20.0):
     return got
 
 
-@pytest.mark.parametrize("name,src_tp,dst_tp", [("lfm2-hybrid", 1, 2), ("granite-hybrid", 2, 1),
-                                                ("mamba2-g1", 2, 2)])
+@pytest.mark.parametrize("name,src_tp,dst_tp,computed", [
+    ("lfm2-hybrid", 1, 2, 0), ("granite-hybrid", 2, 1, 0), ("mamba2-g1", 2, 2, 0),
+    # the decode instance's prefix cache holds the first blocks: they are never written
+    ("lfm2-hybrid", 1, 2, BLOCK_SIZE), ("granite-hybrid", 2, 1, 2 * BLOCK_SIZE)])
 def test_a_load_moves_exactly_each_decode_ranks_bytes_and_the_producer_then_frees(
-        name, src_tp, dst_tp):
+        name, src_tp, dst_tp, computed):
     spec = _spec(name)
     state, kv_values, sides = _case(spec, src_tp, dst_tp, "SD", tokens=9)
     (s_slots, s_state, s_kv), (d_slots, d_state, d_kv) = sides["src"], sides["dst"]
@@ -79,6 +81,17 @@ def test_a_load_moves_exactly_each_decode_ranks_bytes_and_the_producer_then_free
                                   background=r)[0]) for r in range(src_tp)]
     want = [_fill(spec, dst_tp, r, "SD", d_slots, state, kv_values, d_state, d_kv,
                   background=100 + r) for r in range(dst_tp)]
+    if computed:
+        # those bytes keep what the decode rank had (its background), state aside
+        held = {i: t[:computed // BLOCK_SIZE] for i, t in d_kv.items()}
+        for r, (w, mask) in enumerate(want):
+            bg, in_held = _fill(spec, dst_tp, r, "SD", d_slots, state, kv_values, d_state, held,
+                                background=100 + r)
+            _, state_only = _fill(spec, dst_tp, r, "SD", d_slots, state, kv_values, d_state,
+                                  {i: [] for i in d_kv}, background=100 + r)
+            keep = in_held & ~state_only
+            assert keep.any()
+            w[keep] = ((np.arange(w.size) * 7 + 100 + r) % 251).astype(np.uint8)[keep]
     dst = [torch.from_numpy(((np.arange(w.size) * 7 + 100 + r) % 251).astype(np.uint8))
            for r, (w, _) in enumerate(want)]
     port = next(_PORTS)
@@ -96,7 +109,8 @@ def test_a_load_moves_exactly_each_decode_ranks_bytes_and_the_producer_then_free
             a.load(Load(request_id="req-d", remote_request_id="req-p", engine_id="P",
                         host="127.0.0.1", port=port, remote_tp=src_tp,
                         remote_blocks=_group_blocks(spec, s_state, s_kv),
-                        local_blocks=_group_blocks(spec, d_state, d_kv), tokens=9))
+                        local_blocks=_group_blocks(spec, d_state, d_kv), tokens=9,
+                        computed_tokens=computed))
         for a in consumers:                   # vLLM waits for every rank's report
             got = _wait([a], lambda g: bool(g[1]))
             assert got[1] == {"req-d"} and not got[2]

@@ -85,3 +85,23 @@ def test_a_killed_prefill_instance_falls_back_to_local_prefill_within_the_bound(
     assert out["pd_killed"] == out["reference"]
     assert max(out["pd_killed_s"]) < 3 + 5, out["pd_killed_s"]
     assert "failed to load" in out["log"]
+
+
+@pytest.mark.parametrize("arch,prefill_tp,decode_tp,layout", [
+    # Mamba2 layers (Mamba2, Granite-4.0-H) with prefix caching fail in vLLM's CPU path
+    # itself, before any transfer (docs/vllm.md)
+    ("lfm2-hybrid", 1, 2, "SD"), ("lfm2-hybrid", 2, 1, "DS")])
+def test_a_decode_instance_with_prefix_caching_never_writes_the_blocks_its_cache_holds(
+        checkpoints, arch, prefill_tp, decode_tp, layout):
+    # vLLM's default is prefix caching on (recurrent groups in its `align` mode). The decode
+    # instance's own run of the prompts (the reference) caches their first blocks; a load then
+    # moves only the blocks after them, so a later local run still finds its cached blocks
+    # intact -- even after loads from a producer whose caches were overwritten.
+    out = run(checkpoints, arch, prefill_tp, decode_tp, layout, decode_caching=True,
+              overwrite=True, alone_after=True)
+    assert out["pd"] == out["reference"]
+    assert "failed to load" not in out["log"]
+    assert sum(c["kv_blocks_kept"] for c in out["decode_counters"]) > 0
+    changed = [a != b for a, b in zip(out["pd_overwritten"], out["reference"])]
+    assert sum(changed) >= 3, (out["pd_overwritten"], out["reference"])
+    assert out["alone_after"] == out["reference"]
