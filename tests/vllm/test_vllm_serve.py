@@ -1,4 +1,4 @@
-"""Two `vllm serve` instances (prefill TP 1 with prefix caching, decode TP 2) behind
+"""Two `vllm serve` instances (prefill TP 1, decode TP 2, both with prefix caching) behind
 `statebridge proxy`, driven with the official `openai` client: completions and streamed chat
 through the proxy equal the decode instance's own answers; and the proxy's prefix routing."""
 
@@ -90,7 +90,7 @@ def test_vllm_serve_behind_the_proxy_with_the_openai_client(tmp_path):
     # Prefill TP 1 -> decode TP 2 on this host's two cores (the decode's rank 0 shares the
     # prefill worker's core); offline TP 2 -> 1 is tests/vllm/test_vllm_pd.py.
     procs = [_serve(model, p_port, 1, "kv_producer", side, "0", True, logs[0]),
-             _serve(model, d_port, 2, "kv_consumer", side + 100, "0|1", False, logs[1])]
+             _serve(model, d_port, 2, "kv_consumer", side + 100, "0|1", True, logs[1])]
     try:
         procs.append(subprocess.Popen(
             [sys.executable, "-m", "statebridge", "proxy", "--prefill",
