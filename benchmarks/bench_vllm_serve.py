@@ -2,7 +2,8 @@
 StatebridgeConnector: sequential requests, each the prefill instance (``do_remote_decode``,
 ``max_tokens=1``) and then the decode instance with the returned ``kv_transfer_params``.
 Prints each request's two latencies and whether the decode answered, and the count of decode
-requests over one second (the stall of docs/vllm.md, "Known problems").
+requests over one second (how the TP-2 stall of docs/vllm.md, "Known problems", was measured
+and shown gone: docs/measurements.md).
 
     STATEBRIDGE_VLLM_PYTHON=.venv-vllm/bin/python python benchmarks/bench_vllm_serve.py \
         --requests 8 --decode-tp 2 --decode-bind '0|1' --prefill-bind 0
