@@ -202,9 +202,10 @@ class Agent:
         if self._stop.is_set():
             raise StatebridgeError("statebridge connector: the agent is closed")
         with self._lock:                  # after _dead is set nothing is queued any more
-            if not self._dead:
+            queued = not self._dead
+            if queued:
                 self._tasks.put(task)
-        if self._dead:
+        if not queued:                    # else the thread, or its last drain, takes it
             self._refuse(task)
         self._wake()
 
